@@ -1,0 +1,51 @@
+"""art-mega: train LLM agents with GRPO and SFT on one machine or many (ART-compatible API).
+
+Names are imported lazily so `art-mega --help` and the agents start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+try:
+    __version__ = version("art-mega")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.0.0+source"
+
+_EXPORTS = {
+    "Trajectory": "art_mega.trajectories",
+    "TrajectoryGroup": "art_mega.trajectories",
+    "TrainableModel": "art_mega.model",
+    "Model": "art_mega.model",
+    "ArtLaunchContext": "art_mega.launch.context",
+    "ArtRuntime": "art_mega.runtime.runtime",
+    "InstalledAsyncCallable": "art_mega.runtime.installed",
+    "RolloutExecutor": "art_mega.runtime.executor",
+    "UserError": "art_mega.errors",
+    "compile_topology": "art_mega.topology",
+    "ClusterSpec": "art_mega.topology",
+    "HostSpec": "art_mega.topology",
+    "EndpointSpec": "art_mega.topology",
+    "TrainerSpec": "art_mega.topology",
+    "InferenceSpec": "art_mega.topology",
+    "NcclTransportSpec": "art_mega.topology",
+    "NixlTransportSpec": "art_mega.topology",
+    "CompiledTopology": "art_mega.topology",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'art_mega' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

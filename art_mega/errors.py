@@ -1,0 +1,69 @@
+"""User-facing error type and the one-sentence formatting of validation errors.
+
+Every mistake a user can make (bad topology, bad CLI value, missing file) surfaces as
+`UserError`; the CLI prints its message as one sentence and exits with code 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one sentence, exit code 2, no traceback.
+
+    The message names the field, the value and the fix.
+    """
+
+    exit_code = 2
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, str) and "[" in item:
+            # A union member's tag such as "function-after[...]" or "tuple[str, ...]".
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def format_validation_error(exc: Exception, model: str | None = None) -> str:
+    """Turn a pydantic `ValidationError` into one sentence naming the field and the value.
+
+    Only the first error is reported: one sentence, one fix, on one line (line breaks in a
+    message are folded into spaces). Missing fields say "is required", unknown fields say
+    "is not a known field"; the value itself is shown only where it helps. Non-pydantic errors
+    are returned as `str(exc)`.
+    """
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    items = errors(include_url=False)
+    if not items:
+        return str(exc)
+    first = items[0]
+    loc = _format_loc(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+    name = model or getattr(exc, "title", None) or "input"
+    where = f"{name}.{loc}" if loc else name
+    kind = first.get("type")
+    shown = repr(first.get("input"))
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    if kind in {"value_error", "assertion_error"}:
+        sentence = f"{where}: {msg}"
+    elif kind == "missing":
+        sentence = f"{where} is required; set it"
+    elif kind == "extra_forbidden":
+        sentence = f"{where}={shown} is not a known field; remove it or correct its name"
+    else:
+        sentence = f"{where}={shown} is invalid: {msg}"
+    sentence = " ".join(sentence.split())
+    return sentence if sentence.endswith(".") else sentence + "."

@@ -1,0 +1,169 @@
+"""The `art-mega` command line: a thin layer that parses options and calls the launch library.
+
+Bad input ends with one sentence and exit code 2 (a traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+from typing import Annotated
+
+import typer
+
+from art_mega.errors import UserError
+
+app = typer.Typer(
+    name="art-mega",
+    help="Train LLM agents with GRPO and SFT on one machine or many.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ProgramOpt = Annotated[
+    str,
+    typer.Option(
+        "--program", help="path/to/script.py:main or package.module:main (an async def main(launch))."
+    ),
+]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"art-mega: error: {message}", file=sys.stderr, flush=True)
+    raise typer.Exit(code)
+
+
+def _guarded(debug: bool, body):  # type: ignore[no-untyped-def]
+    """Run `body()` and turn known errors into one sentence and an exit code."""
+    from pydantic import ValidationError
+
+    from art_mega.errors import format_validation_error
+
+    try:
+        return body()
+    except typer.Exit:
+        raise
+    except UserError as exc:
+        if debug:
+            raise
+        _fail(str(exc), exc.exit_code)
+    except ValidationError as exc:
+        if debug:
+            raise
+        _fail(format_validation_error(exc), 2)
+    except Exception as exc:
+        from art_mega.runtime.client import AgentError
+        from art_mega.runtime.local_agent import AgentStartError
+
+        if debug or not isinstance(exc, (AgentError, AgentStartError)):
+            raise
+        _fail(str(exc), 1)
+
+
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is out of range; use 0 (a free port) to 65535")
+
+
+def _check_timeout(value: float) -> None:
+    if not value > 0:
+        raise UserError(f"--startup-timeout {value} must be a positive number of seconds")
+
+
+@app.command()
+def local(
+    program: ProgramOpt,
+    port: Annotated[int, typer.Option(help="Agent port on 127.0.0.1; 0 picks a free port.")] = 0,
+    startup_timeout: Annotated[
+        float, typer.Option("--startup-timeout", help="Seconds to wait for the agent.")
+    ] = 60.0,
+    debug: DebugOpt = False,
+) -> None:
+    """Run PROGRAM on this machine with one loopback agent."""
+
+    def body() -> int:
+        from art_mega.launch.controller import run_local
+        from art_mega.launch.program import load_program, parse_program
+
+        _check_port(port)
+        _check_timeout(startup_timeout)
+        ref = parse_program(program)
+        main = load_program(ref)
+        return asyncio.run(run_local(main, ref, port, startup_timeout, debug))
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+@app.command()
+def controller(
+    program: ProgramOpt,
+    worker: Annotated[
+        list[str], typer.Option("--worker", help="tcp://HOST:PORT of a running agent (repeatable).")
+    ],
+    launch_id: Annotated[
+        str | None, typer.Option("--launch-id", help="The launch id the workers were started with.")
+    ] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Run PROGRAM over agents started elsewhere with `art-mega worker` (secret in ART_MEGA_SECRET)."""
+
+    def body() -> int:
+        from art_mega.launch.controller import run_attached
+        from art_mega.launch.program import load_program, parse_program
+        from art_mega.runtime.auth import secret_from_env
+        from art_mega.topology import EndpointSpec
+
+        for address in worker:
+            EndpointSpec.parse(address)
+        try:
+            secret = secret_from_env()
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        ref = parse_program(program)
+        main = load_program(ref)
+        return asyncio.run(run_attached(main, ref, worker, secret, launch_id, debug))
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+@app.command()
+def worker(
+    address: Annotated[
+        str, typer.Option("--address", help="tcp://HOST:PORT to listen on (port 0 = a free port).")
+    ],
+    launch_id: Annotated[
+        str | None,
+        typer.Option("--launch-id", help="Id this agent reports (default: $ART_MEGA_LAUNCH_ID or random)."),
+    ] = None,
+    secret_stdin: Annotated[
+        bool, typer.Option("--secret-stdin", help="Read the launch secret from the first line of stdin.")
+    ] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run this host's agent. The launch secret comes from ART_MEGA_SECRET or stdin, never argv."""
+
+    def body() -> int:
+        from art_mega.runtime.agent import agent_main
+        from art_mega.runtime.auth import load_secret
+        from art_mega.topology import EndpointSpec
+
+        EndpointSpec.parse(address)
+        raw = sys.stdin.readline() if secret_stdin else os.environ.get("ART_MEGA_SECRET")
+        try:
+            secret = load_secret(raw)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        os.environ.pop("ART_MEGA_SECRET", None)
+        chosen = launch_id or os.environ.get("ART_MEGA_LAUNCH_ID") or secrets.token_hex(8)
+        return agent_main(address, chosen, secret)
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

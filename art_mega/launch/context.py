@@ -1,0 +1,102 @@
+"""ArtLaunchContext: what a launcher hands to the user's `main(launch)`.
+
+It names the running agents (worker addresses) and builds a `ClusterSpec` over them; the launch
+secret stays inside (never printed, never in repr).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from art_mega.topology import ClusterSpec, EndpointSpec, HostSpec, NcclTransportSpec, NixlTransportSpec
+
+if TYPE_CHECKING:
+    from art_mega.runtime.runtime import ArtRuntime
+
+
+def default_artifact_root() -> str:
+    """`<cwd>/.art-mega/artifacts`: where batches, checkpoints and adapters go by default."""
+    return os.path.abspath(os.path.join(".art-mega", "artifacts"))
+
+
+def default_cache_root() -> str:
+    """`$ART_MEGA_CACHE` or `~/.cache/art-mega`: converted models and other caches."""
+    return os.path.abspath(os.environ.get("ART_MEGA_CACHE") or os.path.expanduser("~/.cache/art-mega"))
+
+
+@dataclass(frozen=True)
+class ArtLaunchContext:
+    """The agents of this launch, one per host, and the controller's place among them.
+
+    Attributes:
+        worker_addresses: each agent's `tcp://HOST:PORT`, in node-rank order.
+        controller_rank: index in `worker_addresses` of the agent on the controller's host.
+        launch_id: the id every agent of this launch reports.
+        sys_path: import-path entries the program needs on every worker (its script folder).
+    """
+
+    worker_addresses: tuple[str, ...]
+    launch_id: str
+    controller_rank: int = 0
+    sys_path: tuple[str, ...] = ()
+    _secret: bytes = field(default=b"", repr=False, compare=False)
+    _runtimes: list[Any] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def host_count(self) -> int:
+        """Number of hosts (agents) in this launch."""
+        return len(self.worker_addresses)
+
+    def _secret_bytes(self) -> bytes:
+        return self._secret
+
+    def _register(self, runtime: ArtRuntime) -> None:
+        """Remember a runtime so the launcher can close it if the program did not."""
+        self._runtimes.append(runtime)
+
+    def homogeneous_cluster(
+        self,
+        cpu_slots: int = 1,
+        gpu_ids: tuple[int | str, ...] = (),
+        artifact_root: str | None = None,
+        cache_root: str | None = None,
+        nccl_transport: NcclTransportSpec | None = None,
+        nixl_transport: NixlTransportSpec | None = None,
+        startup_timeout_s: float = 60.0,
+        rpc_timeout_s: float = 30.0,
+        shared_artifact_root: bool = True,
+        allow_shared_kernel: bool = False,
+    ) -> ClusterSpec:
+        """A `ClusterSpec` with hosts `host0..N-1` on this launch's agents, all alike.
+
+        Raises:
+            pydantic.ValidationError: a value breaks a `ClusterSpec`/`HostSpec` rule (the CLI
+                prints it as one sentence).
+        """
+        hosts = tuple(
+            HostSpec(
+                host_id=f"host{i}",
+                node_rank=i,
+                worker_address=EndpointSpec.parse(address),
+                cpu_slots=cpu_slots,
+                gpu_ids=tuple(gpu_ids),
+            )
+            for i, address in enumerate(self.worker_addresses)
+        )
+        extra: dict[str, Any] = {}
+        if nixl_transport is not None:
+            extra["nixl_transport"] = nixl_transport
+        return ClusterSpec(
+            hosts=hosts,
+            controller_host_id=f"host{self.controller_rank}",
+            artifact_root=artifact_root or default_artifact_root(),
+            shared_artifact_root=shared_artifact_root,
+            cache_root=cache_root or default_cache_root(),
+            nccl_transport=nccl_transport,
+            startup_timeout_s=startup_timeout_s,
+            rpc_timeout_s=rpc_timeout_s,
+            allow_shared_kernel=allow_shared_kernel,
+            **extra,
+        )

@@ -1,0 +1,220 @@
+"""The controller loop shared by every launcher: run `main(launch)` over proven agents.
+
+It watches every agent for the program's whole life (a lost host cancels the program and is
+named), turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and maps
+failures to exit codes: 0 success, 1 failure, 2 user error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from art_mega.errors import UserError, format_validation_error
+from art_mega.launch.context import ArtLaunchContext
+from art_mega.launch.program import ProgramRef
+from art_mega.runtime.client import AgentClient, AgentError
+from art_mega.runtime.local_agent import LocalAgent, start_local_agent
+from art_mega.runtime.monitor import AgentMonitor, HostLostError
+from art_mega.topology import EndpointSpec
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+CLEANUP_TIMEOUT_S = 30.0
+
+
+def report(message: str) -> None:
+    """Print one line for the user on stderr."""
+    print(f"art-mega: {message}", file=sys.stderr, flush=True)
+
+
+class SignalGuard:
+    """Turns the first SIGTERM/SIGHUP/SIGINT into a cancellation of `target`; later ones are noted.
+
+    Cleanup that follows is never interrupted by another signal.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.target: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.target = asyncio.current_task()
+        for sig in HANDLED_SIGNALS:
+            self._loop.add_signal_handler(sig, self._handle, sig)
+
+    def uninstall(self) -> None:
+        if self._loop is not None:
+            for sig in HANDLED_SIGNALS:
+                self._loop.remove_signal_handler(sig)
+
+    def _handle(self, sig: int) -> None:
+        if self.received is not None:
+            return
+        self.received = sig
+        report(f"received {signal.Signals(sig).name}; stopping every host")
+        if self.target is not None:
+            self.target.cancel()
+
+
+def describe_failure(exc: BaseException, debug: bool) -> tuple[int, str]:
+    """Exit code and message for an exception that ended the program."""
+    if isinstance(exc, UserError):
+        return exc.exit_code, f"error: {exc}"
+    if isinstance(exc, ValidationError):
+        return 2, f"error: {format_validation_error(exc)}"
+    if isinstance(exc, (HostLostError, AgentError)):
+        return 1, f"error: {exc}"
+    text = "".join(traceback.format_exception(exc))
+    return 1, f"the program failed:\n{text}" if not debug else text
+
+
+async def supervise(
+    main: Callable[[ArtLaunchContext], Any],
+    launch: ArtLaunchContext,
+    clients: Sequence[AgentClient],
+    expected: dict[str, tuple[str, int]],
+    guard: SignalGuard,
+    debug: bool = False,
+) -> int:
+    """Run `main(launch)` while watching every agent; return the process exit code."""
+    main_task = asyncio.create_task(main(launch), name="art-mega-program")
+    guard.target = main_task
+    lost: list[HostLostError] = []
+
+    def on_lost(exc: HostLostError) -> None:
+        lost.append(exc)
+        report(f"error: {exc}; cancelling the program")
+        main_task.cancel()
+
+    monitor = AgentMonitor(clients, expected, on_lost)
+    monitor.start()
+    code = 0
+    try:
+        await main_task
+    except asyncio.CancelledError:
+        if guard.received is not None:
+            code = 128 + guard.received
+        elif lost:
+            code = 1
+        else:
+            raise
+    except BaseException as exc:  # the user's program: report, never re-raise
+        if guard.received is not None:
+            code = 128 + guard.received
+        elif lost:
+            code = 1
+        else:
+            code, message = describe_failure(exc, debug)
+            report(message)
+    finally:
+        await monitor.stop()
+        await _close_runtimes(launch)
+    return code
+
+
+async def _close_runtimes(launch: ArtLaunchContext) -> None:
+    for runtime in reversed(launch._runtimes):
+        try:
+            await asyncio.wait_for(runtime.close(), CLEANUP_TIMEOUT_S)
+        except Exception as exc:  # cleanup goes on for the others
+            report(f"warning: closing a runtime failed: {exc}")
+
+
+async def run_local(
+    main: Callable[[ArtLaunchContext], Any],
+    program: ProgramRef,
+    port: int,
+    startup_timeout_s: float,
+    debug: bool = False,
+) -> int:
+    """`art-mega local`: own one loopback agent, run the program, stop the agent."""
+    guard = SignalGuard()
+    guard.install()
+    launch_id = secrets.token_hex(8)
+    secret = secrets.token_hex(32).encode()
+    agent: LocalAgent | None = None
+    clients: list[AgentClient] = []
+    code = 0
+    try:
+        agent = await start_local_agent(
+            "host0", EndpointSpec(host="127.0.0.1", port=port), launch_id, secret, startup_timeout_s
+        )
+        client = AgentClient("host0", agent.endpoint.address, agent.endpoint.url, secret)
+        clients.append(client)
+        launch = ArtLaunchContext(
+            worker_addresses=(agent.endpoint.address,),
+            launch_id=launch_id,
+            controller_rank=0,
+            sys_path=program.sys_path,
+            _secret=secret,
+        )
+        code = await supervise(main, launch, clients, {"host0": (launch_id, agent.pid)}, guard, debug)
+    except asyncio.CancelledError:
+        code = 128 + (guard.received or signal.SIGTERM)
+    finally:
+        await asyncio.shield(_stop_local(agent, clients))
+        guard.uninstall()
+    return code
+
+
+async def _stop_local(agent: LocalAgent | None, clients: list[AgentClient]) -> None:
+    for client in clients:
+        try:
+            await client.shutdown(timeout_s=5.0)
+        except AgentError:
+            pass
+        await client.aclose()
+    if agent is not None:
+        await agent.stop(grace_s=5.0)
+
+
+async def run_attached(
+    main: Callable[[ArtLaunchContext], Any],
+    program: ProgramRef,
+    worker_addresses: Sequence[str],
+    secret: bytes,
+    launch_id: str | None,
+    debug: bool = False,
+) -> int:
+    """`art-mega controller`: run the program over agents someone else started.
+
+    Every agent must answer a signed health call and report one launch id (the given one, or
+    the first agent's when none is given). The agents are not stopped at the end.
+    """
+    guard = SignalGuard()
+    guard.install()
+    endpoints = [EndpointSpec.parse(a) for a in worker_addresses]
+    if len({e.address for e in endpoints}) != len(endpoints):
+        raise UserError(f"--worker values must be unique, got {[e.address for e in endpoints]}")
+    clients = [AgentClient(f"host{i}", e.address, e.url, secret) for i, e in enumerate(endpoints)]
+    try:
+        replies = await asyncio.gather(*(c.health(timeout_s=10.0) for c in clients))
+        wanted = launch_id or replies[0].launch_id
+        for client, reply in zip(clients, replies):
+            if reply.launch_id != wanted:
+                raise UserError(
+                    f"--worker {client.address} reports launch id {reply.launch_id}, expected {wanted}; "
+                    "start every worker with the same --launch-id"
+                )
+        launch = ArtLaunchContext(
+            worker_addresses=tuple(e.address for e in endpoints),
+            launch_id=wanted,
+            sys_path=program.sys_path,
+            _secret=secret,
+        )
+        expected = {c.host: (r.launch_id, r.pid) for c, r in zip(clients, replies)}
+        return await supervise(main, launch, clients, expected, guard, debug)
+    except asyncio.CancelledError:
+        return 128 + (guard.received or signal.SIGTERM)
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+        guard.uninstall()

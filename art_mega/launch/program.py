@@ -1,0 +1,99 @@
+"""`--program` references: `path/to/script.py:fn` or `package.module:fn`, loaded and checked.
+
+A script is imported as a module named after its file, with its folder on `sys.path` (and on
+every worker's), so functions it defines can be re-imported by rollout workers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from art_mega.errors import UserError
+
+
+@dataclass(frozen=True)
+class ProgramRef:
+    """A parsed `--program` value."""
+
+    text: str
+    module: str
+    function: str
+    script: Path | None = None
+
+    @property
+    def sys_path(self) -> tuple[str, ...]:
+        """Entries the controller and every worker put on sys.path (the script's folder)."""
+        return (str(self.script.parent),) if self.script is not None else ()
+
+
+def parse_program(text: str) -> ProgramRef:
+    """Parse `path/to/script.py:fn` or `package.module:fn`.
+
+    Raises:
+        UserError: no `:`, an empty part, a missing script, or an invalid module name.
+    """
+    if ":" not in text:
+        raise UserError(f"--program {text!r} has no ':'; use path/to/script.py:main or package.module:main")
+    target, _, function = text.rpartition(":")
+    if not target or not function:
+        raise UserError(f"--program {text!r} needs both parts; use path/to/script.py:main")
+    if not function.isidentifier():
+        raise UserError(f"--program {text!r}: {function!r} is not a function name")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        script = Path(target).expanduser().resolve()
+        if not script.is_file():
+            raise UserError(f"--program {text!r}: script {target} does not exist")
+        if script.suffix != ".py":
+            raise UserError(f"--program {text!r}: {target} is not a .py file")
+        if not script.stem.isidentifier():
+            raise UserError(f"--program {text!r}: file name {script.name} is not an importable module name")
+        return ProgramRef(text=text, module=script.stem, function=function, script=script)
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise UserError(f"--program {text!r}: {target!r} is not a module name or a .py path")
+    return ProgramRef(text=text, module=target, function=function)
+
+
+def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
+    """Import the program and return its `async def main(launch)`.
+
+    Raises:
+        UserError: the module cannot be found, the name clashes with another module, the
+            function is missing, not top level, not async, or does not take one argument.
+    """
+    for entry in reversed(ref.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    try:
+        module = importlib.import_module(ref.module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (ref.module == exc.name or ref.module.startswith(exc.name + ".")):
+            raise UserError(f"--program {ref.text!r}: module {ref.module} cannot be found") from None
+        raise
+    if ref.script is not None:
+        loaded = Path(getattr(module, "__file__", "") or "").resolve()
+        if loaded != ref.script:
+            raise UserError(
+                f"--program {ref.text!r}: the name {ref.module!r} is already taken by {loaded}; rename the script"
+            )
+    fn = getattr(module, ref.function, None)
+    if fn is None:
+        raise UserError(f"--program {ref.text!r}: {ref.module} has no function {ref.function!r}")
+    if not inspect.isfunction(fn) or fn.__qualname__ != ref.function:
+        raise UserError(f"--program {ref.text!r}: {ref.function} must be a top-level function")
+    if not inspect.iscoroutinefunction(fn):
+        raise UserError(
+            f"--program {ref.text!r}: {ref.function} must be declared 'async def {ref.function}(launch)'"
+        )
+    try:
+        inspect.signature(fn).bind(object())
+    except TypeError:
+        raise UserError(
+            f"--program {ref.text!r}: {ref.function} must take exactly one argument, launch"
+        ) from None
+    return fn

@@ -1,0 +1,334 @@
+"""The per-host agent: an authenticated FastAPI server that supervises this host's children.
+
+It is the only long-lived art-mega process per host. Every request must carry a valid HMAC
+signature (see `auth`); refused requests execute nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+from art_mega import __version__
+from art_mega.runtime.auth import AuthError, Verifier
+from art_mega.runtime.protocol import (
+    API_PREFIX,
+    READY_PREFIX,
+    HealthResponse,
+    RemoteFailure,
+    RunRolloutRequest,
+    RunRolloutResponse,
+    ShutdownResponse,
+    StartRolloutWorkersRequest,
+    StartRolloutWorkersResponse,
+    StopRolloutWorkersRequest,
+)
+from art_mega.runtime.rollout_worker import STREAM_LIMIT
+from art_mega.runtime.supervisor import Child, Supervisor
+
+WORKER_HELLO_TIMEOUT_S = 60.0
+
+
+def boot_id() -> str:
+    """The kernel's boot id (Linux), or "" where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass
+class _RolloutWorker:
+    child: Child
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    ids: itertools.count = field(default_factory=itertools.count)
+    reader_task: asyncio.Task[None] | None = None
+
+    async def read_loop(self) -> None:
+        try:
+            while True:
+                line = await self.reader.readline()
+                if not line:
+                    break
+                message = json.loads(line)
+                future = self.pending.pop(int(message.get("id", -1)), None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        finally:
+            code = await self.child.process.wait()
+            failure = RemoteFailure(
+                kind="error",
+                message=f"rollout worker {self.child.child_id} (pid {self.child.pid}) exited with code {code}",
+            ).model_dump()
+            for future in self.pending.values():
+                if not future.done():
+                    future.set_result({"ok": False, "failure": failure})
+            self.pending.clear()
+
+    async def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        request_id = next(self.ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = future
+        try:
+            self.writer.write(
+                json.dumps({"id": request_id, **message}, separators=(",", ":")).encode() + b"\n"
+            )
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            self.pending.pop(request_id, None)
+            code = self.child.process.returncode
+            return {
+                "ok": False,
+                "failure": RemoteFailure(
+                    kind="error", message=f"rollout worker {self.child.child_id} is gone (exit code {code})"
+                ).model_dump(),
+            }
+        return await future
+
+
+class AgentState:
+    """Everything one agent owns: identity, verifier, supervised children."""
+
+    def __init__(self, launch_id: str, secret: bytes, address: str) -> None:
+        self.launch_id = launch_id
+        self.address = address
+        self.verifier = Verifier(secret)
+        self.supervisor = Supervisor()
+        self.workers: dict[str, _RolloutWorker] = {}
+        self.started_at = time.time()
+        self.boot_id = boot_id()
+        self.shutdown_requested = asyncio.Event()
+        self._worker_ids = itertools.count()
+
+    def health(self) -> HealthResponse:
+        return HealthResponse(
+            launch_id=self.launch_id,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            address=self.address,
+            boot_id=self.boot_id,
+            python=sys.executable,
+            art_mega_version=__version__,
+            started_at=self.started_at,
+            children=self.supervisor.statuses(),
+        )
+
+    async def start_rollout_workers(self, request: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
+        from art_mega.runtime.supervisor import spawn_child
+
+        started: list[_RolloutWorker] = []
+        env = dict(os.environ)
+        env.pop("ART_MEGA_SECRET", None)
+        env["ART_MEGA_SYS_PATH"] = os.pathsep.join(request.sys_path)
+        env["PYTHONUNBUFFERED"] = "1"
+        hello = {"op": "hello", "callables": [c.model_dump() for c in request.callables]}
+        try:
+            for _ in range(request.count):
+                parent_sock, child_sock = socket.socketpair()
+                try:
+                    process = await spawn_child(
+                        [
+                            sys.executable,
+                            "-m",
+                            "art_mega.runtime.rollout_worker",
+                            "--fd",
+                            str(child_sock.fileno()),
+                        ],
+                        env=env,
+                        pass_fds=(child_sock.fileno(),),
+                    )
+                finally:
+                    child_sock.close()
+                child = Child(child_id=f"rollout-{next(self._worker_ids)}", role="rollout", process=process)
+                self.supervisor.add(child)
+                reader, writer = await asyncio.open_connection(sock=parent_sock, limit=STREAM_LIMIT)
+                worker = _RolloutWorker(child=child, reader=reader, writer=writer)
+                started.append(worker)
+                writer.write(json.dumps(hello).encode() + b"\n")
+                await writer.drain()
+            for worker in started:
+                line = await asyncio.wait_for(worker.reader.readline(), WORKER_HELLO_TIMEOUT_S)
+                if not line:
+                    code = await worker.child.process.wait()
+                    raise _WorkerStartError(
+                        RemoteFailure(
+                            kind="error",
+                            message=f"rollout worker {worker.child.child_id} exited with code {code} before it was ready",
+                        )
+                    )
+                reply = json.loads(line)
+                if reply.get("failure"):
+                    raise _WorkerStartError(RemoteFailure.model_validate(reply["failure"]))
+        except BaseException:
+            await self.supervisor.stop([w.child.child_id for w in started])
+            raise
+        for worker in started:
+            worker.reader_task = asyncio.create_task(worker.read_loop())
+            self.workers[worker.child.child_id] = worker
+        return StartRolloutWorkersResponse(
+            worker_ids=tuple(w.child.child_id for w in started),
+            pids=tuple(w.child.pid for w in started),
+        )
+
+    async def stop_rollout_workers(self, worker_ids: tuple[str, ...]) -> ShutdownResponse:
+        ids = list(worker_ids) if worker_ids else list(self.workers)
+        for worker_id in ids:
+            worker = self.workers.pop(worker_id, None)
+            if worker is not None:
+                worker.writer.close()
+        return ShutdownResponse(stopped=await self.supervisor.stop(ids))
+
+    async def close(self) -> ShutdownResponse:
+        for worker in self.workers.values():
+            worker.writer.close()
+        self.workers.clear()
+        return ShutdownResponse(stopped=await self.supervisor.stop(None))
+
+
+class _WorkerStartError(Exception):
+    def __init__(self, failure: RemoteFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def create_app(state: AgentState) -> FastAPI:
+    """Build the agent's FastAPI app over `state`. Every route requires a signed request."""
+
+    async def authenticate(request: Request) -> None:
+        body = await request.body()
+        try:
+            state.verifier.verify(request.method, request.url.path, dict(request.headers), body)
+        except AuthError as exc:
+            raise HTTPException(status_code=401, detail=str(exc)) from None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await state.close()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        dependencies=[Depends(authenticate)],
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+
+    @app.get(f"{API_PREFIX}/health")
+    async def health() -> HealthResponse:
+        return state.health()
+
+    @app.post(f"{API_PREFIX}/rollout-workers/start")
+    async def start_workers(body: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
+        try:
+            return await state.start_rollout_workers(body)
+        except _WorkerStartError as exc:
+            return StartRolloutWorkersResponse(failure=exc.failure)
+
+    @app.post(f"{API_PREFIX}/rollout-workers/stop")
+    async def stop_workers(body: StopRolloutWorkersRequest) -> ShutdownResponse:
+        return await state.stop_rollout_workers(body.worker_ids)
+
+    @app.post(f"{API_PREFIX}/rollouts/run")
+    async def run_rollout(body: RunRolloutRequest) -> RunRolloutResponse:
+        worker = state.workers.get(body.worker_id)
+        if worker is None:
+            raise HTTPException(status_code=404, detail=f"no rollout worker {body.worker_id!r} on this agent")
+        reply = await worker.call(
+            {"callable": body.callable.model_dump(), "args": body.args, "kwargs": body.kwargs}
+        )
+        if reply.get("ok"):
+            return RunRolloutResponse(ok=True, result=reply.get("result"))
+        return RunRolloutResponse(ok=False, failure=RemoteFailure.model_validate(reply["failure"]))
+
+    @app.post(f"{API_PREFIX}/shutdown")
+    async def shutdown() -> ShutdownResponse:
+        stopped = await state.close()
+        state.shutdown_requested.set()
+        return stopped
+
+    return app
+
+
+async def serve(sock: socket.socket, state: AgentState, on_ready: Any = None) -> None:
+    """Serve the agent on an already-listening socket until SIGTERM/SIGINT or /v1/shutdown."""
+    import uvicorn
+
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+
+    async def watch_shutdown() -> None:
+        await state.shutdown_requested.wait()
+        await asyncio.sleep(0.05)  # let the shutdown response leave
+        server.should_exit = True
+
+    watcher = asyncio.create_task(watch_shutdown())
+    if on_ready is not None:
+        on_ready()
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+        await state.close()
+
+
+def agent_main(address: str, launch_id: str, secret: bytes) -> int:
+    """Run an agent listening on `address` (tcp://HOST:PORT); prints the ready line on stdout.
+
+    Returns the process exit code. Raises `UserError` for an address already in use.
+    """
+    from art_mega.errors import UserError
+    from art_mega.runtime.listeners import bind_listener, is_address_in_use, listener_pids
+    from art_mega.topology import EndpointSpec
+
+    endpoint = EndpointSpec.parse(address)
+    try:
+        sock = bind_listener(endpoint.host, endpoint.port)
+    except OSError as exc:
+        if is_address_in_use(exc):
+            raise UserError(
+                f"worker address {address} is already in use: refusing to reuse a pre-existing listener; "
+                "pick a free port"
+            ) from None
+        raise UserError(f"worker address {address} cannot be bound: {exc.strerror}") from None
+    port = sock.getsockname()[1]
+    bound = EndpointSpec(host=endpoint.host, port=port)
+    state = AgentState(launch_id, secret, bound.address)
+
+    def announce() -> None:
+        holders = listener_pids(port) if sys.platform.startswith("linux") else {os.getpid()}
+        ready = {
+            "launch_id": launch_id,
+            "pid": os.getpid(),
+            "address": bound.address,
+            "port": port,
+            "holds_listener": os.getpid() in holders,
+            "platform": platform.system(),
+        }
+        sys.stdout.write(READY_PREFIX + json.dumps(ready) + "\n")
+        sys.stdout.flush()
+
+    asyncio.run(serve(sock, state, announce))
+    return 0

@@ -1,0 +1,52 @@
+"""What the Megatron trainer asks for: its parallel sizes, its hosts and its rendezvous port.
+
+The data-parallel size is not given: `compile_topology` derives it from the hosts' GPUs.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from art_mega.topology.base import ListenPort, SpecModel, unique_names
+
+
+class TrainerSpec(SpecModel):
+    """Megatron parallel sizes and placement of the trainer ranks.
+
+    `tp`, `cp`, `ep`, `etp`, `pp` are the tensor, context, expert, expert-tensor and pipeline
+    parallel sizes (each >= 1). The world size is one rank per GPU of every trainer host, or
+    `cpu_ranks_per_host` ranks on a host without GPUs; then dp = world / (tp*cp*pp) and the
+    expert data-parallel size = world / (etp*ep*pp), and `compile_topology` raises
+    `TopologyError` when either does not divide. `host_ids` None means every host with GPUs (or
+    every host when none has GPUs). `master_port` is the torch.distributed rendezvous port on
+    rank 0's host. Raises `ValidationError` for sizes < 1, an empty or repeated host id or a
+    port outside 1..65535.
+    """
+
+    tp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    etp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    host_ids: tuple[str, ...] | None = None
+    cpu_ranks_per_host: int = Field(default=1, ge=1)
+    master_port: ListenPort = 29500
+
+    @field_validator("host_ids")
+    @classmethod
+    def _check_host_ids(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("host_ids is empty; list at least one host or use None for all")
+        return unique_names(value, "host_ids")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp * cp * pp: the ranks one copy of the dense model spans."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """etp * ep * pp: the ranks one copy of the expert layers spans."""
+        return self.etp * self.ep * self.pp

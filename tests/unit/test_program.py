@@ -1,0 +1,65 @@
+import pytest
+
+from art_mega.errors import UserError
+from art_mega.launch.program import load_program, parse_program
+
+GOOD = "async def main(launch):\n    return launch\n"
+
+
+def test_script_reference_puts_its_folder_on_sys_path(tmp_path):
+    script = tmp_path / "prog_good.py"
+    script.write_text(GOOD)
+    ref = parse_program(f"{script}:main")
+    assert ref.module == "prog_good" and ref.function == "main"
+    assert ref.sys_path == (str(tmp_path),)
+    fn = load_program(ref)
+    assert fn.__name__ == "main" and fn.__module__ == "prog_good"
+
+
+def test_module_reference(tmp_module):
+    tmp_module("prog_mod_ref", GOOD)
+    ref = parse_program("prog_mod_ref:main")
+    assert ref.script is None and ref.sys_path == ()
+    assert load_program(ref).__module__ == "prog_mod_ref"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("examples/multinode/program.py", "has no ':'"),
+        (":main", "needs both parts"),
+        ("x.py:", "needs both parts"),
+        ("does/not/exist.py:main", "does not exist"),
+        ("not-a-module:main", "not a module name"),
+        ("x.py:1abc", "not a function name"),
+    ],
+)
+def test_bad_references(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_program(text)
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("async def other(launch):\n    pass\n", "has no function 'main'"),
+        ("def main(launch):\n    pass\n", "async def main"),
+        ("async def main():\n    pass\n", "exactly one argument"),
+        ("main = 3\n", "top-level function"),
+        (
+            "def f():\n    async def main(launch):\n        pass\n    return main\nmain = f()\n",
+            "top-level function",
+        ),
+    ],
+)
+def test_bad_functions(tmp_path, source, message):
+    name = f"prog_bad_{abs(hash(source)) % 10**8}"
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
+    with pytest.raises(UserError, match=message):
+        load_program(parse_program(f"{script}:main"))
+
+
+def test_missing_module():
+    with pytest.raises(UserError, match="cannot be found"):
+        load_program(parse_program("no_such_module_xyz.sub:main"))
