@@ -64,6 +64,15 @@ def _guarded(debug: bool, body):  # type: ignore[no-untyped-def]
         _fail(str(exc), 1)
 
 
+def _check_address(option: str, value: str) -> None:
+    from art_mega.topology import EndpointSpec
+
+    try:
+        EndpointSpec.parse(value)
+    except UserError as exc:
+        raise UserError(f"{option} {value!r}: {exc}") from None
+
+
 def _check_port(port: int) -> None:
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port} is out of range; use 0 (a free port) to 65535")
@@ -115,10 +124,9 @@ def controller(
         from art_mega.launch.controller import run_attached
         from art_mega.launch.program import load_program, parse_program
         from art_mega.runtime.auth import secret_from_env
-        from art_mega.topology import EndpointSpec
 
         for address in worker:
-            EndpointSpec.parse(address)
+            _check_address("--worker", address)
         try:
             secret = secret_from_env()
         except ValueError as exc:
@@ -149,9 +157,8 @@ def worker(
     def body() -> int:
         from art_mega.runtime.agent import agent_main
         from art_mega.runtime.auth import load_secret
-        from art_mega.topology import EndpointSpec
 
-        EndpointSpec.parse(address)
+        _check_address("--address", address)
         raw = sys.stdin.readline() if secret_stdin else os.environ.get("ART_MEGA_SECRET")
         try:
             secret = load_secret(raw)

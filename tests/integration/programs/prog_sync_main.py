@@ -1,0 +1,5 @@
+"""`main` is not async: refused before anything starts."""
+
+
+def main(launch):
+    return launch
