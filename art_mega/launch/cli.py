@@ -139,6 +139,75 @@ def controller(
 
 
 @app.command()
+def ssh(
+    program: ProgramOpt,
+    host: Annotated[
+        list[str],
+        typer.Option(
+            "--host", help="[USER@]SSH_TARGET[=WORKER_HOST] (repeatable); the agent binds WORKER_HOST."
+        ),
+    ],
+    python: Annotated[
+        str | None, typer.Option("--python", help="Python on every host (default: this interpreter's path).")
+    ] = None,
+    port: Annotated[int, typer.Option("--port", help="Agent port on every host.")] = 22222,
+    ssh_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ssh-arg",
+            help="ssh option for launch and stop: -F FILE, -i KEY, -p PORT, -l USER, -J JUMP, -o K=V.",
+        ),
+    ] = None,
+    startup_timeout: Annotated[
+        float, typer.Option("--startup-timeout", help="Seconds to wait for every agent.")
+    ] = 60.0,
+    debug: DebugOpt = False,
+) -> None:
+    """Run PROGRAM with an agent started over SSH on every --host."""
+
+    def body() -> int:
+        from art_mega.launch.program import load_program, parse_program
+        from art_mega.launch.ssh import default_python, plan_hosts, run_ssh
+
+        _check_timeout(startup_timeout)
+        plan_hosts(host, ssh_arg or [], port)
+        ref = parse_program(program)
+        main = load_program(ref)
+        chosen = python or default_python()
+        return asyncio.run(run_ssh(main, ref, host, chosen, port, ssh_arg or [], startup_timeout, debug))
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+@app.command()
+def skypilot(
+    program: ProgramOpt,
+    port: Annotated[
+        int, typer.Option("--port", help="Agent port on every node; rank 0 also uses PORT+1.")
+    ] = 22222,
+    startup_timeout: Annotated[
+        float, typer.Option("--startup-timeout", help="Seconds to wait for the agent and for every node.")
+    ] = 120.0,
+    debug: DebugOpt = False,
+) -> None:
+    """Run PROGRAM across a SkyPilot task: run this same command on every node (its run: section)."""
+
+    def body() -> int:
+        from art_mega.launch.program import load_program, parse_program
+        from art_mega.launch.skypilot import prepare, run_skypilot
+
+        _check_timeout(startup_timeout)
+        if not 1 <= port <= 65534:
+            raise UserError(f"--port {port} is out of range; use 1..65534 (rank 0 also listens on PORT+1)")
+        node, secret = prepare(os.environ)
+        ref = parse_program(program)
+        main = load_program(ref)
+        return asyncio.run(run_skypilot(main, ref, node, secret, port, startup_timeout, debug))
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+@app.command()
 def worker(
     address: Annotated[
         str, typer.Option("--address", help="tcp://HOST:PORT to listen on (port 0 = a free port).")
@@ -149,6 +218,9 @@ def worker(
     ] = None,
     secret_stdin: Annotated[
         bool, typer.Option("--secret-stdin", help="Read the launch secret from the first line of stdin.")
+    ] = False,
+    exit_on_stdin_eof: Annotated[
+        bool, typer.Option("--exit-on-stdin-eof", help="Stop this agent when stdin closes (used over SSH).")
     ] = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -166,7 +238,7 @@ def worker(
             raise UserError(str(exc)) from None
         os.environ.pop("ART_MEGA_SECRET", None)
         chosen = launch_id or os.environ.get("ART_MEGA_LAUNCH_ID") or secrets.token_hex(8)
-        return agent_main(address, chosen, secret)
+        return agent_main(address, chosen, secret, exit_on_stdin_eof)
 
     raise typer.Exit(_guarded(debug, body))
 

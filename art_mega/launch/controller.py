@@ -12,7 +12,7 @@ import secrets
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -84,8 +84,13 @@ async def supervise(
     expected: dict[str, tuple[str, int]],
     guard: SignalGuard,
     debug: bool = False,
+    watchers: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> int:
-    """Run `main(launch)` while watching every agent; return the process exit code."""
+    """Run `main(launch)` while watching every agent; return the process exit code.
+
+    `watchers` are extra coroutine functions (e.g. one per SSH session) that raise
+    `HostLostError` when their host is lost; that cancels the program like a lost heartbeat.
+    """
     main_task = asyncio.create_task(main(launch), name="art-mega-program")
     guard.target = main_task
     lost: list[HostLostError] = []
@@ -97,6 +102,14 @@ async def supervise(
 
     monitor = AgentMonitor(clients, expected, on_lost)
     monitor.start()
+
+    def watcher_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and isinstance(task.exception(), HostLostError) and not lost:
+            on_lost(task.exception())  # type: ignore[arg-type]
+
+    watching = [asyncio.create_task(w()) for w in watchers]
+    for task in watching:
+        task.add_done_callback(watcher_done)
     code = 0
     try:
         await main_task
@@ -112,13 +125,31 @@ async def supervise(
             code = 128 + guard.received
         elif lost:
             code = 1
+        elif isinstance(exc, AgentError) and (found := await _confirm_lost(clients, exc)) is not None:
+            code = 1
+            report(f"error: {found}; the program was stopped")
         else:
             code, message = describe_failure(exc, debug)
             report(message)
     finally:
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
         await monitor.stop()
         await _close_runtimes(launch)
     return code
+
+
+async def _confirm_lost(clients: Sequence[AgentClient], exc: AgentError) -> HostLostError | None:
+    """If the agent behind a failed call no longer answers, name it as this launch's lost host."""
+    for client in clients:
+        if client.address == exc.address:
+            try:
+                await client.health(timeout_s=1.0)
+            except AgentError:
+                return HostLostError(client.host, client.address, str(exc).split(": ", 1)[-1])
+            return None
+    return None
 
 
 async def _close_runtimes(launch: ArtLaunchContext) -> None:

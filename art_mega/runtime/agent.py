@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -265,8 +266,28 @@ def create_app(state: AgentState) -> FastAPI:
     return app
 
 
-async def serve(sock: socket.socket, state: AgentState, on_ready: Any = None) -> None:
-    """Serve the agent on an already-listening socket until SIGTERM/SIGINT or /v1/shutdown."""
+def _watch_stdin_eof(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Set `event` when stdin reaches end of file (the launcher's SSH channel closed)."""
+
+    def read() -> None:
+        try:
+            while sys.stdin.buffer.read1(65536):
+                pass
+        except (OSError, ValueError):
+            pass
+        loop.call_soon_threadsafe(event.set)
+
+    threading.Thread(target=read, name="art-mega-stdin-eof", daemon=True).start()
+
+
+async def serve(
+    sock: socket.socket, state: AgentState, on_ready: Any = None, exit_on_stdin_eof: bool = False
+) -> None:
+    """Serve the agent on an already-listening socket until SIGTERM/SIGINT or /v1/shutdown.
+
+    With `exit_on_stdin_eof`, end of file on stdin (the launcher's SSH channel closed) stops
+    the agent and its children like a shutdown request.
+    """
     import uvicorn
 
     app = create_app(state)
@@ -285,6 +306,8 @@ async def serve(sock: socket.socket, state: AgentState, on_ready: Any = None) ->
         server.should_exit = True
 
     watcher = asyncio.create_task(watch_shutdown())
+    if exit_on_stdin_eof:
+        _watch_stdin_eof(asyncio.get_running_loop(), state.shutdown_requested)
     if on_ready is not None:
         on_ready()
     try:
@@ -294,7 +317,7 @@ async def serve(sock: socket.socket, state: AgentState, on_ready: Any = None) ->
         await state.close()
 
 
-def agent_main(address: str, launch_id: str, secret: bytes) -> int:
+def agent_main(address: str, launch_id: str, secret: bytes, exit_on_stdin_eof: bool = False) -> int:
     """Run an agent listening on `address` (tcp://HOST:PORT); prints the ready line on stdout.
 
     Returns the process exit code. Raises `UserError` for an address already in use.
@@ -330,5 +353,5 @@ def agent_main(address: str, launch_id: str, secret: bytes) -> int:
         sys.stdout.write(READY_PREFIX + json.dumps(ready) + "\n")
         sys.stdout.flush()
 
-    asyncio.run(serve(sock, state, announce))
+    asyncio.run(serve(sock, state, announce, exit_on_stdin_eof))
     return 0

@@ -1,0 +1,213 @@
+"""`art-mega ssh`: start an agent on every host over SSH, prove each, run the program, clean up.
+
+Every host starts in parallel. A host is ready only when its agent printed our launch id, says
+its own PID holds the listener, and answers a signed health call with that launch id and PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from art_mega.errors import UserError
+from art_mega.launch.context import ArtLaunchContext
+from art_mega.launch.controller import SignalGuard, supervise
+from art_mega.launch.program import ProgramRef
+from art_mega.launch.ssh_session import AgentSession, agent_command, connect
+from art_mega.launch.ssh_target import (
+    ConnectSpec,
+    HostTarget,
+    parse_host,
+    parse_ssh_args,
+    resolve,
+    worker_host_for,
+)
+from art_mega.runtime.client import AgentClient, AgentError
+from art_mega.runtime.local_agent import refuse_existing_listener
+from art_mega.runtime.monitor import HostLostError
+from art_mega.topology import EndpointSpec
+
+DEFAULT_AGENT_PORT = 22222
+STOP_GRACE_S = 5.0
+
+
+@dataclass
+class SshHost:
+    """One `--host` through its life: target, resolved connection, agent endpoint, session."""
+
+    target: HostTarget
+    spec: ConnectSpec
+    endpoint: EndpointSpec
+    session: AgentSession | None = None
+    pid: int | None = None
+    client: AgentClient | None = None
+
+    @property
+    def label(self) -> str:
+        return self.target.target
+
+
+def plan_hosts(host_values: Sequence[str], ssh_args: Sequence[str], port: int) -> list[SshHost]:
+    """Parse and resolve every `--host`; check targets and worker addresses are unique.
+
+    Raises:
+        UserError: no host, a malformed value, a duplicate target or worker host, a bad port.
+    """
+    if not host_values:
+        raise UserError("--host is required at least once: --host [USER@]SSH_TARGET[=WORKER_HOST]")
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port} is out of range; use 1..65535 (the agents need a fixed port)")
+    options = parse_ssh_args(list(ssh_args))
+    hosts: list[SshHost] = []
+    for value in host_values:
+        target = parse_host(value)
+        spec = resolve(target.target, target.user, options)
+        endpoint = EndpointSpec(host=worker_host_for(target, spec), port=port)
+        hosts.append(SshHost(target, spec, endpoint))
+    for attr, what in (
+        (lambda h: h.target.target, "SSH targets"),
+        (lambda h: h.endpoint.address, "worker hosts"),
+    ):
+        seen: dict[str, str] = {}
+        for host in hosts:
+            key = attr(host)
+            if key in seen:
+                raise UserError(
+                    f"--host {host.target.text!r} repeats {what[:-1]} {key} of --host {seen[key]!r}; {what} must be unique"
+                )
+            seen[key] = host.target.text
+    return hosts
+
+
+def _is_local_address(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, socktype, proto, _, addr in infos:
+        try:
+            with socket.socket(family, socktype, proto) as sock:
+                sock.bind((addr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+async def _start_host(host: SshHost, python: str, launch_id: str, secret: bytes, timeout_s: float) -> None:
+    client = await asyncio.to_thread(connect, host.spec, host.label)
+    host.session = AgentSession(host.label, client)
+    command = agent_command(python, host.endpoint.address, launch_id, os.getcwd())
+    await asyncio.to_thread(host.session.start, command, secret)
+    ready = await asyncio.to_thread(host.session.wait_ready, timeout_s)
+    where = f"host {host.label} ({host.endpoint.address})"
+    if ready is None:
+        if await asyncio.to_thread(host.session.wait_exit, 5.0):
+            code = host.session.exit_status()
+            tail = host.session.stderr_tail()
+            if code == 127 or "No such file" in tail or "not found" in tail:
+                raise UserError(
+                    f"{where}: --python {python} does not exist or cannot run there (exit {code}: {tail})"
+                )
+            if code == 2:
+                raise UserError(f"{where}: the agent refused to start: {tail}")
+            raise UserError(f"{where}: the agent exited with code {code} before it was ready: {tail}")
+        raise UserError(f"{where}: the agent was not ready after {timeout_s:g} s (--startup-timeout)")
+    if ready.get("launch_id") != launch_id or not ready.get("holds_listener"):
+        raise UserError(
+            f"{where}: the agent's ready line does not prove this launch holds the listener: {ready}"
+        )
+    host.pid = int(ready["pid"])
+    host.client = AgentClient(host.label, host.endpoint.address, host.endpoint.url, secret, timeout_s=10.0)
+    health = await host.client.health()
+    if health.launch_id != launch_id or health.pid != host.pid:
+        raise UserError(
+            f"{where}: health answered with launch id {health.launch_id} pid {health.pid}, expected {launch_id} pid {host.pid}"
+        )
+
+
+async def _stop_host(host: SshHost) -> None:
+    if host.client is not None:
+        try:
+            await host.client.shutdown(timeout_s=STOP_GRACE_S)
+        except AgentError:
+            pass
+        await host.client.aclose()
+    if host.session is not None:
+        await asyncio.to_thread(host.session.stop, STOP_GRACE_S, host.pid)
+
+
+def _session_watcher(host: SshHost) -> Callable[[], Any]:
+    async def watch() -> None:
+        assert host.session is not None
+        while True:
+            if host.session.exited() or not host.session.transport_active():
+                code = host.session.exit_status()
+                raise HostLostError(
+                    host.label, host.endpoint.address, f"its SSH session ended (agent exit code {code})"
+                )
+            await asyncio.sleep(0.25)
+
+    return watch
+
+
+async def run_ssh(
+    main: Callable[[ArtLaunchContext], Any],
+    program: ProgramRef,
+    host_values: Sequence[str],
+    python: str,
+    port: int,
+    ssh_args: Sequence[str],
+    startup_timeout_s: float,
+    debug: bool = False,
+) -> int:
+    """Start agents over SSH on every host, run `main(launch)`, and stop every host (bounded)."""
+    hosts = plan_hosts(host_values, ssh_args, port)
+    for host in hosts:
+        refuse_existing_listener(host.endpoint, f"--host {host.target.text!r} worker address")
+    guard = SignalGuard()
+    guard.install()
+    launch_id = secrets.token_hex(8)
+    secret = secrets.token_hex(32).encode()
+    code = 0
+    try:
+        results = await asyncio.gather(
+            *(_start_host(h, python, launch_id, secret, startup_timeout_s) for h in hosts),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        controller_rank = next((i for i, h in enumerate(hosts) if _is_local_address(h.endpoint.host)), 0)
+        launch = ArtLaunchContext(
+            worker_addresses=tuple(h.endpoint.address for h in hosts),
+            launch_id=launch_id,
+            controller_rank=controller_rank,
+            sys_path=program.sys_path,
+            _secret=secret,
+        )
+        clients = [h.client for h in hosts if h.client is not None]
+        expected = {h.label: (launch_id, h.pid or -1) for h in hosts}
+        code = await supervise(
+            main, launch, clients, expected, guard, debug, [_session_watcher(h) for h in hosts]
+        )
+    except asyncio.CancelledError:
+        code = 128 + (guard.received or signal.SIGTERM)
+    finally:
+        await asyncio.shield(asyncio.gather(*(_stop_host(h) for h in hosts), return_exceptions=True))
+        guard.uninstall()
+    if guard.received is not None:
+        code = 128 + guard.received
+    return code
+
+
+def default_python() -> str:
+    """The controller's interpreter: the same path must exist on every host."""
+    return sys.executable

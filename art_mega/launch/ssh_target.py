@@ -1,0 +1,198 @@
+"""`--host` and `--ssh-arg` values for `art-mega ssh`, resolved against the user's ssh config.
+
+Pure parsing and resolution (no network): what to connect to, as whom, with which keys, through
+which proxy, and which host keys to trust. Interactive prompts are never an option.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from art_mega.errors import UserError
+
+
+@dataclass(frozen=True)
+class HostTarget:
+    """One `--host [USER@]SSH_TARGET[=WORKER_HOST]` value."""
+
+    text: str
+    target: str
+    user: str | None = None
+    worker_host: str | None = None
+
+
+def _strip_brackets(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _check_host_part(text: str, value: str, what: str) -> None:
+    if not value or any(c.isspace() for c in value) or "/" in value or "@" in value:
+        raise UserError(f"--host {text!r}: {what} {value!r} is not a host name or address")
+
+
+def parse_host(text: str) -> HostTarget:
+    """Parse `[USER@]SSH_TARGET[=WORKER_HOST]`.
+
+    Raises:
+        UserError: an empty part, whitespace, or a malformed user or host.
+    """
+    raw = text.strip()
+    if not raw:
+        raise UserError("--host '' is empty; use [USER@]SSH_TARGET[=WORKER_HOST]")
+    target_part, sep, worker = raw.partition("=")
+    if sep and not worker:
+        raise UserError(f"--host {text!r}: WORKER_HOST after '=' is empty; drop '=' or name the host")
+    user = None
+    if "@" in target_part:
+        user, _, target_part = target_part.rpartition("@")
+        if not user:
+            raise UserError(f"--host {text!r}: the user before '@' is empty")
+    target = _strip_brackets(target_part)
+    _check_host_part(text, target, "SSH_TARGET")
+    worker_host = _strip_brackets(worker) if worker else None
+    if worker_host is not None:
+        _check_host_part(text, worker_host, "WORKER_HOST")
+    return HostTarget(text=text, target=target, user=user, worker_host=worker_host)
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """Options from `--ssh-arg` (a subset of OpenSSH's: -F, -i, -p, -l, -J, -o KEY=VALUE)."""
+
+    config_file: str | None = None
+    identity_files: tuple[str, ...] = ()
+    port: int | None = None
+    user: str | None = None
+    proxy_jump: str | None = None
+    options: tuple[tuple[str, str], ...] = ()
+
+
+_WITH_VALUE = {"-F", "-i", "-p", "-l", "-J", "-o"}
+
+
+def parse_ssh_args(args: list[str]) -> SshOptions:
+    """Parse `--ssh-arg` values; each may hold one or more words (`-F cfg` or `-F`, `cfg`).
+
+    Raises:
+        UserError: an option we do not support, a missing value, or a bad port.
+    """
+    words: list[str] = []
+    for arg in args:
+        words.extend(shlex.split(arg))
+    config_file = port = user = jump = None
+    identities: list[str] = []
+    options: list[tuple[str, str]] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        flag, value = word[:2], word[2:]
+        if flag not in _WITH_VALUE:
+            raise UserError(
+                f"--ssh-arg {word!r} is not supported; use -F FILE, -i KEY, -p PORT, -l USER, -J JUMP or -o KEY=VALUE"
+            )
+        if not value:
+            i += 1
+            if i >= len(words):
+                raise UserError(f"--ssh-arg {flag} needs a value")
+            value = words[i]
+        if flag == "-F":
+            config_file = value
+        elif flag == "-i":
+            identities.append(value)
+        elif flag == "-p":
+            if not value.isdigit() or not 0 < int(value) < 65536:
+                raise UserError(f"--ssh-arg -p {value!r} is not a port (1..65535)")
+            port = int(value)
+        elif flag == "-l":
+            user = value
+        elif flag == "-J":
+            jump = value
+        else:
+            key, sep, val = value.partition("=")
+            if not sep:
+                key, _, val = value.partition(" ")
+            if not key or not val:
+                raise UserError(f"--ssh-arg -o {value!r} must be KEY=VALUE")
+            options.append((key.strip().lower(), val.strip()))
+        i += 1
+    return SshOptions(config_file, tuple(identities), port, user, jump, tuple(options))
+
+
+@dataclass(frozen=True)
+class ConnectSpec:
+    """Everything needed to open one SSH connection without asking anyone anything."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...] = ()
+    identities_only: bool = False
+    proxy_command: str | None = None
+    proxy_jump: str | None = None
+    known_hosts_files: tuple[str, ...] = ()
+    strict_host_key_checking: str = "yes"
+    connect_timeout_s: float = 10.0
+    options: SshOptions = field(default_factory=SshOptions)
+
+
+def _load_config(options: SshOptions):  # type: ignore[no-untyped-def]
+    import paramiko
+
+    path = options.config_file or os.path.expanduser("~/.ssh/config")
+    if options.config_file and not Path(path).is_file():
+        raise UserError(f"--ssh-arg -F {path}: no such ssh config file")
+    if Path(path).is_file():
+        return paramiko.SSHConfig.from_path(path)
+    return paramiko.SSHConfig()
+
+
+def resolve(alias: str, user: str | None, options: SshOptions) -> ConnectSpec:
+    """Resolve `alias` through the ssh config, then apply `--ssh-arg` and `USER@` on top.
+
+    Raises:
+        UserError: a missing `-F` file, a bad Port, or an unreadable identity file.
+    """
+    found = dict(_load_config(options).lookup(alias))
+    for key, value in options.options:
+        found[key] = value
+    hostname = found.get("hostname", alias)
+    try:
+        port = int(options.port or found.get("port", 22))
+    except ValueError:
+        raise UserError(f"ssh config for {alias}: Port {found.get('port')!r} is not a number") from None
+    chosen_user = user or options.user or found.get("user") or os.environ.get("USER") or "root"
+    identities = list(options.identity_files) + list(found.get("identityfile", []))
+    identities = [os.path.expanduser(p) for p in identities]
+    for path in options.identity_files:
+        if not Path(os.path.expanduser(path)).is_file():
+            raise UserError(f"--ssh-arg -i {path}: no such key file")
+    known = [os.path.expanduser("~/.ssh/known_hosts")]
+    extra = found.get("userknownhostsfile")
+    if extra:
+        known.extend(os.path.expanduser(p) for p in str(extra).split())
+    timeout = float(found.get("connecttimeout", 10))
+    return ConnectSpec(
+        alias=alias,
+        hostname=hostname,
+        port=port,
+        user=chosen_user,
+        identity_files=tuple(dict.fromkeys(identities)),
+        identities_only=str(found.get("identitiesonly", "no")).lower() == "yes",
+        proxy_command=found.get("proxycommand")
+        if str(found.get("proxycommand", "")).lower() != "none"
+        else None,
+        proxy_jump=options.proxy_jump or found.get("proxyjump"),
+        known_hosts_files=tuple(dict.fromkeys(known)),
+        strict_host_key_checking=str(found.get("stricthostkeychecking", "yes")).lower(),
+        connect_timeout_s=timeout,
+        options=options,
+    )
+
+
+def worker_host_for(target: HostTarget, spec: ConnectSpec) -> str:
+    """The address the agent binds: `=WORKER_HOST` if given, else the SSH target's host name."""
+    return target.worker_host or spec.hostname
