@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 EXTRAS="${ART_MEGA_EXTRAS:-test}"
 PYTHON="${ART_MEGA_PYTHON:-python3.11}"
-APT_PACKAGES=(iproute2 procps openssh-server openssh-client)
+APT_PACKAGES=(iproute2 procps openssh-server openssh-client etcd-server iptables)
 
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   missing=()

@@ -25,10 +25,18 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 
 from art_mega import __version__
 from art_mega.runtime.auth import AuthError, Verifier
+from art_mega.runtime.fs_probe import FsProbeOps
 from art_mega.runtime.protocol import (
     API_PREFIX,
     READY_PREFIX,
+    EtcdCheckRequest,
+    EtcdCheckResponse,
+    EtcdStartRequest,
+    EtcdStartResponse,
+    FsOpRequest,
+    FsOpResponse,
     HealthResponse,
+    HostFacts,
     RemoteFailure,
     RunRolloutRequest,
     RunRolloutResponse,
@@ -115,6 +123,39 @@ class AgentState:
         self.boot_id = boot_id()
         self.shutdown_requested = asyncio.Event()
         self._worker_ids = itertools.count()
+        self.fs_probe = FsProbeOps()
+        self.etcd: Any = None
+        self._facts: HostFacts | None = None
+
+    def facts(self) -> HostFacts:
+        from art_mega.runtime.host_facts import collect_host_facts
+
+        if self._facts is None:
+            self._facts = collect_host_facts()
+        return self._facts
+
+    async def start_etcd(self, request: EtcdStartRequest) -> EtcdStartResponse:
+        from art_mega.runtime.etcd import start_managed_etcd
+
+        if self.etcd is not None:
+            return EtcdStartResponse(ok=False, error="a managed etcd already runs on this agent")
+        try:
+            self.etcd = await start_managed_etcd(request)
+        except (TimeoutError, OSError, ValueError, RuntimeError) as exc:
+            return EtcdStartResponse(ok=False, error=str(exc))
+        etcd = self.etcd
+        return EtcdStartResponse(
+            ok=True,
+            endpoint=etcd.endpoint.url,
+            pid=etcd.process.pid,
+            data_dir=etcd.data_dir,
+            version=etcd.version,
+        )
+
+    async def stop_etcd(self) -> None:
+        if self.etcd is not None:
+            etcd, self.etcd = self.etcd, None
+            await etcd.stop()
 
     def health(self) -> HealthResponse:
         return HealthResponse(
@@ -198,6 +239,8 @@ class AgentState:
         for worker in self.workers.values():
             worker.writer.close()
         self.workers.clear()
+        await self.stop_etcd()
+        self.fs_probe.close()
         return ShutdownResponse(stopped=await self.supervisor.stop(None))
 
 
@@ -256,6 +299,29 @@ def create_app(state: AgentState) -> FastAPI:
         if reply.get("ok"):
             return RunRolloutResponse(ok=True, result=reply.get("result"))
         return RunRolloutResponse(ok=False, failure=RemoteFailure.model_validate(reply["failure"]))
+
+    @app.get(f"{API_PREFIX}/facts")
+    async def facts() -> HostFacts:
+        return await asyncio.to_thread(state.facts)
+
+    @app.post(f"{API_PREFIX}/fs/op")
+    async def fs_op(body: FsOpRequest) -> FsOpResponse:
+        return await asyncio.to_thread(state.fs_probe.run, body)
+
+    @app.post(f"{API_PREFIX}/etcd/start")
+    async def etcd_start(body: EtcdStartRequest) -> EtcdStartResponse:
+        return await state.start_etcd(body)
+
+    @app.post(f"{API_PREFIX}/etcd/stop")
+    async def etcd_stop() -> ShutdownResponse:
+        await state.stop_etcd()
+        return ShutdownResponse()
+
+    @app.post(f"{API_PREFIX}/etcd/check")
+    async def etcd_check(body: EtcdCheckRequest) -> EtcdCheckResponse:
+        from art_mega.runtime.etcd import check_endpoint
+
+        return await asyncio.to_thread(check_endpoint, body)
 
     @app.post(f"{API_PREFIX}/shutdown")
     async def shutdown() -> ShutdownResponse:

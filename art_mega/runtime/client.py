@@ -16,7 +16,14 @@ from art_mega.runtime.auth import sign
 from art_mega.runtime.protocol import (
     API_PREFIX,
     CallableRef,
+    EtcdCheckRequest,
+    EtcdCheckResponse,
+    EtcdStartRequest,
+    EtcdStartResponse,
+    FsOpRequest,
+    FsOpResponse,
     HealthResponse,
+    HostFacts,
     RemoteFailure,
     RunRolloutRequest,
     RunRolloutResponse,
@@ -145,6 +152,28 @@ class AgentClient:
                 self.host, reply.failure or RemoteFailure(kind="error", message="unknown failure"), worker_id
             )
         return reply.result
+
+    async def facts(self) -> HostFacts:
+        """The host's identity, software fingerprint, behaviour env and GPU inventory."""
+        return await self._request("GET", "/facts", None, HostFacts)
+
+    async def fs_op(self, request: FsOpRequest) -> FsOpResponse:
+        """One filesystem-probe step on this host (see `runtime.fs_probe`)."""
+        return await self._request("POST", "/fs/op", request, FsOpResponse)
+
+    async def etcd_start(self, request: EtcdStartRequest) -> EtcdStartResponse:
+        """Start the managed etcd on this host (see `runtime.etcd`)."""
+        return await self._request("POST", "/etcd/start", request, EtcdStartResponse, request.timeout_s + 30)
+
+    async def etcd_stop(self) -> ShutdownResponse:
+        """Stop this host's managed etcd and delete its data dir (no-op when none runs)."""
+        return await self._request("POST", "/etcd/stop", None, ShutdownResponse)
+
+    async def etcd_check(self, request: EtcdCheckRequest) -> EtcdCheckResponse:
+        """From this host, check an etcd endpoint is healthy and serves put/get."""
+        return await self._request(
+            "POST", "/etcd/check", request, EtcdCheckResponse, request.timeout_s * 3 + 10
+        )
 
     async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:
         """Stop every child of the agent, then the agent itself."""

@@ -98,3 +98,82 @@ class RunRolloutResponse(_Body):
 
 class ShutdownResponse(_Body):
     stopped: tuple[ChildStatus, ...] = ()
+
+
+class GpuInfo(_Body):
+    """One GPU (or MIG slice) as NVML reports it."""
+
+    index: int
+    uuid: str
+    pci_bus_id: str
+    name: str
+    memory_bytes: int
+    mig_mode: bool = False
+    parent_uuid: str | None = None
+    """For a MIG slice: the UUID of the whole GPU it belongs to."""
+
+
+class HostFacts(_Body):
+    """What an agent reports about its host for admission (see `runtime.admission`)."""
+
+    host_id: str = ""
+    hostname: str
+    boot_id: str
+    python_version: str
+    python_executable: str
+    art_mega_version: str
+    art_mega_files_sha256: str
+    packages: dict[str, str]
+    env: dict[str, str]
+    gpus: tuple[GpuInfo, ...] = ()
+    nvml_error: str = ""
+
+
+class FsOpRequest(_Body):
+    """One filesystem probe step on an agent, confined to `<root>/.art-mega-probe/`."""
+
+    op: Literal["write", "read", "lock", "trylock", "unlock", "cleanup"]
+    root: str
+    name: str
+    content: str = ""
+
+
+class FsOpResponse(_Body):
+    ok: bool
+    content: str = ""
+    exists: bool = False
+    busy: bool = False
+    error: str = ""
+
+
+class EtcdStartRequest(_Body):
+    """Start a single-member etcd on this agent's host, client URL on `advertise_host`."""
+
+    advertise_host: str
+    binary: str | None = None
+    sha256: str | None = None
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class EtcdStartResponse(_Body):
+    ok: bool
+    endpoint: str = ""
+    pid: int = 0
+    data_dir: str = ""
+    version: str = ""
+    error: str = ""
+
+
+class EtcdCheckRequest(_Body):
+    """From this host: check `endpoint` is healthy and serves a put/get of `key`."""
+
+    endpoint: str
+    key: str
+    value: str
+    timeout_s: float = Field(default=5.0, gt=0)
+
+
+class EtcdCheckResponse(_Body):
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0

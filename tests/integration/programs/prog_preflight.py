@@ -1,0 +1,54 @@
+"""Starts a runtime over the launch's hosts with the topology the test describes in env vars.
+
+PREFLIGHT_GPU_HOST1: GPU ids for host1 (comma-separated); PREFLIGHT_NCCL_NET: nccl net_name;
+PREFLIGHT_LOCAL_ROOT=1: host-local artifact_root; PREFLIGHT_ROOT: artifact_root; PREFLIGHT_ETCD=1:
+require the metadata store; PREFLIGHT_ETCD_BIN: etcd binary. Prints PREFLIGHT_OK {json}.
+"""
+
+import json
+import os
+
+from art_mega import ArtRuntime, ClusterSpec, HostSpec, NcclTransportSpec, compile_topology
+
+
+async def main(launch):
+    base = launch.homogeneous_cluster(
+        allow_shared_kernel=True,
+        artifact_root=os.environ.get("PREFLIGHT_ROOT") or None,
+        shared_artifact_root=os.environ.get("PREFLIGHT_LOCAL_ROOT") != "1",
+        nccl_transport=NcclTransportSpec(net_name=os.environ["PREFLIGHT_NCCL_NET"])
+        if os.environ.get("PREFLIGHT_NCCL_NET")
+        else None,
+    )
+    gpus = os.environ.get("PREFLIGHT_GPU_HOST1")
+    if gpus:
+        hosts = list(base.hosts)
+        ids = tuple(int(g) if g.isdigit() else g for g in gpus.split(","))
+        hosts[1] = HostSpec(**{**hosts[1].model_dump(), "gpu_ids": ids})
+        base = ClusterSpec(**{**base.model_dump(), "hosts": tuple(hosts)})
+    topology = compile_topology(base)
+    runtime = await ArtRuntime.start(
+        launch, topology, metadata_store=True if os.environ.get("PREFLIGHT_ETCD") else None
+    )
+    try:
+        report = runtime.preflight
+        facts = runtime.host_facts
+        print(
+            "PREFLIGHT_OK "
+            + json.dumps(
+                {
+                    "phases": report.phases_s,
+                    "metadata_store": report.metadata_store,
+                    "hosts": sorted(facts),
+                    "boot_ids": sorted({f.boot_id for f in facts.values()}),
+                }
+            ),
+            flush=True,
+        )
+        if os.environ.get("PREFLIGHT_HOLD"):
+            print("HOLDING", flush=True)
+            import asyncio
+
+            await asyncio.sleep(float(os.environ["PREFLIGHT_HOLD"]))
+    finally:
+        await runtime.close()

@@ -1,0 +1,190 @@
+"""The cluster proof on three namespace hosts: each failure stops the start and names the host.
+
+Agents are started by the test in each namespace (so one host can differ), and the program runs
+through `art-mega controller` inside h0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli_env, wait_gone
+from tests.integration.netns import NetnsCluster
+
+PROGRAM = "tests/integration/programs/prog_preflight.py:main"
+SECRET = "p" * 64
+PORT = 22400
+
+
+@contextmanager
+def agents(cluster: NetnsCluster, env_for=None, wrap_for=None):
+    """One `art-mega worker` per host; `env_for(i)` adds env vars, `wrap_for(i)` wraps the argv."""
+    started = []
+    try:
+        for i, host in enumerate(cluster.hosts):
+            env = cli_env()
+            env.update(ART_MEGA_SECRET=SECRET)
+            env.update((env_for or (lambda i: {}))(i))
+            argv = [
+                sys.executable,
+                "-m",
+                "art_mega",
+                "worker",
+                "--address",
+                f"tcp://{host.address}:{PORT}",
+                "--launch-id",
+                "pf",
+            ]
+            argv = (wrap_for or (lambda i, a: a))(i, argv)
+            process = host.exec(
+                argv, cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            started.append(process)
+        for process in started:
+            line = process.stdout.readline()
+            assert line.startswith("ART_MEGA_READY "), process.stderr.read()
+        yield started
+    finally:
+        for process in started:
+            process.terminate()
+        for process in started:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def controller(cluster: NetnsCluster, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = cli_env()
+    env.update(ART_MEGA_SECRET=SECRET, **env_vars)
+    workers = [arg for h in cluster.hosts for arg in ("--worker", f"tcp://{h.address}:{PORT}")]
+    return cluster.hosts[0].run(
+        [sys.executable, "-m", "art_mega", "controller", *workers, "--program", PROGRAM],
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+
+
+def _ok(result: subprocess.CompletedProcess[str]) -> dict:
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("PREFLIGHT_OK "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+def _fails(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("art-mega: error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert "PREFLIGHT_OK" not in result.stdout
+    return errors[0]
+
+
+def _etcd_dirs() -> set[str]:
+    return {p.name for p in Path("/tmp").glob("art-mega-etcd-*")}
+
+
+def _etcd_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-x", "etcd"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_a_correct_cluster_is_proved(netns3, tmp_path):
+    with agents(netns3):
+        report = _ok(controller(netns3, PREFLIGHT_ROOT=str(tmp_path / "artifacts")))
+    assert report["hosts"] == ["host0", "host1", "host2"]
+    assert set(report["phases"]) == {"admission", "fs_probe"}
+    assert len(report["boot_ids"]) == 1  # namespaces share a kernel: allowed by allow_shared_kernel
+
+
+def test_different_art_mega_files_on_one_host(netns3, tmp_path):
+    import art_mega
+
+    copy = tmp_path / "other" / "art_mega"
+    shutil.copytree(Path(art_mega.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "errors.py").write_text((copy / "errors.py").read_text() + "\n# a different build\n")
+    env_for = lambda i: {"PYTHONPATH": str(copy.parent)} if i == 1 else {}  # noqa: E731
+    with agents(netns3, env_for=env_for):
+        error = _fails(controller(netns3), "art_mega_files_sha256", "host1=")
+    assert "host0=" in error and "host2=" in error
+
+
+def test_wrong_nccl_net_on_one_host(netns3):
+    env_for = lambda i: {"NCCL_NET": "Socket" if i == 2 else "IB"}  # noqa: E731
+    with agents(netns3, env_for=env_for):
+        _fails(controller(netns3, PREFLIGHT_NCCL_NET="IB"), "host host2", "NCCL_NET is 'Socket'", "'IB'")
+
+
+def test_a_gpu_named_by_the_topology_is_missing(netns3):
+    with agents(netns3):
+        _fails(controller(netns3, PREFLIGHT_GPU_HOST1="0"), "host host1", "GPU 0", "not present")
+
+
+def test_private_artifact_root_on_one_host(netns3, tmp_path):
+    root = tmp_path / "shared-artifacts"
+    root.mkdir()
+
+    def wrap(i, argv):
+        if i != 1:
+            return argv
+        script = f"mount -t tmpfs tmpfs {root} && exec " + " ".join(argv)
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+
+    with agents(netns3, wrap_for=wrap):
+        _fails(controller(netns3, PREFLIGHT_ROOT=str(root)), "host host1", "not one shared filesystem")
+        # the same hosts pass when artifact_root is declared host-local
+        report = _ok(
+            controller(netns3, PREFLIGHT_ROOT=str(root), PREFLIGHT_LOCAL_ROOT="1", PREFLIGHT_ETCD="0")
+        )
+    assert "fs_probe" in report["phases"]
+
+
+def test_managed_etcd_serves_every_host_and_leaves_nothing(netns3, tmp_path):
+    before_dirs, before_pids = _etcd_dirs(), set(_etcd_pids())
+    with agents(netns3):
+        report = _ok(controller(netns3, PREFLIGHT_ETCD="1", PREFLIGHT_ROOT=str(tmp_path / "a")))
+    assert report["metadata_store"].startswith(f"http://{netns3.hosts[0].address}:")
+    assert "metadata_store" in report["phases"]
+    assert _etcd_dirs() == before_dirs
+    assert wait_gone([p for p in _etcd_pids() if p not in before_pids], 5) == []
+
+
+def test_etcd_unreachable_from_one_host_fails_and_cleans_up(netns3):
+    if not shutil.which("iptables"):
+        pytest.skip("iptables is not installed")
+    h0, h2 = netns3.hosts[0], netns3.hosts[2]
+    # h2 may answer its agent's port but cannot open any other connection to h0 (etcd's port)
+    rule = [
+        "OUTPUT",
+        "-d",
+        h0.address,
+        "-p",
+        "tcp",
+        "!",
+        "--sport",
+        str(PORT),
+        "-j",
+        "REJECT",
+        "--reject-with",
+        "tcp-reset",
+    ]
+    h2.run(["iptables", "-A", *rule], check=True)
+    before_dirs, before_pids = _etcd_dirs(), set(_etcd_pids())
+    try:
+        with agents(netns3):
+            _fails(controller(netns3, PREFLIGHT_ETCD="1"), "metadata store", "host host2")
+    finally:
+        h2.run(["iptables", "-D", *rule])
+    assert _etcd_dirs() == before_dirs
+    assert wait_gone([p for p in _etcd_pids() if p not in before_pids], 5) == []
+    assert os.path.exists("/tmp")

@@ -1,0 +1,133 @@
+import pytest
+
+from art_mega.runtime.admission import PreflightError, admit
+from art_mega.runtime.protocol import GpuInfo, HostFacts
+from art_mega.topology import ClusterSpec, HostSpec, NcclTransportSpec, compile_topology
+
+
+def facts(boot="b0", files="f" * 64, gpus=(), env=None, version="0.1.0", torch=None) -> HostFacts:
+    packages = {"art-mega": version}
+    if torch:
+        packages["torch"] = torch
+    return HostFacts(
+        hostname="h",
+        boot_id=boot,
+        python_version="3.11.7",
+        python_executable="/usr/bin/python3",
+        art_mega_version=version,
+        art_mega_files_sha256=files,
+        packages=packages,
+        env=env or {},
+        gpus=gpus,
+    )
+
+
+def gpu(index, uuid, pci, parent=None):
+    return GpuInfo(
+        index=index,
+        uuid=uuid,
+        pci_bus_id=pci,
+        name="H200",
+        memory_bytes=1,
+        mig_mode=parent is not None,
+        parent_uuid=parent,
+    )
+
+
+def topology(n=3, gpu_ids=None, shared_kernel=False, nccl=None):
+    hosts = tuple(
+        HostSpec(
+            host_id=f"host{i}",
+            node_rank=i,
+            worker_address=f"tcp://10.0.0.{i + 1}:22222",
+            gpu_ids=(gpu_ids or {}).get(i, ()),
+        )
+        for i in range(n)
+    )
+    cluster = ClusterSpec(
+        hosts=hosts,
+        controller_host_id="host0",
+        artifact_root="/a",
+        cache_root="/c",
+        allow_shared_kernel=shared_kernel,
+        nccl_transport=NcclTransportSpec(net_name=nccl) if nccl else None,
+    )
+    return compile_topology(cluster)
+
+
+def test_identical_hosts_are_admitted():
+    admit(topology(), {f"host{i}": facts(boot=f"b{i}") for i in range(3)})
+
+
+def test_fingerprint_differences_are_listed_host_by_host():
+    report = {
+        "host0": facts(boot="a", torch="2.13.0"),
+        "host1": facts(boot="b", torch="2.12.0", files="e" * 64),
+        "host2": facts(boot="c", torch="2.13.0"),
+    }
+    with pytest.raises(PreflightError) as info:
+        admit(topology(), report)
+    message = str(info.value)
+    assert "art_mega_files_sha256: host0=ffffffffffff, host1=eeeeeeeeeeee, host2=ffffffffffff" in message
+    assert "package torch: host0=2.13.0, host1=2.12.0, host2=2.13.0" in message
+
+
+def test_shared_kernel_is_refused_unless_allowed():
+    report = {f"host{i}": facts(boot="same") for i in range(3)}
+    with pytest.raises(PreflightError, match="hosts host0 and host1 share one kernel"):
+        admit(topology(), report)
+    admit(topology(shared_kernel=True), report)
+
+
+def test_named_gpus_must_exist():
+    report = {
+        "host0": facts(boot="a", gpus=(gpu(0, "GPU-a", "0000:01"),)),
+        "host1": facts(boot="b"),
+        "host2": facts(boot="c"),
+    }
+    admit(topology(gpu_ids={0: (0,)}), report)
+    admit(topology(gpu_ids={0: ("GPU-a",)}), report)
+    with pytest.raises(
+        PreflightError, match=r"host host0: GPU 1 named by the topology is not present \(it has 0:GPU-a\)"
+    ):
+        admit(topology(gpu_ids={0: (1,)}), report)
+    with pytest.raises(PreflightError, match="host host1: GPU 0 .* not present"):
+        admit(topology(gpu_ids={1: (0,)}), report)
+
+
+def test_whole_gpu_with_its_mig_slice_is_refused():
+    inventory = (gpu(0, "GPU-a", "0000:01"), gpu(0, "MIG-x", "0000:01", parent="GPU-a"))
+    report = {"host0": facts(boot="a", gpus=inventory), "host1": facts(boot="b"), "host2": facts(boot="c")}
+    admit(topology(gpu_ids={0: ("MIG-x",)}), report)
+    with pytest.raises(PreflightError, match="MIG slice MIG-x and its whole GPU GPU-a"):
+        admit(topology(gpu_ids={0: (0, "MIG-x")}), report)
+
+
+def test_one_gpu_on_two_hosts_is_refused():
+    report = {
+        "host0": facts(boot="a", gpus=(gpu(0, "GPU-a", "0000:01"),)),
+        "host1": facts(boot="b", gpus=(gpu(0, "GPU-a", "0000:02"),)),
+        "host2": facts(boot="c"),
+    }
+    with pytest.raises(PreflightError, match="GPU GPU-a is reported by both host0 and host1"):
+        admit(topology(), report)
+
+
+def test_nccl_net_must_match_the_spec_on_every_host():
+    ok = {f"host{i}": facts(boot=f"b{i}", env={"NCCL_NET": "IB"}) for i in range(3)}
+    admit(topology(nccl="IB"), ok)
+    bad = dict(ok, host2=facts(boot="b2", env={"NCCL_NET": "Socket"}))
+    with pytest.raises(PreflightError, match="host host2: NCCL_NET is 'Socket' but .*net_name is 'IB'"):
+        admit(topology(nccl="IB"), bad)
+    unset = dict(ok, host1=facts(boot="b1"))
+    with pytest.raises(PreflightError, match="host host1: NCCL_NET is None"):
+        admit(topology(nccl="IB"), unset)
+
+
+def test_host_facts_collect_without_a_gpu():
+    from art_mega.runtime.host_facts import collect_host_facts
+
+    collected = collect_host_facts()
+    assert collected.gpus == () and collected.nvml_error
+    assert len(collected.art_mega_files_sha256) == 64
+    assert collected.packages["art-mega"] == collected.art_mega_version
