@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import datetime
 import importlib
+import math
 import os
 import platform
 import sys
@@ -60,7 +61,7 @@ def loopback_topology(cpu_slots: int):
 def percentile(samples: Sequence[float], q: float) -> float:
     """The `q`-th percentile (0..100) of `samples`, nearest rank."""
     ordered = sorted(samples)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
     return ordered[rank - 1]
 
 

@@ -33,10 +33,14 @@ from art_mega.runtime.protocol import (
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
+    FreePortRequest,
+    FreePortResponse,
     FsOpRequest,
     FsOpResponse,
     HealthResponse,
     HostFacts,
+    PreflightRunRequest,
+    PreflightRunResponse,
     RemoteFailure,
     RunRolloutRequest,
     RunRolloutResponse,
@@ -150,6 +154,44 @@ class AgentState:
             pid=etcd.process.pid,
             data_dir=etcd.data_dir,
             version=etcd.version,
+        )
+
+    async def run_preflight(self, request: PreflightRunRequest) -> PreflightRunResponse:
+        """Run one preflight rank as a supervised child; kill it after `timeout_s` + 10 s."""
+        from art_mega.runtime.preflight_probe import RESULT_PREFIX
+        from art_mega.runtime.supervisor import spawn_child, stop_process
+
+        argv = [
+            request.python or sys.executable,
+            "-m",
+            "art_mega.runtime.preflight_probe",
+            json.dumps(request.config),
+        ]
+        env = dict(os.environ)
+        env.pop("ART_MEGA_SECRET", None)
+        process = await spawn_child(
+            argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        child = Child(child_id=f"preflight-{next(self._worker_ids)}", role="preflight", process=process)
+        self.supervisor.add(child)
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), request.timeout_s + 10)
+        except TimeoutError:
+            timed_out = True
+            await stop_process(process, 2.0)
+            out, err = b"", b""
+        finally:
+            await self.supervisor.stop([child.child_id], 2.0)
+        result = None
+        for line in out.decode(errors="replace").splitlines():
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX) :])
+        return PreflightRunResponse(
+            exit_code=process.returncode,
+            timed_out=timed_out,
+            result=result,
+            stderr_tail=err.decode(errors="replace")[-1500:],
         )
 
     async def stop_etcd(self) -> None:
@@ -322,6 +364,16 @@ def create_app(state: AgentState) -> FastAPI:
         from art_mega.runtime.etcd import check_endpoint
 
         return await asyncio.to_thread(check_endpoint, body)
+
+    @app.post(f"{API_PREFIX}/free-port")
+    async def free_port(body: FreePortRequest) -> FreePortResponse:
+        from art_mega.runtime.etcd import free_port
+
+        return FreePortResponse(port=free_port(body.host))
+
+    @app.post(f"{API_PREFIX}/preflight/run")
+    async def preflight_run(body: PreflightRunRequest) -> PreflightRunResponse:
+        return await state.run_preflight(body)
 
     @app.post(f"{API_PREFIX}/shutdown")
     async def shutdown() -> ShutdownResponse:

@@ -20,10 +20,14 @@ from art_mega.runtime.protocol import (
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
+    FreePortRequest,
+    FreePortResponse,
     FsOpRequest,
     FsOpResponse,
     HealthResponse,
     HostFacts,
+    PreflightRunRequest,
+    PreflightRunResponse,
     RemoteFailure,
     RunRolloutRequest,
     RunRolloutResponse,
@@ -173,6 +177,16 @@ class AgentClient:
         """From this host, check an etcd endpoint is healthy and serves put/get."""
         return await self._request(
             "POST", "/etcd/check", request, EtcdCheckResponse, request.timeout_s * 3 + 10
+        )
+
+    async def free_port(self, host: str) -> int:
+        """A TCP port that is free on this agent's host at `host` right now."""
+        return (await self._request("POST", "/free-port", FreePortRequest(host=host), FreePortResponse)).port
+
+    async def preflight_run(self, request: PreflightRunRequest) -> PreflightRunResponse:
+        """Run one preflight rank here; returns when it exits or after `timeout_s` (+ margin)."""
+        return await self._request(
+            "POST", "/preflight/run", request, PreflightRunResponse, request.timeout_s + 30
         )
 
     async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:

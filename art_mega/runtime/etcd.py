@@ -37,7 +37,8 @@ MIN_VERSION = (3, 4)
 ETCD_ENV = "ART_MEGA_ETCD_BIN"
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (bound to port 0, then released)."""
     infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     family, socktype, proto, _, addr = infos[0]
     with socket.socket(family, socktype, proto) as sock:
@@ -101,7 +102,7 @@ async def start_managed_etcd(request: EtcdStartRequest) -> ManagedEtcd:
     if tuple(int(p) for p in version.split(".")[:2]) < MIN_VERSION:
         raise ValueError(f"{binary} is etcd {version}; need >= {MIN_VERSION[0]}.{MIN_VERSION[1]}")
     host = request.advertise_host
-    client_port, peer_port = _free_port(host), _free_port(host)
+    client_port, peer_port = free_port(host), free_port(host)
     client = EndpointSpec(host=host, port=client_port)
     peer = EndpointSpec(host=host, port=peer_port)
     data_dir = tempfile.mkdtemp(prefix="art-mega-etcd-")

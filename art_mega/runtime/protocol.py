@@ -177,3 +177,26 @@ class EtcdCheckResponse(_Body):
     ok: bool
     error: str = ""
     seconds: float = 0.0
+
+
+class FreePortRequest(_Body):
+    host: str
+
+
+class FreePortResponse(_Body):
+    port: int
+
+
+class PreflightRunRequest(_Body):
+    """Run one preflight-collective rank on this host (see `runtime.preflight_probe`)."""
+
+    config: dict[str, Any]
+    python: str | None = None
+    timeout_s: float = Field(gt=0)
+
+
+class PreflightRunResponse(_Body):
+    exit_code: int | None
+    timed_out: bool = False
+    result: dict[str, Any] | None = None
+    stderr_tail: str = ""

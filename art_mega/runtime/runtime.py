@@ -18,6 +18,7 @@ from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.executor import RolloutExecutor, start_executor
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor, HostLostError
+from art_mega.runtime.preflight import CollectiveReport
 from art_mega.runtime.protocol import HealthResponse, HostFacts
 from art_mega.topology import CompiledTopology, EndpointSpec
 
@@ -28,6 +29,7 @@ class PreflightReport:
 
     phases_s: dict[str, float] = field(default_factory=dict)
     metadata_store: str | None = None
+    collective: CollectiveReport | None = None
 
 
 class LaunchInfo(Protocol):
@@ -75,13 +77,20 @@ class ArtRuntime:
 
     @classmethod
     async def start(
-        cls, launch: LaunchInfo, topology: CompiledTopology, *, metadata_store: bool | None = None
+        cls,
+        launch: LaunchInfo,
+        topology: CompiledTopology,
+        *,
+        metadata_store: bool | None = None,
+        collective: bool | None = None,
     ) -> ArtRuntime:
         """Attach to the launch's agents, then prove the cluster before anything is allocated.
 
         Proof, in order (see `prove`): every agent answers with this launch's id; host admission;
         the artifact_root probe; the metadata store when needed (`metadata_store=None`: when
-        artifact_root is host-local on several hosts or an explicit store is configured).
+        artifact_root is host-local on several hosts or an explicit store is configured); the
+        preflight collective when needed (`collective=None`: when trainer ranks or a replica span
+        two or more hosts; True runs it over every host).
 
         Raises:
             UserError: the topology's worker addresses are not the launch's (names both).
@@ -108,7 +117,7 @@ class ArtRuntime:
             register(runtime)
         try:
             await runtime._check_agents()
-            await runtime.prove(metadata_store)
+            await runtime.prove(metadata_store, collective)
         except BaseException:
             await runtime.close()
             raise
@@ -116,7 +125,12 @@ class ArtRuntime:
 
     @classmethod
     async def start_local(
-        cls, topology: CompiledTopology, sys_path: Sequence[str] = (), *, metadata_store: bool | None = None
+        cls,
+        topology: CompiledTopology,
+        sys_path: Sequence[str] = (),
+        *,
+        metadata_store: bool | None = None,
+        collective: bool | None = None,
     ) -> ArtRuntime:
         """Start one agent per host of `topology` on this machine, then attach to them.
 
@@ -159,7 +173,7 @@ class ArtRuntime:
         runtime._monitor = AgentMonitor(list(clients.values()), expected, runtime._on_lost)
         runtime._monitor.start()
         try:
-            await runtime.prove(metadata_store)
+            await runtime.prove(metadata_store, collective)
         except BaseException:
             await runtime.close()
             raise
@@ -174,11 +188,29 @@ class ArtRuntime:
             return True
         return not cluster.shared_artifact_root and len(cluster.hosts) > 1
 
-    async def prove(self, metadata_store: bool | None = None) -> PreflightReport:
-        """Admission, artifact_root probe, metadata store; timings in `self.preflight` (seconds)."""
+    def collective_hosts(self, requested: bool | None) -> tuple[str, ...]:
+        """Hosts of the preflight collective, in node order (empty: no collective)."""
+        topology = self.topology
+        if requested is False:
+            return ()
+        if requested:
+            return topology.cluster.host_ids
+        spanning = {r.host_id for r in topology.trainer_ranks}
+        if len(spanning) < 2:
+            spanning = set()
+        for replica in topology.replicas:
+            if len(replica.host_ids) > 1:
+                spanning.update(replica.host_ids)
+        return tuple(h for h in topology.cluster.host_ids if h in spanning)
+
+    async def prove(
+        self, metadata_store: bool | None = None, collective: bool | None = None
+    ) -> PreflightReport:
+        """Admission, artifact_root probe, metadata store, collective; results in `self.preflight`."""
         from art_mega.runtime.admission import admit
         from art_mega.runtime.etcd import check_from_every_host, start_metadata_store
         from art_mega.runtime.fs_probe import probe_artifact_root
+        from art_mega.runtime.preflight import run_collective
 
         loop = asyncio.get_running_loop()
         cluster = self.topology.cluster
@@ -215,7 +247,25 @@ class ArtRuntime:
                 self._etcd_host = controller.host_id
                 endpoint = reply.endpoint
             phases["metadata_store"] = loop.time() - started
-        self.preflight = PreflightReport(phases_s=phases, metadata_store=endpoint)
+        report = None
+        hosts_in_collective = self.collective_hosts(collective)
+        if len(hosts_in_collective) > 1:
+            first = cluster.host(hosts_in_collective[0])
+            on_gpu = (
+                all(cluster.host(h).gpu_ids for h in hosts_in_collective)
+                and cluster.nccl_transport is not None
+            )
+            report = await run_collective(
+                self._clients,
+                hosts_in_collective,
+                first.worker_address.host,
+                cluster.startup_timeout_s,
+                backend="nccl" if on_gpu else "gloo",
+                nccl_net=cluster.nccl_transport.net_name if cluster.nccl_transport else None,
+                log_dir=cluster.artifact_root,
+            )
+            phases["collective"] = report.seconds
+        self.preflight = PreflightReport(phases_s=phases, metadata_store=endpoint, collective=report)
         return self.preflight
 
     def _on_lost(self, exc: HostLostError) -> None:

@@ -107,6 +107,64 @@ def test_a_correct_cluster_is_proved(netns3, tmp_path):
     assert len(report["boot_ids"]) == 1  # namespaces share a kernel: allowed by allow_shared_kernel
 
 
+def test_collective_proves_membership_and_measures_every_link(netns3, tmp_path):
+    pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
+    with agents(netns3):
+        report = _ok(controller(netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_ROOT=str(tmp_path / "a")))
+    assert "collective" in report["phases"]
+    assert [(m["host"], m["rank"], m["backend"]) for m in report["members"]] == [
+        ("host0", 0, "gloo"),
+        ("host1", 1, "gloo"),
+        ("host2", 2, "gloo"),
+    ]
+    assert [m["ip"] for m in report["members"]] == [h.address for h in netns3.hosts]
+    assert all(m["interface"] == "eth0" for m in report["members"])
+    assert set(report["bandwidth_gbps"]) == {"host0-host1", "host0-host2", "host1-host2"}
+    assert all(v > 0 for v in report["bandwidth_gbps"].values())
+
+
+def test_a_preflight_rank_that_never_arrives_is_named_and_bounded(netns3, tmp_path):
+    pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
+    if not shutil.which("iptables"):
+        pytest.skip("iptables is not installed")
+    h0, h2 = netns3.hosts[0], netns3.hosts[2]
+    rule = [
+        "OUTPUT",
+        "-d",
+        h0.address,
+        "-p",
+        "tcp",
+        "!",
+        "--sport",
+        str(PORT),
+        "-j",
+        "REJECT",
+        "--reject-with",
+        "tcp-reset",
+    ]
+    h2.run(["iptables", "-A", *rule], check=True)
+    try:
+        with agents(netns3):
+            import time
+
+            started = time.monotonic()
+            result = controller(
+                netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_TIMEOUT="8", PREFLIGHT_ROOT=str(tmp_path / "a")
+            )
+            elapsed = time.monotonic() - started
+            _fails(result, "host host2 (rank 2) did not arrive within 8 s")
+            assert elapsed < 40
+            probes = [
+                p
+                for h in netns3.hosts
+                for p in h.pids()
+                if b"preflight_probe" in open(f"/proc/{p}/cmdline", "rb").read()
+            ]
+            assert probes == []
+    finally:
+        h2.run(["iptables", "-D", *rule])
+
+
 def test_different_art_mega_files_on_one_host(netns3, tmp_path):
     import art_mega
 

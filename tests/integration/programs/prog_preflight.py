@@ -26,9 +26,16 @@ async def main(launch):
         ids = tuple(int(g) if g.isdigit() else g for g in gpus.split(","))
         hosts[1] = HostSpec(**{**hosts[1].model_dump(), "gpu_ids": ids})
         base = ClusterSpec(**{**base.model_dump(), "hosts": tuple(hosts)})
+    if os.environ.get("PREFLIGHT_TIMEOUT"):
+        base = ClusterSpec(
+            **{**base.model_dump(), "startup_timeout_s": float(os.environ["PREFLIGHT_TIMEOUT"])}
+        )
     topology = compile_topology(base)
     runtime = await ArtRuntime.start(
-        launch, topology, metadata_store=True if os.environ.get("PREFLIGHT_ETCD") else None
+        launch,
+        topology,
+        metadata_store={"1": True, "0": False}.get(os.environ.get("PREFLIGHT_ETCD", "")),
+        collective=True if os.environ.get("PREFLIGHT_COLLECTIVE") == "1" else None,
     )
     try:
         report = runtime.preflight
@@ -41,6 +48,8 @@ async def main(launch):
                     "metadata_store": report.metadata_store,
                     "hosts": sorted(facts),
                     "boot_ids": sorted({f.boot_id for f in facts.values()}),
+                    "bandwidth_gbps": report.collective.bandwidth_gbps if report.collective else None,
+                    "members": report.collective.members if report.collective else None,
                 }
             ),
             flush=True,

@@ -1,0 +1,224 @@
+"""The preflight collective's per-host process: rendezvous, all-reduce, all-gather, bandwidth.
+
+Run by each participating host's agent, in the Python environment the trainer (or the vLLM
+replica) will use, as `python -m art_mega.runtime.preflight_probe CONFIG_JSON`. It prints one JSON
+line (`PREFLIGHT_RESULT {...}`) and exits 0 on success, 1 on failure. Arrival is recorded in the
+TCPStore before the process group forms, so a rank that never arrives is named, not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "PREFLIGHT_RESULT "
+RECORD_BYTES = 512
+
+
+def local_interface(peer_host: str) -> tuple[str, str]:
+    """(interface name, local IP) this host uses to reach `peer_host` (Linux; "" when unknown)."""
+    try:
+        family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((peer_host, 9))
+            local_ip = sock.getsockname()[0]
+    except OSError:
+        return "", ""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "", local_ip
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == local_ip:
+            return fields[1], local_ip
+    return "", local_ip
+
+
+def check_nccl_log(text: str, expected: str, rank: int, host: str) -> None:
+    """Prove from an NCCL debug log that this rank selected network `expected`.
+
+    NCCL (INIT,NET subsystems at INFO) prints one `NCCL INFO Using network <name>` line per
+    communicator init; exactly one must appear and name `expected` (case-insensitive).
+
+    Raises:
+        RuntimeError: naming the rank, host, and what was selected instead.
+    """
+    import re
+
+    found = re.findall(r"NCCL INFO Using network (\S+)", text)
+    if len(found) != 1:
+        raise RuntimeError(
+            f"expected one selected-network line naming {expected}, rank {rank} on host {host} logged {len(found)}: {found}"
+        )
+    if found[0].lower() != expected.lower():
+        raise RuntimeError(f"expected network {expected}, rank {rank} on host {host} selected {found[0]}")
+
+
+def _encode(record: dict[str, Any]):  # type: ignore[no-untyped-def]
+    import torch
+
+    raw = json.dumps(record).encode()[:RECORD_BYTES]
+    buffer = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    buffer[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return buffer
+
+
+def _decode(buffer) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    raw = bytes(buffer.tolist()).rstrip(b"\0")
+    return json.loads(raw)
+
+
+_PHASE = {"name": "start"}
+
+
+def _watchdog(config: dict[str, Any]) -> None:
+    """After timeout_s, report the phase this rank is stuck in and exit: hangs are bounded."""
+    import threading
+
+    def fire() -> None:
+        result = {
+            "ok": False,
+            "rank": config.get("rank"),
+            "host": config.get("host_id"),
+            "phase": _PHASE["name"],
+            "error": f"timed out after {config['timeout_s']} s in phase {_PHASE['name']}",
+        }
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(float(config["timeout_s"]) + 2.0, fire)
+    timer.daemon = True
+    timer.start()
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+    """Do the collective described by `config`; return this rank's result (raises on failure)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(config["rank"]), int(config["world_size"])
+    if world > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # gloo otherwise binds the address its hostname resolves to, which need not be the
+        # network the other hosts reach us on
+        interface, _ = local_interface(config["master_host"])
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    host = config["host_id"]
+    timeout = timedelta(seconds=float(config["timeout_s"]))
+    backend = config.get("backend", "gloo")
+    if backend == "nccl":
+        log = Path(config["log_dir"]) / f"nccl-preflight-rank{rank}.log"
+        os.environ.update(
+            NCCL_NET=config["nccl_net"],
+            NCCL_DEBUG="INFO",
+            NCCL_DEBUG_SUBSYS="INIT,NET",
+            NCCL_DEBUG_FILE=str(log),
+        )
+    store = dist.TCPStore(
+        config["master_host"],
+        int(config["master_port"]),
+        world,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    _PHASE["name"] = "rendezvous"
+    store.set(f"arrived/{rank}", host)
+    keys = [f"arrived/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timeout)
+    except Exception:  # a timeout: name who is missing
+        missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
+        return {
+            "ok": False,
+            "rank": rank,
+            "host": host,
+            "missing_ranks": missing,
+            "error": "rendezvous timed out",
+        }
+    _PHASE["name"] = "init_process_group"
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout
+    )
+    _PHASE["name"] = "collectives"
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    try:
+        value = torch.tensor([float(rank + 1)], device=device)
+        dist.all_reduce(value)
+        expected = world * (world + 1) / 2
+        if value.item() != expected:
+            raise RuntimeError(f"all-reduce of rank+1 gave {value.item()}, expected {expected}")
+        interface, local_ip = local_interface(config["master_host"]) if world > 1 else ("lo", "127.0.0.1")
+        record = {"host": host, "rank": rank, "backend": backend, "interface": interface, "ip": local_ip}
+        gathered = [torch.zeros(RECORD_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
+        dist.all_gather(gathered, _encode(record).to(device))
+        members = [_decode(g.cpu()) for g in gathered]
+        _PHASE["name"] = "bandwidth"
+        bandwidth = _bandwidth(rank, world, int(config.get("bandwidth_bytes", 8 << 20)), device)
+        if backend == "nccl":
+            check_nccl_log(
+                Path(os.environ["NCCL_DEBUG_FILE"]).read_text(errors="replace"),
+                config["nccl_net"],
+                rank,
+                host,
+            )
+        return {"ok": True, "rank": rank, "host": host, "members": members, "bandwidth_gbps": bandwidth}
+    finally:
+        dist.destroy_process_group()
+
+
+def _bandwidth(rank: int, world: int, nbytes: int, device) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """GB/s per link i-j (i < j), measured on rank i as 2 x bytes / round-trip seconds."""
+    import torch
+    import torch.distributed as dist
+
+    results: dict[str, float] = {}
+    if nbytes <= 0:
+        return results
+    payload = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    scratch = torch.empty_like(payload)
+    for i in range(world):
+        for j in range(i + 1, world):
+            dist.barrier()
+            if rank == i:
+                started = time.perf_counter()
+                dist.send(payload, j)
+                dist.recv(scratch, j)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - started
+                results[f"{i}-{j}"] = 2 * nbytes / elapsed / 1e9
+            elif rank == j:
+                dist.recv(scratch, i)
+                dist.send(payload, i)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    config = json.loads(args[0])
+    _watchdog(config)
+    try:
+        result = run(config)
+    except Exception as exc:
+        result = {
+            "ok": False,
+            "rank": config.get("rank"),
+            "host": config.get("host_id"),
+            "error": f"{type(exc).__name__}: {exc}",
+        }
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

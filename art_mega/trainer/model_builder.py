@@ -1,0 +1,124 @@
+"""Build this rank's megatron-core GPTModel from a Hugging Face directory and load its shard.
+
+Needs `init_parallel` first; the family file (trainer/models/) does the config and weight mapping.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from art_mega.trainer.hf_checkpoint import SafetensorsReader, read_hf_config
+from art_mega.trainer.models import family_for
+
+
+@dataclass
+class MegatronModel:
+    """A rank's GPTModel and what callers need to interpret its output.
+
+    `module` is the megatron-core `GPTModel`; its forward(input_ids [b, s] int64,
+    position_ids [b, s] int64, attention_mask None (causal) or bool [b, 1, s, s] with True =
+    masked) returns this rank's vocabulary shard of the logits, [b, s, padded_vocab_size / tp]
+    in the parameter dtype (`parallel_output=True`: gather over the TP group for full logits).
+    Columns at and beyond `vocab_size` are padding (logit 0) and must be ignored.
+    """
+
+    module: Any
+    family: ModuleType
+    args: Any
+    vocab_size: int
+    padded_vocab_size: int
+    device: str
+    uses_te: bool
+
+
+def te_available() -> bool:
+    """True when TransformerEngine's PyTorch extension imports (GPU machines only)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def check_model_fits(model_dir: str | os.PathLike[str], tp: int) -> None:
+    """Raise `UserError` when the HF model in `model_dir` cannot be split `tp` ways.
+
+    Reads only config.json (no torch): the controller can call it before allocating ranks.
+    """
+    config = read_hf_config(model_dir)
+    family = family_for(config)
+    family.check_parallel(family.model_args(config), tp)
+
+
+def build_megatron_model(
+    model_dir: str | os.PathLike[str],
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    use_te: bool | None = None,
+) -> MegatronModel:
+    """This rank's GPTModel with the HF weights of `model_dir` loaded for its TP position.
+
+    Call after `init_parallel` (TP size and rank come from megatron-core's parallel state).
+    `device`: "cpu" or "cuda:0"; `dtype`: "float32" or "bfloat16". `use_te` None means the
+    TransformerEngine layer spec on CUDA when TE imports, else the local spec; TE's fused
+    norm names are mapped with the family's `TE_NAME_MAP`. The head, KV-head and FFN counts are
+    checked against TP before anything is allocated.
+
+    Raises `UserError` for an unsupported or unsplittable model (one sentence naming the valid
+    TP sizes), and `RuntimeError` when parallel state is not initialised or the converted
+    weights do not cover the model's parameters exactly.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError("call init_parallel before build_megatron_model")
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    config = read_hf_config(model_dir)
+    family = family_for(config)
+    args = family.model_args(config)
+    family.check_parallel(args, tp_size)
+    on_cuda = device.startswith("cuda")
+    if use_te is None:
+        use_te = on_cuda and te_available()
+    kind = "cuda" if on_cuda else "cpu"
+    transformer_config = family.transformer_config(args, tp=tp_size, dtype=dtype, device=kind)
+    kwargs = family.gpt_model_kwargs(args, tp=tp_size)
+    module = GPTModel(transformer_config, family.layer_spec(args, use_te=use_te), **kwargs)
+    module.to(device)
+    with SafetensorsReader(model_dir) as reader:
+        state = family.megatron_state_dict(args, reader.get, tp_size=tp_size, tp_rank=tp_rank)
+    state = _rename_for_spec(state, set(module.state_dict()), family.TE_NAME_MAP)
+    dtype_t = next(module.parameters()).dtype
+    state = {name: tensor.to(dtype=dtype_t) for name, tensor in state.items()}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not name.endswith("._extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF -> Megatron weights mismatch: missing {missing}, unexpected {unexpected}")
+    return MegatronModel(
+        module=module,
+        family=family,
+        args=args,
+        vocab_size=args.vocab_size,
+        padded_vocab_size=kwargs["vocab_size"],
+        device=device,
+        uses_te=use_te,
+    )
+
+
+def _rename_for_spec(state: dict[str, Any], model_keys: set[str], name_map: dict[str, str]) -> dict[str, Any]:
+    """Rename local-spec keys to the spec's names where the model lacks them (TE fused norms)."""
+    renamed = {}
+    for name, tensor in state.items():
+        if name not in model_keys:
+            for local, fused in name_map.items():
+                if name.endswith(local) and name[: -len(local)] + fused in model_keys:
+                    name = name[: -len(local)] + fused
+                    break
+        renamed[name] = tensor
+    return renamed

@@ -1,0 +1,291 @@
+"""Llama-family dense decoders (Llama 2/3, Qwen2, Qwen3): HF config -> Megatron config and spec,
+HF weights -> this rank's Megatron tensor-parallel shard.
+
+The same family file will carry the Megatron -> HF names for LoRA export.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from art_mega.errors import UserError
+from art_mega.trainer.models.layout import fc1_shard, fuse_qkv, pad_rows, shard
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+"""HF `model_type` values this family reads."""
+
+TE_NAME_MAP = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+"""Local-spec -> TransformerEngine-spec parameter names, where TE fuses the norm into the next
+linear (the local spec's `sharded_state_dict_keys_map` in
+`megatron/core/models/gpt/gpt_layer_specs.py` get_gpt_layer_local_spec)."""
+
+_LLAMA3_ROPE_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+"""The Llama 3 RoPE scaling constants megatron-core hard-codes
+(`models/common/embeddings/rotary_pos_embedding.py` RotaryEmbedding._apply_scaling)."""
+
+
+@dataclass(frozen=True)
+class DenseArgs:
+    """The architecture of a Llama-family checkpoint, read from its HF config.json.
+
+    `num_query_groups` is HF's num_key_value_heads; `head_dim` is the per-head width (Qwen3 and
+    newer Llama configs give it; otherwise hidden_size / num_heads). `rope_scaling_factor` is
+    the Llama 3 factor or None. `qkv_bias`: q/k/v projections have biases (Qwen2).
+    `qk_norm`: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> DenseArgs:
+        """Parse an HF config dict; raises `UserError` for a feature Megatron's dense GPT lacks.
+
+        Refused: an activation other than SiLU, MLP biases, an output-projection bias
+        (`attention_bias` on Llama/Qwen3 also biases o_proj), sliding-window attention, and
+        RoPE scaling other than none or Llama 3's.
+        """
+        model_type = config.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise UserError(
+                f"model_type={model_type!r} is not a Llama-family model ({', '.join(MODEL_TYPES)})."
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise UserError(f"hidden_act={act!r} is not supported; Llama-family models use 'silu'.")
+        if config.get("mlp_bias"):
+            raise UserError("mlp_bias=true is not supported by the Megatron dense model.")
+        if model_type != "qwen2" and config.get("attention_bias"):
+            raise UserError(f"attention_bias=true on {model_type} biases o_proj, which is not supported.")
+        if config.get("use_sliding_window"):
+            raise UserError("use_sliding_window=true is not supported; use a checkpoint with full attention.")
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        head_dim = config.get("head_dim") if model_type != "qwen2" else None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_query_groups=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim or hidden // num_heads),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(config),
+            rope_scaling_factor=_rope_scaling_factor(config),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def model_args(config: dict[str, Any]) -> DenseArgs:
+    """The family's architecture arguments from an HF config dict (`DenseArgs.from_hf_config`)."""
+    return DenseArgs.from_hf_config(config)
+
+
+def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from transformers 5's `rope_parameters` or the older `rope_scaling`."""
+    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    return float(_rope_params(config).get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling_factor(config: dict[str, Any]) -> float | None:
+    params = _rope_params(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UserError(f"rope_type={rope_type!r} is not supported; use 'default' or 'llama3'.")
+    for key, expected in _LLAMA3_ROPE_FIXED.items():
+        if float(params.get(key, expected)) != expected:
+            raise UserError(
+                f"llama3 RoPE {key}={params[key]} is not supported; megatron-core fixes it to {expected}."
+            )
+    return float(params["factor"])
+
+
+def _tp_fits(args: DenseArgs, tp: int) -> bool:
+    groups_fit = args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0
+    qkv_rows = (args.num_heads + 2 * args.num_query_groups) * args.head_dim
+    return args.num_heads % tp == 0 and groups_fit and qkv_rows % tp == 0 and args.ffn_hidden_size % tp == 0
+
+
+def valid_tp_sizes(args: DenseArgs) -> list[int]:
+    """Every tensor-parallel size this architecture can be split into, ascending.
+
+    TP must divide the attention heads and the FFN width, and either divide the KV heads
+    (query groups) or be a multiple of them (Megatron then all-gathers the shared KV heads,
+    `transformer/attention.py` "num_query_groups < world_size").
+    """
+    return [tp for tp in range(1, args.num_heads + 1) if _tp_fits(args, tp)]
+
+
+def check_parallel(args: DenseArgs, tp: int) -> None:
+    """Raise `UserError` (one sentence naming the valid sizes) when `tp` cannot split `args`.
+
+    Call before allocating anything: the controller can check a topology against a model this
+    way without torch.
+    """
+    if not _tp_fits(args, tp):
+        valid = ", ".join(str(size) for size in valid_tp_sizes(args))
+        raise UserError(
+            f"tp={tp} cannot split this {args.model_type} model ({args.num_heads} attention heads, "
+            f"{args.num_query_groups} KV heads, FFN size {args.ffn_hidden_size}); use tp in {{{valid}}}."
+        )
+
+
+def padded_vocab_size(args: DenseArgs, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of `tp` (Megatron's vocab-parallel layers need it)."""
+    return math.ceil(args.vocab_size / tp) * tp
+
+
+def transformer_config(args: DenseArgs, *, tp: int, dtype: str = "float32", device: str = "cpu"):
+    """The megatron-core `TransformerConfig` of `args` for tensor-parallel size `tp`.
+
+    `dtype`: "float32" or "bfloat16" (parameters and compute). On "cpu" the parameters are
+    allocated on the CPU (`use_cpu_initialization`); Megatron's random init is skipped because
+    the HF weights are loaded over it. Dropout is 0 (RL fine-tuning), biases only on q/k/v
+    (`add_qkv_bias`, Qwen2), SwiGLU MLP (`gated_linear_unit` with SiLU), RMSNorm.
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    params_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        bf16=dtype == "bfloat16",
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=False,
+    )
+
+
+def layer_spec(args: DenseArgs, *, use_te: bool):
+    """The GPT decoder layer spec: TransformerEngine modules when `use_te`, else Megatron's local ones."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+
+
+def gpt_model_kwargs(args: DenseArgs, *, tp: int) -> dict[str, Any]:
+    """Keyword arguments of megatron-core `GPTModel` besides config and spec.
+
+    RoPE is non-interleaved ("rotate half", as HF's Llama), applied to the whole head.
+    """
+    return {
+        "vocab_size": padded_vocab_size(args, tp),
+        "max_sequence_length": args.max_position_embeddings,
+        "position_embedding_type": "rope",
+        "rotary_percent": 1.0,
+        "rotary_base": args.rope_theta,
+        "rope_scaling": args.rope_scaling_factor is not None,
+        "rope_scaling_factor": args.rope_scaling_factor or 8.0,
+        "share_embeddings_and_output_weights": args.tie_word_embeddings,
+        "parallel_output": True,
+    }
+
+
+def megatron_state_dict(
+    args: DenseArgs, read: Callable[[str], Tensor], *, tp_size: int, tp_rank: int
+) -> dict[str, Tensor]:
+    """This TP rank's Megatron parameters (local-spec names) from HF tensors read by `read(name)`.
+
+    Mapping (HF name under `model.` -> Megatron name, layout):
+    embed_tokens -> embedding.word_embeddings (vocab padded with zero rows, then sharded by
+    rows); per layer i: input_layernorm -> decoder.layers.i.input_layernorm; q/k/v_proj ->
+    self_attention.linear_qkv (`fuse_qkv`, then row shard), with biases likewise for Qwen2;
+    q_norm/k_norm -> self_attention.q_layernorm/k_layernorm (Qwen3); o_proj ->
+    self_attention.linear_proj (column shard: row-parallel); post_attention_layernorm ->
+    pre_mlp_layernorm; gate_proj + up_proj -> mlp.linear_fc1 (`fc1_shard`); down_proj ->
+    mlp.linear_fc2 (column shard); norm -> decoder.final_layernorm; lm_head -> output_layer
+    (padded and row-sharded; absent when embeddings are tied, Megatron then reuses the
+    embedding). Shapes per rank: linear_qkv [(nh + 2*ng)*d/tp, h], linear_proj [h, nh*d/tp],
+    linear_fc1 [2*ffn/tp, h], linear_fc2 [h, ffn/tp], embedding [V_padded/tp, h].
+    """
+    vocab = padded_vocab_size(args, tp_size)
+    state: dict[str, Tensor] = {
+        "embedding.word_embeddings.weight": shard(
+            pad_rows(read("model.embed_tokens.weight"), vocab), 0, tp_size, tp_rank
+        ),
+        "decoder.final_layernorm.weight": read("model.norm.weight"),
+    }
+    if not args.tie_word_embeddings:
+        state["output_layer.weight"] = shard(pad_rows(read("lm_head.weight"), vocab), 0, tp_size, tp_rank)
+    for i in range(args.num_layers):
+        hf = f"model.layers.{i}."
+        mc = f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        state[mc + "input_layernorm.weight"] = read(hf + "input_layernorm.weight")
+        kinds = ("weight", "bias") if args.qkv_bias else ("weight",)
+        for kind in kinds:
+            fused = fuse_qkv(
+                read(f"{attn}q_proj.{kind}"),
+                read(f"{attn}k_proj.{kind}"),
+                read(f"{attn}v_proj.{kind}"),
+                args.num_heads,
+                args.num_query_groups,
+            )
+            state[f"{mc}self_attention.linear_qkv.{kind}"] = shard(fused, 0, tp_size, tp_rank)
+        if args.qk_norm:
+            state[mc + "self_attention.q_layernorm.weight"] = read(attn + "q_norm.weight")
+            state[mc + "self_attention.k_layernorm.weight"] = read(attn + "k_norm.weight")
+        state[mc + "self_attention.linear_proj.weight"] = shard(
+            read(attn + "o_proj.weight"), 1, tp_size, tp_rank
+        )
+        state[mc + "pre_mlp_layernorm.weight"] = read(hf + "post_attention_layernorm.weight")
+        mlp = hf + "mlp."
+        state[mc + "mlp.linear_fc1.weight"] = fc1_shard(
+            read(mlp + "gate_proj.weight"), read(mlp + "up_proj.weight"), tp_size, tp_rank
+        )
+        state[mc + "mlp.linear_fc2.weight"] = shard(read(mlp + "down_proj.weight"), 1, tp_size, tp_rank)
+    return state
