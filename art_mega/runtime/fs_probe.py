@@ -14,10 +14,13 @@ import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from art_mega.runtime.admission import PreflightError
-from art_mega.runtime.client import AgentClient
 from art_mega.runtime.protocol import FsOpRequest, FsOpResponse
+
+if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
+    from art_mega.runtime.client import AgentClient
 
 PROBE_DIR = ".art-mega-probe"
 

@@ -1,0 +1,79 @@
+"""The cluster proof's phases on 2 and 4 network-namespace hosts (needs root, sshd, torch, etcd).
+
+Runs `ArtRuntime.start(..., metadata_store=True, collective=True)` through `art-mega ssh` and
+reports seconds for admission, the shared-FS probe, the managed etcd, the gloo collective (with
+its bandwidth probe) and the whole proof. Target: the whole proof < 1 s for 4 hosts on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from _results import print_table, record, rows_for  # noqa: E402
+
+from tests.integration.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
+
+PHASES = ("admission", "fs_probe", "metadata_store", "collective", "total")
+
+
+def run_once(cluster: NetnsCluster, port: int, root: str) -> dict:
+    argv = [
+        sys.executable,
+        "-m",
+        "art_mega",
+        "ssh",
+        "--program",
+        "benchmarks/_programs.py:preflight",
+        "--port",
+        str(port),
+    ]
+    for host in cluster.hosts:
+        argv += ["--host", host.ssh_alias]
+    argv.append(f"--ssh-arg=-F {cluster.ssh_config}")
+    env = dict(os.environ, BENCH_ARTIFACT_ROOT=root)
+    result = cluster.hosts[0].run(argv, cwd=REPO, env=env, timeout=180)
+    if result.returncode != 0:
+        raise RuntimeError(f"art-mega ssh failed: {result.stderr[-800:]}")
+    line = next(line for line in result.stdout.splitlines() if line.startswith("PHASES "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one repetition per host count")
+    parser.add_argument("--record", action="store_true", help="write the rows into benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    reason = netns_unavailable_reason()
+    if reason:
+        print(f"preflight benchmark skipped: {reason}")
+        return 0
+    reps = 1 if args.quick else 3
+    figures = []
+    for n in (2, 4):
+        with NetnsCluster(n) as cluster, tempfile.TemporaryDirectory(prefix="art-mega-bench-") as root:
+            runs = [run_once(cluster, 22600 + i, root) for i in range(reps)]
+        for phase in PHASES:
+            value = statistics.median(r.get(phase, 0.0) for r in runs)
+            figures.append((f"preflight {phase}, {n} hosts", value, "s"))
+        links = [v for r in runs for v in r["links"].values()]
+        figures.append(
+            (f"preflight gloo link bandwidth (median of links), {n} hosts", statistics.median(links), "GB/s")
+        )
+    rows = rows_for(figures, "python benchmarks/preflight.py")
+    print_table(rows)
+    if args.record:
+        record(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
