@@ -5,9 +5,10 @@ They are plain serializable descriptions until registered with a backend: nothin
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 
 def _check_name(value: str, field: str) -> str:
@@ -38,10 +39,81 @@ class TrainableModel(Model):
     """A model that art-mega trains: `base_model` is an HF directory, a cached name, or an adapter.
 
     Serializable without loading anything; the backend resolves `base_model` on `register`.
+    Until registered, `log` writes to `./.art-mega/<project>/models/<name>/history.jsonl`.
     """
 
     base_model: str
     trainable: bool = True
+    _backend: Any = PrivateAttr(default=None)
+    _output_dir: str | None = PrivateAttr(default=None)
+    _wandb: Any = PrivateAttr(default=None)
+
+    @property
+    def output_dir(self) -> Path:
+        """Where this model's history, checkpoints and report go."""
+        if self._output_dir is not None:
+            return Path(self._output_dir)
+        return Path(".art-mega").resolve() / self.project / "models" / self.name
+
+    def _require_backend(self) -> Any:
+        if self._backend is None:
+            raise RuntimeError(
+                f"model {self.name!r} is not registered; call `await model.register(backend)` first"
+            )
+        return self._backend
+
+    async def register(self, backend: Any) -> None:
+        """Attach to `backend`: it resolves the base model, sets the output dir, serves step 0."""
+        self._backend = backend
+        self._output_dir = str(await backend.register(self))
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` client for the backend's inference endpoint."""
+        import openai
+
+        base_url, api_key = self._require_backend().inference_endpoint(self)
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
+
+    def get_inference_name(self) -> str:
+        """The served model name of the latest published policy: `<name>@<step>`."""
+        return self._require_backend().inference_name(self)
+
+    async def get_step(self) -> int:
+        """The latest committed training step (0 before any training)."""
+        return int(await self._require_backend().get_step(self))
+
+    async def log(
+        self,
+        trajectory_groups: Any = None,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+        split: str = "train",
+    ) -> dict[str, Any]:
+        """Append a history.jsonl row for these groups (and W&B when WANDB_API_KEY is set).
+
+        Returns the row written (see `art_mega.metrics.history_row` for the names).
+        """
+        from art_mega.metrics import WandbMirror, append_history, history_row
+
+        if step is None:
+            step = await self.get_step() if self._backend is not None else 0
+        row = history_row(trajectory_groups or [], split=split, step=step, metrics=metrics)
+        append_history(self.output_dir / "history.jsonl", row)
+        if self._wandb is None:
+            self._wandb = WandbMirror(self.project, self.run_name or self.name, self.config)
+        self._wandb.log(row)
+        return row
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`.
+
+        Returns the deleted steps.
+        """
+        return list(await self._require_backend().delete_checkpoints(self, best_checkpoint_metric))
+
+    async def train_sft(self, trajectories: Any, config: Any = None, **kwargs: Any) -> Any:
+        """Supervised fine-tuning on these trajectories' assistant turns (see the backend)."""
+        return await self._require_backend().train_sft(self, trajectories, config, **kwargs)
 
     @field_validator("base_model")
     @classmethod

@@ -6,6 +6,8 @@ returned; both survive a JSON round trip exactly (a Choice comes back as a Choic
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Iterable
 from typing import Annotated, Any, Union
 
@@ -75,20 +77,39 @@ class Trajectory(BaseModel):
 class TrajectoryGroup(BaseModel):
     """Trajectories sampled for the same prompt; GRPO normalises rewards within a group.
 
+    `TrajectoryGroup(items)` with plain trajectories builds the group. Given awaitables (one
+    rollout coroutine per trajectory), it returns an awaitable instead, as in ART: awaiting it
+    runs the rollouts concurrently and builds the group; a rollout that raises is recorded in
+    `exceptions` ("Type: message") and left out of `trajectories`.
+
     Attributes:
         trajectories: the group's trajectories.
-        metrics: group-level metrics.
-        exceptions: descriptions of rollouts of this group that raised (type and message).
+        metrics: group-level metrics (averaged over groups in logs).
+        metadata: free-form scalars kept with the group.
+        exceptions: descriptions of rollouts of this group that raised.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     trajectories: list[Trajectory] = Field(default_factory=list)
     metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
     exceptions: list[str] = Field(default_factory=list)
 
+    def __new__(cls, trajectories: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        items = None if trajectories is None else list(trajectories)
+        if items and any(inspect.isawaitable(t) for t in items):
+            return PendingTrajectoryGroup(cls, items, kwargs)
+        instance = super().__new__(cls)
+        if items is not None:
+            instance.__dict__["_art_items"] = items  # a generator can only be read once
+        return instance
+
     def __init__(self, trajectories: Iterable[Trajectory] | None = None, **data: Any) -> None:
-        if trajectories is not None:
+        items = self.__dict__.pop("_art_items", None)
+        if items is not None:
+            data["trajectories"] = items
+        elif trajectories is not None:
             data["trajectories"] = list(trajectories)
         super().__init__(**data)
 
@@ -97,3 +118,54 @@ class TrajectoryGroup(BaseModel):
 
     def __len__(self) -> int:
         return len(self.trajectories)
+
+
+class PendingTrajectoryGroup:
+    """What `TrajectoryGroup(awaitables)` returns: awaiting it runs the rollouts (once)."""
+
+    def __init__(self, cls: type[TrajectoryGroup], items: list[Any], kwargs: dict[str, Any]) -> None:
+        self._cls = cls
+        self._items = items
+        self._kwargs = kwargs
+
+    @property
+    def num_trajectories(self) -> int:
+        """How many rollouts this group will run."""
+        return len(self._items)
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return _gather_group(self._cls, self._items, self._kwargs).__await__()
+
+
+def describe_exception(exc: BaseException) -> str:
+    """`Type: message`, the form exceptions take in `TrajectoryGroup.exceptions`."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _gather_group(
+    cls: type[TrajectoryGroup], items: list[Any], kwargs: dict[str, Any]
+) -> TrajectoryGroup:
+    from art_mega.gather import current_progress
+
+    progress = current_progress()
+
+    async def one(item: Any) -> Any:
+        try:
+            result = await item if inspect.isawaitable(item) else item
+        except Exception as exc:  # a failed rollout is recorded, not raised (see gather)
+            if progress is not None:
+                progress.on_exception(exc)
+            return exc
+        if progress is not None and isinstance(result, Trajectory):
+            progress.on_trajectory(result)
+        return result
+
+    results = await asyncio.gather(*(one(i) for i in items))
+    exceptions = [describe_exception(r) for r in results if isinstance(r, BaseException)]
+    trajectories = [r for r in results if not isinstance(r, BaseException)]
+    for value in trajectories:
+        if not isinstance(value, Trajectory):
+            raise TypeError(f"a rollout returned {type(value).__name__}, expected Trajectory")
+    group = cls(trajectories, **kwargs)
+    group.exceptions.extend(exceptions)
+    return group
