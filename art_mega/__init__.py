@@ -17,6 +17,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 _EXPORTS = {
     "Trajectory": "art_mega.trajectories",
     "TrajectoryGroup": "art_mega.trajectories",
+    "gather_trajectory_groups": "art_mega.gather",
     "TrainableModel": "art_mega.model",
     "Model": "art_mega.model",
     "ArtLaunchContext": "art_mega.launch.context",
