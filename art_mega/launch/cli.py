@@ -243,6 +243,29 @@ def worker(
     raise typer.Exit(_guarded(debug, body))
 
 
+@app.command()
+def report(
+    run_dir: Annotated[str, typer.Argument(help="A model's run directory (it holds history.jsonl).")],
+    debug: DebugOpt = False,
+) -> None:
+    """Write PNG plots of RUN_DIR (reward, loss, KL, grad norm, step time) and print a summary."""
+
+    def body() -> int:
+        from pathlib import Path
+
+        from art_mega.metrics import read_history
+        from art_mega.report import summary, write_report
+
+        paths = write_report(run_dir)
+        for label, value in summary(read_history(Path(run_dir) / "history.jsonl")):
+            print(f"{label:<32} {value}")
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
+
+    raise typer.Exit(_guarded(debug, body))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
