@@ -86,12 +86,13 @@ def write_report(run_dir: str | Path) -> list[Path]:
     ax.legend()
     save(fig, "reward.png")
 
-    for name, suffixes in (
-        ("loss.png", ("loss", "policy_loss")),
-        ("kl.png", ("kl",)),
-        ("grad_norm.png", ("grad_norm",)),
-    ):
-        key = _first_key(rows, suffixes)
+    plots = (
+        ("loss.png", ("loss/policy", "train/loss", "loss")),
+        ("kl.png", ("loss/kl", "train/kl", "kl")),
+        ("grad_norm.png", ("loss/grad_norm", "train/grad_norm", "grad_norm")),
+    )
+    for name, candidates in plots:
+        key = _first_key(rows, candidates)
         if key is None:
             continue
         steps, values = _series(rows, key)
