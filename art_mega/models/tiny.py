@@ -233,6 +233,7 @@ def _write_tokenizer(directory: Path, spec: dict) -> None:
 def _write_model(directory: Path, spec: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = _hf_config(spec["arch"], spec)
     with torch.random.fork_rng(devices=[]):
@@ -240,7 +241,13 @@ def _write_model(directory: Path, spec: dict) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _fill_weights(model, spec["seed"], spec["hidden_size"])
     model.generation_config.do_sample = True
-    model.save_pretrained(directory, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(directory, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def build_tiny_model(
@@ -273,10 +280,13 @@ def build_tiny_model(
         (staging / MARKER_FILE).write_text(
             json.dumps({"hash": digest, "spec": spec}, indent=2, sort_keys=True)
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
+        if not _is_built(out, digest):  # another process may have finished the same build first
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staging, out)
+    except OSError:
+        if not _is_built(out, digest):
+            raise
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out

@@ -1,0 +1,59 @@
+"""Inputs and helpers shared by the trainer tests and their gloo worker processes."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    # One KV head: TP=2 exceeds the KV heads, Megatron's all-gather path for shared KV heads.
+    "qwen2_1kv": ("qwen2", {"num_kv_heads": 1}),
+    "qwen3_1kv": ("qwen3", {"num_kv_heads": 1}),
+    # Three heads cannot be split two ways: the divisibility error.
+    "llama_3heads": (
+        "llama",
+        {"num_heads": 3, "num_kv_heads": 3, "hidden_size": 96, "intermediate_size": 192},
+    ),
+}
+"""Test model name -> (arch, build_tiny_model size arguments)."""
+
+EQUIVALENCE_MODELS = ("llama", "qwen2", "qwen3", "qwen2_1kv", "qwen3_1kv")
+BATCH, SEQ = 2, 24
+
+
+def require_trainer_deps() -> None:
+    """Skip the calling test module unless megatron-core and transformers (the cpu extra) import."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the cpu extra)")
+    pytest.importorskip("transformers", reason="transformers is not installed (the cpu extra)")
+
+
+def input_ids(vocab_size: int):
+    """Fixed token ids [BATCH, SEQ] (int64), the same in every process."""
+    import torch
+
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1234))
+
+
+def megatron_logits(built, ids):
+    """Full-vocabulary logits [b, s, vocab] (float32) of a `MegatronModel`, gathered over TP."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        shard = built.module(ids, positions, None)
+        full = gather_from_tensor_model_parallel_region(shard, mpu.get_tensor_model_parallel_group())
+    return full[..., : built.vocab_size].float()
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

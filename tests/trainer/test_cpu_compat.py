@@ -1,0 +1,135 @@
+"""The CPU compatibility layer, patch by patch: each Megatron call fails without its patch and
+works with it (on a CPU-only torch), and the layer refuses megatron-core series it does not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from art_mega.errors import UserError
+from art_mega.trainer import cpu_compat
+from tests.trainer.common import require_trainer_deps
+
+require_trainer_deps()
+
+import torch  # noqa: E402
+
+CUDA_MISSING = (AssertionError, RuntimeError)
+"""What torch raises for a CUDA call without CUDA ("Torch not compiled with CUDA enabled")."""
+
+
+@pytest.fixture
+def only_patch() -> Iterator[object]:
+    """Remove every patch, yield `apply(name)`, then restore the patches and RNG states from before."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    before = cpu_compat.applied_patches()
+    tracker = mcore_random._CUDA_RNG_STATE_TRACKER
+    states = dict(tracker.get_states()) if tracker is not None and tracker.is_initialized() else None
+    cpu_compat.remove_cpu_compat()
+    yield lambda name: cpu_compat.apply_cpu_compat([name])
+    cpu_compat.remove_cpu_compat()
+    cpu_compat.apply_cpu_compat(before)
+    if states is not None:
+        mcore_random.get_cuda_rng_tracker().set_states(states)
+
+
+def unpatched_fails(call) -> None:
+    """Assert that `call()` hits a CUDA call (only meaningful where torch has no CUDA)."""
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(CUDA_MISSING):
+        call()
+
+
+def test_current_device_is_cpu(only_patch) -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    def rope():  # rotary_pos_embedding.py:162 moves inv_freq to the current device
+        return RotaryEmbedding(kv_channels=32, rotary_percent=1.0, use_cpu_initialization=True)(8)
+
+    def buffer():  # utils.py:631 allocates the global buffer on the current device
+        return GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "test")
+
+    unpatched_fails(rope)
+    unpatched_fails(buffer)
+    only_patch("current_device_is_cpu")
+    assert rope().shape == (8, 1, 1, 32)
+    assert buffer().device.type == "cpu"
+    assert cpu_compat.applied_patches() == ("current_device_is_cpu",)
+
+
+def test_cpu_rng_tracker(only_patch) -> None:
+    from megatron.core import tensor_parallel
+
+    def seed(tp_rank: int) -> None:
+        tensor_parallel.model_parallel_cuda_manual_seed(7, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+
+    def forked() -> torch.Tensor:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return torch.rand(4)
+
+    unpatched_fails(lambda: seed(0))
+    only_patch("cpu_rng_tracker")
+    torch.manual_seed(1)
+    outer = torch.rand(4)
+    torch.manual_seed(1)
+    seed(0)
+    first = forked()
+    assert torch.equal(torch.rand(4), outer), "forking must leave the default CPU generator untouched"
+    assert not torch.equal(forked(), first), "the model-parallel stream advances between forks"
+    seed(1)
+    assert not torch.equal(forked(), first), "TP ranks get different model-parallel streams"
+    seed(0)
+    assert torch.equal(forked(), first), "the same seed and TP rank repeat the stream"
+
+
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_cpu_causal_masks(only_patch, window) -> None:
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    softmax = FusedScaleMaskSoftmax(
+        input_in_fp16=False,
+        input_in_bf16=False,
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+        window_size=window,
+    )
+    scores = torch.randn(1, 2, 5, 5, generator=torch.Generator().manual_seed(0))
+    unpatched_fails(lambda: softmax(scores, None))
+    only_patch("cpu_causal_masks")
+    rows, cols = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    masked = cols > rows
+    if window is not None:
+        masked |= cols < rows - window[0]
+    expected = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+    torch.testing.assert_close(softmax(scores, None), expected)
+
+
+def test_version_gate_and_bookkeeping(only_patch) -> None:
+    assert cpu_compat.check_megatron_version().startswith("0.16.")
+    assert cpu_compat.check_megatron_version("0.16.9") == "0.16.9"
+    with pytest.raises(UserError) as caught:
+        cpu_compat.check_megatron_version("0.17.0")
+    assert str(caught.value) == (
+        "megatron-core 0.17.0 is installed but art-mega's CPU compatibility layer knows only 0.16.x; "
+        "install 'megatron-core>=0.16,<0.17'."
+    )
+    with pytest.raises(KeyError, match="unknown CPU patch 'nope'"):
+        cpu_compat.apply_cpu_compat(["nope"])
+    original = torch.cuda.current_device
+    assert cpu_compat.apply_cpu_compat() == tuple(cpu_compat.PATCHES)
+    assert cpu_compat.apply_cpu_compat() == tuple(cpu_compat.PATCHES), "idempotent"
+    assert torch.cuda.current_device() == "cpu"
+    cpu_compat.remove_cpu_compat()
+    assert torch.cuda.current_device is original and cpu_compat.applied_patches() == ()
+    assert cpu_compat.needs_cpu_compat("cpu") and cpu_compat.needs_cpu_compat(torch.device("cpu"))
+    assert not cpu_compat.needs_cpu_compat("cuda:0")

@@ -1,0 +1,82 @@
+"""TP=2 and DP=2 across two gloo processes give the TP=1 logits; TP=2 refuses a 3-head model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.trainer.common import EQUIVALENCE_MODELS, free_port, require_trainer_deps
+
+require_trainer_deps()
+
+TP_TOLERANCE = 1e-5
+WORLD = 2
+
+
+@pytest.fixture(scope="session")
+def two_rank_results(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Each rank's results from `tests.trainer.tp_worker` (TP=2 phase, then TP=1/DP=2 phase)."""
+    import torch
+
+    out = tmp_path_factory.mktemp("tp-worker")
+    ports = [str(free_port()), str(free_port())]
+    models = [f"{name}={path}" for name, path in tiny_dirs.items()]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.trainer.tp_worker",
+                str(rank),
+                str(WORLD),
+                str(out),
+                *ports,
+                *models,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{logs[rank][-4000:]}"
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", EQUIVALENCE_MODELS)
+def test_tp2_matches_tp1(name: str, two_rank_results: list[dict], tp1_logits: dict) -> None:
+    for rank, results in enumerate(two_rank_results):
+        assert results["tp2_state"] == (2, 1, rank, 0)
+        diff = (results[f"tp2/{name}"] - tp1_logits[name]).abs().max().item()
+        print(f"{name} rank {rank}: max |tp2 - tp1| = {diff:.2e}")
+        assert diff <= TP_TOLERANCE
+
+
+def test_dp2_ranks_match_tp1(two_rank_results: list[dict], tp1_logits: dict) -> None:
+    for rank, results in enumerate(two_rank_results):
+        assert results["dp2_state"] == (1, 2, 0, rank)
+        assert (results["dp2/llama"] - tp1_logits["llama"]).abs().max().item() <= TP_TOLERANCE
+
+
+def test_tp2_refuses_three_heads_before_allocating(two_rank_results: list[dict]) -> None:
+    for results in two_rank_results:
+        assert results["tp2_error"] == (
+            "tp=2 cannot split this llama model (3 attention heads, 3 KV heads, FFN size 192); use tp in {1, 3}."
+        )
