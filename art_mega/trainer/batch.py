@@ -1,0 +1,146 @@
+"""The packed training batch one DP rank consumes, and its file form (safetensors).
+
+Shapes: B packed rows of S tokens. Several documents (one trajectory's sequence each) share a
+row; `segment_ids` tells them apart so no token attends across documents. Token t of a row is
+predicted from tokens < t of its own document; the per-token fields below describe token t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INT_FIELDS = ("input_ids", "segment_ids", "position_ids")
+FLOAT_FIELDS = ("loss_mask", "old_logprobs", "advantages", "weights")
+
+
+@dataclass
+class TrainBatch:
+    """One DP rank's packed batch (numpy arrays, [B, S] each).
+
+    Attributes:
+        input_ids: int64 token ids; 0-padded past the last document of a row.
+        segment_ids: int32 document index within its row, from 1; 0 marks padding.
+        position_ids: int64 position of each token within its own document (restarts at 0).
+        loss_mask: float32 1.0 where token t is trained (a sampled/assistant token), else 0.0.
+        old_logprobs: float32 logprob of token t under the sampling policy (0 where not trained).
+        advantages: float32 the advantage of token t's trajectory (0 for SFT).
+        weights: float32 token weight: 1 / assistant tokens of its trajectory.
+    """
+
+    input_ids: np.ndarray
+    segment_ids: np.ndarray
+    position_ids: np.ndarray
+    loss_mask: np.ndarray
+    old_logprobs: np.ndarray
+    advantages: np.ndarray
+    weights: np.ndarray
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value.shape != shape or value.ndim != 2:
+                raise ValueError(f"TrainBatch.{f.name} has shape {value.shape}, expected [B, S] = {shape}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def trained_tokens(self) -> int:
+        return int((self.loss_mask > 0).sum())
+
+    def save(self, path: str | Path) -> None:
+        """Write to `path` (safetensors) via a temp file and rename: never half-written."""
+        from safetensors.numpy import save_file
+
+        target = Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        save_file({f.name: np.ascontiguousarray(getattr(self, f.name)) for f in fields(self)}, str(tmp))
+        tmp.replace(target)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainBatch:
+        from safetensors.numpy import load_file
+
+        data = load_file(str(path))
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+    def to_torch(self, device: Any = "cpu") -> dict[str, Any]:
+        """The fields as torch tensors on `device` (int64/int32/float32 kept)."""
+        import torch
+
+        return {f.name: torch.from_numpy(getattr(self, f.name)).to(device) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Document:
+    """One sequence to pack: its tokens and, per token, the training fields (length L each)."""
+
+    input_ids: list[int]
+    loss_mask: list[float]
+    old_logprobs: list[float]
+    advantage: float
+    weight: float
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def pack(documents: list[Document], seq_len: int, dp_size: int = 1) -> list[TrainBatch]:
+    """Pack documents into rows of `seq_len` tokens, split across `dp_size` ranks by tokens.
+
+    First-fit decreasing by length into rows; rows are dealt to DP ranks greedily (least tokens
+    first) so ranks get balanced token counts; every rank gets the same number of rows (empty
+    rows are all padding, loss_mask 0). A document longer than `seq_len` raises ValueError.
+
+    Returns:
+        one TrainBatch per DP rank.
+    """
+    for doc in documents:
+        if len(doc) > seq_len:
+            raise ValueError(f"a sequence of {len(doc)} tokens does not fit seq_len={seq_len}; raise seq_len")
+    rows: list[list[Document]] = []
+    room: list[int] = []
+    for doc in sorted(documents, key=len, reverse=True):
+        for i, free in enumerate(room):
+            if len(doc) <= free:
+                rows[i].append(doc)
+                room[i] -= len(doc)
+                break
+        else:
+            rows.append([doc])
+            room.append(seq_len - len(doc))
+    per_rank: list[list[list[Document]]] = [[] for _ in range(dp_size)]
+    tokens = [0] * dp_size
+    for row in sorted(rows, key=lambda r: -sum(len(d) for d in r)):
+        rank = min(range(dp_size), key=lambda r: (tokens[r], len(per_rank[r])))
+        per_rank[rank].append(row)
+        tokens[rank] += sum(len(d) for d in row)
+    height = max(1, max(len(r) for r in per_rank))
+    return [_fill(rank_rows, height, seq_len) for rank_rows in per_rank]
+
+
+def _fill(rows: list[list[Document]], height: int, seq_len: int) -> TrainBatch:
+    shape = (height, seq_len)
+    out = {name: np.zeros(shape, dtype=np.int64) for name in ("input_ids", "position_ids")}
+    out["segment_ids"] = np.zeros(shape, dtype=np.int32)
+    for name in FLOAT_FIELDS:
+        out[name] = np.zeros(shape, dtype=np.float32)
+    for r, row in enumerate(rows):
+        start = 0
+        for segment, doc in enumerate(row, start=1):
+            end = start + len(doc)
+            out["input_ids"][r, start:end] = doc.input_ids
+            out["segment_ids"][r, start:end] = segment
+            out["position_ids"][r, start:end] = np.arange(len(doc))
+            out["loss_mask"][r, start:end] = doc.loss_mask
+            out["old_logprobs"][r, start:end] = doc.old_logprobs
+            out["advantages"][r, start:end] = np.where(np.asarray(doc.loss_mask) > 0, doc.advantage, 0.0)
+            out["weights"][r, start:end] = np.where(np.asarray(doc.loss_mask) > 0, doc.weight, 0.0)
+            start = end
+    return TrainBatch(**out)
