@@ -69,3 +69,24 @@ def tmp_module(tmp_path: Path):
     sys.path.remove(str(tmp_path))
     for name in written:
         sys.modules.pop(name, None)
+
+
+TEST_MODEL_CACHE = Path(
+    os.environ.get("ART_MEGA_TEST_MODELS", Path.home() / ".cache" / "art-mega" / "test-models")
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir() -> Path:
+    """The tiny Llama HF directory (built once per machine; the build is idempotent by hash)."""
+    pytest.importorskip("transformers", reason="the tiny model needs transformers (the trainer-cpu extra)")
+    from art_mega.models.tiny import build_tiny_model
+
+    return build_tiny_model(TEST_MODEL_CACHE / "tiny-llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
