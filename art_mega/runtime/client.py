@@ -1,14 +1,16 @@
 """The controller's signed HTTP client for one agent.
 
 Bodies are the pydantic models of `protocol`; every request is signed with the launch secret.
+The transport is aiohttp: one keep-alive `ClientSession` for each `AgentClient` (httpx cost
+about 1.6 ms of CPU per request here; see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
+import aiohttp
 from pydantic import BaseModel
 
 from art_mega.errors import UserError
@@ -35,9 +37,27 @@ from art_mega.runtime.protocol import (
     StartRolloutWorkersRequest,
     StartRolloutWorkersResponse,
     StopRolloutWorkersRequest,
+    TrainerEventsRequest,
+    TrainerEventsResponse,
+    TrainerJobRequest,
+    TrainerJobResponse,
+    TrainerStartRequest,
+    TrainerStartResponse,
 )
 
+if TYPE_CHECKING:
+    from art_mega.inference.protocol import InferenceStartResponse, ReplicaLaunch
+    from art_mega.topology.compiled import ReplicaSpec
+
 M = TypeVar("M", bound=BaseModel)
+
+MAX_CONNECTIONS = 1024
+"""Connections an `AgentClient` keeps open to its agent at most (one per request in flight)."""
+
+KEEPALIVE_S = 4.0
+"""How long an idle connection is kept for reuse: below uvicorn's 5 s keep-alive on the agent, so
+that the client, not the server, closes an idle connection (a POST is never retried on one that
+the server closed meanwhile)."""
 
 
 class AgentError(Exception):
@@ -80,10 +100,35 @@ class AgentClient:
     def __init__(self, host: str, address: str, url: str, secret: bytes, timeout_s: float = 30.0) -> None:
         self.host = host
         self.address = address
+        self._url = url.rstrip("/")
         self._secret = secret
         self._timeout_s = timeout_s
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout_s, trust_env=False)
+        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session, made on first use (aiohttp binds it to the running event loop)."""
+        if self._session is None:
+            if self._closed:
+                raise RuntimeError(f"the client of host {self.host} ({self.address}) is closed")
+            connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=self._timeout(self._timeout_s),
+                trust_env=False,
+            )
+        return self._session
+
+    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
+        """Like httpx's: `seconds` to get a connection and between reads; no limit on the whole call."""
+        timeout = self._timeouts.get(seconds)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=None, connect=seconds, sock_read=seconds)
+            if len(self._timeouts) < 64:
+                self._timeouts[seconds] = timeout
+        return timeout
 
     async def _request(
         self,
@@ -97,23 +142,25 @@ class AgentClient:
         content = body.model_dump_json().encode() if body is not None else b""
         headers = sign(self._secret, method, full, content)
         headers["content-type"] = "application/json"
-        timeout = self._timeout_s if timeout_s is ... else timeout_s
+        timeout = self._timeout(self._timeout_s if timeout_s is ... else timeout_s)
         try:
-            response = await self._http.request(
-                method, full, content=content, headers=headers, timeout=timeout
-            )
-        except httpx.HTTPError as exc:
+            async with self._http().request(
+                method, self._url + full, data=content, headers=headers, timeout=timeout
+            ) as response:
+                status = response.status
+                payload = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise AgentError(
                 self.host, self.address, f"agent unreachable ({type(exc).__name__}: {exc})"
             ) from exc
-        if response.status_code != 200:
-            detail = response.text
+        if status != 200:
+            detail = payload.decode(errors="replace")
             try:
                 detail = json.loads(detail).get("detail", detail)
             except (ValueError, AttributeError):
                 pass
-            raise AgentError(self.host, self.address, f"HTTP {response.status_code}: {detail}")
-        return model.model_validate(response.json())
+            raise AgentError(self.host, self.address, f"HTTP {status}: {detail}")
+        return model.model_validate_json(payload)
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
         """The agent's identity and children. Raises `AgentError` when it does not answer."""
@@ -189,6 +236,44 @@ class AgentClient:
             "POST", "/preflight/run", request, PreflightRunResponse, request.timeout_s + 30
         )
 
+    async def inference_start(self, replica: ReplicaSpec, launch: ReplicaLaunch) -> InferenceStartResponse:
+        """Start a vLLM replica on this host and wait until it is ready (see `art_mega.inference`);
+        the wait is bounded by `launch.ready_timeout_s` (+ margin). Failures come back in the reply."""
+        from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse
+
+        body = InferenceStartRequest(replica=replica, launch=launch)
+        return await self._request(
+            "POST", "/inference/start", body, InferenceStartResponse, launch.ready_timeout_s + 30
+        )
+
+    async def inference_stop(self, names: tuple[str, ...] = ()) -> ShutdownResponse:
+        """Stop these replicas of this host (empty: all); SIGTERM, then SIGKILL after their grace."""
+        from art_mega.inference.protocol import InferenceStopRequest
+
+        return await self._request(
+            "POST", "/inference/stop", InferenceStopRequest(names=names), ShutdownResponse
+        )
+
+    async def trainer_start(self, request: TrainerStartRequest) -> TrainerStartResponse:
+        """Start this host's trainer ranks (readiness arrives as events)."""
+        reply = await self._request("POST", "/trainer/start", request, TrainerStartResponse)
+        if reply.error:
+            raise AgentError(self.host, self.address, f"trainer ranks did not start: {reply.error}")
+        return reply
+
+    async def trainer_job(self, job: dict[str, Any]) -> int:
+        """Send a job to this host's trainer ranks; returns how many ranks it reached."""
+        return (await self._request("POST", "/trainer/job", TrainerJobRequest(job=job), TrainerJobResponse)).sent
+
+    async def trainer_events(self, after: int, timeout_s: float) -> TrainerEventsResponse:
+        """Long-poll this host's trainer events from index `after` (waits up to `timeout_s` s)."""
+        body = TrainerEventsRequest(after=after, timeout_s=timeout_s)
+        return await self._request("POST", "/trainer/events", body, TrainerEventsResponse, timeout_s + 30)
+
+    async def trainer_stop(self) -> ShutdownResponse:
+        """Stop this host's trainer ranks."""
+        return await self._request("POST", "/trainer/stop", None, ShutdownResponse)
+
     async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:
         """Stop every child of the agent, then the agent itself."""
         return await self._request(
@@ -196,4 +281,8 @@ class AgentClient:
         )
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Close the session and its connections (idempotent); later calls raise RuntimeError."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()

@@ -10,37 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from art_mega.runtime.netif import gloo_interface_for, local_interface
+
 RESULT_PREFIX = "PREFLIGHT_RESULT "
 RECORD_BYTES = 512
-
-
-def local_interface(peer_host: str) -> tuple[str, str]:
-    """(interface name, local IP) this host uses to reach `peer_host` (Linux; "" when unknown)."""
-    try:
-        family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            sock.connect((peer_host, 9))
-            local_ip = sock.getsockname()[0]
-    except OSError:
-        return "", ""
-    import subprocess
-
-    try:
-        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "", local_ip
-    for line in out.splitlines():
-        fields = line.split()
-        if len(fields) > 3 and fields[3].split("/")[0] == local_ip:
-            return fields[1], local_ip
-    return "", local_ip
 
 
 def check_nccl_log(text: str, expected: str, rank: int, host: str) -> None:
@@ -106,12 +85,8 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = int(config["rank"]), int(config["world_size"])
-    if world > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        # gloo otherwise binds the address its hostname resolves to, which need not be the
-        # network the other hosts reach us on
-        interface, _ = local_interface(config["master_host"])
-        if interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if world > 1:
+        gloo_interface_for(config["master_host"])
     host = config["host_id"]
     timeout = timedelta(seconds=float(config["timeout_s"]))
     backend = config.get("backend", "gloo")

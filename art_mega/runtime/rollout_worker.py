@@ -23,6 +23,9 @@ from art_mega.runtime.protocol import CallableRef, RemoteFailure
 STREAM_LIMIT = 64 * 1024 * 1024
 """Largest single message (bytes) between agent and worker."""
 
+MAX_CACHED_REFS = 1024
+"""Distinct raw callable references whose validated `CallableRef` a worker keeps."""
+
 
 def failure_from(exc: BaseException) -> RemoteFailure:
     """Describe an exception for the controller; `UserError` keeps its one sentence."""
@@ -40,7 +43,21 @@ class _Worker:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
         self._cache: dict[CallableRef, Any] = {}
+        self._refs: dict[tuple[tuple[Any, Any], ...], CallableRef] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _ref(self, raw: Any) -> CallableRef:
+        """`CallableRef.model_validate(raw)`, cached by the raw (key, value) pairs."""
+        try:
+            key = tuple(raw.items())
+            ref = self._refs.get(key)
+        except (AttributeError, TypeError):  # not a dict, or unhashable values: let pydantic say why
+            return CallableRef.model_validate(raw)
+        if ref is None:
+            ref = CallableRef.model_validate(raw)
+            if len(self._refs) < MAX_CACHED_REFS:
+                self._refs[key] = ref
+        return ref
 
     def _load(self, ref: CallableRef) -> Any:
         fn = self._cache.get(ref)
@@ -54,7 +71,7 @@ class _Worker:
 
     async def _run(self, request_id: int, message: dict[str, Any]) -> None:
         try:
-            fn = self._load(CallableRef.model_validate(message["callable"]))
+            fn = self._load(self._ref(message["callable"]))
             args = wire.decode(message.get("args", []))
             kwargs = wire.decode(message.get("kwargs", {}))
             result = await fn(*args, **kwargs)

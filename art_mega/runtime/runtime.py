@@ -72,6 +72,11 @@ class ArtRuntime:
         self.preflight: PreflightReport | None = None
 
     @property
+    def clients(self) -> dict[str, AgentClient]:
+        """The signed client of every host's agent, by host id."""
+        return dict(self._clients)
+
+    @property
     def rpc_timeout_s(self) -> float:
         return self.topology.cluster.rpc_timeout_s
 

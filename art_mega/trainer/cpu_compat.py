@@ -2,19 +2,29 @@
 
 Applied only to processes whose trainer device is the CPU; each patch is one named function.
 
-megatron-core 0.16.1 runs a dense GPTModel on CPU over gloo once these are worked around
-(file:line in megatron/core/, see also shared/FACTS.md):
+megatron-core 0.16.1 runs a dense GPTModel, its DDP wrapper, optimizers and schedule on CPU over
+gloo once these are worked around (file:line in megatron/core/, see also shared/FACTS.md):
 
-- `current_device_is_cpu`: `torch.cuda.current_device()` used as an allocation device.
+- `current_device_is_cpu`: `torch.cuda.current_device()` used as an allocation device (this also
+  covers the DDP grad buffers, `distributed/param_and_grad_buffer.py:783,800,806`).
 - `cpu_rng_tracker`: the RNG states tracker reads and writes CUDA generator states.
 - `cpu_causal_masks`: the default causal and sliding-window masks are built on "cuda".
+- `cpu_optimizer_tensors`: optimizer bookkeeping tensors made with `device='cuda'` and
+  parameter-type checks against `torch.cuda.*Tensor` strings (`optimizer/optimizer.py`,
+  `optimizer/distrib_optimizer.py`).
+- `cpu_grad_norm`: grad-norm, clipping and zero-counting tensors made on "cuda", and a
+  `torch.cuda.FloatTensor` assertion (`optimizer/clip_grads.py`, `utils.py:1207`).
+- `cpu_schedule_tokens`: the no-pipelining schedule's token counter made on "cuda"
+  (`pipeline_parallel/schedules.py:596`).
 
-Not patched yet, because nothing in art-mega runs them on CPU yet: the DDP grad buffers
-(`distributed/param_and_grad_buffer.py:800,806`), the optimizer and grad clipping
-(`optimizer/optimizer.py:481,485,907`, `optimizer/clip_grads.py:103,167`,
-`optimizer/distrib_optimizer.py:361,420,582`), `utils.py:1207`, `pipeline_parallel/schedules.py:596`,
-MoE (`moe/router.py:90`, `moe/moe_utils.py:1093,1192`, `moe/token_dispatcher.py:445`), RoPE
-utilities (`models/common/embeddings/rope_utils.py:64`), sequence parallel with the torch norm
+The last three rewrite a few literal fragments of named megatron-core functions (`_rewrite`):
+each fragment must occur exactly as often as expected, or the patch refuses to apply, so a
+changed megatron-core fails loudly here rather than silently later.
+
+Not patched yet, because nothing in art-mega runs them on CPU yet: the pipeline-parallel
+schedules (`pipeline_parallel/schedules.py:983,2138`), MoE (`moe/router.py:90`,
+`moe/moe_utils.py:1093,1192`, `moe/token_dispatcher.py:445`), RoPE utilities
+(`models/common/embeddings/rope_utils.py:64`), sequence parallel with the torch norm
 (`transformer/torch_norm.py:32`) and context parallel (`transformer/dot_product_attention.py:57`,
 which needs a CPU core-attention module rather than a patch).
 """
@@ -23,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -170,10 +182,135 @@ def cpu_causal_masks(log: _UndoLog) -> None:
     _replace(log, fused_softmax, "get_sliding_window_causal_mask", _sliding_window_causal_mask)
 
 
+Edit = tuple[str, str, int]
+"""(fragment of megatron-core source, its CPU replacement, how many times it must occur)."""
+
+_ON_CUDA = ("device='cuda'", "device='cpu'")
+_HALF_TYPES = "type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"
+_FLOAT_TYPE = "type() == 'torch.cuda.FloatTensor'"
+_HALF_DTYPES = "dtype in (torch.float16, torch.bfloat16)"
+_FLOAT_DTYPE = "dtype == torch.float32"
+
+
+def _plain_function(owner: Any, name: str) -> Any:
+    """The undecorated function object behind `owner.name` (method, static/class method, function)."""
+    attr = inspect.getattr_static(owner, name)
+    if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+    return inspect.unwrap(attr)
+
+
+def _rewrite(log: _UndoLog, owner: Any, name: str, edits: Iterable[Edit]) -> None:
+    """Recompile `owner.name` with textual `edits` and swap in the new code object.
+
+    The function object stays the same (only its `__code__` changes), so every module that
+    imported it by name sees the change, and undoing restores the old code. The source is
+    compiled under the original file name and line numbers (tracebacks point at megatron-core)
+    inside a factory that re-creates its free variables, so closures such as zero-argument
+    `super()`'s `__class__` cell keep working. Decorators are left as they are.
+
+    Raises `RuntimeError` naming the function when a fragment does not occur exactly the expected
+    number of times (the installed megatron-core differs from the release this layer knows).
+    """
+    function = _plain_function(owner, name)
+    lines, first_line = inspect.getsourcelines(function)
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "async def ")))
+    source = textwrap.dedent("".join(lines[start:]))
+    where = f"{function.__module__}.{function.__qualname__}"
+    for old, new, count in edits:
+        found = source.count(old)
+        if found != count:
+            raise RuntimeError(
+                f"{where} contains {old!r} {found} times, expected {count}: megatron-core changed; "
+                "update art_mega/trainer/cpu_compat.py"
+            )
+        source = source.replace(old, new)
+    code = function.__code__
+    free = ", ".join(code.co_freevars)
+    factory = (
+        "\n" * (first_line + start - 2)
+        + f"def _art_mega_factory({free}):\n"
+        + textwrap.indent(source, "    ")
+        + f"    return {function.__name__}\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(factory, code.co_filename, "exec"), function.__globals__, namespace)
+    rebuilt = namespace["_art_mega_factory"](*([None] * len(code.co_freevars))).__code__
+    if rebuilt.co_freevars != code.co_freevars:
+        raise RuntimeError(f"{where}: rewritten code has free variables {rebuilt.co_freevars}")
+    _replace(log, function, "__code__", rebuilt)
+
+
+def cpu_optimizer_tensors(log: _UndoLog) -> None:
+    """Let Megatron's optimizers wrap CPU parameters and keep their bookkeeping on the CPU.
+
+    `MixedPrecisionOptimizer.__init__` (`optimizer/optimizer.py:473,481,485`) and
+    `FP32Optimizer.__init__` (`:907`) make scale and overflow tensors with `device='cuda'`;
+    `Float16OptimizerWithFloat16Params.__init__` (`:671,690`) and the distributed optimizer
+    (`optimizer/distrib_optimizer.py:361,420` in `_build_model_and_main_param_groups`, `:582` in
+    `__init__`) sort parameters by `param.type()` strings that only CUDA tensors have, and
+    reject CPU ones. The device becomes "cpu" and the type checks become dtype checks.
+    """
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    _rewrite(log, optimizer.MixedPrecisionOptimizer, "__init__", [(*_ON_CUDA, 3)])
+    _rewrite(log, optimizer.FP32Optimizer, "__init__", [(*_ON_CUDA, 1)])
+    _rewrite(
+        log,
+        optimizer.Float16OptimizerWithFloat16Params,
+        "__init__",
+        [(_HALF_TYPES, _HALF_DTYPES, 1), (_FLOAT_TYPE, _FLOAT_DTYPE, 1)],
+    )
+    _rewrite(
+        log,
+        distrib_optimizer.DistributedOptimizer,
+        "_build_model_and_main_param_groups",
+        [(_HALF_TYPES, _HALF_DTYPES, 1), (_FLOAT_TYPE, _FLOAT_DTYPE, 1)],
+    )
+    _rewrite(log, distrib_optimizer.DistributedOptimizer, "__init__", [(_HALF_TYPES, _HALF_DTYPES, 1)])
+
+
+def cpu_grad_norm(log: _UndoLog) -> None:
+    """Compute grad norms, clip and count zeros with CPU tensors.
+
+    `optimizer/clip_grads.py` makes its norm, overflow and count tensors with `device='cuda'`
+    (`get_grad_norm_fp32` :90,103,115; `clip_grad_by_total_norm_fp32` :174; `count_zeros_fp32`
+    :207) and asserts `param.grad.type() == 'torch.cuda.FloatTensor'` (:167); without apex or
+    TE the norm is `utils.local_multi_tensor_l2_norm`, which returns a tensor on "cuda"
+    (`utils.py:1207`). The norm is still all-reduced over the model-parallel group as before.
+    """
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    _rewrite(log, clip_grads, "get_grad_norm_fp32", [(*_ON_CUDA, 3)])
+    _rewrite(
+        log,
+        clip_grads,
+        "clip_grad_by_total_norm_fp32",
+        [(*_ON_CUDA, 1), ("grad.type() == 'torch.cuda.FloatTensor'", "grad.dtype == torch.float32", 1)],
+    )
+    _rewrite(log, clip_grads, "count_zeros_fp32", [(*_ON_CUDA, 1)])
+    _rewrite(log, utils, "local_multi_tensor_l2_norm", [('device="cuda"', 'device="cpu"', 1)])
+
+
+def cpu_schedule_tokens(log: _UndoLog) -> None:
+    """Count the no-pipelining schedule's tokens in a CPU tensor.
+
+    `forward_backward_no_pipelining` creates `total_num_tokens` with `device="cuda"`
+    (`pipeline_parallel/schedules.py:596`) on every call, forward-only included.
+    """
+    from megatron.core.pipeline_parallel import schedules
+
+    _rewrite(log, schedules, "forward_backward_no_pipelining", [('device="cuda"', 'device="cpu"', 1)])
+
+
 PATCHES: dict[str, Callable[[_UndoLog], None]] = {
     "current_device_is_cpu": current_device_is_cpu,
     "cpu_rng_tracker": cpu_rng_tracker,
     "cpu_causal_masks": cpu_causal_masks,
+    "cpu_optimizer_tensors": cpu_optimizer_tensors,
+    "cpu_grad_norm": cpu_grad_norm,
+    "cpu_schedule_tokens": cpu_schedule_tokens,
 }
 """Every patch by name, in the order `apply_cpu_compat` applies them."""
 

@@ -19,8 +19,8 @@ class MegatronModel:
     """A rank's GPTModel and what callers need to interpret its output.
 
     `module` is the megatron-core `GPTModel`; its forward(input_ids [b, s] int64,
-    position_ids [b, s] int64, attention_mask None (causal) or bool [b, 1, s, s] with True =
-    masked) returns this rank's vocabulary shard of the logits, [b, s, padded_vocab_size / tp]
+    position_ids [b, s] int64 (RoPE angles, see `RopeFromPositionIds`), attention_mask None
+    (causal) or bool [b, 1, s, s] with True = masked) returns this rank's vocabulary shard of the logits, [b, s, padded_vocab_size / tp]
     in the parameter dtype (`parallel_output=True`: gather over the TP group for full logits).
     Columns at and beyond `vocab_size` are padding (logit 0) and must be ignored.
     """
@@ -100,6 +100,8 @@ def build_megatron_model(
     missing = [name for name in missing if not name.endswith("._extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"HF -> Megatron weights mismatch: missing {missing}, unexpected {unexpected}")
+    if getattr(module, "position_embedding_type", None) == "rope":
+        RopeFromPositionIds.install(module)
     return MegatronModel(
         module=module,
         family=family,
@@ -122,3 +124,61 @@ def _rename_for_spec(state: dict[str, Any], model_keys: set[str], name_map: dict
                     break
         renamed[name] = tensor
     return renamed
+
+
+class RopeFromPositionIds:
+    """Make a GPTModel's rotary embedding follow its `position_ids` argument.
+
+    megatron-core's GPTModel ignores `position_ids` under RoPE: it rotates token t of every row
+    by angle t (`models/gpt/gpt_model.py` _preprocess calls `rotary_pos_emb(rotary_seq_len)`).
+    Packed rows restart positions at each document, as vLLM does; RoPE is relative, so the two
+    agree in exact arithmetic, but only position-based angles match the inference engine to the
+    last bit. `install` adds a forward pre-hook on the GPTModel that records `position_ids`, and
+    a forward hook on its `RotaryEmbedding` that replaces the [s, 1, 1, d] angle table with a
+    per-row [s, b, 1, d] table computed from them the same way (`get_emb`: positions outer
+    inv_freq, halves concatenated, or interleaved); attention's unfused RoPE broadcasts over
+    the batch dimension. Positions 0..s-1 give bit-identical angles to Megatron's own.
+    Not with context parallelism (the table would need Megatron's CP slicing): `install` raises
+    `NotImplementedError` when the CP group is larger than one.
+    """
+
+    def __init__(self) -> None:
+        self.position_ids = None
+
+    @classmethod
+    def install(cls, module: Any) -> RopeFromPositionIds:
+        """Hook `module` (a GPTModel with RoPE); returns the hook state."""
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_context_parallel_world_size() > 1:
+            raise NotImplementedError("RoPE from position_ids with context parallelism")
+        if getattr(module.config, "apply_rope_fusion", False):
+            raise NotImplementedError("RoPE from position_ids with apply_rope_fusion")
+        state = cls()
+        module.register_forward_pre_hook(state._record, with_kwargs=True)
+        module.register_forward_hook(state._clear)
+        module.rotary_pos_emb.register_forward_hook(state._angles)
+        return state
+
+    def _record(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+
+    def _clear(self, module: Any, args: tuple, output: Any) -> None:
+        self.position_ids = None
+
+    def _angles(self, rope: Any, args: tuple, output: Any) -> Any:
+        import torch
+
+        positions = self.position_ids
+        if positions is None:
+            return output
+        inv_freq = rope.inv_freq
+        seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
+        if rope.seq_len_interpolation_factor is not None:
+            seq = seq * (1 / rope.seq_len_interpolation_factor)
+        freqs = seq.transpose(0, 1)[..., None] * inv_freq  # [s, b, d/2]
+        if rope.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, :, None, :].to(output.dtype)

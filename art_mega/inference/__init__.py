@@ -1,0 +1,27 @@
+"""Managed vLLM replicas: start and stop through the host agents, adapter publication per step,
+and policy-versioned routing (`<model>@<step>`). Nothing here imports vLLM or torch.
+"""
+
+from art_mega.inference.adapters import AdapterPublisher, AdapterPublishError, PublishReport
+from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
+from art_mega.inference.remote import start_replicas, stop_replicas
+from art_mega.inference.replica import ReplicaStartError
+from art_mega.inference.router import PolicyRouter, ReplicaEndpoint, Route, inference_name
+from art_mega.inference.server_api import ReplicaClient, ReplicaHTTPError
+
+__all__ = [
+    "AdapterPublishError",
+    "AdapterPublisher",
+    "PolicyRouter",
+    "PublishReport",
+    "ReplicaClient",
+    "ReplicaEndpoint",
+    "ReplicaHTTPError",
+    "ReplicaLaunch",
+    "ReplicaStartError",
+    "Route",
+    "inference_name",
+    "lora_rank_slot",
+    "start_replicas",
+    "stop_replicas",
+]

@@ -1,0 +1,68 @@
+"""The agent's inference routes: start and stop this host's vLLM replicas as supervised children.
+
+`register_inference_routes(app, supervisor)` adds `POST /v1/inference/start` and
+`POST /v1/inference/stop`; the app's own signature check guards them like every other route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+
+from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse, InferenceStopRequest
+from art_mega.runtime.protocol import API_PREFIX, ShutdownResponse
+from art_mega.runtime.supervisor import DEFAULT_STOP_GRACE_S, Child, Supervisor
+
+ROLE = "inference"
+
+
+def register_inference_routes(app: FastAPI, supervisor: Supervisor) -> None:
+    """Add the inference routes to the agent's `app`; replicas join `supervisor`'s children.
+
+    Replicas are children like any other: the agent's shutdown stops them (SIGTERM, then
+    SIGKILL) and its health lists them with their log paths and exit codes. One replica name
+    runs at most once per agent; starting it again while it runs is refused.
+    """
+    lock = asyncio.Lock()
+    grace_s: dict[str, float] = {}
+
+    @app.post(f"{API_PREFIX}/inference/start")
+    async def inference_start(body: InferenceStartRequest) -> InferenceStartResponse:
+        from art_mega.inference.replica import ReplicaStartError, spawn_replica
+
+        name = body.replica.process_name
+        async with lock:
+            running = supervisor.get(name)
+            if running is not None and running.process.returncode is None:
+                return InferenceStartResponse(
+                    ok=False,
+                    name=name,
+                    pid=running.pid,
+                    error=f"replica {name} already runs (pid {running.pid})",
+                )
+            try:
+                replica = await spawn_replica(body.replica, body.launch)
+            except ReplicaStartError as exc:
+                return InferenceStartResponse(ok=False, name=name, error=str(exc))
+            grace_s[name] = body.launch.stop_grace_s
+            supervisor.add(
+                Child(child_id=name, role=ROLE, process=replica.process, log_path=str(replica.log_path))
+            )
+        response = dict(name=name, pid=replica.pid, log_path=str(replica.log_path), url=replica.url)
+        try:
+            seconds = await replica.wait_ready()
+        except ReplicaStartError as exc:
+            await supervisor.stop([name], 2.0)
+            return InferenceStartResponse(ok=False, error=str(exc), **response)
+        except BaseException:
+            await supervisor.stop([name], 2.0)
+            raise
+        return InferenceStartResponse(ok=True, seconds=seconds, **response)
+
+    @app.post(f"{API_PREFIX}/inference/stop")
+    async def inference_stop(body: InferenceStopRequest) -> ShutdownResponse:
+        ours = [c.child_id for c in supervisor.children() if c.role == ROLE]
+        names = [n for n in body.names if n in ours] if body.names else ours
+        grace = max((grace_s.get(n, DEFAULT_STOP_GRACE_S) for n in names), default=DEFAULT_STOP_GRACE_S)
+        return ShutdownResponse(stopped=await supervisor.stop(names, grace))

@@ -1,0 +1,108 @@
+"""How a vLLM replica is launched, and the agent's inference request/response bodies.
+
+Pydantic models, JSON on the wire; `ReplicaLaunch` is what `replica.start_replica` needs beside
+the topology's `ReplicaSpec`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from art_mega.topology.compiled import ReplicaSpec
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for `--max-lora-rank`."""
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`.
+
+    Raises `ValueError` for a rank < 1 or above vLLM's largest slot (512).
+    """
+    if rank >= 1:
+        for slot in VLLM_LORA_RANKS:
+            if rank <= slot:
+                return slot
+    raise ValueError(f"LoRA rank {rank} is outside 1..{VLLM_LORA_RANKS[-1]}, the ranks vLLM can serve")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaLaunch(_Body):
+    """What one vLLM OpenAI server is started with (besides the replica's host and port).
+
+    `model` is the HF model directory on the replica's host; `served_model_name` is the base
+    model's name in the API (adapters are served as `<served_model_name>@<step>`). `python` is
+    the interpreter that runs `-m vllm.entrypoints.openai.api_server` (None: the agent's own).
+    `max_lora_rank` must be one of vLLM's slots (see `lora_rank_slot`); `max_loras` is how
+    many adapters one batch may mix. `kv_cache_gib` sets `VLLM_CPU_KVCACHE_SPACE` (CPU only,
+    whole GiB). `log_dir` receives `<replica>.log` (appended to on restart). Timeouts in seconds:
+    `ready_timeout_s` bounds start to healthy plus the warm-up completion; `stop_grace_s` is the
+    wait between SIGTERM and SIGKILL. `extra_args` are appended to vLLM's argv; `env` is added
+    to the environment (e.g. the topology's `ProcessSpec.environ`).
+    """
+
+    model: str
+    served_model_name: str = Field(min_length=1)
+    python: str | None = None
+    max_lora_rank: int = 8
+    max_loras: int = Field(default=2, ge=1)
+    max_model_len: int = Field(default=512, ge=16)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    kv_cache_gib: int = Field(default=1, ge=1)
+    log_dir: str
+    ready_timeout_s: float = Field(default=180.0, gt=0, allow_inf_nan=False)
+    stop_grace_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _check_rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank {value} is not one vLLM accepts ({', '.join(map(str, VLLM_LORA_RANKS))}); "
+                f"use lora_rank_slot({value}) = the next larger one"
+            )
+        return value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if "@" in value or any(c.isspace() for c in value):
+            raise ValueError(
+                f"served_model_name {value!r} must not contain '@' or whitespace ('@' separates the step)"
+            )
+        return value
+
+
+class InferenceStartRequest(_Body):
+    """Start the head process of `replica` on the receiving agent's host and wait until ready."""
+
+    replica: ReplicaSpec
+    launch: ReplicaLaunch
+
+
+class InferenceStartResponse(_Body):
+    """A started, warmed-up replica (`ok`), or why it did not come up (`error`, with its log tail).
+
+    `seconds` is the wall time from spawn to the end of the warm-up completion.
+    """
+
+    ok: bool
+    name: str
+    pid: int | None = None
+    log_path: str = ""
+    url: str = ""
+    seconds: float = 0.0
+    error: str = ""
+
+
+class InferenceStopRequest(_Body):
+    """Stop these replicas by process name ("NAME-INDEX"; empty = every replica of this agent)."""
+
+    names: tuple[str, ...] = ()

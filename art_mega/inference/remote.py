@@ -1,0 +1,74 @@
+"""The controller's side of replica start/stop: ask each replica's head host's agent.
+
+All replicas start concurrently; if one fails, the ones that came up are stopped again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from art_mega.inference.protocol import InferenceStartResponse, ReplicaLaunch
+from art_mega.inference.replica import ReplicaStartError
+from art_mega.topology.compiled import ReplicaSpec
+
+if TYPE_CHECKING:
+    from art_mega.runtime.client import AgentClient
+
+
+def _launch_for(
+    launch: ReplicaLaunch | Callable[[ReplicaSpec], ReplicaLaunch], spec: ReplicaSpec
+) -> ReplicaLaunch:
+    return launch(spec) if callable(launch) else launch
+
+
+async def start_replicas(
+    clients: Mapping[str, AgentClient],
+    replicas: Sequence[ReplicaSpec],
+    launch: ReplicaLaunch | Callable[[ReplicaSpec], ReplicaLaunch],
+) -> list[InferenceStartResponse]:
+    """Start every replica through the agent of its head host (`host_ids[0]`), concurrently,
+    and wait until each is ready (health + warm-up). `launch` is shared or made per replica.
+
+    Returns the agents' answers (pid, log path, URL, seconds) in `replicas` order.
+
+    Raises:
+        ReplicaStartError: a replica did not come up; names the host, replica and the agent's
+            error (which carries the tail of the replica's log). The others are stopped.
+        AgentError: an agent did not answer.
+    """
+    for spec in replicas:
+        if spec.host_ids[0] not in clients:
+            raise ReplicaStartError(
+                f"replica {spec.process_name}: no agent client for host {spec.host_ids[0]}"
+            )
+        if len(spec.host_ids) > 1:
+            raise ReplicaStartError(
+                f"replica {spec.process_name} spans hosts {list(spec.host_ids)}; multi-host replicas "
+                "are not started by art-mega yet"
+            )
+    results = await asyncio.gather(
+        *(clients[s.host_ids[0]].inference_start(s, _launch_for(launch, s)) for s in replicas),
+        return_exceptions=True,
+    )
+    failed = [(s, r) for s, r in zip(replicas, results) if isinstance(r, BaseException) or not r.ok]
+    if failed:
+        await stop_replicas(clients, replicas)
+        spec, result = failed[0]
+        if isinstance(result, BaseException):
+            raise result
+        raise ReplicaStartError(f"host {spec.host_ids[0]}: {result.error}")
+    return list(results)  # type: ignore[arg-type]
+
+
+async def stop_replicas(clients: Mapping[str, AgentClient], replicas: Sequence[ReplicaSpec]) -> None:
+    """Stop the replicas (SIGTERM, SIGKILL after their grace) through their agents; an agent
+    that does not answer is skipped (its own shutdown stops its children)."""
+    by_host: dict[str, list[str]] = {}
+    for spec in replicas:
+        by_host.setdefault(spec.host_ids[0], []).append(spec.process_name)
+    await asyncio.gather(
+        *(clients[h].inference_stop(tuple(names)) for h, names in by_host.items() if h in clients),
+        return_exceptions=True,
+    )

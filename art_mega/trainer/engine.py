@@ -1,0 +1,559 @@
+"""One trainer rank's training engine: Megatron model + LoRA, Megatron DDP and optimizer, GRPO/SFT steps.
+
+Built once per rank after `init_parallel`; the rank's main loop calls `train_step` per job and
+`export_adapter` / `save_state` for checkpoints. Every public method is collective: all ranks
+of the trainer world call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from art_mega.trainer.batch import TrainBatch
+from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
+from art_mega.trainer.lora import LoraConfig, apply_lora, lora_disabled, lora_parameters
+from art_mega.trainer.loss import GRPOLossConfig, grpo_loss, sft_loss
+from art_mega.trainer.parallel import ParallelState
+
+STATE_FORMAT = 1
+"""Version of the per-rank state file written by `save_state`."""
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW over the LoRA parameters (Megatron's optimizer; decoupled weight decay).
+
+    Attributes:
+        lr: default learning rate (a `train_step` may pass its own).
+        weight_decay: AdamW weight decay (Megatron exempts biases and 1-D parameters; LoRA has none).
+        beta1, beta2, eps: Adam's moments and epsilon.
+        clip_grad: clip the global gradient norm (over all ranks) to this value; 0 disables.
+        distributed: use Megatron's distributed optimizer (state sharded over DP); None: when dp > 1.
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool | None = None
+
+
+@dataclass(frozen=True)
+class _Microbatch:
+    """One microbatch's tensors (rows of the rank's batch) and the loss inputs computed beforehand."""
+
+    tensors: dict[str, torch.Tensor]
+    ref_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    inference_logprobs: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _document_layout(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index tensors that lay packed rows out as one document per row.
+
+    Returns (rows, cols, valid), each [D, L] with D the documents of all rows and L the longest:
+    `values[rows, cols]` is document d's token j (valid[d, j] False past its end, where the
+    indices point at token 0 of its row). Lets sequence-level terms (GSPO) see documents, not rows.
+    """
+    starts = []
+    for row in range(segment_ids.shape[0]):
+        seg = segment_ids[row]
+        for doc in torch.unique(seg[seg > 0]).tolist():
+            cols = (seg == doc).nonzero().flatten()
+            starts.append((row, int(cols[0]), len(cols)))
+    if not starts:
+        empty = torch.zeros(0, 1, dtype=torch.long)
+        return empty, empty, empty.bool()
+    longest = max(length for _, _, length in starts)
+    offsets = torch.arange(longest)
+    rows = torch.tensor([row for row, _, _ in starts])[:, None].expand(-1, longest)
+    valid = offsets[None, :] < torch.tensor([length for _, _, length in starts])[:, None]
+    cols = torch.tensor([start for _, start, _ in starts])[:, None] + offsets[None, :]
+    cols = torch.where(valid, cols, torch.zeros_like(cols))
+    return rows.contiguous(), cols, valid
+
+
+def _token_ratios(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The importance ratios `grpo_loss` uses, at trained tokens only (1-D, detached)."""
+    log_ratio = (new - old).detach()
+    if level == "sequence":
+        per_doc = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+        log_ratio = per_doc[:, None].expand_as(new)
+    return torch.exp(log_ratio)[mask > 0]
+
+
+class TrainerEngine:
+    """A trainer rank's model, LoRA adapter, optimizer and training steps.
+
+    `TrainerEngine(model_dir, parallel_state, lora=..., optimizer=...)` builds this rank's
+    GPTModel from the HF directory (`build_megatron_model`), freezes it and adds LoRA
+    (`apply_lora`), wraps it in Megatron's DDP (fp32 gradient buffers; the distributed optimizer
+    layout when `OptimizerSettings.distributed`) and builds Megatron's Adam over the LoRA
+    parameters only (`get_megatron_optimizer`). Forward/backward runs through Megatron's
+    `get_forward_backward_func()` schedule and `finalize_model_grads` (DP all-reduce or
+    reduce-scatter).
+
+    Loss normalisation: the loss of a step is sum_t w_t m_t l_t / sum_t w_t m_t over every token of
+    every microbatch on every DP rank (w = `TrainBatch.weights`, m = `loss_mask`): each
+    microbatch contributes its numerator divided by the global denominator (one all-reduce
+    before the step), the schedule runs with `calculate_per_token_loss` (no division by the
+    number of microbatches, gradients summed over DP) and finalize does not rescale. The step is
+    therefore the same for any split of the batch into microbatches and DP ranks.
+
+    Args:
+        model_dir: HF model directory (config.json, safetensors), readable by every rank.
+        parallel_state: this rank's `init_parallel` result.
+        lora: LoRA hyper-parameters.
+        optimizer: optimizer hyper-parameters.
+        dtype: "float32" or "bfloat16" parameters.
+        micro_batch_rows: packed rows per microbatch (the batch's rows are split in order).
+        compute_entropy: report the policy entropy (one more pass over the vocab-parallel logits).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        parallel_state: ParallelState,
+        *,
+        lora: LoraConfig = LoraConfig(),
+        optimizer: OptimizerSettings = OptimizerSettings(),
+        dtype: str = "float32",
+        micro_batch_rows: int = 1,
+        compute_entropy: bool = True,
+    ) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from art_mega.trainer.model_builder import build_megatron_model
+
+        if micro_batch_rows < 1:
+            raise ValueError(f"micro_batch_rows={micro_batch_rows} must be at least 1")
+        self.model_dir = str(model_dir)
+        self.state = parallel_state
+        self.lora_config = lora
+        self.optimizer_settings = optimizer
+        self.micro_batch_rows = micro_batch_rows
+        self.compute_entropy = compute_entropy
+        self.model = build_megatron_model(model_dir, device=parallel_state.device, dtype=dtype)
+        module = self.model.module
+        self.lora_layers = apply_lora(module, lora)
+        config = module.config
+        # Read by DDP's constructor (gradient scaling) and by the schedule (loss scaling).
+        config.calculate_per_token_loss = True
+        distributed = parallel_state.dp > 1 if optimizer.distributed is None else optimizer.distributed
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed,
+        )
+        self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        config.no_sync_func = self.ddp.no_sync
+        config.finalize_model_grads_func = _finalize_without_token_scaling
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optimizer.lr,
+                weight_decay=optimizer.weight_decay,
+                adam_beta1=optimizer.beta1,
+                adam_beta2=optimizer.beta2,
+                adam_eps=optimizer.eps,
+                clip_grad=optimizer.clip_grad,
+                bf16=dtype == "bfloat16",
+                params_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                use_distributed_optimizer=distributed,
+            ),
+            [self.ddp],
+        )
+        self.steps = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_group()
+
+    def _dp_sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(tensor, group=self._dp_group())
+        return tensor.tolist()
+
+    def _dp_gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate a 1-D float tensor of any length from every DP rank."""
+        group = self._dp_group()
+        size = torch.distributed.get_world_size(group)
+        if size == 1:
+            return values
+        length = torch.tensor([values.numel()])
+        lengths = [torch.zeros_like(length) for _ in range(size)]
+        torch.distributed.all_gather(lengths, length, group=group)
+        longest = max(int(n) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.float32)
+        padded[: values.numel()] = values.float()
+        pieces = [torch.zeros_like(padded) for _ in range(size)]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[: int(n)] for piece, n in zip(pieces, lengths)])
+
+    def _microbatches(self, batch: TrainBatch) -> list[dict[str, torch.Tensor]]:
+        tensors = batch.to_torch(self.state.device)
+        rows = batch.shape[0]
+        step = self.micro_batch_rows
+        return [{k: v[i : i + step] for k, v in tensors.items()} for i in range(0, rows, step)]
+
+    @torch.no_grad()
+    def _forward_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = forward_logits(
+            self.ddp, tensors["input_ids"], tensors["position_ids"], tensors["segment_ids"]
+        )
+        return token_logprobs(
+            logits, tensors["input_ids"], vocab_size=self.vocab_size, segment_ids=tensors["segment_ids"]
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> np.ndarray:
+        """Per-token logprobs of `batch.input_ids` under the current policy, float32 [B, S].
+
+        Position t holds log p(token t | tokens < t of its document); the first token of each
+        document and padding hold 0. `reference=True` uses the base model (LoRA disabled).
+        Collective over the TP group (every TP rank returns the same array).
+        """
+        parts = []
+        context = lora_disabled(self.ddp.module) if reference else contextlib.nullcontext()
+        with context:
+            for tensors in self._microbatches(batch):
+                parts.append(self._forward_logprobs(tensors).cpu())
+        return torch.cat(parts).numpy()
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        loss: Literal["grpo", "sft"] = "grpo",
+        loss_config: GRPOLossConfig = GRPOLossConfig(),
+        learning_rate: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this DP rank's packed `batch` (every rank calls it with its own).
+
+        GRPO (`loss.grpo_loss`): `batch.old_logprobs` are the sampling policy's logprobs and
+        `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` the reference
+        is the base model (LoRA disabled, computed before the step). With `loss_config.tis_cap`
+        the batch's logprobs are taken as the inference engine's: the trainer recomputes the old
+        policy's logprobs itself and the cap applies to their ratio. SFT (`loss.sft_loss`):
+        cross-entropy on `loss_mask` tokens weighted by `weights`.
+
+        A step whose batches (over all DP ranks) have no trained token with non-zero weight
+        does not touch the optimizer; it returns `loss/nothing_trainable` = 1.0.
+
+        Returns metrics (the same on every rank): `loss/policy` (GRPO) or `loss/sft`,
+        `loss/grad_norm` (before clipping), `loss/tokens` (trained tokens, all DP ranks),
+        `loss/nothing_trainable`, `loss/learning_rate`, `loss/entropy` (nats per token, when
+        computed) and for GRPO `loss/kl`, `loss/ratio_mean`, `loss/ratio_p95`, `loss/ratio_p99`,
+        `loss/clipped_fraction`.
+
+        Raises `ValueError` for an unknown loss.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if loss not in ("grpo", "sft"):
+            raise ValueError(f"loss={loss!r} must be 'grpo' or 'sft'")
+        lr = self.optimizer_settings.lr if learning_rate is None else learning_rate
+        trained = batch.loss_mask > 0
+        local_denominator = float((batch.weights * trained).sum())
+        denominator, tokens = self._dp_sum([local_denominator, float(trained.sum())])
+        metrics = {"loss/tokens": tokens, "loss/learning_rate": lr, "loss/nothing_trainable": 0.0}
+        if denominator <= 0.0:
+            metrics["loss/nothing_trainable"] = 1.0
+            return metrics
+
+        microbatches = [self._prepare(tensors, loss, loss_config) for tensors in self._microbatches(batch)]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        step = functools.partial(
+            self._forward_step, loss=loss, loss_config=loss_config, denominator=denominator
+        )
+        outputs = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(microbatches),
+            model=[self.ddp],
+            num_microbatches=len(microbatches),
+            seq_length=batch.shape[1],
+            micro_batch_size=self.micro_batch_rows,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        self.steps += 1
+        metrics.update(self._reduce_metrics(outputs, loss, tokens))
+        metrics["loss/grad_norm"] = float(grad_norm)
+        return metrics
+
+    def _prepare(
+        self, tensors: dict[str, torch.Tensor], loss: str, loss_config: GRPOLossConfig
+    ) -> _Microbatch:
+        """Loss inputs that need their own forward pass before the step (reference, TIS)."""
+        if loss != "grpo":
+            return _Microbatch(tensors)
+        ref = old = inference = None
+        if loss_config.kl_beta > 0:
+            with lora_disabled(self.ddp.module):
+                ref = self._forward_logprobs(tensors)
+        if loss_config.tis_cap is not None:
+            old = self._forward_logprobs(tensors)
+            inference = tensors["old_logprobs"]
+        return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
+
+    def _forward_step(
+        self,
+        data_iterator: Iterator[_Microbatch],
+        model: Any,
+        *,
+        loss: str,
+        loss_config: GRPOLossConfig,
+        denominator: float,
+    ) -> tuple[torch.Tensor, Any]:
+        """Megatron's forward_step_func: logprobs of one microbatch and its loss function."""
+        micro = next(data_iterator)
+        t = micro.tensors
+        logits = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"])
+        entropy = None
+        if self.compute_entropy:
+            entropy = token_entropy(logits, vocab_size=self.vocab_size, segment_ids=t["segment_ids"])
+        logprobs = token_logprobs(
+            logits, t["input_ids"], vocab_size=self.vocab_size, segment_ids=t["segment_ids"]
+        )
+        loss_fn = functools.partial(
+            self._loss,
+            micro=micro,
+            entropy=entropy,
+            loss=loss,
+            loss_config=loss_config,
+            denominator=denominator,
+        )
+        return logprobs, loss_fn
+
+    def _loss(
+        self,
+        logprobs: torch.Tensor,
+        *,
+        micro: _Microbatch,
+        entropy: torch.Tensor | None,
+        loss: str,
+        loss_config: GRPOLossConfig,
+        denominator: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This microbatch's share of the step loss, its trained-token count and diagnostics."""
+        t = micro.tensors
+        rows, cols, valid = _document_layout(t["segment_ids"].cpu())
+        rows, cols, valid = rows.to(logprobs.device), cols.to(logprobs.device), valid.to(logprobs.device)
+
+        def docs(values: torch.Tensor) -> torch.Tensor:
+            return values[rows, cols] * valid
+
+        mask = docs(t["loss_mask"])
+        weights = docs(t["weights"])
+        new = docs(logprobs)
+        local_denominator = (weights * mask).sum()
+        tokens = (mask > 0).sum()
+        info: dict[str, Any] = {}
+        if entropy is not None:
+            info["entropy_sum"] = float((docs(entropy) * (mask > 0)).sum())
+        if loss == "sft":
+            value = sft_loss(new, mask, weights) * local_denominator / denominator
+            info["loss_sum"] = float(value.detach())
+            return value, tokens.to(torch.int), info
+        old = docs(micro.old_logprobs if micro.old_logprobs is not None else t["old_logprobs"])
+        out = grpo_loss(
+            new,
+            old,
+            docs(t["advantages"]),
+            mask,
+            weights,
+            config=loss_config,
+            ref_logprobs=None if micro.ref_logprobs is None else docs(micro.ref_logprobs),
+            inference_logprobs=None if micro.inference_logprobs is None else docs(micro.inference_logprobs),
+        )
+        value = out.loss * local_denominator / denominator
+        count = float(tokens)
+        info.update(
+            loss_sum=float(value.detach()),
+            kl_sum=out.kl * count,
+            clipped_sum=out.clipped_fraction * count,
+            ratios=_token_ratios(new, old, mask, loss_config.importance_sampling_level).cpu(),
+        )
+        return value, tokens.to(torch.int), info
+
+    def _reduce_metrics(self, outputs: list[dict[str, Any]], loss: str, tokens: float) -> dict[str, float]:
+        """Step metrics from every microbatch's diagnostics, summed over DP ranks."""
+        keys = ["loss_sum", "entropy_sum", "kl_sum", "clipped_sum"]
+        local = [sum(float(out.get(key, 0.0)) for out in outputs) for key in keys]
+        loss_sum, entropy_sum, kl_sum, clipped_sum = self._dp_sum(local)
+        count = max(tokens, 1.0)
+        metrics = {"loss/policy" if loss == "grpo" else "loss/sft": loss_sum}
+        if self.compute_entropy:
+            metrics["loss/entropy"] = entropy_sum / count
+        if loss == "grpo":
+            ratios = self._dp_gather(torch.cat([out["ratios"] for out in outputs]))
+            ratios = ratios if ratios.numel() else torch.ones(1)
+            metrics.update(
+                {
+                    "loss/kl": kl_sum / count,
+                    "loss/clipped_fraction": clipped_sum / count,
+                    "loss/ratio_mean": float(ratios.mean()),
+                    "loss/ratio_p95": float(torch.quantile(ratios.double(), 0.95)),
+                    "loss/ratio_p99": float(torch.quantile(ratios.double(), 0.99)),
+                }
+            )
+        return metrics
+
+    # ------------------------------------------------------------------ adapters and state
+
+    def export_adapter(self, out_dir: str | os.PathLike[str]) -> Any:
+        """Write the adapter as an HF PEFT directory (`peft_io.export_adapter`; collective, rank 0
+        writes). Returns `AdapterFiles` on global rank 0, None on the others."""
+        from art_mega.trainer.peft_io import export_adapter
+
+        return export_adapter(
+            self.ddp.module,
+            self.lora_config,
+            out_dir,
+            num_heads=self.model.args.num_heads,
+            num_query_groups=self.model.args.num_query_groups,
+            base_model_name_or_path=self.model_dir,
+        )
+
+    def load_adapter(self, adapter_dir: str | os.PathLike[str]) -> None:
+        """Warm start: load an HF PEFT LoRA directory into this rank's shards (`peft_io.import_adapter`).
+
+        The optimizer's state is kept; its main parameters are refreshed from the model.
+        Raises `UserError` for an adapter of another rank, alpha or target set.
+        """
+        from art_mega.trainer.peft_io import import_adapter
+
+        import_adapter(
+            self.ddp.module,
+            self.lora_config,
+            adapter_dir,
+            num_heads=self.model.args.num_heads,
+            num_query_groups=self.model.args.num_query_groups,
+        )
+        self.optimizer.reload_model_params()
+
+    def _layout(self) -> dict[str, int]:
+        s = self.state
+        return {
+            "world_size": s.world_size,
+            "tp": s.tp,
+            "dp": s.dp,
+            "tp_rank": s.tp_rank,
+            "dp_rank": s.dp_rank,
+        }
+
+    def state_file(self, directory: str | os.PathLike[str]) -> Path:
+        """This rank's state file in `directory`: `rank{global rank:05d}.pt`."""
+        return Path(directory) / f"rank{self.state.rank:05d}.pt"
+
+    def save_state(self, directory: str | os.PathLike[str]) -> Path:
+        """Write this rank's LoRA shards, optimizer state and step count to `state_file(directory)`.
+
+        Collective only in that every rank writes its own file (through a temp file, fsync and
+        rename). The distributed optimizer's parameter state is this rank's shard
+        (`get_parameter_state_dp_reshardable`). Returns the path.
+        """
+        path = self.state_file(directory)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "format": STATE_FORMAT,
+            "layout": self._layout(),
+            "steps": self.steps,
+            "lora": {name: p.detach().cpu().clone() for name, p in lora_parameters(self.ddp.module).items()},
+            "optimizers": [_optimizer_state(sub) for sub in _sub_optimizers(self.optimizer)],
+        }
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+        return path
+
+    @torch.no_grad()
+    def load_state(self, directory: str | os.PathLike[str]) -> None:
+        """Restore what `save_state` wrote for this rank (same parallel layout and LoRA config).
+
+        Raises `RuntimeError` when the file's layout or parameter names differ from this engine's.
+        """
+        path = self.state_file(directory)
+        payload = torch.load(path, map_location=self.state.device, weights_only=False)
+        if payload.get("format") != STATE_FORMAT or payload["layout"] != self._layout():
+            raise RuntimeError(
+                f"{path} was saved with layout {payload.get('layout')}, this rank is {self._layout()}"
+            )
+        params = lora_parameters(self.ddp.module)
+        if set(payload["lora"]) != set(params):
+            raise RuntimeError(f"{path} holds other LoRA parameters than this model")
+        for name, param in params.items():
+            param.copy_(payload["lora"][name])
+        subs = _sub_optimizers(self.optimizer)
+        for sub, saved in zip(subs, payload["optimizers"], strict=True):
+            _load_optimizer_state(sub, saved)
+        self.optimizer.reload_model_params()
+        self.steps = payload["steps"]
+
+
+def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
+    """Megatron's `finalize_model_grads` without its division by the token count.
+
+    The engine's loss is already normalised by the global weighted token count, so the
+    gradients are complete once summed over DP ranks.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+
+
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(optimizer, DistributedOptimizer)
+
+
+def _optimizer_state(optimizer: Any) -> dict[str, Any] | None:
+    """One (non-chained) Megatron optimizer's state on this rank; None before its first step."""
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None or not inner.state:
+        return None
+    if _is_distributed(optimizer):
+        return {
+            "state": optimizer.state_dict(),
+            "param_state": optimizer.get_parameter_state_dp_reshardable(),
+        }
+    return {"state": optimizer.state_dict()}
+
+
+def _load_optimizer_state(optimizer: Any, saved: dict[str, Any] | None) -> None:
+    if saved is None:
+        return
+    optimizer.load_state_dict(saved["state"])
+    if _is_distributed(optimizer):
+        optimizer.load_parameter_state_from_dp_reshardable(saved["param_state"])

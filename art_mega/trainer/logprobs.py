@@ -1,0 +1,134 @@
+"""Per-token log-probabilities and entropies from vocab-parallel logits, and packed-row attention masks.
+
+No rank materialises the full vocabulary: each TP rank holds V/tp logit columns and the
+softmax normaliser is assembled with all-reduces over the TP group (Megatron's
+`tensor_parallel.vocab_parallel_cross_entropy`, which is -log p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows: bool [B, 1, S, S], True = masked (Megatron's convention).
+
+    `segment_ids` int [B, S]: document index within the row, from 1; 0 marks padding. Query t
+    may attend to key u when u <= t and both belong to the same document (block-diagonal causal).
+    A padding token attends to itself only, so no softmax row is empty. Megatron's local
+    `DotProductAttention` applies an explicit mask whatever its `attn_mask_type`
+    (`fusions/fused_softmax.py` forward_torch_softmax builds the causal mask only when none is
+    given); the fused CUDA softmax and TransformerEngine's attention ignore it for a causal
+    layer, so GPU ranks must pass packed sequences another way.
+    """
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = same & causal & (segment_ids[:, :, None] > 0)
+    allowed |= torch.eye(length, dtype=torch.bool, device=segment_ids.device)
+    return ~allowed[:, None]
+
+
+def _mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """`logits` with the columns of padded vocabulary ids (>= vocab_size) set to the dtype's minimum.
+
+    Megatron pads the vocabulary to a multiple of TP with zero rows; their logit (0) must not
+    enter the softmax. Returns `logits` itself when this rank has no padded column.
+    """
+    local = logits.shape[-1]
+    valid = vocab_size - tp_rank * local
+    if valid >= local:
+        return logits
+    keep = torch.arange(local, device=logits.device) < valid
+    return logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
+
+
+def _next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """targets[:, t] = input_ids[:, t + 1]; the last column (no next token) is 0."""
+    targets = torch.zeros_like(input_ids)
+    targets[:, :-1] = input_ids[:, 1:]
+    return targets
+
+
+def _shift_to_token(values: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """Move per-position predictions onto the predicted token: out[:, t] = values[:, t - 1].
+
+    out[:, 0] = 0, and so is every first token of a document or padding token (its "previous"
+    position belongs to another document).
+    """
+    out = torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+    if segment_ids is None:
+        return out
+    continues = torch.zeros_like(segment_ids, dtype=torch.bool)
+    continues[:, 1:] = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    return torch.where(continues, out, torch.zeros_like(out))
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    vocab_size: int,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log p(input_ids[t] | tokens < t of its document), float32 [B, S], differentiable.
+
+    Args:
+        logits: this TP rank's vocabulary shard of the model output, [B, S, V_padded / tp]
+            (contiguous, any float dtype). Megatron's kernel works in place on float32 logits:
+            the tensor is consumed, do not use it afterwards.
+        input_ids: int64 [B, S], the same on every TP rank.
+        vocab_size: the real vocabulary size; padded columns (ids >= vocab_size) are excluded.
+        segment_ids: int [B, S] of packed rows (see `packed_attention_mask`), or None for one
+            document per row.
+
+    Position 0, the first token of every document and padding tokens hold 0.0: mask them out.
+    Call on every rank of the TP group (it all-reduces over it).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = _mask_padded_vocab(logits, vocab_size, mpu.get_tensor_model_parallel_rank())
+    nll = vocab_parallel_cross_entropy(logits, _next_token_targets(input_ids))
+    return _shift_to_token(-nll.float(), segment_ids)
+
+
+@torch.no_grad()
+def token_entropy(
+    logits: torch.Tensor, *, vocab_size: int, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Entropy (nats) of the distribution each token was drawn from, float32 [B, S], no gradient.
+
+    H = log Z - sum_v p_v l_v with l the logits shifted by their max and Z = sum_v exp(l_v); two
+    all-reduces over the TP group of [B, S] numbers each. Aligned and zeroed like
+    `token_logprobs`. `logits` is read, not modified: call this before `token_logprobs`.
+    """
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_model_parallel_group()
+    local = _mask_padded_vocab(logits.float(), vocab_size, mpu.get_tensor_model_parallel_rank())
+    peak = local.max(dim=-1).values
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = local - peak[..., None]
+    exp = shifted.exp()
+    # Padded columns sit at -inf after the shift: their exp is 0 and so is their term.
+    weighted = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp))
+    sums = torch.stack([exp.sum(dim=-1), weighted.sum(dim=-1)])
+    torch.distributed.all_reduce(sums, group=group)
+    entropy = sums[0].log() - sums[1] / sums[0]
+    return _shift_to_token(entropy, segment_ids)
+
+
+def forward_logits(
+    module: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run a GPTModel (or its DDP wrapper) on packed rows: this rank's logits [B, S, V_padded / tp].
+
+    `input_ids`, `position_ids` int64 [B, S]; `segment_ids` int [B, S] or None (plain causal
+    attention, one document per row).
+    """
+    mask = None if segment_ids is None else packed_attention_mask(segment_ids)
+    return module(input_ids, position_ids, mask)

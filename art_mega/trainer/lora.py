@@ -1,0 +1,279 @@
+"""LoRA adapters on megatron-core's tensor-parallel linear layers, correct under tensor parallelism.
+
+Megatron has no PEFT module (shared/FACTS.md); this one wraps each targeted linear layer in place.
+
+For a linear layer y = x W^T, LoRA adds (alpha / r) * (x A^T) B^T with A [r, in] and B [out, r]
+(Hu et al. 2021, "LoRA", eq. 3). Under TP (Shoeybi et al. 2019, "Megatron-LM", section 3):
+
+- column-parallel (linear_qkv, linear_fc1; W sharded by output rows): B is sharded by rows like W,
+  A is replicated. x A^T is computed on every rank; its gradient is summed over TP (each rank
+  only sees its own output rows), as the base layer sums the gradient of x.
+- row-parallel (linear_proj, linear_fc2; W sharded by input columns, output summed over TP): A is
+  sharded by columns like W, B is replicated. The partial x_rank A_rank^T are summed over TP
+  (an all-reduce of r numbers per token, not `out`), then every rank applies the same B.
+
+Step 0 is the identity: B = 0, and A is drawn once per layer from a generator seeded by
+(`LoraConfig.seed`, layer name) over the full, unsharded shape, then sharded. Every TP layout of
+the same model therefore starts from the same adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from art_mega.errors import UserError
+
+ParallelKind = Literal["column", "row"]
+
+TARGETS: dict[str, ParallelKind] = {
+    "linear_qkv": "column",
+    "linear_proj": "row",
+    "linear_fc1": "column",
+    "linear_fc2": "row",
+}
+"""Megatron linear layer name -> its tensor-parallel kind (the dense GPT layer's linears)."""
+
+HF_TARGETS: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+"""Megatron target -> the Hugging Face module names it stands for (fused: several)."""
+
+DEFAULT_TARGETS = tuple(TARGETS)
+
+
+def _normalise_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """Megatron target names from Megatron and/or HF names, in `TARGETS` order.
+
+    A fused Megatron layer needs all of its HF modules: q_proj without k_proj and v_proj cannot be
+    expressed with one adapter on linear_qkv, so it is refused (one sentence).
+    """
+    hf_to_megatron = {hf: mc for mc, names in HF_TARGETS.items() for hf in names}
+    wanted: set[str] = set()
+    hf_seen: set[str] = set()
+    for name in targets:
+        if name in TARGETS:
+            wanted.add(name)
+        elif name in hf_to_megatron:
+            hf_seen.add(name)
+            wanted.add(hf_to_megatron[name])
+        else:
+            known = ", ".join([*TARGETS, *hf_to_megatron])
+            raise UserError(f"LoRA target {name!r} is not known; use some of: {known}.")
+    for megatron_name, hf_names in HF_TARGETS.items():
+        partial = hf_seen & set(hf_names)
+        if partial and partial != set(hf_names) and megatron_name not in targets:
+            raise UserError(
+                f"LoRA targets {sorted(partial)} need all of {list(hf_names)}: Megatron fuses them "
+                f"into {megatron_name}, which takes one adapter."
+            )
+    return tuple(name for name in TARGETS if name in wanted)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters.
+
+    Attributes:
+        rank: r, the adapter's inner width (> 0).
+        alpha: scaling numerator: the update is (alpha / rank) * B A.
+        targets: Megatron layer names (`TARGETS`) or HF module names (q_proj, ..., down_proj; a
+            fused layer needs all of its HF names); normalised to Megatron names in `TARGETS`
+            order.
+        seed: seeds A's initialisation (per layer, independent of the TP layout).
+
+    Raises `UserError` for a rank < 1, an unknown target or a partial fused target.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = field(default=DEFAULT_TARGETS)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise UserError(f"LoRA rank={self.rank} must be at least 1.")
+        if not self.targets:
+            raise UserError("LoRA targets are empty; name at least one layer.")
+        object.__setattr__(self, "targets", _normalise_targets(tuple(self.targets)))
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank, the factor applied to the adapter's output."""
+        return self.alpha / self.rank
+
+    def hf_target_modules(self) -> list[str]:
+        """The HF module names the adapter covers, sorted (PEFT's `target_modules`)."""
+        return sorted(hf for name in self.targets for hf in HF_TARGETS[name])
+
+
+def _layer_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def init_lora_a(seed: int, name: str, rank: int, in_features: int) -> torch.Tensor:
+    """The full (unsharded) initial A [rank, in_features] (float32) of the layer called `name`.
+
+    U(-1/sqrt(in), 1/sqrt(in)): PEFT's default, kaiming_uniform_(a=sqrt(5)), drawn from a CPU
+    generator seeded by (`seed`, `name`) so every rank and every TP layout draws the same matrix.
+    """
+    generator = torch.Generator().manual_seed(_layer_seed(seed, name))
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(rank, in_features, generator=generator, dtype=torch.float32) * 2 - 1) * bound
+
+
+def _kind_of(layer: Any) -> ParallelKind:
+    """'column' or 'row' for a Megatron (local or TE) parallel linear; `NotImplementedError` else."""
+    names = [cls.__name__ for cls in type(layer).__mro__]
+    if "TELayerNormColumnParallelLinear" in names:
+        raise NotImplementedError(
+            "LoRA on TransformerEngine layers with a fused input norm (TELayerNormColumnParallelLinear) "
+            "is not implemented yet: build the model with the local layer spec (use_te=False)."
+        )
+    if "ColumnParallelLinear" in names or "TEColumnParallelLinear" in names:
+        return "column"
+    if "RowParallelLinear" in names or "TERowParallelLinear" in names:
+        return "row"
+    raise NotImplementedError(f"LoRA does not know how to wrap {type(layer).__name__}")
+
+
+class LoraLinear(torch.nn.Module):
+    """A Megatron parallel linear layer plus a TP-sharded LoRA adapter; same call convention.
+
+    `forward(x, *args, **kwargs)` returns `(output, bias)` like the wrapped layer (bias is None
+    unless the base layer skips its bias add): output = base(x) + scaling * (x A^T) B^T, with the
+    TP reductions described in the module docstring. Shapes, TP size t, input [s, b, in_local]:
+    column: A [r, in] replicated, B [out/t, r] (this rank's output rows);
+    row: A [r, in/t] (this rank's input columns), B [out, r] replicated.
+    Parameters carry Megatron's tensor-parallel attributes (`tensor_model_parallel`,
+    `partition_dim`), which its grad-norm and checkpoint code read. `enabled = False` makes the
+    layer the base layer (reference-policy logprobs).
+    """
+
+    def __init__(
+        self, base: Any, *, name: str, kind: ParallelKind, config: LoraConfig, tp_size: int, tp_rank: int
+    ) -> None:
+        from megatron.core import tensor_parallel
+
+        super().__init__()
+        if getattr(base, "sequence_parallel", False):
+            raise NotImplementedError("LoRA with sequence parallelism is not implemented yet")
+        if kind == "column" and getattr(base, "gather_output", False):
+            raise NotImplementedError(f"LoRA on {name}: column-parallel layers with gather_output")
+        if kind == "row" and not getattr(base, "input_is_parallel", True):
+            raise NotImplementedError(f"LoRA on {name}: row-parallel layers without input_is_parallel")
+        self.base = base
+        self.name = name
+        self.kind = kind
+        self.rank = config.rank
+        self.scaling = config.scaling
+        self.enabled = True
+        self.tp_group = getattr(base, "tp_group", None)
+        weight = base.weight
+        out_local, in_local = weight.shape
+        in_full = in_local * tp_size if kind == "row" else in_local
+        out_full = out_local * tp_size if kind == "column" else out_local
+        a_full = init_lora_a(config.seed, name, config.rank, in_full)
+        a = a_full.chunk(tp_size, dim=1)[tp_rank] if kind == "row" else a_full
+        b_rows = out_local if kind == "column" else out_full
+        kw = {"dtype": weight.dtype, "device": weight.device}
+        self.lora_A = torch.nn.Parameter(a.to(**kw).contiguous())
+        self.lora_B = torch.nn.Parameter(torch.zeros(b_rows, config.rank, **kw))
+        tensor_parallel.set_tensor_model_parallel_attributes(self.lora_A, kind == "row", 1, 1)
+        tensor_parallel.set_tensor_model_parallel_attributes(self.lora_B, kind == "column", 0, 1)
+        self.in_features = in_full
+        self.out_features = out_full
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        output, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:
+            return output, bias
+        hidden = F.linear(x, self.lora_A)
+        if self.kind == "column":
+            # Identity forward; the backward sums dL/dhidden over TP (each rank has its B rows only).
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
+        else:
+            # Sums the partial x_rank A_rank^T over TP; identity backward.
+            hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)
+        return output + F.linear(hidden, self.lora_B) * self.scaling, bias
+
+
+def apply_lora(module: Any, config: LoraConfig) -> dict[str, LoraLinear]:
+    """Freeze every parameter of `module` (a GPTModel) and wrap its targeted linears with LoRA.
+
+    Call after the base weights are loaded and after `init_parallel` (TP size and rank come from
+    megatron-core), before wrapping in DDP and building the optimizer. Returns the wrappers by
+    their module name, e.g. "decoder.layers.0.self_attention.linear_qkv", in module order.
+    Only the LoRA A and B parameters have `requires_grad` afterwards.
+
+    Raises `NotImplementedError` for layers it cannot wrap yet (TE fused-norm linears, sequence
+    parallel) and `RuntimeError` when no targeted layer exists or the module already has LoRA.
+    """
+    from megatron.core import parallel_state as mpu
+
+    if lora_layers(module):
+        raise RuntimeError("the module already has LoRA adapters")
+    for param in module.parameters():
+        param.requires_grad_(False)
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    found: list[tuple[str, Any, str, Any]] = []
+    for name, child in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in config.targets and ".layers." in f".{name}":
+            parent = module.get_submodule(name.rsplit(".", 1)[0])
+            found.append((name, parent, leaf, child))
+    if not found:
+        raise RuntimeError(f"no layer named {list(config.targets)} in the module")
+    wrapped = {}
+    for name, parent, leaf, child in found:
+        layer = LoraLinear(
+            child, name=name, kind=_kind_of(child), config=config, tp_size=tp_size, tp_rank=tp_rank
+        )
+        setattr(parent, leaf, layer)
+        wrapped[name] = layer
+    return wrapped
+
+
+def lora_layers(module: Any) -> dict[str, LoraLinear]:
+    """The LoRA wrappers inside `module` by their name (the wrapped layer's name), in module order."""
+    return {layer.name: layer for layer in module.modules() if isinstance(layer, LoraLinear)}
+
+
+def lora_parameters(module: Any) -> dict[str, torch.Tensor]:
+    """This rank's LoRA parameters by name ("<layer>.lora_A" / "<layer>.lora_B"), in module order."""
+    params = {}
+    for name, layer in lora_layers(module).items():
+        params[f"{name}.lora_A"] = layer.lora_A
+        params[f"{name}.lora_B"] = layer.lora_B
+    return params
+
+
+@contextlib.contextmanager
+def lora_disabled(module: Any) -> Iterator[None]:
+    """Within the block, every LoRA layer of `module` computes its base layer only."""
+    layers = list(lora_layers(module).values())
+    previous = [layer.enabled for layer in layers]
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield
+    finally:
+        for layer, state in zip(layers, previous):
+            layer.enabled = state

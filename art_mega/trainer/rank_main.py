@@ -1,0 +1,130 @@
+"""One trainer rank's process: join the torch.distributed world, build the engine, run jobs.
+
+Started by its host's agent (`runtime.trainer_host`) with RANK/WORLD_SIZE/MASTER_* in the
+environment and the launch config as JSON. Jobs arrive as JSON lines on `--fd`; events go back
+the same way: ready, accepted, adapter_ready, done, failed. End of file on `--fd` ends the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+
+class Channel:
+    """Newline-delimited JSON over the inherited socket (blocking; one job at a time)."""
+
+    def __init__(self, fd: int) -> None:
+        self._sock = socket.socket(fileno=fd)
+        self._reader = self._sock.makefile("rb")
+
+    def send(self, event: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+
+    def jobs(self):  # type: ignore[no-untyped-def]
+        for line in self._reader:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _init(config: dict[str, Any]) -> Any:
+    from art_mega.runtime.netif import gloo_interface_for
+    from art_mega.topology.compiled import TrainerRank
+    from art_mega.topology.trainer import TrainerSpec
+    from art_mega.trainer.parallel import init_parallel
+
+    rank = int(config["rank"])
+    world = int(config["world_size"])
+    if world > 1:
+        gloo_interface_for(config["master_addr"])
+    entry = TrainerRank.model_validate(config["rank_table"][rank])
+    return init_parallel(
+        entry,
+        TrainerSpec.model_validate(config["trainer"]),
+        world,
+        master_addr=config["master_addr"],
+        master_port=int(config["master_port"]),
+    )
+
+
+def _ping(state: Any, job: dict[str, Any]) -> dict[str, float]:
+    """A diagnostic job: all-reduce rank+1 over the world (checks the ranks and their links)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(state.rank + 1)])
+    dist.all_reduce(value)
+    return {"sum": float(value.item()), "world_size": float(state.world_size)}
+
+
+def _run(job: dict[str, Any], state: Any, engine: Any, config: dict[str, Any]) -> dict[str, Any]:
+    kind = job.get("kind")
+    if kind == "ping":
+        return {"metrics": _ping(state, job)}
+    if kind in ("rl", "sft"):
+        from art_mega.trainer.jobs import run_train_job
+
+        return run_train_job(job, state, engine, config)
+    raise ValueError(f"unknown job kind {kind!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="art-mega trainer rank")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    extra = [p for p in os.environ.get("ART_MEGA_SYS_PATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in extra if p not in sys.path]
+    config = json.loads(args.config)
+    channel = Channel(args.fd)
+    rank = int(config["rank"])
+    channel.send({"event": "starting", "pid": os.getpid()})
+    started = time.perf_counter()
+    try:
+        state = _init(config)
+        engine = None
+        if config.get("model_dir"):
+            from art_mega.trainer.jobs import build_engine
+
+            engine = build_engine(config, state)
+    except Exception as exc:
+        channel.send(
+            {
+                "event": "failed",
+                "stage": "init",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        )
+        return 1
+    channel.send({"event": "ready", "seconds": time.perf_counter() - started})
+    for job in channel.jobs():
+        job_id = job.get("id")
+        channel.send({"event": "accepted", "job": job_id})
+        try:
+            result = _run(job, state, engine, config)
+        except Exception as exc:
+            channel.send(
+                {
+                    "event": "failed",
+                    "job": job_id,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
+            continue
+        for event in result.pop("events", []):
+            channel.send({**event, "job": job_id})
+        channel.send({"event": "done", "job": job_id, **result})
+    del rank
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""Controller side of the trainer service: start the ranks through their agents, run jobs.
+
+Ranks stay up between steps. A job goes to every rank through its host's agent; the service
+collects each rank's events until all are `done`. A `failed` event or a rank's death (`exited`,
+reported by its agent at once) fails the job naming the rank, host and log file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from art_mega.runtime.client import AgentClient
+from art_mega.runtime.protocol import TrainerRankLaunch, TrainerStartRequest
+from art_mega.topology import CompiledTopology
+
+POLL_S = 2.0
+
+
+class TrainerJobError(RuntimeError):
+    """A trainer rank failed or died; names the rank, host and log file."""
+
+    def __init__(
+        self, message: str, rank: int | None = None, host: str | None = None, log_path: str | None = None
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.log_path = log_path
+
+
+@dataclass
+class JobResult:
+    """Each rank's `done` event of one job, and the job's wall time in seconds."""
+
+    job_id: str
+    events: dict[int, dict[str, Any]]
+    seconds: float
+    adapter_ready: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def rank0(self) -> dict[str, Any]:
+        return self.events[0]
+
+
+class TrainerService:
+    """The trainer ranks of a compiled topology, started and driven through the agents."""
+
+    def __init__(
+        self, clients: Mapping[str, AgentClient], topology: CompiledTopology, log_dir: str | Path
+    ) -> None:
+        if not topology.trainer_ranks:
+            raise ValueError("the topology has no trainer ranks; compile it with a TrainerSpec")
+        self._clients = clients
+        self._topology = topology
+        self._log_dir = Path(log_dir)
+        self._hosts = sorted({r.host_id for r in topology.trainer_ranks}, key=topology.cluster.host_ids.index)
+        self._next = {h: 0 for h in self._hosts}
+        self._host_of = {r.rank: r.host_id for r in topology.trainer_ranks}
+        self._log_of: dict[int, str] = {}
+        self.started = False
+
+    @property
+    def world_size(self) -> int:
+        return len(self._topology.trainer_ranks)
+
+    def _where(self, rank: int) -> str:
+        return f"rank {rank} on host {self._host_of.get(rank)} (log {self._log_of.get(rank)})"
+
+    def base_config(self) -> dict[str, Any]:
+        topology = self._topology
+        rank0 = topology.trainer_ranks[0]
+        master = topology.cluster.host(rank0.host_id).worker_address.host
+        assert topology.trainer is not None
+        return {
+            "world_size": self.world_size,
+            "master_addr": master,
+            "master_port": topology.trainer.master_port,
+            "trainer": topology.trainer.model_dump(mode="json"),
+            "rank_table": [r.model_dump(mode="json") for r in topology.trainer_ranks],
+        }
+
+    async def start(
+        self,
+        config: Mapping[str, Any],
+        python: str | None = None,
+        timeout_s: float = 600.0,
+        sys_path: tuple[str, ...] = (),
+    ) -> float:
+        """Start every rank and wait until all report `ready`; returns the seconds it took.
+
+        Raises:
+            TrainerJobError: a rank failed to initialise, died, or was not ready in `timeout_s`.
+        """
+        started = time.monotonic()
+        merged = {**self.base_config(), **config}
+        env_of = {p.rank: p.environ for p in self._topology.processes if p.role == "trainer"}
+        for host in self._hosts:
+            launches = []
+            for r in self._topology.trainer_ranks:
+                if r.host_id != host:
+                    continue
+                log_path = str(self._log_dir / f"trainer-rank{r.rank}.log")
+                self._log_of[r.rank] = log_path
+                launches.append(
+                    TrainerRankLaunch(rank=r.rank, env=dict(env_of.get(r.rank, {})), log_path=log_path)
+                )
+            request = TrainerStartRequest(
+                ranks=tuple(launches), config=merged, python=python, sys_path=sys_path
+            )
+            await self._clients[host].trainer_start(request)
+        self.started = True
+        await self._wait_all("ready", None, timeout_s)
+        return time.monotonic() - started
+
+    async def _poll(self, host: str) -> list[dict[str, Any]]:
+        reply = await self._clients[host].trainer_events(self._next[host], POLL_S)
+        self._next[host] = reply.next
+        return list(reply.events)
+
+    async def _wait_all(
+        self, kind: str, job_id: str | None, timeout_s: float | None
+    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+        done: dict[int, dict[str, Any]] = {}
+        others: list[dict[str, Any]] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(done) < self.world_size:
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(set(self._host_of) - set(done))
+                raise TrainerJobError(
+                    f"trainer ranks {missing} did not report {kind} within {timeout_s:g} s; see {self._where(missing[0])}",
+                    missing[0],
+                    self._host_of.get(missing[0]),
+                    self._log_of.get(missing[0]),
+                )
+            batches = await asyncio.gather(*(self._poll(h) for h in self._hosts))
+            for event in (e for batch in batches for e in batch):
+                rank = int(event.get("rank", -1))
+                name = event.get("event")
+                if name == "exited":
+                    raise TrainerJobError(
+                        f"trainer {self._where(rank)} exited with code {event.get('code')}",
+                        rank,
+                        self._host_of.get(rank),
+                        event.get("log_path"),
+                    )
+                if name == "failed" and (job_id is None or event.get("job") in (job_id, None)):
+                    raise TrainerJobError(
+                        f"trainer {self._where(rank)} failed: {event.get('error')}",
+                        rank,
+                        self._host_of.get(rank),
+                        self._log_of.get(rank),
+                    )
+                if name == kind and (job_id is None or event.get("job") == job_id):
+                    done[rank] = event
+                elif job_id is not None and event.get("job") == job_id:
+                    others.append(event)
+        return done, others
+
+    async def run(self, job: Mapping[str, Any], timeout_s: float | None = None) -> JobResult:
+        """Send `job` to every rank and wait for every `done` (or the first failure).
+
+        Raises:
+            TrainerJobError: a rank failed or died (named, with its log), or `timeout_s` passed.
+        """
+        if not self.started:
+            raise RuntimeError("the trainer service is not started")
+        job_id = secrets.token_hex(6)
+        started = time.monotonic()
+        payload = {**job, "id": job_id}
+        sent = await asyncio.gather(*(self._clients[h].trainer_job(payload) for h in self._hosts))
+        if sum(sent) != self.world_size:
+            raise TrainerJobError(
+                f"the job reached {sum(sent)} of {self.world_size} trainer ranks; a rank is gone"
+            )
+        done, others = await self._wait_all("done", job_id, timeout_s)
+        adapters = [e for e in others if e.get("event") == "adapter_ready"]
+        return JobResult(job_id, done, time.monotonic() - started, adapters)
+
+    async def stop(self) -> None:
+        """Stop every rank on every host (idempotent; a lost host is skipped)."""
+        if not self.started:
+            return
+        self.started = False
+        await asyncio.gather(*(self._clients[h].trainer_stop() for h in self._hosts), return_exceptions=True)
