@@ -1,0 +1,38 @@
+"""The agent's inference routes with a stand-in interpreter (no vLLM needed): a failed start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from art_mega.inference import ReplicaLaunch, ReplicaStartError, start_replicas, stop_replicas
+from tests.inference.common import free_port, replica_spec
+from tests.inference.conftest import Agent
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_failed_start_names_host_and_log_and_leaves_no_child(agent: Agent, tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho "Traceback: ModuleNotFoundError: vllm" >&2\nexit 1\n')
+    python.chmod(0o755)
+    spec = replica_spec(free_port(), name="broken")
+    launch = ReplicaLaunch(model="/m", served_model_name="tiny", python=str(python), log_dir=str(tmp_path))
+    with pytest.raises(ReplicaStartError) as info:
+        await start_replicas(agent.clients, [spec], launch)
+    message = str(info.value)
+    assert message.startswith("host host0: replica broken-0") and "exited with code 1" in message
+    assert "ModuleNotFoundError: vllm" in message and str(tmp_path / "broken-0.log") in message
+    health = await agent.client.health()
+    assert "broken-0" not in {c.child_id for c in health.children}
+    await stop_replicas(agent.clients, [spec])  # stopping what is not running is a no-op
+
+
+async def test_unsigned_requests_are_refused(agent: Agent) -> None:
+    body = {"replica": replica_spec(free_port()).model_dump(mode="json"), "launch": {}}
+    async with httpx.AsyncClient(base_url=agent.process.endpoint.url) as client:
+        for path, payload in (("/v1/inference/start", body), ("/v1/inference/stop", {"names": []})):
+            reply = await client.post(path, json=payload)
+            assert reply.status_code == 401, (path, reply.text)

