@@ -19,6 +19,8 @@ _EXPORTS = {
     "TrajectoryGroup": "art_mega.trajectories",
     "gather_trajectory_groups": "art_mega.gather",
     "TrainableModel": "art_mega.model",
+    "MegatronBackend": "art_mega.backend",
+    "TrainResult": "art_mega.backend",
     "Model": "art_mega.model",
     "ArtLaunchContext": "art_mega.launch.context",
     "ArtRuntime": "art_mega.runtime.runtime",

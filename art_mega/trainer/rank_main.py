@@ -67,7 +67,7 @@ def _run(job: dict[str, Any], state: Any, engine: Any, config: dict[str, Any]) -
     kind = job.get("kind")
     if kind == "ping":
         return {"metrics": _ping(state, job)}
-    if kind in ("rl", "sft"):
+    if kind in ("rl", "sft", "export"):
         from art_mega.trainer.jobs import run_train_job
 
         return run_train_job(job, state, engine, config)

@@ -1,0 +1,374 @@
+"""MegatronBackend: the runtime, the Megatron trainer ranks and the vLLM replicas behind ART's API.
+
+`MegatronBackend()` owns a local single-host runtime (one agent on loopback, one trainer rank,
+one vLLM replica); `MegatronBackend(runtime=runtime)` uses a multi-host one whose topology names
+the trainer and the inference replicas. One training step (`train`) reads top to bottom:
+advantages -> tokenize -> pack per DP rank -> write the batch -> one job on every rank ->
+checkpoint committed -> adapter published to every replica as `<name>@<step>` -> metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from art_mega.errors import UserError
+
+COMMIT_FILE = "LATEST"
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one `backend.train` did: the new policy step and its metrics (loss/, data/, time/)."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_vllm_python() -> str:
+    """$ART_MEGA_VLLM_PYTHON, else this interpreter when vLLM imports here, else `.venv-vllm`
+    beside this environment (scripts/install.sh makes it)."""
+    if os.environ.get("ART_MEGA_VLLM_PYTHON"):
+        return os.environ["ART_MEGA_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    sibling = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
+    if sibling.exists():
+        return str(sibling)
+    raise UserError(
+        "no vLLM environment: set ART_MEGA_VLLM_PYTHON, pass InferenceSpec(python=...), or run "
+        "ART_MEGA_WITH_VLLM=1 bash scripts/install.sh"
+    )
+
+
+def read_commit(checkpoints: Path) -> int | None:
+    """The last committed step in `checkpoints/LATEST` (None when nothing is committed)."""
+    pointer = checkpoints / COMMIT_FILE
+    if not pointer.is_file():
+        return None
+    step = int(pointer.read_text().strip())
+    return step if (checkpoints / f"{step:04d}" / "manifest.json").is_file() else None
+
+
+def write_commit(checkpoints: Path, step: int) -> None:
+    """Move the commit pointer to `step` (temp file, fsync, rename): updated last, after the data."""
+    tmp = checkpoints / f".{COMMIT_FILE}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(f"{step}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(checkpoints / COMMIT_FILE)
+
+
+class MegatronBackend:
+    """Trains one `TrainableModel` with Megatron ranks and serves it with vLLM replicas.
+
+    Args:
+        runtime: a started multi-host `ArtRuntime` whose topology has a trainer and inference;
+            None builds and owns a local one.
+        lora_rank, lora_alpha, lora_targets: the LoRA adapter (targets in HF or Megatron names).
+        seq_len: packed row length in tokens (a longer trajectory is an error naming it).
+        max_model_len: the replicas' context length in tokens.
+        keep_adapters: published steps each replica keeps loaded.
+        startup_timeout_s: bound on trainer and replica start-up (seconds).
+    """
+
+    def __init__(
+        self,
+        runtime: Any = None,
+        *,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_targets: tuple[str, ...] | None = None,
+        seq_len: int = 1024,
+        max_model_len: int = 1024,
+        keep_adapters: int = 2,
+        startup_timeout_s: float = 900.0,
+        vllm_python: str | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self._owns_runtime = runtime is None
+        self.lora = {"rank": lora_rank, "alpha": lora_alpha, "targets": list(lora_targets or [])}
+        self.seq_len = seq_len
+        self.max_model_len = max_model_len
+        self.keep_adapters = keep_adapters
+        self.startup_timeout_s = startup_timeout_s
+        self._vllm_python = vllm_python
+        self._model: Any = None
+        self._model_dir: Path | None = None
+        self._run_dir: Path | None = None
+        self._service: Any = None
+        self._router: Any = None
+        self._publisher: Any = None
+        self._tokenizer: Any = None
+        self._step = 0
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ set-up
+
+    async def _local_runtime(self) -> Any:
+        from art_mega.launch.context import default_artifact_root, default_cache_root
+        from art_mega.runtime.runtime import ArtRuntime
+        from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
+
+        cluster = ClusterSpec(
+            hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
+            controller_host_id="local",
+            artifact_root=default_artifact_root(),
+            cache_root=default_cache_root(),
+            startup_timeout_s=self.startup_timeout_s,
+        )
+        topology = compile_topology(
+            cluster,
+            trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=_free_port()),
+            inference=InferenceSpec(replicas=1, api_port=_free_port(), python=self._vllm_python or default_vllm_python()),
+        )
+        return await ArtRuntime.start_local(topology)
+
+    async def register(self, model: Any) -> Path:
+        """Start (or resume) training `model`; returns its run directory.
+
+        Resolves the base model, starts the trainer ranks (resuming from the last committed
+        checkpoint, or warm-starting from an adapter), starts the replicas, and publishes the
+        current step's adapter so `model.get_inference_name()` serves it.
+
+        Raises:
+            UserError: a second model, an unresolvable base model, a topology without trainer or
+                inference.
+        """
+        from art_mega.inference.adapters import AdapterPublisher
+        from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
+        from art_mega.inference.remote import start_replicas
+        from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
+        from art_mega.models.resolve import resolve_base_model
+        from art_mega.trainer.service import TrainerService
+
+        if self._model is not None:
+            raise UserError(f"this backend already trains model {self._model.name!r}; make one backend per model")
+        if self._runtime is None:
+            self._runtime = await self._local_runtime()
+        topology = self._runtime.topology
+        if not topology.trainer_ranks or not topology.replicas:
+            raise UserError("the runtime's topology needs a TrainerSpec and an InferenceSpec to train a model")
+        cluster = topology.cluster
+        resolved = resolve_base_model(model.base_model, cluster.cache_root)
+        self._model, self._model_dir = model, resolved.model_dir
+        run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self._run_dir = run_dir
+        committed = read_commit(run_dir / "checkpoints")
+        config: dict[str, Any] = {"model_dir": str(resolved.model_dir), "lora": self.lora}
+        if committed is not None:
+            config["resume_dir"] = str(run_dir / "checkpoints" / f"{committed:04d}")
+        elif resolved.warm_start is not None:
+            config["warm_start"] = str(resolved.warm_start)
+        self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
+        inference_python = topology.inference[0].python if topology.inference else None
+        launch = ReplicaLaunch(
+            model=str(resolved.model_dir),
+            served_model_name=model.name,
+            python=inference_python or self._vllm_python or default_vllm_python(),
+            max_lora_rank=lora_rank_slot(int(self.lora["rank"])),
+            max_model_len=self.max_model_len,
+            log_dir=str(run_dir / "logs"),
+            ready_timeout_s=self.startup_timeout_s,
+        )
+        await asyncio.gather(
+            self._service.start(config, timeout_s=self.startup_timeout_s),
+            start_replicas(self._runtime.clients, topology.replicas, launch),
+        )
+        self._router = PolicyRouter(model.name, [ReplicaEndpoint.from_spec(r) for r in topology.replicas])
+        self._publisher = AdapterPublisher(self._router, keep=self.keep_adapters)
+        if committed is None:
+            committed = 0
+            await self._service.run({"kind": "export", "step": 0, "checkpoint_dir": str(self._checkpoint(0))})
+            write_commit(run_dir / "checkpoints", 0)
+        self._step = committed
+        await self._publisher.publish(committed, str(self._checkpoint(committed) / "adapter"))
+        return run_dir
+
+    def _checkpoint(self, step: int) -> Path:
+        assert self._run_dir is not None
+        return self._run_dir / "checkpoints" / f"{step:04d}"
+
+    def _require(self, model: Any) -> None:
+        if self._model is None or model.name != self._model.name:
+            raise UserError(f"model {getattr(model, 'name', model)!r} is not registered with this backend")
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ serving
+
+    def inference_endpoint(self, model: Any) -> tuple[str, str]:
+        """(base_url, api_key) of a replica serving `model` (round-robin)."""
+        self._require(model)
+        return self._router.route().base_url, "art-mega"
+
+    def inference_name(self, model: Any) -> str:
+        """`<name>@<step>` of the served policy."""
+        self._require(model)
+        return self._router.inference_name()
+
+    async def get_step(self, model: Any) -> int:
+        self._require(model)
+        return self._step
+
+    # ------------------------------------------------------------------ training
+
+    async def train(
+        self,
+        model: Any,
+        trajectory_groups: Any,
+        *,
+        learning_rate: float = 5e-6,
+        importance_sampling_level: str = "token",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        kl_beta: float = 0.0,
+        tis_cap: float | None = None,
+        scale_rewards: bool = True,
+        config: Any = None,
+        **unused: Any,
+    ) -> TrainResult:
+        """One GRPO step on these groups; returns the new step and its metrics.
+
+        Raises:
+            UserError: unregistered model, or a trajectory longer than `seq_len`.
+            TrainerJobError: a rank failed or died (named); the last commit stays usable.
+        """
+        from art_mega.trainer.tokenize import grpo_documents
+
+        self._require(model)
+        groups = list(trajectory_groups)
+        if config is not None and getattr(config, "learning_rate", None) is not None:
+            learning_rate = config.learning_rate
+        loss = {
+            "importance_sampling_level": importance_sampling_level,
+            "epsilon_low": epsilon,
+            "epsilon_high": epsilon_high,
+            "kl_beta": kl_beta,
+            "tis_cap": tis_cap,
+        }
+        async with self._lock:
+            started = time.perf_counter()
+            documents, stats = grpo_documents(self.tokenizer(), groups, scale_rewards)
+            return await self._step_with(documents, stats.as_metrics(), "rl", learning_rate, loss, started)
+
+    async def train_sft(self, model: Any, trajectories: Any, config: Any = None, **kwargs: Any) -> TrainResult:
+        """One SFT step on these trajectories' assistant tokens (`config`: an `SFTConfig`)."""
+        from art_mega.sft import SFTConfig
+        from art_mega.trainer.tokenize import sft_documents
+
+        self._require(model)
+        config = config or SFTConfig(**kwargs)
+        async with self._lock:
+            started = time.perf_counter()
+            documents, stats = sft_documents(self.tokenizer(), list(trajectories), config.assistant_turns)
+            return await self._step_with(documents, stats.as_metrics(), "sft", config.learning_rate, {}, started)
+
+    async def _step_with(
+        self, documents: list[Any], metrics: dict[str, float], kind: str, learning_rate: float, loss: dict[str, Any], started: float
+    ) -> TrainResult:
+        from art_mega.trainer.batch import pack
+
+        assert self._run_dir is not None
+        step = self._step + 1
+        dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
+        try:
+            batches = pack(documents, self.seq_len, dp)
+        except ValueError as exc:
+            raise UserError(f"{exc} (MegatronBackend(seq_len=...))") from None
+        batch_dir = self._run_dir / "batches" / f"{step:04d}"
+        batch_dir.mkdir(parents=True, exist_ok=True)
+        for rank, batch in enumerate(batches):
+            batch.save(batch_dir / f"dp{rank}.safetensors")
+        prepared = time.perf_counter()
+        job = {
+            "kind": kind,
+            "step": step,
+            "batch_dir": str(batch_dir),
+            "checkpoint_dir": str(self._checkpoint(step)),
+            "learning_rate": learning_rate,
+            "loss": loss,
+        }
+        result = await self._service.run(job)
+        write_commit(self._run_dir / "checkpoints", step)
+        self._step = step
+        trained = time.perf_counter()
+        report = await self._publisher.publish(step, str(self._checkpoint(step) / "adapter"))
+        published = time.perf_counter()
+        shutil.rmtree(batch_dir, ignore_errors=True)
+        metrics.update({k: float(v) for k, v in result.rank0.get("metrics", {}).items()})
+        metrics.update(
+            {
+                "time/prepare_s": prepared - started,
+                "time/train_s": trained - prepared,
+                "time/publish_s": published - trained,
+                "time/adapter_load_s": max(report.load_s.values(), default=0.0),
+            }
+        )
+        return TrainResult(step=step, metrics=metrics)
+
+    async def delete_checkpoints(self, model: Any, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """Delete every committed checkpoint but the latest and the best by `best_checkpoint_metric`
+        (read from history.jsonl; higher is better). Returns the deleted steps."""
+        from art_mega.metrics import read_history
+
+        self._require(model)
+        assert self._run_dir is not None
+        checkpoints = self._run_dir / "checkpoints"
+        steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
+        scores = {int(r["step"]): float(r[best_checkpoint_metric]) for r in read_history(self._run_dir / "history.jsonl") if best_checkpoint_metric in r}
+        keep = {self._step}
+        scored = [s for s in steps if s in scores]
+        if scored:
+            keep.add(max(scored, key=lambda s: scores[s]))
+        served = set(self._publisher.window()) if self._publisher else set()
+        deleted = [s for s in steps if s not in keep and s not in served]
+        for s in deleted:
+            shutil.rmtree(checkpoints / f"{s:04d}", ignore_errors=True)
+        return deleted
+
+    async def close(self) -> None:
+        """Stop the replicas and trainer ranks; close the runtime when this backend owns it."""
+        from art_mega.inference.remote import stop_replicas
+
+        if self._publisher is not None:
+            await self._publisher.aclose()
+        if self._service is not None:
+            await self._service.stop()
+        if self._runtime is not None:
+            await stop_replicas(self._runtime.clients, self._runtime.topology.replicas)
+            if self._owns_runtime:
+                await self._runtime.close()
+
+    async def __aenter__(self) -> MegatronBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def manifest(checkpoint_dir: Path) -> dict[str, Any]:
+    """A checkpoint's manifest.json."""
+    return json.loads((checkpoint_dir / "manifest.json").read_text())
