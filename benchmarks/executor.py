@@ -6,7 +6,8 @@ Starts `ArtRuntime.start_local` on a one-host loopback topology (127.0.0.1, port
 - `executor.run` sequential round trip, p50 and p99 (ms), on worker 0;
 - `executor.submit` throughput (rollouts/s) with C concurrent callers over every worker;
 - a signed `GET /v1/health` round trip (p50, p99) as a reference: the part of a rollout round
-  trip that is controller HTTP + HMAC + agent FastAPI alone, without the hop to a worker.
+  trip that is controller HTTP (aiohttp) + HMAC + the agent's HTTP layer (uvicorn, Starlette)
+  alone, without the hop to a worker.
 
 It never fails on a slow figure. `--record` writes the rows into `benchmarks/RESULTS.md`,
 replacing rows with the same figure name and keeping the others.

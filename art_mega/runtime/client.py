@@ -263,7 +263,9 @@ class AgentClient:
 
     async def trainer_job(self, job: dict[str, Any]) -> int:
         """Send a job to this host's trainer ranks; returns how many ranks it reached."""
-        return (await self._request("POST", "/trainer/job", TrainerJobRequest(job=job), TrainerJobResponse)).sent
+        return (
+            await self._request("POST", "/trainer/job", TrainerJobRequest(job=job), TrainerJobResponse)
+        ).sent
 
     async def trainer_events(self, after: int, timeout_s: float) -> TrainerEventsResponse:
         """Long-poll this host's trainer events from index `after` (waits up to `timeout_s` s)."""
