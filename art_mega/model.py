@@ -19,6 +19,15 @@ def _check_name(value: str, field: str) -> str:
     return value
 
 
+class TrainConfig(BaseModel):
+    """ART's TrainConfig: the learning rate and the KL coefficient `beta` of one step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = 5e-6
+    beta: float = 0.0
+
+
 class Model(BaseModel):
     """A model served for inference: `name` within `project`, an optional run name."""
 
@@ -120,6 +129,14 @@ class TrainableModel(Model):
             self._wandb = WandbMirror(self.project, self.run_name or self.name, self.config)
         self._wandb.log(row)
         return row
+
+    async def train(self, trajectory_groups: Any, config: Any = None, **kwargs: Any) -> Any:
+        """ART's `model.train(groups, config=TrainConfig(...))`: one GRPO step through the backend."""
+        if config is not None:
+            kwargs.setdefault("learning_rate", config.learning_rate)
+            if getattr(config, "beta", 0.0):
+                kwargs.setdefault("kl_beta", config.beta)
+        return await self._require_backend().train(self, trajectory_groups, **kwargs)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`.

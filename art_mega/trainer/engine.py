@@ -11,7 +11,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +57,6 @@ class _Microbatch:
     ref_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     inference_logprobs: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _document_layout(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,7 +102,8 @@ class TrainerEngine:
     layout when `OptimizerSettings.distributed`) and builds Megatron's Adam over the LoRA
     parameters only (`get_megatron_optimizer`). Forward/backward runs through Megatron's
     `get_forward_backward_func()` schedule and `finalize_model_grads` (DP all-reduce or
-    reduce-scatter).
+    reduce-scatter). The model uses Megatron's local layer spec on CPU and GPU alike (see
+    `__init__`).
 
     Loss normalisation: the loss of a step is sum_t w_t m_t l_t / sum_t w_t m_t over every token of
     every microbatch on every DP rank (w = `TrainBatch.weights`, m = `loss_mask`): each
@@ -146,7 +146,9 @@ class TrainerEngine:
         self.optimizer_settings = optimizer
         self.micro_batch_rows = micro_batch_rows
         self.compute_entropy = compute_entropy
-        self.model = build_megatron_model(model_dir, device=parallel_state.device, dtype=dtype)
+        # The local layer spec on every device for now: LoRA cannot wrap TransformerEngine's
+        # fused-norm linears yet, and TE's causal attention ignores the packed-row mask.
+        self.model = build_megatron_model(model_dir, device=parallel_state.device, dtype=dtype, use_te=False)
         module = self.model.module
         self.lora_layers = apply_lora(module, lora)
         config = module.config
@@ -190,7 +192,7 @@ class TrainerEngine:
         return mpu.get_data_parallel_group()
 
     def _dp_sum(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.state.device)
         torch.distributed.all_reduce(tensor, group=self._dp_group())
         return tensor.tolist()
 
@@ -200,15 +202,16 @@ class TrainerEngine:
         size = torch.distributed.get_world_size(group)
         if size == 1:
             return values
-        length = torch.tensor([values.numel()])
+        device = self.state.device
+        length = torch.tensor([values.numel()], device=device)
         lengths = [torch.zeros_like(length) for _ in range(size)]
         torch.distributed.all_gather(lengths, length, group=group)
         longest = max(int(n) for n in lengths)
-        padded = torch.zeros(longest, dtype=torch.float32)
+        padded = torch.zeros(longest, dtype=torch.float32, device=device)
         padded[: values.numel()] = values.float()
         pieces = [torch.zeros_like(padded) for _ in range(size)]
         torch.distributed.all_gather(pieces, padded, group=group)
-        return torch.cat([piece[: int(n)] for piece, n in zip(pieces, lengths)])
+        return torch.cat([piece[: int(n)] for piece, n in zip(pieces, lengths)]).cpu()
 
     def _microbatches(self, batch: TrainBatch) -> list[dict[str, torch.Tensor]]:
         tensors = batch.to_torch(self.state.device)
@@ -544,10 +547,17 @@ def _optimizer_state(optimizer: Any) -> dict[str, Any] | None:
     if inner is None or not inner.state:
         return None
     if _is_distributed(optimizer):
-        return {
-            "state": optimizer.state_dict(),
-            "param_state": optimizer.get_parameter_state_dp_reshardable(),
-        }
+        param_state = optimizer.get_parameter_state_dp_reshardable()
+        # The loader skips entries marked as padding and expects the mark on every entry
+        # (`distrib_optimizer.py` load_parameter_state_from_dp_reshardable); this rank's own
+        # entries are never padding.
+        for key, per_dtype in param_state.items():
+            if isinstance(key, int):
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)
+        return {"state": optimizer.state_dict(), "param_state": param_state}
     return {"state": optimizer.state_dict()}
 
 
@@ -557,3 +567,9 @@ def _load_optimizer_state(optimizer: Any, saved: dict[str, Any] | None) -> None:
     optimizer.load_state_dict(saved["state"])
     if _is_distributed(optimizer):
         optimizer.load_parameter_state_from_dp_reshardable(saved["param_state"])
+        # Without apex/TE, `DistributedOptimizer.load_state_dict` gives every parameter the same
+        # `step` tensor object; torch's foreach Adam then adds 1 to it once per parameter per
+        # step, and the bias correction goes wrong. Each parameter gets its own copy.
+        for state in optimizer.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()

@@ -18,8 +18,9 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     A padding token attends to itself only, so no softmax row is empty. Megatron's local
     `DotProductAttention` applies an explicit mask whatever its `attn_mask_type`
     (`fusions/fused_softmax.py` forward_torch_softmax builds the causal mask only when none is
-    given); the fused CUDA softmax and TransformerEngine's attention ignore it for a causal
-    layer, so GPU ranks must pass packed sequences another way.
+    given). The fused CUDA softmax (`masked_softmax_fusion`, off by default in 0.16) and
+    TransformerEngine's attention ignore it for a causal layer: packed rows there need
+    Megatron's `PackedSeqParams` (THD) instead.
     """
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     length = segment_ids.shape[1]

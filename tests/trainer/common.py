@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,3 +61,51 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class RankProcesses:
+    """A gloo world of `world` processes running `python -m MODULE RANK WORLD OUT PORT_A PORT_B NAME=DIR...`.
+
+    Started on construction (one thread each, output captured); `results()` waits for them and
+    returns each rank's `OUT/rankR.pt`; `kill()` ends those still running.
+    """
+
+    def __init__(self, module: str, out: Path, models: dict[str, Path], world: int = 2) -> None:
+        from tests.conftest import REPO
+
+        self.out = out
+        self.world = world
+        ports = [str(free_port()), str(free_port())]
+        pairs = [f"{name}={path}" for name, path in models.items()]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", module, str(rank), str(world), str(out), *ports, *pairs],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+
+    def results(self, timeout: float = 240) -> list[dict]:
+        import torch
+
+        logs = []
+        for proc in self.procs:
+            try:
+                logs.append(proc.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        for rank, proc in enumerate(self.procs):
+            assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{logs[rank][-4000:]}"
+        return [torch.load(self.out / f"rank{rank}.pt", weights_only=False) for rank in range(self.world)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from art_mega.models.tiny import build_tiny_model
-from tests.trainer.common import EQUIVALENCE_MODELS, TINY_MODELS, free_port, input_ids, megatron_logits
+from tests.trainer.common import (
+    EQUIVALENCE_MODELS,
+    TINY_MODELS,
+    RankProcesses,
+    free_port,
+    input_ids,
+    megatron_logits,
+)
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +57,41 @@ def tp1_logits(megatron_world, tiny_dirs: dict[str, Path]) -> dict[str, object]:
         assert not built.uses_te and built.padded_vocab_size == built.vocab_size == 768
         logits[name] = megatron_logits(built, input_ids(built.vocab_size))
     return logits
+
+
+@pytest.fixture(scope="session")
+def engine_world(
+    tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RankProcesses]:
+    """The 2-rank `tests.trainer.engine_worker` world, started (not awaited): the in-process TP=1
+    scenarios run while it works."""
+    world = RankProcesses("tests.trainer.engine_worker", tmp_path_factory.mktemp("engine-world"), tiny_dirs)
+    yield world
+    world.kill()
+
+
+@pytest.fixture(scope="session")
+def tp2_engine(engine_world: RankProcesses) -> list[dict]:
+    """Each rank's engine results: {"tp2": run_all(...), "dp2": {...}} (see engine_worker)."""
+    return engine_world.results()
+
+
+@pytest.fixture(scope="session")
+def tp1_engine(
+    megatron_world, tiny_dirs: dict[str, Path], engine_world: RankProcesses, tmp_path_factory
+) -> dict:
+    """`engine_scenarios.run_all` in this process (TP=1), plus the SFT and empty-batch scenarios."""
+    import torch
+
+    from tests.trainer import engine_scenarios
+
+    models = {name: str(path) for name, path in tiny_dirs.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is several times faster on 2 cores
+    try:
+        results = engine_scenarios.run_all(megatron_world, models, tmp_path_factory.mktemp("engine-tp1"))
+        results["sft"] = engine_scenarios.sft_steps(megatron_world, models["llama"])
+        results["nothing_trainable"] = engine_scenarios.nothing_trainable(megatron_world, models["llama"])
+        return results
+    finally:
+        torch.set_num_threads(threads)

@@ -40,7 +40,7 @@ def unpatched_fails(call) -> None:
     """Assert that `call()` hits a CUDA call (only meaningful where torch has no CUDA)."""
     if torch.cuda.is_available():
         return
-    with pytest.raises(CUDA_MISSING):
+    with pytest.raises(CUDA_MISSING, match="CUDA"):
         call()
 
 
@@ -133,3 +133,95 @@ def test_version_gate_and_bookkeeping(only_patch) -> None:
     assert torch.cuda.current_device is original and cpu_compat.applied_patches() == ()
     assert cpu_compat.needs_cpu_compat("cpu") and cpu_compat.needs_cpu_compat(torch.device("cpu"))
     assert not cpu_compat.needs_cpu_compat("cuda:0")
+
+
+def _toy_optimizer(dtype: torch.dtype):
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    param = torch.nn.Parameter(torch.ones(2, 3, dtype=dtype))
+    adam = torch.optim.AdamW([param], lr=0.1)
+    if dtype == torch.float32:
+        return FP32Optimizer(adam, OptimizerConfig(lr=0.1), lambda opt: None)
+    return Float16OptimizerWithFloat16Params(adam, OptimizerConfig(lr=0.1, bf16=True), None, lambda opt: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_optimizer_tensors(only_patch, dtype) -> None:
+    unpatched_fails(lambda: _toy_optimizer(dtype))
+    only_patch("cpu_optimizer_tensors")
+    optimizer = _toy_optimizer(dtype)
+    assert optimizer.get_loss_scale().device.type == "cpu"
+    if dtype == torch.bfloat16:  # the bf16 parameter got an fp32 main copy (dtype check, not type())
+        assert optimizer.fp32_from_float16_groups[0][0].dtype == torch.float32
+
+
+def test_cpu_grad_norm(only_patch, megatron_world) -> None:
+    from megatron.core import parallel_state as mpu
+    from megatron.core.optimizer.clip_grads import (
+        clip_grad_by_total_norm_fp32,
+        count_zeros_fp32,
+        get_grad_norm_fp32,
+    )
+
+    group = mpu.get_model_parallel_group()
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
+
+    def calls() -> tuple[float, float, float]:
+        norm = get_grad_norm_fp32([param.grad], grad_stats_parallel_group=group)
+        zeros = count_zeros_fp32([param], grad_stats_parallel_group=group)
+        clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=norm)
+        return norm, zeros, float(param.grad.norm())
+
+    unpatched_fails(calls)
+    param.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    only_patch("cpu_grad_norm")
+    norm, zeros, clipped = calls()
+    assert norm == pytest.approx(5.0) and zeros == 2.0 and clipped == pytest.approx(1.0, rel=1e-5)
+
+
+def test_cpu_schedule_tokens(only_patch, megatron_world) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = ModelParallelConfig()
+            self.model_type = ModelType.encoder_or_decoder
+            self.weight = torch.nn.Parameter(torch.tensor(2.0))
+
+        def set_input_tensor(self, tensor) -> None:  # the schedule's pipeline hook (unused at pp=1)
+            pass
+
+    toy = Toy()
+
+    def step(data, model):
+        x = next(data)
+        return model.weight * x, lambda out: (out.sum(), {"loss": out.sum().detach()})
+
+    def run():
+        return forward_backward_no_pipelining(
+            forward_step_func=step,
+            data_iterator=iter([torch.ones(3)]),
+            model=[toy],
+            num_microbatches=1,
+            seq_length=3,
+            micro_batch_size=1,
+            forward_only=True,
+        )
+
+    unpatched_fails(run)
+    only_patch("cpu_schedule_tokens")
+    assert float(run()[0]["loss"]) == 6.0
+
+
+def test_rewrite_refuses_changed_source(only_patch) -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    log: list = []
+    with pytest.raises(RuntimeError, match="forward_backward_no_pipelining contains 'no such text' 0 times"):
+        cpu_compat._rewrite(log, schedules, "forward_backward_no_pipelining", [("no such text", "x", 1)])
+    assert log == []

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.trainer.common import EQUIVALENCE_MODELS, free_port, require_trainer_deps
+from tests.trainer.common import EQUIVALENCE_MODELS, RankProcesses, require_trainer_deps
 
 require_trainer_deps()
 
@@ -21,43 +17,11 @@ WORLD = 2
 @pytest.fixture(scope="session")
 def two_rank_results(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Each rank's results from `tests.trainer.tp_worker` (TP=2 phase, then TP=1/DP=2 phase)."""
-    import torch
-
-    out = tmp_path_factory.mktemp("tp-worker")
-    ports = [str(free_port()), str(free_port())]
-    models = [f"{name}={path}" for name, path in tiny_dirs.items()]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.trainer.tp_worker",
-                str(rank),
-                str(WORLD),
-                str(out),
-                *ports,
-                *models,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(WORLD)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{logs[rank][-4000:]}"
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+    world = RankProcesses("tests.trainer.tp_worker", tmp_path_factory.mktemp("tp-worker"), tiny_dirs, WORLD)
+    try:
+        return world.results()
+    finally:
+        world.kill()
 
 
 @pytest.mark.parametrize("name", EQUIVALENCE_MODELS)

