@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import art_mega as art
 from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
@@ -45,10 +46,10 @@ def reward_for(text: str) -> float:
     return first + 0.5 / len(words)
 
 
-async def rollout(model: art.TrainableModel, question: str, temperature: float = 1.0) -> art.Trajectory:
+async def rollout(model: art.TrainableModel, question: str, seed: int | None = None) -> art.Trajectory:
     messages = [{"role": "user", "content": f"{question} {ANSWER_RULE}"}]
     completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=16, temperature=temperature
+        model=model.get_inference_name(), messages=messages, max_tokens=16, temperature=1.0, seed=seed
     )
     choice = completion.choices[0]
     reward = reward_for(choice.message.content or "")
@@ -60,8 +61,12 @@ async def rollout(model: art.TrainableModel, question: str, temperature: float =
 
 
 async def validate(model: art.TrainableModel) -> float:
+    """Expected reward of the policy on held-out questions: 8 samples each at temperature 1 with
+    fixed seeds, so two steps' figures differ only by the policy (greedy answers are already
+    "Yes"/"No" for this model; what RL changes is the distribution)."""
     groups = await art.gather_trajectory_groups(
-        [art.TrajectoryGroup([rollout(model, q, temperature=0.0)]) for q in VAL_QUESTIONS], pbar_desc=None
+        [art.TrajectoryGroup(rollout(model, q, seed=1000 + i) for i in range(8)) for q in VAL_QUESTIONS],
+        pbar_desc=None,
     )
     row = await model.log(groups, split="val")
     return row["val/reward"]
@@ -88,12 +93,15 @@ async def main(launch) -> None:
         for batch in art.iterate_dataset(TRAIN_QUESTIONS, groups_per_step=4, num_epochs=100, initial_step=await model.get_step()):
             if batch.step >= steps:
                 break
+            started = time.perf_counter()
             groups = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, q) for _ in range(group_size)) for q in batch.items),
                 pbar_desc=f"step {batch.step}",
             )
+            rollout_s = time.perf_counter() - started
             result = await backend.train(model, groups, learning_rate=3e-4)
-            await model.log(groups, metrics=result.metrics, step=result.step)
+            # logged at the step of the policy that sampled these groups, like the validation
+            await model.log(groups, metrics={**result.metrics, "time/rollout_s": rollout_s}, step=batch.step)
             if result.step % 2 == 0 or result.step >= steps:
                 val = await validate(model)
                 print(f"step {result.step}: val/reward {val:.3f}", flush=True)
