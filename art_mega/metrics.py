@@ -78,10 +78,32 @@ def append_history(path: Path, row: Mapping[str, Any]) -> None:
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:
-    """All rows of a history.jsonl (empty when the file does not exist)."""
+    """All rows of a history.jsonl (empty when the file does not exist).
+
+    Raises:
+        UserError: the path is not a readable text file, or a line is not a JSON object with an
+            integer "step" (names the file and line).
+    """
+    from art_mega.errors import UserError
+
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} cannot be read as a text file ({type(exc).__name__}); pass a run directory") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise UserError(f"{path} line {number} is not valid JSON; history.jsonl holds one JSON object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UserError(f"{path} line {number} is not a JSON object with an integer 'step'")
+        rows.append(row)
+    return rows
 
 
 class WandbMirror:

@@ -235,7 +235,10 @@ def worker(
         try:
             secret = load_secret(raw)
         except ValueError as exc:
-            raise UserError(str(exc)) from None
+            message = str(exc)
+            if secret_stdin:
+                message = message.replace("ART_MEGA_SECRET", "the secret line on stdin (--secret-stdin)")
+            raise UserError(message) from None
         os.environ.pop("ART_MEGA_SECRET", None)
         chosen = launch_id or os.environ.get("ART_MEGA_LAUNCH_ID") or secrets.token_hex(8)
         return agent_main(address, chosen, secret, exit_on_stdin_eof)

@@ -73,6 +73,8 @@ def describe_failure(exc: BaseException, debug: bool) -> tuple[int, str]:
         return 2, f"error: {format_validation_error(exc)}"
     if isinstance(exc, (HostLostError, AgentError)):
         return 1, f"error: {exc}"
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "the program raised KeyboardInterrupt; every host was stopped"
     text = "".join(traceback.format_exception(exc))
     return 1, f"the program failed:\n{text}" if not debug else text
 
@@ -228,7 +230,20 @@ async def run_attached(
         raise UserError(f"--worker values must be unique, got {[e.address for e in endpoints]}")
     clients = [AgentClient(f"host{i}", e.address, e.url, secret) for i, e in enumerate(endpoints)]
     try:
-        replies = await asyncio.gather(*(c.health(timeout_s=10.0) for c in clients))
+        try:
+            replies = await asyncio.gather(*(c.health(timeout_s=10.0) for c in clients))
+        except AgentError as exc:
+            if "HTTP 401" in str(exc):
+                raise UserError(
+                    f"--worker {exc.address} refused the launch secret; set ART_MEGA_SECRET to the secret the workers were started with"
+                ) from None
+            raise UserError(f"--worker {exc.address} does not answer; is `art-mega worker` running there? ({exc})") from None
+        seen: dict[tuple[str, int, str], str] = {}
+        for client, reply in zip(clients, replies):
+            key = (reply.boot_id, reply.pid, reply.hostname)
+            if key in seen:
+                raise UserError(f"--worker {client.address} is the same agent as --worker {seen[key]}; list each agent once")
+            seen[key] = client.address
         wanted = launch_id or replies[0].launch_id
         for client, reply in zip(clients, replies):
             if reply.launch_id != wanted:

@@ -47,6 +47,8 @@ def parse_program(text: str) -> ProgramRef:
         raise UserError(f"--program {text!r}: {function!r} is not a function name")
     if target.endswith(".py") or "/" in target or "\\" in target:
         script = Path(target).expanduser().resolve()
+        if script.is_dir():
+            raise UserError(f"--program {text!r}: {target} is a directory; name a .py file in it")
         if not script.is_file():
             raise UserError(f"--program {text!r}: script {target} does not exist")
         if script.suffix != ".py":
@@ -75,6 +77,11 @@ def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
         if exc.name and (ref.module == exc.name or ref.module.startswith(exc.name + ".")):
             raise UserError(f"--program {ref.text!r}: module {ref.module} cannot be found") from None
         raise
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else ref.module
+        raise UserError(f"--program {ref.text!r}: {where}: {exc.msg}; fix the program's syntax") from exc
+    except ValueError as exc:  # e.g. null bytes in the source
+        raise UserError(f"--program {ref.text!r}: {ref.module} cannot be compiled ({exc})") from exc
     if ref.script is not None:
         loaded = Path(getattr(module, "__file__", "") or "").resolve()
         if loaded != ref.script:

@@ -81,7 +81,10 @@ def parse_ssh_args(args: list[str]) -> SshOptions:
     """
     words: list[str] = []
     for arg in args:
-        words.extend(shlex.split(arg))
+        try:
+            words.extend(shlex.split(arg))
+        except ValueError as exc:
+            raise UserError(f"--ssh-arg {arg!r}: {exc}; quote it like a shell word") from None
     config_file = port = user = jump = None
     identities: list[str] = []
     options: list[tuple[str, str]] = []

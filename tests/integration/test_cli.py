@@ -130,7 +130,10 @@ def test_controller_attaches_to_separately_started_workers():
         assert "ART_MULTINODE_SMOKE_PASS hosts=2" in result.stdout
         wrong = dict(env, ART_MEGA_SECRET="u" * 64)
         result = run_cli("controller", *workers, "--program", "examples/multinode/program.py:main", env=wrong)
-        assert result.returncode == 1 and "HTTP 401" in result.stderr
+        _one_sentence_error(result, "refused the launch secret", "ART_MEGA_SECRET")
+        twice = ["--worker", f"tcp://127.0.0.1:{ports[0]}", "--worker", f"tcp://localhost:{ports[0]}"]
+        result = run_cli("controller", *twice, "--program", "examples/multinode/program.py:main", env=env)
+        _one_sentence_error(result, "is the same agent as", f"127.0.0.1:{ports[0]}")
     finally:
         for agent in agents:
             agent.terminate()

@@ -54,3 +54,19 @@ def test_unregistered_model_says_so():
 def test_bad_model_names(name):
     with pytest.raises(ValueError, match="name"):
         TrainableModel(name=name, project="p", base_model="tiny")
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [("garbage\n", "line 1 is not valid JSON"), ("[1, 2]\n", "line 1 is not a JSON object"), ('{"step": "x"}\n', "integer 'step'")],
+)
+def test_bad_history_lines_are_named(tmp_path, content, message):
+    from art_mega.errors import UserError
+
+    path = tmp_path / "history.jsonl"
+    path.write_text('{"step": 0}\n' + content if "line 1" not in message else content)
+    with pytest.raises(UserError, match=message):
+        read_history(path)
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(UserError, match="cannot be read as a text file"):
+        read_history(path)

@@ -63,3 +63,19 @@ def test_bad_functions(tmp_path, source, message):
 def test_missing_module():
     with pytest.raises(UserError, match="cannot be found"):
         load_program(parse_program("no_such_module_xyz.sub:main"))
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [("def main(:\n", "prog_syntax_err.py:1"), (b"x = 1\x00\n", "null bytes")],
+)
+def test_scripts_that_do_not_compile(tmp_path, source, message):
+    script = tmp_path / "prog_syntax_err.py"
+    script.write_bytes(source if isinstance(source, bytes) else source.encode())
+    with pytest.raises(UserError, match=message):
+        load_program(parse_program(f"{script}:main"))
+
+
+def test_a_directory_is_named(tmp_path):
+    with pytest.raises(UserError, match="is a directory"):
+        parse_program(f"{tmp_path}:main")

@@ -84,3 +84,8 @@ def test_plan_hosts_binds_the_target_host_unless_told(tmp_path):
         plan_hosts([], [], 22222)
     with pytest.raises(UserError, match="--port 0"):
         plan_hosts(["a"], [], 0)
+
+
+def test_unbalanced_quote_in_ssh_arg():
+    with pytest.raises(UserError, match="No closing quotation; quote it like a shell word"):
+        parse_ssh_args(['-F "unterminated'])
