@@ -73,6 +73,13 @@ def _check_address(option: str, value: str) -> None:
         raise UserError(f"{option} {value!r}: {exc}") from None
 
 
+def _check_launch_id(value: str | None) -> None:
+    import re
+
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", value):
+        raise UserError(f"--launch-id {value!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+
+
 def _check_port(port: int) -> None:
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port} is out of range; use 0 (a free port) to 65535")
@@ -127,6 +134,7 @@ def controller(
 
         for address in worker:
             _check_address("--worker", address)
+        _check_launch_id(launch_id)
         try:
             secret = secret_from_env()
         except ValueError as exc:
@@ -231,6 +239,7 @@ def worker(
         from art_mega.runtime.auth import load_secret
 
         _check_address("--address", address)
+        _check_launch_id(launch_id)
         raw = sys.stdin.readline() if secret_stdin else os.environ.get("ART_MEGA_SECRET")
         try:
             secret = load_secret(raw)

@@ -71,6 +71,19 @@ class SshOptions:
 
 
 _WITH_VALUE = {"-F", "-i", "-p", "-l", "-J", "-o"}
+HONOURED_OPTIONS = {
+    "hostname",
+    "user",
+    "port",
+    "identityfile",
+    "identitiesonly",
+    "userknownhostsfile",
+    "stricthostkeychecking",
+    "proxycommand",
+    "proxyjump",
+    "connecttimeout",
+}
+"""ssh config keys `resolve` reads; an `-o` naming any other key would be silently ignored."""
 
 
 def parse_ssh_args(args: list[str]) -> SshOptions:
@@ -119,6 +132,11 @@ def parse_ssh_args(args: list[str]) -> SshOptions:
                 key, _, val = value.partition(" ")
             if not key or not val:
                 raise UserError(f"--ssh-arg -o {value!r} must be KEY=VALUE")
+            if key.strip().lower() not in HONOURED_OPTIONS:
+                raise UserError(
+                    f"--ssh-arg -o {key.strip()} is not honoured by art-mega's SSH client; use one of "
+                    f"{', '.join(sorted(HONOURED_OPTIONS))}"
+                )
             options.append((key.strip().lower(), val.strip()))
         i += 1
     return SshOptions(config_file, tuple(identities), port, user, jump, tuple(options))

@@ -89,3 +89,9 @@ def test_plan_hosts_binds_the_target_host_unless_told(tmp_path):
 def test_unbalanced_quote_in_ssh_arg():
     with pytest.raises(UserError, match="No closing quotation; quote it like a shell word"):
         parse_ssh_args(['-F "unterminated'])
+
+
+def test_unhonoured_ssh_options_are_refused_before_connecting():
+    with pytest.raises(UserError, match="-o ForwardAgent is not honoured"):
+        parse_ssh_args(["-o ForwardAgent=yes"])
+    assert parse_ssh_args(["-o", "ConnectTimeout=3"]).options == (("connecttimeout", "3"),)
