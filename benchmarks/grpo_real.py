@@ -68,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         subprocess.run(
-            [sys.executable, "-m", "art_mega", "local", "--program", f"{REPO}/examples/multinode/train.py:main"],
+            [
+                sys.executable,
+                "-m",
+                "art_mega",
+                "local",
+                "--program",
+                f"{REPO}/examples/multinode/train.py:main",
+            ],
             cwd=work,
             env={**os.environ, **env},
             check=True,

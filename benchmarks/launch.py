@@ -16,30 +16,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+from _netns import run_ssh  # noqa: E402
 from _results import print_table, record, rows_for  # noqa: E402
 
 from tests.integration.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
 
 def launch_to_ready(cluster: NetnsCluster, port: int) -> float:
-    argv = [
-        sys.executable,
-        "-m",
-        "art_mega",
-        "ssh",
-        "--program",
-        "benchmarks/_programs.py:ready",
-        "--port",
-        str(port),
-    ]
-    for host in cluster.hosts:
-        argv += ["--host", host.ssh_alias]
-    argv.append(f"--ssh-arg=-F {cluster.ssh_config}")
     started = time.time()
-    result = cluster.hosts[0].run(argv, cwd=REPO, timeout=120)
-    if result.returncode != 0:
-        raise RuntimeError(f"art-mega ssh failed: {result.stderr[-800:]}")
-    line = next(line for line in result.stdout.splitlines() if line.startswith("READY_AT "))
+    stdout = run_ssh(cluster, "benchmarks/_programs.py:ready", port, timeout=120)
+    line = next(line for line in stdout.splitlines() if line.startswith("READY_AT "))
     return float(line.split()[1]) - started
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+from _netns import run_ssh  # noqa: E402
 from _results import print_table, record, rows_for  # noqa: E402
 
 from tests.integration.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
@@ -26,24 +27,9 @@ PHASES = ("admission", "fs_probe", "metadata_store", "collective", "total")
 
 
 def run_once(cluster: NetnsCluster, port: int, root: str) -> dict:
-    argv = [
-        sys.executable,
-        "-m",
-        "art_mega",
-        "ssh",
-        "--program",
-        "benchmarks/_programs.py:preflight",
-        "--port",
-        str(port),
-    ]
-    for host in cluster.hosts:
-        argv += ["--host", host.ssh_alias]
-    argv.append(f"--ssh-arg=-F {cluster.ssh_config}")
     env = dict(os.environ, BENCH_ARTIFACT_ROOT=root)
-    result = cluster.hosts[0].run(argv, cwd=REPO, env=env, timeout=180)
-    if result.returncode != 0:
-        raise RuntimeError(f"art-mega ssh failed: {result.stderr[-800:]}")
-    line = next(line for line in result.stdout.splitlines() if line.startswith("PHASES "))
+    stdout = run_ssh(cluster, "benchmarks/_programs.py:preflight", port, timeout=180, env=env)
+    line = next(line for line in stdout.splitlines() if line.startswith("PHASES "))
     return json.loads(line.split(" ", 1)[1])
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -90,6 +91,32 @@ def _fails(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
     return errors[0]
 
 
+@contextmanager
+def only_agent_traffic(host, peer):
+    """`host` may answer on its agent's port but cannot open any other TCP connection to `peer`."""
+    if not shutil.which("iptables"):
+        pytest.skip("iptables is not installed")
+    rule = [
+        "OUTPUT",
+        "-d",
+        peer.address,
+        "-p",
+        "tcp",
+        "!",
+        "--sport",
+        str(PORT),
+        "-j",
+        "REJECT",
+        "--reject-with",
+        "tcp-reset",
+    ]
+    host.run(["iptables", "-A", *rule], check=True)
+    try:
+        yield
+    finally:
+        host.run(["iptables", "-D", *rule])
+
+
 def _etcd_dirs() -> set[str]:
     return {p.name for p in Path("/tmp").glob("art-mega-etcd-*")}
 
@@ -125,44 +152,21 @@ def test_collective_proves_membership_and_measures_every_link(netns3, tmp_path):
 
 def test_a_preflight_rank_that_never_arrives_is_named_and_bounded(netns3, tmp_path):
     pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
-    if not shutil.which("iptables"):
-        pytest.skip("iptables is not installed")
-    h0, h2 = netns3.hosts[0], netns3.hosts[2]
-    rule = [
-        "OUTPUT",
-        "-d",
-        h0.address,
-        "-p",
-        "tcp",
-        "!",
-        "--sport",
-        str(PORT),
-        "-j",
-        "REJECT",
-        "--reject-with",
-        "tcp-reset",
-    ]
-    h2.run(["iptables", "-A", *rule], check=True)
-    try:
-        with agents(netns3):
-            import time
-
-            started = time.monotonic()
-            result = controller(
-                netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_TIMEOUT="8", PREFLIGHT_ROOT=str(tmp_path / "a")
-            )
-            elapsed = time.monotonic() - started
-            _fails(result, "host host2 (rank 2) did not arrive within 8 s")
-            assert elapsed < 40
-            probes = [
-                p
-                for h in netns3.hosts
-                for p in h.pids()
-                if b"preflight_probe" in open(f"/proc/{p}/cmdline", "rb").read()
-            ]
-            assert probes == []
-    finally:
-        h2.run(["iptables", "-D", *rule])
+    with only_agent_traffic(netns3.hosts[2], netns3.hosts[0]), agents(netns3):
+        started = time.monotonic()
+        result = controller(
+            netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_TIMEOUT="8", PREFLIGHT_ROOT=str(tmp_path / "a")
+        )
+        elapsed = time.monotonic() - started
+        _fails(result, "host host2 (rank 2) did not arrive within 8 s")
+        assert elapsed < 40
+        probes = [
+            p
+            for h in netns3.hosts
+            for p in h.pids()
+            if b"preflight_probe" in open(f"/proc/{p}/cmdline", "rb").read()
+        ]
+        assert probes == []
 
 
 def test_different_art_mega_files_on_one_host(netns3, tmp_path):
@@ -218,31 +222,9 @@ def test_managed_etcd_serves_every_host_and_leaves_nothing(netns3, tmp_path):
 
 
 def test_etcd_unreachable_from_one_host_fails_and_cleans_up(netns3):
-    if not shutil.which("iptables"):
-        pytest.skip("iptables is not installed")
-    h0, h2 = netns3.hosts[0], netns3.hosts[2]
-    # h2 may answer its agent's port but cannot open any other connection to h0 (etcd's port)
-    rule = [
-        "OUTPUT",
-        "-d",
-        h0.address,
-        "-p",
-        "tcp",
-        "!",
-        "--sport",
-        str(PORT),
-        "-j",
-        "REJECT",
-        "--reject-with",
-        "tcp-reset",
-    ]
-    h2.run(["iptables", "-A", *rule], check=True)
     before_dirs, before_pids = _etcd_dirs(), set(_etcd_pids())
-    try:
-        with agents(netns3):
-            _fails(controller(netns3, PREFLIGHT_ETCD="1"), "metadata store", "host host2")
-    finally:
-        h2.run(["iptables", "-D", *rule])
+    with only_agent_traffic(netns3.hosts[2], netns3.hosts[0]), agents(netns3):
+        _fails(controller(netns3, PREFLIGHT_ETCD="1"), "metadata store", "host host2")
     assert _etcd_dirs() == before_dirs
     assert wait_gone([p for p in _etcd_pids() if p not in before_pids], 5) == []
     assert os.path.exists("/tmp")
