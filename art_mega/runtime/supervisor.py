@@ -1,7 +1,9 @@
 """Child-process supervision for the agent: own process group, parent-death signal, bounded stop.
 
 Every child runs in its own process group with PR_SET_PDEATHSIG set, so the agent's death takes
-its children with it; `stop` sends SIGTERM to the group, then SIGKILL after a bound.
+its children with it; `stop` sends SIGTERM to the group, then SIGKILL after a bound. Descendants
+that left the group (a rollout that starts a sandbox with `start_new_session=True`) are found by
+walking /proc parent links before the stop and signalled too.
 """
 
 from __future__ import annotations
@@ -89,6 +91,57 @@ async def spawn_child(
     )
 
 
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks since boot) of `pid` from /proc, or None if gone.
+
+    Fields 4 and 22 of proc(5) `/proc/PID/stat`; the command name (field 2) may hold spaces or
+    parentheses, so fields are counted after its closing parenthesis.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """Every living descendant of `pid` as (pid, start time), found through /proc parent links.
+
+    The start time lets a later signal skip a pid that the kernel reused. Empty off Linux.
+    """
+    parents: dict[int, list[tuple[int, int]]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        stat = _proc_stat(int(entry))
+        if stat is not None:
+            parents.setdefault(stat[0], []).append((int(entry), stat[1]))
+    found: list[tuple[int, int]] = []
+    frontier = [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(child for child, _ in children)
+    return found
+
+
+def _signal_descendants(procs: list[tuple[int, int]], sig: int) -> None:
+    for pid, started in procs:
+        stat = _proc_stat(pid)
+        if stat is None or stat[1] != started:
+            continue  # exited, or the pid now names another process
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -102,15 +155,20 @@ def _signal_group(pid: int, sig: int) -> None:
 async def stop_process(process: asyncio.subprocess.Process, grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
     """SIGTERM the process group, wait up to `grace_s` seconds, then SIGKILL it; return the code.
 
-    The group is signalled even when the leader already exited, so grandchildren go too.
+    The group is signalled even when the leader already exited, so grandchildren go too;
+    descendants in other process groups or sessions (snapshotted before the SIGTERM, while their
+    parent links still lead to the child) get the same two signals.
     """
+    escaped = descendants(process.pid) if process.returncode is None else []
     _signal_group(process.pid, signal.SIGTERM)
+    _signal_descendants(escaped, signal.SIGTERM)
     if process.returncode is None:
         try:
             await asyncio.wait_for(process.wait(), timeout=grace_s)
         except TimeoutError:
             pass
     _signal_group(process.pid, signal.SIGKILL)
+    _signal_descendants(escaped, signal.SIGKILL)
     return await process.wait()
 
 

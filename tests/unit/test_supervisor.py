@@ -1,0 +1,61 @@
+"""The supervisor stops a child's whole tree, including descendants that left its session."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+from art_mega.runtime.supervisor import descendants, spawn_child, stop_process
+
+# A child that starts a grandchild in a new session (the way a sandbox is often started), prints
+# the grandchild's pid, then ignores SIGTERM so that only the SIGKILL stage ends it.
+CHILD = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+print(grandchild.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_process_kills_a_grandchild_in_another_session() -> None:
+    async def scenario() -> tuple[int, list[int], int]:
+        child = await spawn_child([sys.executable, "-c", CHILD], stdout=asyncio.subprocess.PIPE)
+        assert child.stdout is not None
+        grandchild = int((await asyncio.wait_for(child.stdout.readline(), 30)).decode())
+        tree = [pid for pid, _ in descendants(child.pid)]
+        assert os.getsid(grandchild) != os.getsid(child.pid)  # outside the group stop_process signals
+        code = await stop_process(child, grace_s=0.5)
+        return grandchild, tree, code
+
+    grandchild, tree, code = asyncio.run(scenario())
+    assert tree == [grandchild]
+    assert code == -signal.SIGKILL  # SIGTERM was ignored: the bounded stop escalated
+    for _ in range(100):  # the grandchild is re-parented to init, which reaps it
+        if not _alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_descendants_of_a_leaf_process_is_empty() -> None:
+    import subprocess
+
+    leaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert (leaf.pid, descendants(leaf.pid)) == (leaf.pid, [])
+        assert leaf.pid in [pid for pid, _ in descendants(os.getpid())]
+    finally:
+        leaf.kill()
+        leaf.wait()
