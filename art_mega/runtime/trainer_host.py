@@ -4,6 +4,10 @@ Each rank is a supervised child (`python -m art_mega.trainer.rank_main`) that ta
 over an inherited socket in newline-delimited JSON: jobs go down, events come up (ready,
 accepted, progress, adapter_ready, done, failed). When a rank process exits, the agent adds an
 `exited` event with its code and log path at once, so the controller learns of a death in seconds.
+
+Each `start` begins a new generation: the event log restarts at index 0 and late events of the
+previous generation's ranks (an `exited` after `stop`) are dropped, so a controller that starts
+the ranks again (a retry from the last checkpoint) never reads the old ranks' deaths as its own.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class _Rank:
     rank: int
     child: Child
     writer: asyncio.StreamWriter
+    generation: int = 0
     reader_task: asyncio.Task[None] | None = None
 
 
@@ -43,9 +48,12 @@ class TrainerRanks:
     supervisor: Supervisor
     ranks: dict[int, _Rank] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    generation: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: dict[str, Any], generation: int | None = None) -> None:
+        if generation is not None and generation != self.generation:
+            return  # a rank of an earlier start
         event.setdefault("time", time.time())
         self.events.append(event)
         self._changed.set()
@@ -54,6 +62,8 @@ class TrainerRanks:
         """Spawn one process per requested rank; readiness arrives later as `ready` events."""
         if self.ranks:
             raise RuntimeError("trainer ranks already run on this agent; stop them first")
+        self.generation += 1
+        self.events.clear()
         pids = []
         for launch in request.ranks:
             parent_sock, child_sock = socket.socketpair()
@@ -74,7 +84,7 @@ class TrainerRanks:
             child = Child(child_id=f"trainer-rank{launch.rank}", role="trainer", process=process, log_path=launch.log_path)
             self.supervisor.add(child)
             reader, writer = await asyncio.open_connection(sock=parent_sock, limit=STREAM_LIMIT)
-            rank = _Rank(launch.rank, child, writer)
+            rank = _Rank(launch.rank, child, writer, self.generation)
             rank.reader_task = asyncio.create_task(self._read(rank, reader))
             self.ranks[launch.rank] = rank
             pids.append(process.pid)
@@ -91,10 +101,11 @@ class TrainerRanks:
                 except ValueError:
                     continue
                 event["rank"] = rank.rank
-                self._emit(event)
+                self._emit(event, rank.generation)
         finally:
             code = await rank.child.process.wait()
-            self._emit({"event": "exited", "rank": rank.rank, "code": code, "log_path": rank.child.log_path})
+            exited = {"event": "exited", "rank": rank.rank, "code": code, "log_path": rank.child.log_path}
+            self._emit(exited, rank.generation)
 
     async def send_job(self, job: dict[str, Any]) -> int:
         """Write `job` to every local rank; returns how many ranks it reached."""

@@ -3,6 +3,8 @@
 Started by its host's agent (`runtime.trainer_host`) with RANK/WORLD_SIZE/MASTER_* in the
 environment and the launch config as JSON. Jobs arrive as JSON lines on `--fd`; events go back
 the same way: ready, accepted, adapter_ready, done, failed. End of file on `--fd` ends the rank.
+The rank remembers the step of its last checkpoint (the one it resumed from, then each one it
+wrote) and fails a training job that names any step but the next (`jobs.check_job_step`).
 """
 
 from __future__ import annotations
@@ -63,14 +65,16 @@ def _ping(state: Any, job: dict[str, Any]) -> dict[str, float]:
     return {"sum": float(value.item()), "world_size": float(state.world_size)}
 
 
-def _run(job: dict[str, Any], state: Any, engine: Any, config: dict[str, Any]) -> dict[str, Any]:
+def _run(
+    job: dict[str, Any], state: Any, engine: Any, config: dict[str, Any], last_step: int | None
+) -> dict[str, Any]:
     kind = job.get("kind")
     if kind == "ping":
         return {"metrics": _ping(state, job)}
     if kind in ("rl", "sft", "export"):
         from art_mega.trainer.jobs import run_train_job
 
-        return run_train_job(job, state, engine, config)
+        return run_train_job(job, state, engine, config, last_step)
     raise ValueError(f"unknown job kind {kind!r}")
 
 
@@ -86,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(config["rank"])
     channel.send({"event": "starting", "pid": os.getpid()})
     started = time.perf_counter()
+    last_step: int | None = None  # the last checkpoint's step: the next job must name the one after
     try:
         state = _init(config)
         engine = None
         if config.get("model_dir"):
-            from art_mega.trainer.jobs import build_engine
+            from art_mega.trainer.jobs import build_engine, resumed_step
 
             engine = build_engine(config, state)
+            last_step = resumed_step(config)
     except Exception as exc:
         channel.send(
             {
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         job_id = job.get("id")
         channel.send({"event": "accepted", "job": job_id})
         try:
-            result = _run(job, state, engine, config)
+            result = _run(job, state, engine, config, last_step)
         except Exception as exc:
             channel.send(
                 {
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             continue
+        if job.get("kind") in ("rl", "sft", "export"):
+            last_step = int(job["step"])
         for event in result.pop("events", []):
             channel.send({**event, "job": job_id})
         channel.send({"event": "done", "job": job_id, **result})

@@ -20,6 +20,9 @@ from art_mega.runtime.protocol import TrainerRankLaunch, TrainerStartRequest
 from art_mega.topology import CompiledTopology
 
 POLL_S = 2.0
+EXIT_GRACE_S = 5.0
+"""After a rank's `failed` event, how long (seconds) the service waits for a rank's `exited` event
+(the likelier cause) while some ranks have not reported yet."""
 
 
 class TrainerJobError(RuntimeError):
@@ -98,6 +101,7 @@ class TrainerService:
             TrainerJobError: a rank failed to initialise, died, or was not ready in `timeout_s`.
         """
         started = time.monotonic()
+        self._next = {h: 0 for h in self._hosts}  # each start restarts the agents' event logs
         merged = {**self.base_config(), **config}
         env_of = {p.rank: p.environ for p in self._topology.processes if p.role == "trainer"}
         for host in self._hosts:
@@ -121,8 +125,8 @@ class TrainerService:
         await self._wait_all("ready", None, timeout_s)
         return time.monotonic() - started
 
-    async def _poll(self, host: str) -> list[dict[str, Any]]:
-        reply = await self._clients[host].trainer_events(self._next[host], POLL_S)
+    async def _poll(self, host: str, timeout_s: float = POLL_S) -> list[dict[str, Any]]:
+        reply = await self._clients[host].trainer_events(self._next[host], timeout_s)
         self._next[host] = reply.next
         return list(reply.events)
 
@@ -131,8 +135,18 @@ class TrainerService:
     ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
         done: dict[int, dict[str, Any]] = {}
         others: list[dict[str, Any]] = []
+        failed: dict[int, dict[str, Any]] = {}
+        grace_until = 0.0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(done) < self.world_size:
+            if failed and (len(done) + len(failed) >= self.world_size or time.monotonic() > grace_until):
+                rank, event = next(iter(failed.items()))
+                raise TrainerJobError(
+                    f"trainer {self._where(rank)} failed: {event.get('error')}",
+                    rank,
+                    self._host_of.get(rank),
+                    self._log_of.get(rank),
+                )
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(self._host_of) - set(done))
                 raise TrainerJobError(
@@ -141,7 +155,8 @@ class TrainerService:
                     self._host_of.get(missing[0]),
                     self._log_of.get(missing[0]),
                 )
-            batches = await asyncio.gather(*(self._poll(h) for h in self._hosts))
+            wait_s = max(0.0, min(POLL_S, grace_until - time.monotonic())) if failed else POLL_S
+            batches = await asyncio.gather(*(self._poll(h, wait_s) for h in self._hosts))
             for event in (e for batch in batches for e in batch):
                 rank = int(event.get("rank", -1))
                 name = event.get("event")
@@ -153,12 +168,13 @@ class TrainerService:
                         event.get("log_path"),
                     )
                 if name == "failed" and (job_id is None or event.get("job") in (job_id, None)):
-                    raise TrainerJobError(
-                        f"trainer {self._where(rank)} failed: {event.get('error')}",
-                        rank,
-                        self._host_of.get(rank),
-                        self._log_of.get(rank),
-                    )
+                    # A peer's death often reaches the survivors (a gloo "connection reset") before
+                    # the agent reports the exit: wait briefly for an `exited` so the error names the
+                    # rank that died, not the one that noticed.
+                    if not failed:
+                        grace_until = time.monotonic() + EXIT_GRACE_S
+                    failed.setdefault(rank, event)
+                    continue
                 if name == kind and (job_id is None or event.get("job") == job_id):
                     done[rank] = event
                 elif job_id is not None and event.get("job") == job_id:

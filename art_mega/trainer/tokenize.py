@@ -42,9 +42,16 @@ class TokenizedSequence:
 def _template(
     tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool
 ) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
-    )
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
+        )
+    except Exception as exc:  # the model's own Jinja template: any error is about this input
+        raise UserError(
+            f"the model's chat template could not render the conversation through messages[{len(messages) - 1}] "
+            f"({type(exc).__name__}: {exc}); give that message the fields the template reads (a string "
+            "'content') or train a model whose chat template supports it (tools, tool_calls)"
+        ) from None
     ids = out["input_ids"] if isinstance(out, Mapping) else out
     return [int(i) for i in ids]
 
@@ -95,8 +102,9 @@ def tokenize_history(
     """One conversation as a TokenizedSequence (see the module docstring for the rules).
 
     Raises:
-        UserError: a Choice without token ids or logprobs, or a chat template that is not
-            prefix-consistent (the conversation so far is not a prefix of the next template).
+        UserError: a Choice without token ids or logprobs, a chat template that fails on the
+            conversation (names the message), or one that is not prefix-consistent (the
+            conversation so far is not a prefix of the next template).
     """
     items = list(messages_and_choices)
     trainable = [

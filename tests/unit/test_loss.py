@@ -133,3 +133,83 @@ def test_group_advantages_by_hand():
     assert b.advantages == pytest.approx((0.5 / (std + 1e-6), 0.0, -0.5 / (std + 1e-6)))
     assert b.kept() == [0, 2]
     assert token_weight(4) == 0.25 and token_weight(0) == 0.0
+
+
+def test_sequence_level_clipping_both_sides_and_its_gradient():
+    # One ratio per sequence s = exp(mean log-ratio) (GSPO); eps 0.2, old p = 0.5 everywhere.
+    #   a: new p 0.8, 0.8    -> s = 1.6, A=+1: min(1.6, 1.2) = 1.2 clipped high -> per token -1.2
+    #   b: new p 0.25, 0.25  -> s = 0.5, A=-1: min(-0.5, -0.8) = -0.8 clipped low -> per token 0.8
+    #   c: new p 0.605, 0.5  -> s = sqrt(1.21 * 1.0) = 1.1, A=-1: inside -> per token 1.1
+    # loss = (2 * -1.2 + 2 * 0.8 + 2 * 1.1) / 6 = 1.4 / 6
+    logprobs = t([L(0.8), L(0.8)], [L(0.25), L(0.25)], [L(0.605), L(0.5)]).requires_grad_(True)
+    old = torch.full((3, 2), L(0.5))
+    config = GRPOLossConfig(importance_sampling_level="sequence")
+    out = grpo_loss(logprobs, old, torch.tensor([1.0, -1.0, -1.0]), torch.ones(3, 2), config=config)
+    assert out.loss.item() == pytest.approx(1.4 / 6, abs=1e-6)
+    assert out.clipped_fraction == pytest.approx(4 / 6)
+    assert out.ratio_mean == pytest.approx((2 * 1.6 + 2 * 0.5 + 2 * 1.1) / 6, abs=1e-6)
+    out.loss.backward()
+    # clipped sequences get none; c's tokens each get d(s * exp(new - sg new) * -A / 6) = s / 6
+    assert logprobs.grad.tolist() == [
+        pytest.approx([0.0, 0.0], abs=1e-6),
+        pytest.approx([0.0, 0.0], abs=1e-6),
+        pytest.approx([1.1 / 6, 1.1 / 6], abs=1e-6),
+    ]
+
+
+def test_token_level_would_clip_what_sequence_level_keeps():
+    # sequence c above at token level: ratios 1.21 and 1.0, A=-1 -> min(-1.21, -1.2) = -1.21 and -1
+    out = grpo_loss(t([L(0.605), L(0.5)]), torch.full((1, 2), L(0.5)), torch.tensor([-1.0]), torch.ones(1, 2))
+    assert out.loss.item() == pytest.approx((1.21 + 1.0) / 2, abs=1e-6)
+    assert out.clipped_fraction == pytest.approx(0.5)  # 1.21 > 1.2 is outside, though unclipped for A<0
+
+
+def test_kl_gradient_alone():
+    # A = 0: only beta * k3 remains; d k3 / d new = 1 - exp(ref - new), over 2 tokens
+    logprobs = new(0.6, 0.3)
+    ref = t([0.0, L(0.5), L(0.5)])
+    out = grpo_loss(
+        logprobs, OLD, torch.tensor([0.0]), MASK, config=GRPOLossConfig(kl_beta=0.1), ref_logprobs=ref
+    )
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx(
+        [0.0, 0.1 * (1 - 0.5 / 0.6) / 2, 0.1 * (1 - 0.5 / 0.3) / 2], abs=1e-6
+    )
+
+
+def test_tis_weights_below_and_above_the_cap_and_their_gradient():
+    # ratio 1 on both tokens; pi_old / pi_inference = 0.5 / 0.25 = 2 -> capped at 1.5, and 0.5 / 1 = 0.5 kept
+    logprobs = new(0.5, 0.5)
+    inference = t([0.0, L(0.25), 0.0])
+    out = grpo_loss(
+        logprobs,
+        OLD,
+        torch.tensor([1.0]),
+        MASK,
+        config=GRPOLossConfig(tis_cap=1.5),
+        inference_logprobs=inference,
+    )
+    assert out.loss.item() == pytest.approx(-(1.5 + 0.5) / 2, abs=1e-6)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -1.5 / 2, -0.5 / 2], abs=1e-6)
+
+
+def test_per_token_advantages_and_uneven_weights():
+    # ratio 1: per token -A; sum w A / sum w = (1*1 + 2*-1 + 1*2) / 4; the unmasked token's weight 9 is ignored
+    logprobs = torch.zeros(1, 4)
+    advantages = t([1.0, -1.0, 2.0, 5.0])
+    out = grpo_loss(logprobs, logprobs, advantages, t([1.0, 1.0, 1.0, 0.0]), t([1.0, 2.0, 1.0, 9.0]))
+    assert out.loss.item() == pytest.approx(-0.25, abs=1e-6)
+
+
+def test_ratio_quantiles_interpolate_over_trained_tokens():
+    # trained ratios 1.2 and 0.6 (the masked position's ratio 1 is left out): linear interpolation
+    out = grpo_loss(new(0.6, 0.3), OLD, torch.tensor([1.0]), MASK)
+    assert out.ratio_p95 == pytest.approx(0.6 + 0.95 * 0.6, abs=1e-6)
+    assert out.ratio_p99 == pytest.approx(0.6 + 0.99 * 0.6, abs=1e-6)
+
+
+def test_sft_loss_with_weights():
+    logprobs = t([L(0.5), L(0.25), L(0.9)])
+    out = sft_loss(logprobs, t([1.0, 1.0, 0.0]), t([3.0, 1.0, 7.0]))
+    assert out.item() == pytest.approx(-(3 * L(0.5) + L(0.25)) / 4, abs=1e-6)
