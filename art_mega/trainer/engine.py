@@ -112,6 +112,15 @@ class TrainerEngine:
     number of microbatches, gradients summed over DP) and finalize does not rescale. The step is
     therefore the same for any split of the batch into microbatches and DP ranks.
 
+    Context parallelism (CP > 1): every CP rank of a DP rank gets the same whole rows.
+    `forward_logits` runs the rank's share of each row (Megatron's two-chunk split, padded to a
+    multiple of 2*cp; `cp_attention.py`) and `token_logprobs` all-gathers the per-token
+    logprobs back into whole rows, so every CP rank computes the same loss over all tokens
+    (GSPO's per-document terms included); the gather's backward keeps each rank's own
+    positions, so the rank's gradients are its share of the total, and DDP sums them over the
+    DP x CP group (`dp_cp_group`, `distributed/distributed_data_parallel.py:79`). Loss and
+    metric sums stay over DP: a CP rank's loss is already the whole rows'.
+
     Args:
         model_dir: HF model directory (config.json, safetensors), readable by every rank.
         parallel_state: this rank's `init_parallel` result.
@@ -235,7 +244,7 @@ class TrainerEngine:
 
         Position t holds log p(token t | tokens < t of its document); the first token of each
         document and padding hold 0. `reference=True` uses the base model (LoRA disabled).
-        Collective over the TP group (every TP rank returns the same array).
+        Collective over the TP and CP groups (every rank of them returns the same whole rows).
         """
         parts = []
         context = lora_disabled(self.ddp.module) if reference else contextlib.nullcontext()

@@ -2,7 +2,9 @@
 
 No rank materialises the full vocabulary: each TP rank holds V/tp logit columns and the
 softmax normaliser is assembled with all-reduces over the TP group (Megatron's
-`tensor_parallel.vocab_parallel_cross_entropy`, which is -log p).
+`tensor_parallel.vocab_parallel_cross_entropy`, which is -log p). Under context parallelism
+each CP rank computes the values of its own positions (`cp_attention` split) and they are
+all-gathered back into sequence order, so callers always see whole rows.
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     TransformerEngine's attention ignore it for a causal layer: packed rows there need
     Megatron's `PackedSeqParams` (THD) instead.
     """
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    length = segment_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    allowed = same & causal & (segment_ids[:, :, None] > 0)
-    allowed |= torch.eye(length, dtype=torch.bool, device=segment_ids.device)
-    return ~allowed[:, None]
+    from art_mega.trainer.cp_attention import attention_mask_for_queries
+
+    positions = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    return attention_mask_for_queries(segment_ids, positions)
 
 
 def _mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -84,14 +84,19 @@ def token_logprobs(
             document per row.
 
     Position 0, the first token of every document and padding tokens hold 0.0: mask them out.
-    Call on every rank of the TP group (it all-reduces over it).
+    Call on every rank of the TP group (it all-reduces over it). With CP > 1, `logits` are
+    this CP rank's positions as `forward_logits` returns them ([B, S'/cp, ...], S' = S padded
+    to a multiple of 2*cp) while `input_ids`, `segment_ids` and the result are whole rows
+    [B, S]: the values are all-gathered over the CP group (call on every CP rank); the
+    backward gives each rank the gradient of its own positions.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = _mask_padded_vocab(logits, vocab_size, mpu.get_tensor_model_parallel_rank())
-    nll = vocab_parallel_cross_entropy(logits, _next_token_targets(input_ids))
-    return _shift_to_token(-nll.float(), segment_ids)
+    targets = _for_this_cp_rank(_next_token_targets(input_ids), logits)
+    nll = vocab_parallel_cross_entropy(logits, targets)
+    return _shift_to_token(_whole_rows(-nll.float(), input_ids.shape[1]), segment_ids)
 
 
 @torch.no_grad()
@@ -103,6 +108,8 @@ def token_entropy(
     H = log Z - sum_v p_v l_v with l the logits shifted by their max and Z = sum_v exp(l_v); two
     all-reduces over the TP group of [B, S] numbers each. Aligned and zeroed like
     `token_logprobs`. `logits` is read, not modified: call this before `token_logprobs`.
+    With CP > 1 `logits` are this CP rank's positions and `segment_ids` (required then) the
+    whole rows; the result is whole rows [B, S], gathered over the CP group.
     """
     from megatron.core import parallel_state as mpu
 
@@ -117,7 +124,8 @@ def token_entropy(
     sums = torch.stack([exp.sum(dim=-1), weighted.sum(dim=-1)])
     torch.distributed.all_reduce(sums, group=group)
     entropy = sums[0].log() - sums[1] / sums[0]
-    return _shift_to_token(entropy, segment_ids)
+    length = segment_ids.shape[1] if segment_ids is not None else None
+    return _shift_to_token(_whole_rows(entropy, length), segment_ids)
 
 
 def forward_logits(
@@ -129,7 +137,66 @@ def forward_logits(
     """Run a GPTModel (or its DDP wrapper) on packed rows: this rank's logits [B, S, V_padded / tp].
 
     `input_ids`, `position_ids` int64 [B, S]; `segment_ids` int [B, S] or None (plain causal
-    attention, one document per row).
+    attention, one document per row). With context parallelism (CP > 1) the arguments are
+    still whole rows: they are padded to S' (a multiple of 2*cp; padding is its own segment 0,
+    seen by no real token) and this CP rank runs its positions (`cp_attention.slice_for_cp_rank`)
+    with the mask of its queries against the whole row (`cp_attention.cp_attention_mask`);
+    the result is [B, S'/cp, V_padded / tp], for `token_logprobs` / `token_entropy`.
     """
-    mask = None if segment_ids is None else packed_attention_mask(segment_ids)
-    return module(input_ids, position_ids, mask)
+    from megatron.core import parallel_state as mpu
+
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size == 1:
+        mask = None if segment_ids is None else packed_attention_mask(segment_ids)
+        return module(input_ids, position_ids, mask)
+    from art_mega.trainer.cp_attention import cp_attention_mask, padded_length, slice_for_cp_rank
+
+    cp_rank = mpu.get_context_parallel_rank()
+    length = padded_length(input_ids.shape[1], cp_size)
+    input_ids, position_ids = _pad_columns(input_ids, length), _pad_columns(position_ids, length)
+    mask = None
+    if segment_ids is not None:
+        mask = cp_attention_mask(_pad_columns(segment_ids, length), cp_size, cp_rank)
+    return module(
+        slice_for_cp_rank(input_ids, cp_size, cp_rank),
+        slice_for_cp_rank(position_ids, cp_size, cp_rank),
+        mask,
+    )
+
+
+def _pad_columns(values: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, S] -> [B, length] with zero columns appended (length >= S)."""
+    extra = length - values.shape[1]
+    return values if extra == 0 else torch.cat([values, values.new_zeros(values.shape[0], extra)], dim=1)
+
+
+def _for_this_cp_rank(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Whole rows [B, S] -> the positions of this CP rank's `logits` [B, S'/cp] (identity at CP=1)."""
+    from megatron.core import parallel_state as mpu
+
+    from art_mega.trainer.cp_attention import padded_length, slice_for_cp_rank
+
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size == 1:
+        return values
+    length = padded_length(values.shape[1], cp_size)
+    if logits.shape[1] * cp_size != length:
+        raise ValueError(
+            f"logits hold {logits.shape[1]} positions; with cp={cp_size} rows of {values.shape[1]} tokens "
+            f"need {length // cp_size} (forward_logits' output)"
+        )
+    return slice_for_cp_rank(_pad_columns(values, length), cp_size, mpu.get_context_parallel_rank())
+
+
+def _whole_rows(local: torch.Tensor, length: int | None) -> torch.Tensor:
+    """This CP rank's per-position values [B, S'/cp] -> whole rows [B, length], gathered over the
+    CP group in sequence order (identity at CP=1); the backward keeps this rank's own positions."""
+    from megatron.core import parallel_state as mpu
+
+    from art_mega.trainer.cp_attention import gather_from_cp_ranks
+
+    if mpu.get_context_parallel_world_size() == 1:
+        return local
+    if length is None:
+        raise ValueError("segment_ids (whole rows) are required under context parallelism")
+    return gather_from_cp_ranks(local, mpu.get_context_parallel_group(), dim=1)[:, :length]

@@ -11,10 +11,26 @@ For a linear layer y = x W^T, LoRA adds (alpha / r) * (x A^T) B^T with A [r, in]
 - row-parallel (linear_proj, linear_fc2; W sharded by input columns, output summed over TP): A is
   sharded by columns like W, B is replicated. The partial x_rank A_rank^T are summed over TP
   (an all-reduce of r numbers per token, not `out`), then every rank applies the same B.
+- with sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation", section
+  4.2.2; Megatron's MoE models with TP), activations outside the linears are sharded by sequence:
+  column-parallel all-gathers x A^T over the sequence (backward: reduce-scatter), row-parallel
+  reduce-scatters the partial x_rank A_rank^T instead of all-reducing it. The replicated factor
+  (column A, row B) then sees one sequence shard per rank, so its gradient is summed over TP by
+  `finalize_model_grads` (the `sequence_parallel` parameter attribute, as for the norms).
 
 Step 0 is the identity: B = 0, and A is drawn once per layer from a generator seeded by
 (`LoraConfig.seed`, layer name) over the full, unsharded shape, then sharded. Every TP layout of
 the same model therefore starts from the same adapter.
+
+MoE experts (Megatron's `SequentialMLP`, local spec): each expert's linear_fc1 / linear_fc2 gets
+its own adapter, named by the layer and the expert's global index
+(`decoder.layers.{i}.mlp.experts.{e}.linear_fc1`), so every EP layout draws the same A for the
+same expert. Under expert parallelism each rank holds the adapters of its own experts only; they
+carry `allreduce = False`, so Megatron's DDP reduces their gradients over the expert
+data-parallel group and its optimizer keeps them in the expert parameter group (as Megatron
+marks expert weights, `tensor_parallel/layers.py:886`). Expert tensor parallelism (etp > 1)
+with LoRA is not implemented: Megatron's expert linears leave their TP communication to the
+token dispatcher (`explicit_expert_comm`), which a replicated A would need as well.
 """
 
 from __future__ import annotations
@@ -158,17 +174,32 @@ class LoraLinear(torch.nn.Module):
     row: A [r, in/t] (this rank's input columns), B [out, r] replicated.
     Parameters carry Megatron's tensor-parallel attributes (`tensor_model_parallel`,
     `partition_dim`), which its grad-norm and checkpoint code read. `enabled = False` makes the
-    layer the base layer (reference-policy logprobs).
+    layer the base layer (reference-policy logprobs). Under sequence parallelism a column
+    layer's input is [s/t, b, in] and a row layer's output [s/t, b, out], as Megatron's.
+    `is_expert`: an MoE expert's linear (`tp_size`/`tp_rank` are then the expert-TP ones,
+    which must be 1; see the module docstring).
     """
 
     def __init__(
-        self, base: Any, *, name: str, kind: ParallelKind, config: LoraConfig, tp_size: int, tp_rank: int
+        self,
+        base: Any,
+        *,
+        name: str,
+        kind: ParallelKind,
+        config: LoraConfig,
+        tp_size: int,
+        tp_rank: int,
+        is_expert: bool = False,
     ) -> None:
         from megatron.core import tensor_parallel
 
         super().__init__()
-        if getattr(base, "sequence_parallel", False):
-            raise NotImplementedError("LoRA with sequence parallelism is not implemented yet")
+        # Expert linears leave all communication to the token dispatcher (`explicit_expert_comm`).
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not getattr(
+            base, "explicit_expert_comm", False
+        )
+        if is_expert and tp_size > 1:
+            raise NotImplementedError(f"LoRA on {name}: expert tensor parallelism (etp > 1)")
         if kind == "column" and getattr(base, "gather_output", False):
             raise NotImplementedError(f"LoRA on {name}: column-parallel layers with gather_output")
         if kind == "row" and not getattr(base, "input_is_parallel", True):
@@ -190,22 +221,45 @@ class LoraLinear(torch.nn.Module):
         kw = {"dtype": weight.dtype, "device": weight.device}
         self.lora_A = torch.nn.Parameter(a.to(**kw).contiguous())
         self.lora_B = torch.nn.Parameter(torch.zeros(b_rows, config.rank, **kw))
-        tensor_parallel.set_tensor_model_parallel_attributes(self.lora_A, kind == "row", 1, 1)
-        tensor_parallel.set_tensor_model_parallel_attributes(self.lora_B, kind == "column", 0, 1)
+        # An expert's factors count as tensor-parallel, like Megatron's expert weights: the grad
+        # norm then counts them on every rank of the expert group, not only on dense TP rank 0
+        # (`tensor_parallel/layers.py` param_is_not_tensor_parallel_duplicate).
+        tensor_parallel.set_tensor_model_parallel_attributes(self.lora_A, kind == "row" or is_expert, 1, 1)
+        tensor_parallel.set_tensor_model_parallel_attributes(self.lora_B, kind == "column" or is_expert, 0, 1)
         self.in_features = in_full
         self.out_features = out_full
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.is_expert = is_expert
+        if is_expert:
+            for param in (self.lora_A, self.lora_B):
+                param.allreduce = False
+        if self.sequence_parallel:
+            # The replicated factor sees only this rank's sequence shard: finalize_model_grads
+            # sums its gradient over TP, as for the norms (`sequence_parallel` attribute).
+            replicated = self.lora_A if kind == "column" else self.lora_B
+            replicated.sequence_parallel = True
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         output, bias = self.base(x, *args, **kwargs)
         if not self.enabled:
             return output, bias
         hidden = F.linear(x, self.lora_A)
-        if self.kind == "column":
+        if self.sequence_parallel and self.kind == "column":
+            # x is this rank's sequence shard [s/t, b, in]: gather x A^T to [s, b, r]; the
+            # backward reduce-scatters, summing dL/dhidden over the TP ranks' B rows.
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+        elif self.sequence_parallel:
+            # Sum the partial x_rank A_rank^T over TP and keep this rank's shard [s/t, b, r].
+            hidden = reduce_scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
+        elif self.kind == "column":
             # Identity forward; the backward sums dL/dhidden over TP (each rank has its B rows only).
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         else:
@@ -219,11 +273,14 @@ def apply_lora(module: Any, config: LoraConfig) -> dict[str, LoraLinear]:
 
     Call after the base weights are loaded and after `init_parallel` (TP size and rank come from
     megatron-core), before wrapping in DDP and building the optimizer. Returns the wrappers by
-    their module name, e.g. "decoder.layers.0.self_attention.linear_qkv", in module order.
-    Only the LoRA A and B parameters have `requires_grad` afterwards.
+    their module name, e.g. "decoder.layers.0.self_attention.linear_qkv", in module order;
+    an MoE expert's linear by its global expert index, "decoder.layers.0.mlp.experts.5.linear_fc1"
+    (the targets linear_fc1 / linear_fc2 cover dense MLPs and experts alike). Only the LoRA A and
+    B parameters have `requires_grad` afterwards.
 
-    Raises `NotImplementedError` for layers it cannot wrap yet (TE fused-norm linears, sequence
-    parallel) and `RuntimeError` when no targeted layer exists or the module already has LoRA.
+    Raises `NotImplementedError` for layers it cannot wrap yet (TE fused-norm linears, experts
+    under expert tensor parallelism) and `RuntimeError` when no targeted layer exists or the
+    module already has LoRA.
     """
     from megatron.core import parallel_state as mpu
 
@@ -231,24 +288,51 @@ def apply_lora(module: Any, config: LoraConfig) -> dict[str, LoraLinear]:
         raise RuntimeError("the module already has LoRA adapters")
     for param in module.parameters():
         param.requires_grad_(False)
-    tp_size = mpu.get_tensor_model_parallel_world_size()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    found: list[tuple[str, Any, str, Any]] = []
-    for name, child in module.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in config.targets and ".layers." in f".{name}":
-            parent = module.get_submodule(name.rsplit(".", 1)[0])
-            found.append((name, parent, leaf, child))
+    dense = (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank())
+    expert = (mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank())
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    found: list[tuple[str, Any, str, Any, bool]] = []
+    for path, child in module.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in config.targets and ".layers." in f".{path}":
+            parent = module.get_submodule(path.rsplit(".", 1)[0])
+            name, is_expert = _adapter_name(module, path, ep_rank)
+            found.append((name, parent, leaf, child, is_expert))
     if not found:
         raise RuntimeError(f"no layer named {list(config.targets)} in the module")
     wrapped = {}
-    for name, parent, leaf, child in found:
+    for name, parent, leaf, child, is_expert in found:
+        tp_size, tp_rank = expert if is_expert else dense
         layer = LoraLinear(
-            child, name=name, kind=_kind_of(child), config=config, tp_size=tp_size, tp_rank=tp_rank
+            child,
+            name=name,
+            kind=_kind_of(child),
+            config=config,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            is_expert=is_expert,
         )
         setattr(parent, leaf, layer)
         wrapped[name] = layer
     return wrapped
+
+
+_LOCAL_EXPERT = ".experts.local_experts."
+
+
+def _adapter_name(module: Any, path: str, ep_rank: int) -> tuple[str, bool]:
+    """(adapter name, is an expert layer) of the linear at `path` in `module`.
+
+    A dense layer keeps its path. An expert's linear at `...mlp.experts.local_experts.{j}.{leaf}`
+    is named `...mlp.experts.{ep_rank * local experts + j}.{leaf}` (Megatron's contiguous split
+    of experts over EP ranks, `transformer/moe/moe_layer.py` local_expert_indices).
+    """
+    if _LOCAL_EXPERT not in path:
+        return path, False
+    head, tail = path.split(_LOCAL_EXPERT, 1)
+    local, leaf = tail.split(".", 1)
+    num_local = len(module.get_submodule(head + ".experts.local_experts"))
+    return f"{head}.experts.{ep_rank * num_local + int(local)}.{leaf}", True
 
 
 def lora_layers(module: Any) -> dict[str, LoraLinear]:

@@ -43,14 +43,34 @@ def te_available() -> bool:
     return True
 
 
-def check_model_fits(model_dir: str | os.PathLike[str], tp: int) -> None:
-    """Raise `UserError` when the HF model in `model_dir` cannot be split `tp` ways.
+def check_model_fits(model_dir: str | os.PathLike[str], tp: int, *, ep: int = 1, etp: int = 1) -> None:
+    """Raise `UserError` when the HF model in `model_dir` cannot be split `tp` ways (and, for an
+    MoE model, its experts `ep` ways and their FFN `etp` ways; a dense model ignores ep/etp).
 
     Reads only config.json (no torch): the controller can call it before allocating ranks.
     """
     config = read_hf_config(model_dir)
     family = family_for(config)
-    family.check_parallel(family.model_args(config), tp)
+    _check_parallel(family, family.model_args(config), tp, ep, etp)
+
+
+def _check_parallel(family: ModuleType, args: Any, tp: int, ep: int, etp: int) -> None:
+    if getattr(family, "EXPERT_PARALLEL", False):
+        family.check_parallel(args, tp, ep=ep, etp=etp)
+    else:
+        family.check_parallel(args, tp)
+
+
+def _expert_layout() -> dict[str, int]:
+    """This rank's expert-parallel sizes and coordinates from megatron-core's parallel state."""
+    from megatron.core import parallel_state as mpu
+
+    return {
+        "ep": mpu.get_expert_model_parallel_world_size(),
+        "ep_rank": mpu.get_expert_model_parallel_rank(),
+        "etp": mpu.get_expert_tensor_parallel_world_size(),
+        "etp_rank": mpu.get_expert_tensor_parallel_rank(),
+    }
 
 
 def build_megatron_model(
@@ -66,7 +86,9 @@ def build_megatron_model(
     `device`: "cpu" or "cuda:0"; `dtype`: "float32" or "bfloat16". `use_te` None means the
     TransformerEngine layer spec on CUDA when TE imports, else the local spec; TE's fused
     norm names are mapped with the family's `TE_NAME_MAP`. The head, KV-head and FFN counts are
-    checked against TP before anything is allocated.
+    checked against TP (and an MoE family's experts against EP and expert-TP, read from
+    megatron-core's expert groups) before anything is allocated; each rank loads only its
+    own experts.
 
     Raises `UserError` for an unsupported or unsplittable model (one sentence naming the valid
     TP sizes), and `RuntimeError` when parallel state is not initialised or the converted
@@ -82,17 +104,19 @@ def build_megatron_model(
     config = read_hf_config(model_dir)
     family = family_for(config)
     args = family.model_args(config)
-    family.check_parallel(args, tp_size)
+    experts = _expert_layout() if getattr(family, "EXPERT_PARALLEL", False) else {}
+    _check_parallel(family, args, tp_size, experts.get("ep", 1), experts.get("etp", 1))
     on_cuda = device.startswith("cuda")
     if use_te is None:
         use_te = on_cuda and te_available()
     kind = "cuda" if on_cuda else "cpu"
-    transformer_config = family.transformer_config(args, tp=tp_size, dtype=dtype, device=kind)
+    sizes = {key: experts[key] for key in ("ep", "etp") if key in experts}
+    transformer_config = family.transformer_config(args, tp=tp_size, dtype=dtype, device=kind, **sizes)
     kwargs = family.gpt_model_kwargs(args, tp=tp_size)
     module = GPTModel(transformer_config, family.layer_spec(args, use_te=use_te), **kwargs)
     module.to(device)
     with SafetensorsReader(model_dir) as reader:
-        state = family.megatron_state_dict(args, reader.get, tp_size=tp_size, tp_rank=tp_rank)
+        state = family.megatron_state_dict(args, reader.get, tp_size=tp_size, tp_rank=tp_rank, **experts)
     state = _rename_for_spec(state, set(module.state_dict()), family.TE_NAME_MAP)
     dtype_t = next(module.parameters()).dtype
     state = {name: tensor.to(dtype=dtype_t) for name, tensor in state.items()}
@@ -138,8 +162,9 @@ class RopeFromPositionIds:
     per-row [s, b, 1, d] table computed from them the same way (`get_emb`: positions outer
     inv_freq, halves concatenated, or interleaved); attention's unfused RoPE broadcasts over
     the batch dimension. Positions 0..s-1 give bit-identical angles to Megatron's own.
-    Not with context parallelism (the table would need Megatron's CP slicing): `install` raises
-    `NotImplementedError` when the CP group is larger than one.
+    Under context parallelism the model gets this CP rank's positions
+    (`logprobs.forward_logits` slices `position_ids` with the tokens), so the table is already
+    the rank's own and replaces Megatron's CP-sliced one as it is.
     """
 
     def __init__(self) -> None:
@@ -148,10 +173,6 @@ class RopeFromPositionIds:
     @classmethod
     def install(cls, module: Any) -> RopeFromPositionIds:
         """Hook `module` (a GPTModel with RoPE); returns the hook state."""
-        from megatron.core import parallel_state as mpu
-
-        if mpu.get_context_parallel_world_size() > 1:
-            raise NotImplementedError("RoPE from position_ids with context parallelism")
         if getattr(module.config, "apply_rope_fusion", False):
             raise NotImplementedError("RoPE from position_ids with apply_rope_fusion")
         state = cls()

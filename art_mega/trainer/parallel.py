@@ -46,8 +46,9 @@ class ParallelState:
 def _check_supported(trainer: TrainerSpec, on_cpu: bool) -> None:
     if trainer.pp != 1:
         raise UserError(f"trainer.pp={trainer.pp} is not supported yet; use pp=1.")
-    if on_cpu and trainer.cp != 1:
-        raise UserError(f"trainer.cp={trainer.cp} is not supported on CPU ranks yet; use cp=1.")
+    if trainer.etp != 1:
+        # LoRA on expert layers split by expert-TP is not built (trainer/lora.py); training is LoRA-only.
+        raise UserError(f"trainer.etp={trainer.etp} is not supported with LoRA yet; use etp=1.")
 
 
 def _megatron_coordinates() -> dict[str, int]:
@@ -83,7 +84,7 @@ def init_parallel(
     layer, gloo and the CPU; a GPU rank NCCL and cuda:0. Megatron's data-parallel, tensor-
     and model-parallel RNG states are seeded from `seed` (`model_parallel_cuda_manual_seed`).
 
-    Raises `UserError` for pp > 1 or (on CPU) cp > 1, which are not supported yet, and
+    Raises `UserError` for pp > 1, which is not supported yet, and
     `RuntimeError` when the coordinates megatron-core derives differ from the rank table's
     (the table and megatron's RankGenerator disagree: a bug, not a user error).
     """

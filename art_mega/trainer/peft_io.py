@@ -3,6 +3,14 @@
 Export gathers each layer's shards over the TP group and writes `adapter_config.json` and
 `adapter_model.safetensors` as `peft.PeftModel.save_pretrained` would (rank 0 writes); import
 reads them on every rank and keeps this rank's shards (warm start).
+
+MoE experts are written in the per-expert module names of the Hub checkpoints
+(`...mlp.experts.{e}.gate_proj.lora_A.weight`, with gate_proj/up_proj/down_proj in
+`target_modules`). That is the format PEFT 0.21 converts when it loads an adapter onto
+transformers 5's fused 3-D expert parameters (`peft/utils/transformers_weight_conversion.py`:
+gate_proj + up_proj -> a `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with
+A concatenated and B block-diagonal, down_proj -> `mlp.experts.down_proj`), and the per-expert
+layout vLLM reads.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ HF_LAYER_PREFIX = "base_model.model.model.layers"
 """PEFT's key prefix for a causal LM's decoder layers (PeftModel -> LoraModel -> *ForCausalLM.model)."""
 
 _HF_PARENT = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(\w+)$")
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.)?(\w+)$")
 
 
 @dataclass(frozen=True)
@@ -39,23 +47,24 @@ class AdapterFiles:
     target_modules: tuple[str, ...]
 
 
-def _parse(name: str) -> tuple[int, str]:
-    """(layer index, Megatron target) of a LoRA layer name such as decoder.layers.3.mlp.linear_fc1."""
+def _parse(name: str) -> tuple[str, str]:
+    """(HF module path under the decoder layers, Megatron target) of a LoRA layer name:
+    decoder.layers.3.mlp.linear_fc1 -> ("3.mlp", "linear_fc1"),
+    decoder.layers.3.mlp.experts.5.linear_fc2 -> ("3.mlp.experts.5", "linear_fc2")."""
     match = _LAYER_NAME.match(name)
     if match is None:
         raise ValueError(f"unexpected LoRA layer name {name!r}")
-    return int(match.group(1)), match.group(2)
+    layer, expert, target = match.groups()
+    parent = f"{layer}.{_HF_PARENT[target]}" + (f".experts.{expert}" if expert is not None else "")
+    return parent, target
 
 
-def _hf_key(layer: int, target: str, hf_module: str, matrix: str) -> str:
-    return f"{HF_LAYER_PREFIX}.{layer}.{_HF_PARENT[target]}.{hf_module}.{matrix}.weight"
+def _hf_key(parent: str, hf_module: str, matrix: str) -> str:
+    return f"{HF_LAYER_PREFIX}.{parent}.{hf_module}.{matrix}.weight"
 
 
-def _tp_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every TP rank's `tensor` (same shape on all), in TP-rank order."""
-    from megatron.core import parallel_state as mpu
-
-    group = mpu.get_tensor_model_parallel_group()
+def _tp_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on all) in the TP group `group`, in rank order."""
     size = torch.distributed.get_world_size(group)
     if size == 1:
         return [tensor]
@@ -68,9 +77,11 @@ def _full_lora(layer: LoraLinear) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(full A [r, in], B shards in TP order) of a column layer, or (full A, [full B]) of a row layer."""
     a = layer.lora_A.detach()
     b = layer.lora_B.detach()
+    if layer.tp_size == 1:
+        return a, [b]
     if layer.kind == "column":
-        return a, _tp_gather(b)
-    return torch.cat(_tp_gather(a), dim=1), [b]
+        return a, _tp_gather(b, layer.tp_group)
+    return torch.cat(_tp_gather(a, layer.tp_group), dim=1), [b]
 
 
 def megatron_to_hf(
@@ -81,9 +92,10 @@ def megatron_to_hf(
     linear_qkv: B's fused rows are split per query group into q, k, v (`layout.split_qkv`);
     linear_fc1: each rank's B rows are [gate shard; up shard] (`layout.unfuse_fc1`); the shared
     A is written for each of the HF modules (x A^T is the same input to all of them), which is
-    exactly the fused layer's update. linear_proj / linear_fc2 map one to one.
+    exactly the fused layer's update. linear_proj / linear_fc2 map one to one. An expert's
+    linear_fc1 / linear_fc2 maps to that expert's gate_proj + up_proj / down_proj.
     """
-    layer, target = _parse(name)
+    parent, target = _parse(name)
     if target == "linear_qkv":
         full_b = torch.cat(b_shards, dim=0)
         bs = dict(zip(HF_TARGETS[target], split_qkv(full_b, num_heads, num_query_groups)))
@@ -93,8 +105,8 @@ def megatron_to_hf(
         bs = {HF_TARGETS[target][0]: torch.cat(b_shards, dim=0)}
     out = {}
     for hf_module, b in bs.items():
-        out[_hf_key(layer, target, hf_module, "lora_A")] = a.contiguous().clone()
-        out[_hf_key(layer, target, hf_module, "lora_B")] = b.contiguous().clone()
+        out[_hf_key(parent, hf_module, "lora_A")] = a.contiguous().clone()
+        out[_hf_key(parent, hf_module, "lora_B")] = b.contiguous().clone()
     return out
 
 
@@ -109,10 +121,11 @@ def hf_to_megatron(
     """This TP rank's (A, B) of the Megatron LoRA layer `name` from PEFT tensors (inverse of
     `megatron_to_hf`). Raises `UserError` when a tensor is missing, or when the HF modules of a
     fused layer have different A matrices (one fused adapter cannot express them)."""
-    layer, target = _parse(name)
+    parent, target = _parse(name)
+    layer = parent.split(".", 1)[0]
     a_list, b_list = [], []
     for hf_module in HF_TARGETS[target]:
-        keys = [_hf_key(layer, target, hf_module, matrix) for matrix in ("lora_A", "lora_B")]
+        keys = [_hf_key(parent, hf_module, matrix) for matrix in ("lora_A", "lora_B")]
         for key in keys:
             if key not in tensors:
                 raise UserError(
@@ -134,6 +147,24 @@ def hf_to_megatron(
         a = shard(a, 1, tp_size, tp_rank)
         b = b_list[0]
     return a, b
+
+
+def _ep_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The union of every EP rank's expert adapter tensors (CPU copies), on every EP rank.
+
+    Each EP rank holds different experts; an all-gather of the (small) tensor dicts over the
+    expert-model-parallel group gives rank 0 all of them. Collective over that group.
+    """
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_expert_model_parallel_group()
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return tensors
+    gathered: list[Any] = [None] * size
+    local = {key: value.cpu() for key, value in tensors.items()}
+    torch.distributed.all_gather_object(gathered, local, group=group)
+    return {key: value for part in gathered for key, value in part.items()}
 
 
 def adapter_config(config: LoraConfig, base_model_name_or_path: str) -> dict[str, Any]:
@@ -182,7 +213,8 @@ def export_adapter(
 ) -> AdapterFiles | None:
     """Write the LoRA of `module` (a GPTModel with `apply_lora`) as an HF PEFT adapter in `out_dir`.
 
-    Collective: every rank calls it (each TP group all-gathers its shards); global rank 0 writes
+    Collective: every rank calls it (each TP group all-gathers its shards, each EP group its
+    experts' adapters, `_ep_gather`); global rank 0 writes
     `adapter_config.json` and `adapter_model.safetensors` (keys
     `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`, ..., tensors in the
     parameters' dtype), each through a temp file, fsync and rename; `out_dir` is created if
@@ -191,9 +223,12 @@ def export_adapter(
     whole checkpoint directory appear atomically is the caller's job (write here, then rename).
     """
     tensors: dict[str, torch.Tensor] = {}
+    expert_tensors: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(module).items():
         a, b_shards = _full_lora(layer)
-        tensors.update(megatron_to_hf(name, a, b_shards, num_heads, num_query_groups))
+        hf = megatron_to_hf(name, a, b_shards, num_heads, num_query_groups)
+        (expert_tensors if layer.is_expert else tensors).update(hf)
+    tensors.update(_ep_gather(expert_tensors))
     result = None
     if torch.distributed.get_rank() == 0:
         from safetensors.torch import save
@@ -262,15 +297,11 @@ def import_adapter(
     lora_A for the HF modules of a fused layer (see `hf_to_megatron`). Call the optimizer's
     `reload_model_params` afterwards where it keeps separate main parameters.
     """
-    from megatron.core import parallel_state as mpu
-
     directory = Path(adapter_dir)
     found, tensors = read_adapter(directory)
     _check_compatible(found, config, directory)
-    tp_size = mpu.get_tensor_model_parallel_world_size()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
     for name, layer in lora_layers(module).items():
-        a, b = hf_to_megatron(name, tensors, num_heads, num_query_groups, tp_size, tp_rank)
+        a, b = hf_to_megatron(name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank)
         for param, value in ((layer.lora_A, a), (layer.lora_B, b)):
             if param.shape != value.shape:
                 raise UserError(

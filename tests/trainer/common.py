@@ -44,15 +44,20 @@ def input_ids(vocab_size: int):
 
 
 def megatron_logits(built, ids):
-    """Full-vocabulary logits [b, s, vocab] (float32) of a `MegatronModel`, gathered over TP."""
+    """Full-vocabulary logits [b, s, vocab] (float32) of a `MegatronModel`, gathered over TP
+    (and over CP: `forward_logits` runs this CP rank's positions)."""
     import torch
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+    from art_mega.trainer.cp_attention import gather_from_cp_ranks
+    from art_mega.trainer.logprobs import forward_logits
+
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():
-        shard = built.module(ids, positions, None)
+        shard = forward_logits(built.module, ids, positions)
         full = gather_from_tensor_model_parallel_region(shard, mpu.get_tensor_model_parallel_group())
+        full = gather_from_cp_ranks(full, mpu.get_context_parallel_group(), dim=1)[:, : ids.shape[1]]
     return full[..., : built.vocab_size].float()
 
 

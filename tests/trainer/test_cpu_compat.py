@@ -225,3 +225,93 @@ def test_rewrite_refuses_changed_source(only_patch) -> None:
     with pytest.raises(RuntimeError, match="forward_backward_no_pipelining contains 'no such text' 0 times"):
         cpu_compat._rewrite(log, schedules, "forward_backward_no_pipelining", [("no such text", "x", 1)])
     assert log == []
+
+
+def test_cpu_moe_router_gemm(only_patch) -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    generator = torch.Generator().manual_seed(0)
+    inp, weight = torch.randn(5, 8, generator=generator), torch.randn(4, 8, generator=generator)
+
+    def route():  # moe_utils.py:1192 names te_general_gemm, bound only when TE imports
+        return moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+
+    if not moe_utils.HAVE_TE:
+        with pytest.raises(NameError, match="te_general_gemm"):
+            route()
+    only_patch("cpu_moe_router_gemm")
+    torch.testing.assert_close(route(), inp @ weight.T)
+    cpu_compat.remove_cpu_compat()
+    assert moe_utils.HAVE_TE or not hasattr(moe_utils, "te_general_gemm"), "undo removes the name"
+
+
+def _moe_config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=1,
+        num_moe_experts=2,
+        moe_router_topk=2,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        **overrides,
+    )
+
+
+def test_cpu_alltoall_dispatcher(only_patch, megatron_world) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+
+    def make():  # token_dispatcher.py:445 creates a torch.cuda.Stream
+        return MoEAlltoAllTokenDispatcher(2, [0, 1], _moe_config(), groups)
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+    unpatched_fails(make)
+    only_patch("cpu_alltoall_dispatcher")
+    dispatcher = make()
+    hidden = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    probs = torch.tensor([[0.25, 0.75], [1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [0.9, 0.1], [0.3, 0.7]])
+    routing_map = probs > 0
+    tokens, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    tokens, token_probs = dispatcher.token_dispatch(tokens, token_probs)
+    tokens, per_expert, token_probs = dispatcher.dispatch_postprocess(tokens, token_probs)
+    assert per_expert.tolist() == [5, 5]
+    assert all(not torch.is_tensor(getattr(dispatcher, name)) for name in ("input_splits", "output_splits"))
+    # experts that return their input: the combined output is the input times its routed probs
+    out = dispatcher.combine_postprocess(
+        dispatcher.token_combine(dispatcher.combine_preprocess(tokens * token_probs[:, None]))
+    )
+    torch.testing.assert_close(out, hidden)
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+
+
+def test_cpu_sequence_parallel_norm(only_patch) -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+    )
+
+    def make():  # torch_norm.py:32 asserts not config.sequence_parallel
+        return WrappedTorchNorm(config, 8, eps=1e-6)
+
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        make()
+    only_patch("cpu_sequence_parallel_norm")
+    norm = make()
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    assert config.sequence_parallel, "the caller's config is not changed"
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

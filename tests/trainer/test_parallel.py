@@ -26,12 +26,12 @@ def test_cpu_world_of_one(megatron_world) -> None:
     ("spec", "message"),
     [
         (TrainerSpec(pp=2), "trainer.pp=2 is not supported yet; use pp=1."),
-        (TrainerSpec(cp=2), "trainer.cp=2 is not supported on CPU ranks yet; use cp=1."),
+        (TrainerSpec(etp=2), "trainer.etp=2 is not supported with LoRA yet; use etp=1."),
     ],
 )
 def test_unsupported_sizes_are_refused_before_joining(spec: TrainerSpec, message: str) -> None:
     rank = TrainerRank(
-        rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 2, pp=spec.pp, cp=spec.cp)
+        rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 2, pp=spec.pp, cp=spec.cp, etp=spec.etp)
     )
     with pytest.raises(UserError) as caught:
         init_parallel(rank, spec, 2, master_addr="127.0.0.1", master_port=1)

@@ -4,7 +4,10 @@ HF <-> Megatron weight adapter for that family. `family_for` picks the file by `
 A family module provides: `MODEL_TYPES`, `model_args(hf_config)`, `check_parallel(args, tp)`,
 `valid_tp_sizes(args)`, `transformer_config(args, tp=, dtype=, device=)`,
 `layer_spec(args, use_te=)`, `gpt_model_kwargs(args, tp=)`,
-`megatron_state_dict(args, read, tp_size=, tp_rank=)` and `TE_NAME_MAP`.
+`megatron_state_dict(args, read, tp_size=, tp_rank=)` and `TE_NAME_MAP`. A family with experts
+sets `EXPERT_PARALLEL = True`; its `check_parallel`, `transformer_config` and
+`megatron_state_dict` then also take the expert-parallel sizes and coordinates (ep, ep_rank,
+etp, etp_rank) as keywords.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from types import ModuleType
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.models import llama
+from art_mega.trainer.models import llama, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = dict.fromkeys(llama.MODEL_TYPES, llama)
+FAMILIES: dict[str, ModuleType] = {
+    **dict.fromkeys(llama.MODEL_TYPES, llama),
+    **dict.fromkeys(qwen3_moe.MODEL_TYPES, qwen3_moe),
+}
 """HF `model_type` -> the family module that converts it."""
 
 

@@ -174,6 +174,7 @@ def padded_vocab_size(args: DenseArgs, tp: int) -> int:
 def transformer_config(args: DenseArgs, *, tp: int, dtype: str = "float32", device: str = "cpu"):
     """The megatron-core `TransformerConfig` of `args` for tensor-parallel size `tp`.
 
+    The context-parallel size is megatron-core's (1 before `init_parallel`).
     `dtype`: "float32" or "bfloat16" (parameters and compute). On "cpu" the parameters are
     allocated on the CPU (`use_cpu_initialization`); Megatron's random init is skipped because
     the HF weights are loaded over it. Dropout is 0 (RL fine-tuning), biases only on q/k/v
@@ -185,6 +186,7 @@ def transformer_config(args: DenseArgs, *, tp: int, dtype: str = "float32", devi
 
     params_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     return TransformerConfig(
+        context_parallel_size=_context_parallel_size(),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -208,13 +210,27 @@ def transformer_config(args: DenseArgs, *, tp: int, dtype: str = "float32", devi
     )
 
 
+def _context_parallel_size() -> int:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_context_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+
+
 def layer_spec(args: DenseArgs, *, use_te: bool):
-    """The GPT decoder layer spec: TransformerEngine modules when `use_te`, else Megatron's local ones."""
+    """The GPT decoder layer spec: TransformerEngine modules when `use_te`, else Megatron's local ones.
+
+    With context parallelism (megatron-core's CP size > 1) the local spec's core attention is
+    `cp_attention.ContextParallelDotProductAttention` (Megatron's local `DotProductAttention`
+    refuses CP, `transformer/dot_product_attention.py:57`); TE's attention does CP itself.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+    from art_mega.trainer.cp_attention import with_context_parallel_attention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+    return with_context_parallel_attention(spec)
 
 
 def gpt_model_kwargs(args: DenseArgs, *, tp: int) -> dict[str, Any]:
