@@ -26,5 +26,6 @@ async def preflight(launch) -> None:
         report = runtime.preflight
         links = report.collective.bandwidth_gbps if report.collective else {}
         print("PHASES " + json.dumps({"total": total, **report.phases_s, "links": links}), flush=True)
+        print(f"PROVEN_AT {time.time():.6f}", flush=True)
     finally:
         await runtime.close()

@@ -7,7 +7,11 @@ Starts `ArtRuntime.start_local` on a one-host loopback topology (127.0.0.1, port
 - `executor.submit` throughput (rollouts/s) with C concurrent callers over every worker;
 - a signed `GET /v1/health` round trip (p50, p99) as a reference: the part of a rollout round
   trip that is controller HTTP (aiohttp) + HMAC + the agent's HTTP layer (uvicorn, Starlette)
-  alone, without the hop to a worker.
+  alone, without the hop to a worker;
+- the peer, in the same run: a Ray actor method call round trip (p50, p99) on a local Ray
+  (`ray.get(actor.noop.remote(i))`), in blocks of 50 calls alternating with executor.run's, and
+  executor.run p50 / Ray p50 (skipped with a line when ray is not installed:
+  `pip install 'art-mega[bench]'`).
 
 It never fails on a slow figure. `--record` writes the rows into `benchmarks/RESULTS.md`,
 replacing rows with the same figure name and keeping the others.
@@ -19,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import importlib
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,9 +36,13 @@ from art_mega import ArtRuntime
 from art_mega.topology import ClusterSpec, EndpointSpec, HostSpec, compile_topology
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "RESULTS.md"
-TABLE_HEADER = ("figure", "value", "unit", "machine", "date", "command")
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # `_rollouts` and `_results` (workers get `_rollouts` via module_root)
+
+from _results import RESULTS, report  # noqa: E402
+
 WARMUP_CALLS = 200
+PEER_BLOCK = 50
 
 
 def loopback_topology(cpu_slots: int):
@@ -90,8 +96,10 @@ async def throughput(call: Callable[[int], Awaitable[object]], n: int, concurren
 
 
 async def measure(calls: int, concurrency: int, slots: int) -> list[tuple[str, float, str]]:
-    """Run the three measurements; returns (figure, value, unit) rows."""
+    """Run the measurements; returns (figure, value, unit) rows. The executor.run and Ray peer
+    round trips are taken in alternating blocks of PEER_BLOCK calls, so both see the same load."""
     noop = importlib.import_module("_rollouts").noop
+    ray_echo = start_ray_echo()
     runtime = await ArtRuntime.start_local(loopback_topology(slots))
     try:
         executor = await runtime.rollout_executor(noop)
@@ -109,57 +117,67 @@ async def measure(calls: int, concurrency: int, slots: int) -> list[tuple[str, f
         await sequential_ms(run, WARMUP_CALLS)
         await sequential_ms(health, WARMUP_CALLS)
         await throughput(submit, max(WARMUP_CALLS, concurrency * 4), concurrency)
+        if ray_echo is not None:
+            await sequential_ms(ray_echo, WARMUP_CALLS)
 
-        run_ms = await sequential_ms(run, calls)
+        run_ms: list[float] = []
+        ray_ms: list[float] = []
+        while len(run_ms) < calls:
+            block = min(PEER_BLOCK, calls - len(run_ms))
+            run_ms += await sequential_ms(run, block)
+            if ray_echo is not None:
+                ray_ms += await sequential_ms(ray_echo, block)
         health_ms = await sequential_ms(health, calls)
         rate = await throughput(submit, max(calls, concurrency * 10), concurrency)
     finally:
         await runtime.close()
+        if ray_echo is not None:
+            import ray
+
+            ray.shutdown()
     workers = f"{slots} worker{'s' if slots != 1 else ''}"
-    return [
+    figures = [
         ("executor.run round trip p50", percentile(run_ms, 50), "ms"),
         ("executor.run round trip p99", percentile(run_ms, 99), "ms"),
         (f"executor.submit throughput, {concurrency} callers, {workers}", rate, "rollouts/s"),
         ("signed GET /v1/health round trip p50", percentile(health_ms, 50), "ms"),
         ("signed GET /v1/health round trip p99", percentile(health_ms, 99), "ms"),
     ]
+    if ray_ms:
+        figures += [
+            ("peer: Ray actor method call round trip p50", percentile(ray_ms, 50), "ms"),
+            ("peer: Ray actor method call round trip p99", percentile(ray_ms, 99), "ms"),
+            (
+                "executor.run p50 / Ray actor call p50",
+                percentile(run_ms, 50) / percentile(ray_ms, 50),
+                "ratio",
+            ),
+        ]
+    return figures
 
 
-def fmt(value: float) -> str:
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}" if value < 1 else f"{value:.2f}"
+def start_ray_echo() -> Callable[[int], Awaitable[object]] | None:
+    """Start a local Ray with one echo actor; returns an async call that does
+    `ray.get(actor.noop.remote(i))` (the peer: what most RL frameworks use for rollout workers),
+    or None, with a line printed, when ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        print("ray is not installed (pip install 'art-mega[bench]'): the Ray peer rows are skipped")
+        return None
 
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def noop(self, x):
+            return x
 
-def print_table(rows: Sequence[Sequence[str]]) -> None:
-    """Print `rows` under TABLE_HEADER as a plain aligned table (readable in logs and pipes)."""
-    widths = [max(len(r[i]) for r in (TABLE_HEADER, *rows)) for i in range(len(TABLE_HEADER))]
-    for n, row in enumerate((TABLE_HEADER, *rows)):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    actor = Echo.remote()
 
+    async def call(i: int) -> object:
+        return ray.get(actor.noop.remote(i))
 
-def record(rows: Sequence[Sequence[str]], path: Path = RESULTS) -> None:
-    """Put `rows` into the markdown table of `path`: same figure name replaced, others kept.
-
-    The table is the first block of lines starting with `|` after the header row; text around it
-    is kept. A missing file or table is created.
-    """
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines()
-    head = next((i for i, line in enumerate(lines) if line.startswith("| figure |")), None)
-    if head is None:
-        lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-        head = len(lines) - 2
-    end = head + 2
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    existing = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[head + 2 : end]]
-    new = {row[0]: list(row) for row in rows}
-    merged = [new.pop(row[0]) if row[0] in new else row for row in existing]
-    merged += [list(row) for row in rows if row[0] in new]
-    body = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in merged]
-    lines[head + 2 : end] = body
-    path.write_text("\n".join(lines) + "\n")
+    return call
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,19 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     calls = args.calls if args.calls is not None else 300 if args.quick else 2000
     if calls < 1 or args.concurrency < 1 or args.slots < 1:
         parser.error("--calls, --concurrency and --slots must be >= 1")
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))  # so that `_rollouts` imports (workers get it via module_root)
 
     figures = asyncio.run(measure(calls, args.concurrency, args.slots))
-    machine = f"cpu x{os.cpu_count()}, {platform.system()}, py{platform.python_version()}"
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--record"]
-    command = " ".join(["python benchmarks/executor.py", *shown])
-    rows = [(name, fmt(value), unit, machine, date, command) for name, value, unit in figures]
-    print_table(rows)
-    if args.record:
-        record(rows)
-        print(f"recorded in {RESULTS}")
+    report(figures, " ".join(["python benchmarks/executor.py", *shown]), args.record)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from _results import print_table, record, rows_for  # noqa: E402
+from _results import report  # noqa: E402
 
 from art_mega.metrics import read_history  # noqa: E402
 
@@ -83,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = work / RUN
     if run_dir is None:
         parser.error("pass --run-dir DIR or --run")
-    rows = rows_for(summarize(run_dir), "python benchmarks/grpo_real.py --run")
-    print_table(rows)
-    if args.record:
-        record(rows)
+    report(summarize(run_dir), "python benchmarks/grpo_real.py --run", args.record)
     return 0
 
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from _netns import run_ssh  # noqa: E402
-from _results import print_table, record, rows_for  # noqa: E402
+from _results import report  # noqa: E402
 
 from tests.integration.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
@@ -47,10 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         medians[n] = statistics.median(samples)
         figures.append((f"launch-to-ready over SSH, {n} host{'s' if n > 1 else ''}", medians[n], "s"))
     figures.append(("launch-to-ready 4 hosts / 1 host", medians[4] / medians[1], "ratio"))
-    rows = rows_for(figures, "python benchmarks/launch.py")
-    print_table(rows)
-    if args.record:
-        record(rows)
+    report(figures, "python benchmarks/launch.py" + (" --quick" if args.quick else ""), args.record)
     return 0
 
 

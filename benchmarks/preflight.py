@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from _netns import run_ssh  # noqa: E402
-from _results import print_table, record, rows_for  # noqa: E402
+from _results import report  # noqa: E402
 
 from tests.integration.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
@@ -54,10 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         figures.append(
             (f"preflight gloo link bandwidth (median of links), {n} hosts", statistics.median(links), "GB/s")
         )
-    rows = rows_for(figures, "python benchmarks/preflight.py")
-    print_table(rows)
-    if args.record:
-        record(rows)
+    report(figures, "python benchmarks/preflight.py" + (" --quick" if args.quick else ""), args.record)
     return 0
 
 

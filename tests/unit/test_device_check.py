@@ -1,0 +1,83 @@
+"""scripts/device_check.sh and benchmarks/device_check.py: argument handling and the dry run
+(the GPU steps themselves run only on a machine with an NVIDIA GPU)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "device_check.sh"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import device_check  # noqa: E402
+
+
+def _sh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        ((), "--log-dir DIR is required"),
+        (("--log-dir",), "--log-dir needs a folder"),
+        (("--log-dir", "--dry-run"), "--log-dir needs a folder"),
+        (("--log-dir=",), "--log-dir is empty"),
+        (("--log-dir", "/tmp/x", "--fast"), "unknown argument '--fast'"),
+        (("--log-dir", str(SCRIPT)), "is a file"),
+    ],
+)
+def test_bad_arguments_are_one_sentence_with_exit_2(args, fragment):
+    result = _sh(*args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("device_check.sh: error: ") and fragment in lines[0]
+    assert result.stdout == ""
+
+
+def test_bad_timeout_is_refused(tmp_path):
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "ART_MEGA_DEVICE_CHECK_TIMEOUT": "10m"},
+    )
+    assert result.returncode == 2 and "ART_MEGA_DEVICE_CHECK_TIMEOUT='10m'" in result.stderr
+
+
+def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
+    log_dir = tmp_path / "logs"
+    result = _sh("--dry-run", "--log-dir", str(log_dir))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:5]] == [
+        "0. install",
+        "1. te_logits",
+        "2. grpo_lora",
+        "3. adapter_publish",
+        "4. nccl_preflight",
+    ]
+    assert "600 s" in lines[-1]
+    assert not log_dir.exists()
+    assert "skipped (--skip-install)" in _sh("--dry-run", "--skip-install", "--log-dir", str(log_dir)).stdout
+
+
+def test_python_side_arguments(tmp_path, capsys):
+    args = device_check.parse_args(["--log-dir", str(tmp_path / "new"), "--record"])
+    assert args.log_dir == tmp_path / "new" and args.record and not args.dry_run
+    with pytest.raises(device_check.ArgumentError, match="--log-dir is empty"):
+        device_check.parse_args(["--log-dir", " "])
+    with pytest.raises(device_check.ArgumentError, match="is a file"):
+        device_check.parse_args(["--log-dir", str(SCRIPT)])
+    assert device_check.main(["--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "required: --log-dir" in err[0]
+    assert device_check.main(["--dry-run", "--log-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("\n") == len(device_check.STEPS)
