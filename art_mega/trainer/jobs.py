@@ -8,6 +8,9 @@ half checkpoint under the final name. The controller moves the commit pointer af
 
 Versions are contiguous: a rank refuses an `rl`, `sft` or `export` job whose step is not the one
 after the last checkpoint it resumed from or wrote (`check_job_step`), before any collective.
+A job that fails after that check (in the step or the save) leaves the rank's weights and
+optimizer state ahead of the commit; the rank then refuses training jobs until the controller
+restarts it from the commit (`rank_main`, `service.TrainerService.recover`).
 
 Test hook: when `$ART_MEGA_TEST_SAVE_PAUSE` names a file that exists, every rank waits inside
 `write_checkpoint` while it exists, after its adapter and optimizer state are in the staging

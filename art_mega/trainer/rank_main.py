@@ -5,6 +5,13 @@ environment and the launch config as JSON. Jobs arrive as JSON lines on `--fd`; 
 the same way: ready, accepted, adapter_ready, done, failed. End of file on `--fd` ends the rank.
 The rank remembers the step of its last checkpoint (the one it resumed from, then each one it
 wrote) and fails a training job that names any step but the next (`jobs.check_job_step`).
+
+A training job that fails after that check may have left this rank's LoRA weights and optimizer
+state ahead of the last commit (the step ran, its save did not). The rank then marks itself dirty:
+every later `failed` event carries `dirty: true` and it refuses training jobs, so a retry can never
+apply an update twice; the controller restarts it from the last commit
+(`TrainerService.recover`, which explains why a restart and not an in-place reload). A job refused
+by the step check, or a ping, leaves it clean (`dirty: false`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import sys
 import time
 import traceback
 from typing import Any
+
+TRAIN_KINDS = ("rl", "sft", "export")
 
 
 class Channel:
@@ -71,7 +80,7 @@ def _run(
     kind = job.get("kind")
     if kind == "ping":
         return {"metrics": _ping(state, job)}
-    if kind in ("rl", "sft", "export"):
+    if kind in TRAIN_KINDS:
         from art_mega.trainer.jobs import run_train_job
 
         return run_train_job(job, state, engine, config, last_step)
@@ -110,27 +119,36 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     channel.send({"event": "ready", "seconds": time.perf_counter() - started})
+    dirty = False  # this rank's state may be ahead of its last checkpoint (see the module docstring)
     for job in channel.jobs():
         job_id = job.get("id")
         channel.send({"event": "accepted", "job": job_id})
         try:
+            if dirty and job.get("kind") in TRAIN_KINDS:
+                raise RuntimeError(
+                    f"trainer rank {rank} holds the uncommitted state of an earlier failed job; "
+                    f"restart the trainer from the last committed checkpoint (step {last_step})"
+                )
             result = _run(job, state, engine, config, last_step)
         except Exception as exc:
+            from art_mega.trainer.jobs import StepOrderError
+
+            dirty = dirty or (job.get("kind") in TRAIN_KINDS and not isinstance(exc, StepOrderError))
             channel.send(
                 {
                     "event": "failed",
                     "job": job_id,
                     "error": f"{type(exc).__name__}: {exc}",
                     "traceback": traceback.format_exc(),
+                    "dirty": dirty,
                 }
             )
             continue
-        if job.get("kind") in ("rl", "sft", "export"):
+        if job.get("kind") in TRAIN_KINDS:
             last_step = int(job["step"])
         for event in result.pop("events", []):
             channel.send({**event, "job": job_id})
         channel.send({"event": "done", "job": job_id, **result})
-    del rank
     return 0
 
 

@@ -3,6 +3,23 @@
 Ranks stay up between steps. A job goes to every rank through its host's agent; the service
 collects each rank's events until all are `done`. A `failed` event or a rank's death (`exited`,
 reported by its agent at once) fails the job naming the rank, host and log file.
+
+Retry after a failed job: a job can fail after the optimizer step and before the checkpoint is
+committed (an exception in the save, a full disk, one rank's export) while every rank stays up;
+their in-memory LoRA weights and optimizer state are then one step ahead of the commit, and a
+retry of the same step would apply its update twice. So a failed job marks the service `dirty`
+(unless every rank refused it before touching its state, e.g. a wrong step number), `run` refuses
+jobs while it is dirty, and `recover(resume_dir)` restarts the ranks from the last committed
+checkpoint, the same path as a resume (`jobs.build_engine` -> `TrainerEngine.load_state`).
+
+Why restart rather than have each rank reload the commit in place: a reload is only possible on a
+rank that is idle and in step with its peers, and a failure on one rank is exactly when they are
+not. A rank that raised leaves its peers blocked inside the next collective (a barrier of the
+save, an all-reduce of the step) until gloo/NCCL time out after many minutes; a dead rank, or a
+CUDA error, leaves nothing to reload into. Stopping the ranks (SIGTERM; a rank blocked in a
+collective dies with it) and starting them from the commit recovers every one of these with one
+path that the resume tests already cover. The cost, paid only after a failure, is one trainer
+start (process start, rendezvous, model build, state load; `recover` returns the seconds).
 """
 
 from __future__ import annotations
@@ -26,15 +43,25 @@ EXIT_GRACE_S = 5.0
 
 
 class TrainerJobError(RuntimeError):
-    """A trainer rank failed or died; names the rank, host and log file."""
+    """A trainer rank failed or died; names the rank, host and log file.
+
+    `clean` is True only when every rank refused the job before changing its state (its `failed`
+    event says `dirty: false`, e.g. a wrong step number); the ranks then need no recovery.
+    """
 
     def __init__(
-        self, message: str, rank: int | None = None, host: str | None = None, log_path: str | None = None
+        self,
+        message: str,
+        rank: int | None = None,
+        host: str | None = None,
+        log_path: str | None = None,
+        clean: bool = False,
     ):
         super().__init__(message)
         self.rank = rank
         self.host = host
         self.log_path = log_path
+        self.clean = clean
 
 
 @dataclass
@@ -66,7 +93,12 @@ class TrainerService:
         self._next = {h: 0 for h in self._hosts}
         self._host_of = {r.rank: r.host_id for r in topology.trainer_ranks}
         self._log_of: dict[int, str] = {}
+        self._start_args: dict[str, Any] = {}
         self.started = False
+        self.dirty = False
+        """True after a failed job or start: the ranks' state may be ahead of the last commit, and
+        `run` refuses jobs until `recover` restarted them. Callers set it when a step's commit fails
+        after its job succeeded (the ranks then hold an uncommitted step)."""
 
     @property
     def world_size(self) -> int:
@@ -101,6 +133,12 @@ class TrainerService:
             TrainerJobError: a rank failed to initialise, died, or was not ready in `timeout_s`.
         """
         started = time.monotonic()
+        self._start_args = {
+            "config": dict(config),
+            "python": python,
+            "timeout_s": timeout_s,
+            "sys_path": sys_path,
+        }
         self._next = {h: 0 for h in self._hosts}  # each start restarts the agents' event logs
         merged = {**self.base_config(), **config}
         env_of = {p.rank: p.environ for p in self._topology.processes if p.role == "trainer"}
@@ -122,8 +160,35 @@ class TrainerService:
             )
             await self._clients[host].trainer_start(request)
         self.started = True
+        self.dirty = True  # until every rank is ready
         await self._wait_all("ready", None, timeout_s)
+        self.dirty = False
         return time.monotonic() - started
+
+    async def recover(self, resume_dir: str | Path | None) -> float:
+        """After a failed job, restart the ranks from `resume_dir`; returns the seconds it took.
+
+        `resume_dir` is the last committed checkpoint (`<run>/checkpoints/<step:04d>`), or None
+        when nothing is committed (the ranks then start as the first `start` did: fresh LoRA or
+        its warm start). Does nothing (returns 0.0) when the service is not `dirty`. The ranks
+        afterwards expect the job of the step after `resume_dir`'s. See the module docstring for
+        why a restart and not an in-place reload.
+
+        Raises:
+            RuntimeError: the service was never started.
+            TrainerJobError: a rank failed to start again (the service stays dirty).
+        """
+        if not self.dirty:
+            return 0.0
+        if not self._start_args:
+            raise RuntimeError("the trainer service was never started, so there is nothing to recover")
+        args = dict(self._start_args)
+        config = {k: v for k, v in args.pop("config").items() if k != "resume_dir"}
+        if resume_dir is not None:
+            config.pop("warm_start", None)
+            config["resume_dir"] = str(resume_dir)
+        await self.stop()
+        return await self.start(config, **args)
 
     async def _poll(self, host: str, timeout_s: float = POLL_S) -> list[dict[str, Any]]:
         reply = await self._clients[host].trainer_events(self._next[host], timeout_s)
@@ -141,11 +206,15 @@ class TrainerService:
         while len(done) < self.world_size:
             if failed and (len(done) + len(failed) >= self.world_size or time.monotonic() > grace_until):
                 rank, event = next(iter(failed.items()))
+                refused = len(failed) == self.world_size and not any(
+                    e.get("dirty", True) for e in failed.values()
+                )
                 raise TrainerJobError(
                     f"trainer {self._where(rank)} failed: {event.get('error')}",
                     rank,
                     self._host_of.get(rank),
                     self._log_of.get(rank),
+                    clean=refused,
                 )
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(self._host_of) - set(done))
@@ -184,11 +253,29 @@ class TrainerService:
     async def run(self, job: Mapping[str, Any], timeout_s: float | None = None) -> JobResult:
         """Send `job` to every rank and wait for every `done` (or the first failure).
 
+        A failure leaves the service `dirty` unless every rank refused the job untouched.
+
         Raises:
-            TrainerJobError: a rank failed or died (named, with its log), or `timeout_s` passed.
+            TrainerJobError: a rank failed or died (named, with its log), or `timeout_s` passed;
+                or the service is `dirty` from an earlier failure (call `recover` first).
         """
         if not self.started:
             raise RuntimeError("the trainer service is not started")
+        if self.dirty:
+            raise TrainerJobError(
+                "an earlier trainer job failed, so the ranks may hold an uncommitted step; "
+                "call TrainerService.recover(<last committed checkpoint>) before the next job"
+            )
+        try:
+            return await self._run(job, timeout_s)
+        except TrainerJobError as exc:
+            self.dirty = not exc.clean
+            raise
+        except BaseException:
+            self.dirty = True
+            raise
+
+    async def _run(self, job: Mapping[str, Any], timeout_s: float | None) -> JobResult:
         job_id = secrets.token_hex(6)
         started = time.monotonic()
         payload = {**job, "id": job_id}
