@@ -61,12 +61,17 @@ the server closed meanwhile)."""
 
 
 class AgentError(Exception):
-    """An agent could not be reached or answered with an error; names the host and address."""
+    """An agent could not be reached or answered with an error; names the host and address.
 
-    def __init__(self, host: str, address: str, message: str) -> None:
+    `timed_out` is True when the call got no answer within its timeout (the agent may be alive
+    but slow, or the network partitioned), False when it was refused, reset or answered badly.
+    """
+
+    def __init__(self, host: str, address: str, message: str, *, timed_out: bool = False) -> None:
         super().__init__(f"host {host} ({address}): {message}")
         self.host = host
         self.address = address
+        self.timed_out = timed_out
 
 
 class RemoteRolloutError(Exception):
@@ -151,7 +156,10 @@ class AgentClient:
                 payload = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise AgentError(
-                self.host, self.address, f"agent unreachable ({type(exc).__name__}: {exc})"
+                self.host,
+                self.address,
+                f"agent unreachable ({type(exc).__name__}: {exc})",
+                timed_out=isinstance(exc, TimeoutError),
             ) from exc
         if status != 200:
             detail = payload.decode(errors="replace")

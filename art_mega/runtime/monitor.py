@@ -1,7 +1,10 @@
 """Heartbeats from the controller to every agent: a lost or replaced agent is named within seconds.
 
-An agent is lost when it has not answered a signed health call for `lost_after_s` seconds, or
-when it answers with another launch id or PID (it was restarted: its children are gone).
+An agent is lost when its health calls have been refused or reset for `lost_after_s` seconds
+(its process is gone), when they have gone unanswered for `silent_after_s` seconds (the host or
+its network is down; a longer bound, because an overloaded but healthy host also answers late,
+and a false "lost" cancels a whole training run), or when it answers with another launch id or
+PID (it was restarted: its children are gone).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from art_mega.runtime.client import AgentClient, AgentError
 
 HEARTBEAT_INTERVAL_S = 0.5
 LOST_AFTER_S = 3.0
+SILENT_AFTER_S = 20.0
 
 
 class HostLostError(Exception):
@@ -34,7 +38,9 @@ class AgentMonitor:
         expected: (launch_id, pid) each agent must keep answering with, by host.
         on_lost: called once, from the event loop, with the error that names the host.
         interval_s: seconds between heartbeats.
-        lost_after_s: seconds without a good answer before a host counts as lost.
+        lost_after_s: seconds of refused or reset health calls before a host counts as lost.
+        silent_after_s: seconds of health calls without any answer (timeouts) before a host
+            counts as lost.
     """
 
     def __init__(
@@ -44,12 +50,14 @@ class AgentMonitor:
         on_lost: Callable[[HostLostError], None],
         interval_s: float = HEARTBEAT_INTERVAL_S,
         lost_after_s: float = LOST_AFTER_S,
+        silent_after_s: float = SILENT_AFTER_S,
     ) -> None:
         self._clients = list(clients)
         self._expected = expected
         self._on_lost = on_lost
         self._interval_s = interval_s
         self._lost_after_s = lost_after_s
+        self._silent_after_s = max(silent_after_s, lost_after_s)
         self._task: asyncio.Task[None] | None = None
         self.lost: HostLostError | None = None
 
@@ -68,6 +76,7 @@ class AgentMonitor:
     async def _watch(self, client: AgentClient) -> None:
         last_ok = time.monotonic()
         reason = "agent stopped answering"
+        bound = self._lost_after_s
         while True:
             started = time.monotonic()
             try:
@@ -83,8 +92,10 @@ class AgentMonitor:
                 last_ok = time.monotonic()
             except AgentError as exc:
                 reason = f"agent stopped answering ({exc})"
-            if time.monotonic() - last_ok >= self._lost_after_s:
-                raise HostLostError(client.host, client.address, f"{reason} for {self._lost_after_s:.0f} s")
+                # A refusal proves the process is gone; silence may be load: wait longer for it.
+                bound = self._silent_after_s if exc.timed_out else self._lost_after_s
+            if time.monotonic() - last_ok >= bound:
+                raise HostLostError(client.host, client.address, f"{reason} for {bound:.0f} s")
             await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started)))
 
     async def _run(self) -> None:
