@@ -56,6 +56,27 @@ def default_vllm_python() -> str:
     )
 
 
+def local_topology(artifact_root: str, vllm_python: str, startup_timeout_s: float = 900.0) -> Any:
+    """The embedded backend's `CompiledTopology`: one loopback host "local" (2 CPU slots) with
+    one CPU trainer rank and one vLLM replica run by `vllm_python`, on free ports; artifacts
+    under `artifact_root`, models in the default cache; start-up bounded by `startup_timeout_s`."""
+    from art_mega.launch.context import default_cache_root
+    from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
+
+    cluster = ClusterSpec(
+        hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
+        controller_host_id="local",
+        artifact_root=artifact_root,
+        cache_root=default_cache_root(),
+        startup_timeout_s=startup_timeout_s,
+    )
+    return compile_topology(
+        cluster,
+        trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=_free_port()),
+        inference=InferenceSpec(replicas=1, api_port=_free_port(), python=vllm_python),
+    )
+
+
 def read_commit(checkpoints: Path) -> int | None:
     """The last committed step in `checkpoints/LATEST` (None when nothing is committed)."""
     pointer = checkpoints / COMMIT_FILE
@@ -115,6 +136,7 @@ class MegatronBackend:
         self._service: Any = None
         self._router: Any = None
         self._publisher: Any = None
+        self._recovery: Any = None
         self._tokenizer: Any = None
         self._step = 0
         self._lock = asyncio.Lock()
@@ -122,22 +144,11 @@ class MegatronBackend:
     # ------------------------------------------------------------------ set-up
 
     async def _local_runtime(self) -> Any:
-        from art_mega.launch.context import default_artifact_root, default_cache_root
+        from art_mega.launch.context import default_artifact_root
         from art_mega.runtime.runtime import ArtRuntime
-        from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
 
-        cluster = ClusterSpec(
-            hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
-            controller_host_id="local",
-            artifact_root=default_artifact_root(),
-            cache_root=default_cache_root(),
-            startup_timeout_s=self.startup_timeout_s,
-        )
-        topology = compile_topology(
-            cluster,
-            trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=_free_port()),
-            inference=InferenceSpec(replicas=1, api_port=_free_port(), python=self._vllm_python or default_vllm_python()),
-        )
+        python = self._vllm_python or default_vllm_python()
+        topology = local_topology(default_artifact_root(), python, self.startup_timeout_s)
         return await ArtRuntime.start_local(topology)
 
     async def register(self, model: Any) -> Path:
@@ -151,8 +162,10 @@ class MegatronBackend:
             UserError: a second model, an unresolvable base model, a topology without trainer or
                 inference.
         """
+        from art_mega.inference.adapter_transport import adapter_transport_for
         from art_mega.inference.adapters import AdapterPublisher
         from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
+        from art_mega.inference.recovery import ReplicaRecovery
         from art_mega.inference.remote import start_replicas
         from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
         from art_mega.models.resolve import resolve_base_model
@@ -193,13 +206,17 @@ class MegatronBackend:
             start_replicas(self._runtime.clients, topology.replicas, launch),
         )
         self._router = PolicyRouter(model.name, [ReplicaEndpoint.from_spec(r) for r in topology.replicas])
-        self._publisher = AdapterPublisher(self._router, keep=self.keep_adapters)
+        self._publisher = AdapterPublisher(
+            self._router, keep=self.keep_adapters, stage=adapter_transport_for(self._runtime)
+        )
         if committed is None:
             committed = 0
             await self._service.run({"kind": "export", "step": 0, "checkpoint_dir": str(self._checkpoint(0))})
             write_commit(run_dir / "checkpoints", 0)
         self._step = committed
         await self._publisher.publish(committed, str(self._checkpoint(committed) / "adapter"))
+        self._recovery = ReplicaRecovery(self._runtime.clients, topology.replicas, launch, self._publisher)
+        self._recovery.start()
         return run_dir
 
     def _checkpoint(self, step: int) -> Path:
@@ -223,6 +240,11 @@ class MegatronBackend:
         """(base_url, api_key) of a replica serving `model` (round-robin)."""
         self._require(model)
         return self._router.route().base_url, "art-mega"
+
+    def policy_router(self, model: Any) -> Any:
+        """The `PolicyRouter` of `model`'s replicas (what `model.openai_client()` routes with)."""
+        self._require(model)
+        return self._router
 
     def inference_name(self, model: Any) -> str:
         """`<name>@<step>` of the served policy."""
@@ -248,13 +270,23 @@ class MegatronBackend:
         tis_cap: float | None = None,
         scale_rewards: bool = True,
         config: Any = None,
+        allow_stale: bool = False,
         **unused: Any,
     ) -> TrainResult:
         """One GRPO step on these groups; returns the new step and its metrics.
 
+        Every choice sampled through `model.openai_client()` carries the policy step that served
+        it. The step is on-policy for the current step only; `allow_stale=True` trains on older
+        (or newer) ones too, off-policy: the loss weighs each token by the ratio of the current
+        policy to the logprobs it was sampled with (the PPO ratio; add `tis_cap` for truncated
+        importance sampling against the trainer's own recomputation). `data/stale_trajectories`
+        counts them either way.
+
         Raises:
-            UserError: unregistered model, or a trajectory longer than `seq_len`.
-            TrainerJobError: a rank failed or died (named); the last commit stays usable.
+            UserError: unregistered model, a trajectory longer than `seq_len`, or (without
+                `allow_stale`) a trajectory served by a step other than the current one.
+            TrainerJobError: a rank failed or died (named); the last commit stays usable, and the
+                next call retries the same step on ranks restarted from it.
         """
         from art_mega.trainer.tokenize import grpo_documents
 
@@ -271,8 +303,26 @@ class MegatronBackend:
         }
         async with self._lock:
             started = time.perf_counter()
+            stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(self.tokenizer(), groups, scale_rewards)
-            return await self._step_with(documents, stats.as_metrics(), "rl", learning_rate, loss, started)
+            metrics = {**stats.as_metrics(), "data/stale_trajectories": float(stale)}
+            return await self._step_with(documents, metrics, "rl", learning_rate, loss, started)
+
+    def _check_policy_steps(self, groups: list[Any], allow_stale: bool) -> int:
+        """How many trajectories were served by a step other than the current one; raises
+        `UserError` naming the first (group, index, expected and found steps) unless `allow_stale`."""
+        from art_mega.trajectories import off_policy
+
+        stale = off_policy(groups, self._step)
+        if stale and not allow_stale:
+            group, index, steps = stale[0]
+            found = " and ".join("the base model" if s is None else f"policy step {s}" for s in steps)
+            raise UserError(
+                f"trajectory {index} of group {group} was sampled by {found}, but "
+                f"backend.train expects step {self._step} ({len(stale)} stale trajectories); sample "
+                "with the current model.get_inference_name() or pass allow_stale=True to train off-policy."
+            )
+        return len(stale)
 
     async def train_sft(self, model: Any, trajectories: Any, config: Any = None, **kwargs: Any) -> TrainResult:
         """One SFT step on these trajectories' assistant tokens (`config`: an `SFTConfig`)."""
@@ -311,8 +361,14 @@ class MegatronBackend:
             "learning_rate": learning_rate,
             "loss": loss,
         }
+        # after a failed step the ranks may be one update ahead: restart them from the last commit
+        await self._service.recover(self._checkpoint(self._step))
         result = await self._service.run(job)
-        write_commit(self._run_dir / "checkpoints", step)
+        try:
+            write_commit(self._run_dir / "checkpoints", step)
+        except BaseException:
+            self._service.dirty = True  # the ranks hold step `step`, the commit says `self._step`
+            raise
         self._step = step
         trained = time.perf_counter()
         report = await self._publisher.publish(step, str(self._checkpoint(step) / "adapter"))
@@ -353,6 +409,8 @@ class MegatronBackend:
         """Stop the replicas and trainer ranks; close the runtime when this backend owns it."""
         from art_mega.inference.remote import stop_replicas
 
+        if self._recovery is not None:
+            await self._recovery.stop()  # before the replicas stop, or it would restart them
         if self._publisher is not None:
             await self._publisher.aclose()
         if self._service is not None:

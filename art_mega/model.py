@@ -77,28 +77,18 @@ class TrainableModel(Model):
         self._output_dir = str(await backend.register(self))
 
     def openai_client(self, **kwargs: Any) -> Any:
-        """An `openai.AsyncOpenAI` client for the backend's inference endpoint.
+        """An `openai.AsyncOpenAI` client over the backend's replicas (`kwargs`: its options).
 
-        Its chat completions ask for what training needs unless the caller says otherwise:
-        `logprobs=True` and `extra_body={"return_token_ids": True}` (the sampled token ids, so
-        training never re-tokenizes sampled text).
+        Every request goes to a replica that is up (round-robin); each choice of a reply is
+        tagged with the policy step that served it (`choice.policy_step`, kept by `Trajectory`);
+        a request that fails raises `ReplicaRequestError` naming the replica. Chat completions
+        ask for what training needs unless the caller says otherwise: `logprobs=True` and
+        `extra_body={"return_token_ids": True}` (the sampled token ids, so training never
+        re-tokenizes sampled text). See `art_mega.inference.policy_client`.
         """
-        import openai
+        from art_mega.inference.policy_client import policy_client
 
-        base_url, api_key = self._require_backend().inference_endpoint(self)
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
-        completions = client.chat.completions
-        create = completions.create
-
-        async def create_for_training(*args: Any, **options: Any) -> Any:
-            options.setdefault("logprobs", True)
-            extra = dict(options.get("extra_body") or {})
-            extra.setdefault("return_token_ids", True)
-            options["extra_body"] = extra
-            return await create(*args, **options)
-
-        completions.create = create_for_training  # type: ignore[method-assign]
-        return client
+        return policy_client(self._require_backend().policy_router(self), **kwargs)
 
     def get_inference_name(self) -> str:
         """The served model name of the latest published policy: `<name>@<step>`."""

@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 MetricValue = Union[float, int, bool]
 
+POLICY_STEP_FIELD = "policy_step"
+"""The attribute `model.openai_client()` sets on each choice: the training step whose adapter
+served it (None: the base model). Kept through JSON round trips (choices allow extra fields)."""
+
 
 def _message_kind(value: Any) -> str:
     if isinstance(value, Choice):
@@ -64,6 +68,18 @@ class Trajectory(BaseModel):
             else:
                 out.append(dict(item))
         return out
+
+    def policy_steps(self) -> list[int | None]:
+        """The policy steps of this trajectory's tagged choices, distinct, in order of first
+        appearance (None: served by the base model). Untagged choices (not sampled through
+        `model.openai_client()`) and plain messages add nothing."""
+        steps: list[int | None] = []
+        for item in self.messages_and_choices:
+            if isinstance(item, Choice) and POLICY_STEP_FIELD in (item.model_extra or {}):
+                step = item.model_extra[POLICY_STEP_FIELD]  # type: ignore[index]
+                if step not in steps:
+                    steps.append(step)
+        return steps
 
     def finish(self) -> Trajectory:
         """Mark the rollout complete and return it (kept for ART compatibility)."""
@@ -135,6 +151,20 @@ class PendingTrajectoryGroup:
 
     def __await__(self):  # type: ignore[no-untyped-def]
         return _gather_group(self._cls, self._items, self._kwargs).__await__()
+
+
+def off_policy(
+    groups: Iterable[TrajectoryGroup], expected_step: int
+) -> list[tuple[int, int, list[int | None]]]:
+    """The trajectories holding a choice served by a step other than `expected_step`, as
+    (group index, trajectory index, its `policy_steps()`), in order. Untagged ones pass."""
+    found = []
+    for g, group in enumerate(groups):
+        for t, trajectory in enumerate(group.trajectories):
+            steps = trajectory.policy_steps()
+            if any(step != expected_step for step in steps):
+                found.append((g, t, steps))
+    return found
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from art_mega.inference.router import PolicyRouter, ReplicaEndpoint, inference_name
@@ -58,8 +58,11 @@ class AdapterPublisher:
 
     `keep` (>= 1) is how many of the newest published steps stay loaded, so requests that
     started on the previous step finish on it. `timeout_s` bounds each HTTP call to a replica;
-    `retry_delay_s` is the pause before the one retry of a failed load. Publications are
-    serialised. Use as an async context manager or call `aclose()`.
+    `retry_delay_s` is the pause before the one retry of a failed load. `stage`, when given,
+    turns one exported adapter path into replica -> path before loading (e.g.
+    `inference.adapter_transport.AdapterTransport` for host-local artifact roots; its errors
+    propagate and the served step stays). Publications are serialised. Use as an async
+    context manager or call `aclose()`.
     """
 
     def __init__(
@@ -68,12 +71,14 @@ class AdapterPublisher:
         keep: int = DEFAULT_KEEP,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_delay_s: float = RETRY_DELAY_S,
+        stage: Callable[[int, str], Awaitable[Mapping[str, str]]] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1: the served step itself stays loaded")
         self.router = router
         self.keep = keep
         self.retry_delay_s = retry_delay_s
+        self.stage = stage  # host-local artifact_root: copies the adapter to each replica host
         self._clients = {r.name: ReplicaClient(r.name, r.url, timeout_s) for r in router.replicas}
         self._loaded: dict[str, dict[int, str]] = {r.name: {} for r in router.replicas}
         self._paths: dict[str, int] = {}
@@ -152,11 +157,13 @@ class AdapterPublisher:
             served = self.router.served_step
             if step < 0 or (served is not None and step <= served):
                 raise ValueError(f"step {step} must be >= 0 and above the served step {served}")
+            if self.stage is not None and not isinstance(adapter_dir, Mapping):
+                adapter_dir = await self.stage(step, os.fspath(adapter_dir))
             paths = self._paths_for(step, adapter_dir)
             model = inference_name(self.router.model_name, step)
             report = PublishReport(step=step, model=model)
             started = time.monotonic()
-            replicas = self.router.replicas
+            replicas = self.router.up()  # a replica that is down gets the window on `restore`
             results = await asyncio.gather(
                 *(self._load(r, model, paths[r.name]) for r in replicas), return_exceptions=True
             )
@@ -169,6 +176,8 @@ class AdapterPublisher:
                 else:
                     report.load_s[replica.name], report.attempts[replica.name] = result
                     self._loaded[replica.name][step] = paths[replica.name]
+            for name in set(failures) & set(self.router.down()):
+                del failures[name]  # it crashed meanwhile; `restore` loads the step before it serves
             if failures:
                 await self._unload_step(step, model, [r for r in replicas if r.name not in failures])
                 raise AdapterPublishError(step, model, failures)
@@ -199,6 +208,7 @@ class AdapterPublisher:
         as loaded, so the next publication tries again.
         """
         keep = set(self.window())
+        down = self.router.down()  # restarted empty: `restore` resets what they hold
 
         async def unload(replica: str, step: int) -> None:
             model = inference_name(self.router.model_name, step)
@@ -217,7 +227,7 @@ class AdapterPublisher:
                 unload(replica, step)
                 for replica, steps in self._loaded.items()
                 for step in sorted(steps)
-                if step not in keep
+                if step not in keep and replica not in down
             )
         )
         for step in [s for s in self._published if s not in keep]:
@@ -225,16 +235,14 @@ class AdapterPublisher:
 
     async def restore(self, replica: str) -> list[str]:
         """Load every step of the window onto `replica` (e.g. after it restarted empty), oldest
-        first, from the paths they were published with; returns the model names loaded.
+        first, from the paths they were published with, then route to it again (`mark_up`);
+        returns the model names loaded. Publications wait meanwhile, so the replica takes
+        traffic only once it has the newest served step.
 
         Raises `ValueError` for an unknown replica and `ReplicaHTTPError` (after one retry)
-        naming the replica and the server's answer.
+        naming the replica and the server's answer; the replica then stays as it was (down or up).
         """
-        endpoint = next((r for r in self.router.replicas if r.name == replica), None)
-        if endpoint is None:
-            raise ValueError(
-                f"no replica {replica!r}; the router has {[r.name for r in self.router.replicas]}"
-            )
+        endpoint = self.router.endpoint(replica)
         async with self._lock:
             self._loaded[replica] = {}
             names = []
@@ -244,4 +252,5 @@ class AdapterPublisher:
                 await self._load(endpoint, model, path)
                 self._loaded[replica][step] = path
                 names.append(model)
+            self.router.mark_up(replica)
             return names

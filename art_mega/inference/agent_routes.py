@@ -21,8 +21,9 @@ def register_inference_routes(app: FastAPI, supervisor: Supervisor) -> None:
     """Add the inference routes to the agent's `app`; replicas join `supervisor`'s children.
 
     Replicas are children like any other: the agent's shutdown stops them (SIGTERM, then
-    SIGKILL) and its health lists them with their log paths and exit codes. One replica name
-    runs at most once per agent; starting it again while it runs is refused.
+    SIGKILL) and its health lists them with their log paths and exit codes (how a crash is
+    reported: see `recovery`). One replica name runs at most once per agent; starting it again
+    while it runs is refused, starting it after it died first stops what is left of its group.
     """
     lock = asyncio.Lock()
     grace_s: dict[str, float] = {}
@@ -41,6 +42,10 @@ def register_inference_routes(app: FastAPI, supervisor: Supervisor) -> None:
                     pid=running.pid,
                     error=f"replica {name} already runs (pid {running.pid})",
                 )
+            if running is not None:
+                # It died (a restart after a crash): its engine processes may outlive the
+                # server process; stopping the old group frees their memory and the port.
+                await supervisor.stop([name], 2.0)
             try:
                 replica = await spawn_replica(body.replica, body.launch)
             except ReplicaStartError as exc:

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from art_mega.errors import UserError
 from art_mega.inference.protocol import InferenceStartResponse, ReplicaLaunch
 from art_mega.inference.replica import ReplicaStartError
 from art_mega.topology.compiled import ReplicaSpec
@@ -23,6 +24,19 @@ def _launch_for(
     return launch(spec) if callable(launch) else launch
 
 
+def check_serving_mode(replicas: Sequence[ReplicaSpec]) -> None:
+    """Refuse shared mode (replicas sleeping on the trainer's GPUs) for a replica without GPUs.
+
+    Raises `UserError` naming the replica: on CPU only dedicated mode exists.
+    """
+    for spec in replicas:
+        if spec.shared_gpus and not any(gpus for _, gpus in spec.gpu_ids):
+            raise UserError(
+                f"InferenceSpec(name={spec.name!r}).shared_gpus=True, but replica {spec.process_name} "
+                "runs on CPU, where replicas cannot sleep and wake around training; set shared_gpus=False."
+            )
+
+
 async def start_replicas(
     clients: Mapping[str, AgentClient],
     replicas: Sequence[ReplicaSpec],
@@ -34,10 +48,12 @@ async def start_replicas(
     Returns the agents' answers (pid, log path, URL, seconds) in `replicas` order.
 
     Raises:
+        UserError: shared mode asked for a CPU replica (see `check_serving_mode`).
         ReplicaStartError: a replica did not come up; names the host, replica and the agent's
             error (which carries the tail of the replica's log). The others are stopped.
         AgentError: an agent did not answer.
     """
+    check_serving_mode(replicas)
     for spec in replicas:
         if spec.host_ids[0] not in clients:
             raise ReplicaStartError(

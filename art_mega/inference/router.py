@@ -46,12 +46,17 @@ def inference_name(model_name: str, step: int | None) -> str:
     return model_name if step is None else f"{model_name}@{step}"
 
 
+class NoReplicaUpError(Exception):
+    """Every replica is down (restarting after a crash); the message names them and why."""
+
+
 class PolicyRouter:
-    """Round-robin routing over `replicas`, always to the latest served step.
+    """Round-robin routing over the replicas that are up, always to the latest served step.
 
     `model_name` is the replicas' `--served-model-name`. Before the first `advance`, requests go
-    to the base model (`served_step` is None). Raises `ValueError` for no replicas or repeated
-    replica names.
+    to the base model (`served_step` is None). A replica marked down (`mark_down`, e.g. it
+    crashed) gets no traffic until `mark_up` (after it was restarted and reloaded). Raises
+    `ValueError` for no replicas or repeated replica names.
     """
 
     def __init__(self, model_name: str, replicas: Sequence[ReplicaEndpoint]) -> None:
@@ -65,6 +70,7 @@ class PolicyRouter:
         self._served_step: int | None = None
         self._turn = itertools.cycle(range(len(self.replicas)))
         self._listeners: list[Callable[[int], None]] = []
+        self._down: dict[str, str] = {}
 
     @property
     def served_step(self) -> int | None:
@@ -76,10 +82,43 @@ class PolicyRouter:
         return inference_name(self.model_name, self._served_step)
 
     def route(self) -> Route:
-        """The next replica in turn with the served step's model name; record `step` with the
-        answer to know which policy produced it."""
-        replica = self.replicas[next(self._turn)]
-        return Route(replica.name, replica.url, self.inference_name(), self._served_step)
+        """The next replica that is up, in turn, with the served step's model name; record
+        `step` with the answer to know which policy produced it.
+
+        Raises `NoReplicaUpError` (naming each replica and why it is down) when none is up.
+        """
+        for _ in range(len(self.replicas)):
+            replica = self.replicas[next(self._turn)]
+            if replica.name not in self._down:
+                return Route(replica.name, replica.url, self.inference_name(), self._served_step)
+        reasons = "; ".join(f"{r.name} ({r.url}): {self._down[r.name]}" for r in self.replicas)
+        raise NoReplicaUpError(f"no replica of {self.model_name} is up: {reasons}")
+
+    def up(self) -> tuple[ReplicaEndpoint, ...]:
+        """The replicas that take traffic (and receive new adapters), in order."""
+        return tuple(r for r in self.replicas if r.name not in self._down)
+
+    def down(self) -> dict[str, str]:
+        """Replica name -> why it is down, for every replica that is down."""
+        return dict(self._down)
+
+    def endpoint(self, name: str) -> ReplicaEndpoint:
+        """The replica called `name`. Raises `ValueError` naming the known replicas."""
+        for replica in self.replicas:
+            if replica.name == name:
+                return replica
+        raise ValueError(f"no replica {name!r}; the router has {[r.name for r in self.replicas]}")
+
+    def mark_down(self, name: str, reason: str) -> None:
+        """Send no more requests to replica `name` (`reason`: why, shown in errors)."""
+        self.endpoint(name)
+        self._down[name] = reason
+
+    def mark_up(self, name: str) -> None:
+        """Route to replica `name` again. Only the publisher calls this, once the replica has
+        loaded every adapter of the keep window (see `AdapterPublisher.restore`)."""
+        self.endpoint(name)
+        self._down.pop(name, None)
 
     def on_advance(self, listener: Callable[[int], None]) -> None:
         """Call `listener(step)` each time the served step advances (after it has)."""

@@ -430,6 +430,10 @@ def create_app(state: AgentState) -> FastAPI:
 
     register_inference_routes(app, state.supervisor)
 
+    from art_mega.runtime.nixl_routes import register_adapter_transport_routes
+
+    register_adapter_transport_routes(app, state.supervisor)
+
     @app.post(f"{API_PREFIX}/trainer/start")
     async def trainer_start(body: TrainerStartRequest) -> TrainerStartResponse:
         try:

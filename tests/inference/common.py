@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from art_mega.topology import EndpointSpec
 from art_mega.topology.compiled import ReplicaSpec
@@ -21,6 +23,7 @@ VLLM_SETUP = (
     ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
 )
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ROLLOUT_PROMPTS = ("say yes", "say no")
 
 
 def free_port() -> int:
@@ -91,3 +94,25 @@ def hf_logprobs(model_dir: Path, adapter_dir: Path | None, token_ids: list[int])
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+async def rollout_groups(model: Any) -> list[Any]:
+    """Two groups of four sampled answers; reward = answer length (varies, so GRPO moves)."""
+    import art_mega as art
+
+    client = model.openai_client(max_retries=0)
+    name = model.get_inference_name()
+
+    async def one(prompt: str, seed: int) -> Any:
+        messages = [{"role": "user", "content": prompt}]
+        reply = await client.chat.completions.create(
+            model=name, messages=messages, max_tokens=8, temperature=1.0, seed=seed
+        )
+        choice = reply.choices[0]
+        reward = len(choice.message.content or "") / 10.0
+        return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
+
+    return [
+        art.TrajectoryGroup(await asyncio.gather(*(one(p, seed) for seed in range(4))))
+        for p in ROLLOUT_PROMPTS
+    ]

@@ -7,14 +7,19 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from art_mega.errors import UserError
 from art_mega.inference import (
     AdapterPublisher,
+    NoReplicaUpError,
     PolicyRouter,
     ReplicaEndpoint,
+    ReplicaHTTPError,
     ReplicaLaunch,
+    check_serving_mode,
     inference_name,
     lora_rank_slot,
 )
+from art_mega.inference.policy_client import served_step
 from art_mega.inference.replica import vllm_argv, vllm_env
 from tests.inference.common import replica_spec
 
@@ -97,3 +102,60 @@ async def test_publish_refuses_bad_steps_and_paths_before_any_call() -> None:
             await publisher.publish(4, "/a")
     with pytest.raises(ValueError, match="keep"):
         AdapterPublisher(router, keep=0)
+
+
+def test_down_replicas_get_no_traffic_until_marked_up() -> None:
+    router = PolicyRouter(
+        "tiny", [ReplicaEndpoint("vllm-0", "http://a:1"), ReplicaEndpoint("vllm-1", "http://b:2")]
+    )
+    router.mark_down("vllm-1", "exited with code -9")
+    assert [router.route().replica for _ in range(3)] == ["vllm-0"] * 3
+    assert [r.name for r in router.up()] == ["vllm-0"] and router.down() == {"vllm-1": "exited with code -9"}
+    router.mark_down("vllm-0", "exited with code 1")
+    with pytest.raises(NoReplicaUpError) as info:
+        router.route()
+    assert str(info.value) == (
+        "no replica of tiny is up: vllm-0 (http://a:1): exited with code 1; "
+        "vllm-1 (http://b:2): exited with code -9"
+    )
+    router.mark_up("vllm-1")
+    assert router.route().replica == "vllm-1"
+    with pytest.raises(ValueError, match="no replica 'vllm-9'"):
+        router.mark_down("vllm-9", "?")
+
+
+async def test_publication_skips_a_down_replica_and_restore_waits_for_its_loads() -> None:
+    """Nothing listens at port 9: a publication with the only replica down advances without a
+    call; restoring it fails (connection refused, after one retry) and leaves it down."""
+    router = PolicyRouter("tiny", [ReplicaEndpoint("vllm-0", "http://127.0.0.1:9")])
+    router.mark_down("vllm-0", "exited with code -9")
+    async with AdapterPublisher(router, retry_delay_s=0.0) as publisher:
+        report = await publisher.publish(1, "/ckpt/0001/adapter")
+        assert router.served_step == 1 and report.load_s == {} and publisher.window() == [1]
+        with pytest.raises(
+            ReplicaHTTPError, match=r"replica vllm-0 \(http://127.0.0.1:9\): loading adapter tiny@1"
+        ):
+            await publisher.restore("vllm-0")
+    assert "vllm-0" in router.down()
+
+
+def test_policy_step_of_a_reply() -> None:
+    router = PolicyRouter("tiny", [ReplicaEndpoint("vllm-0", "http://a:1")])
+    assert [served_step(router, m) for m in ("tiny@3", "tiny", "tiny@x", "other@3", "tiny@12")] == [
+        3,
+        None,
+        None,
+        None,
+        12,
+    ]
+
+
+def test_shared_mode_on_cpu_is_refused_before_any_start() -> None:
+    spec = replica_spec(port=8123).model_copy(update={"shared_gpus": True})
+    with pytest.raises(UserError) as info:
+        check_serving_mode([spec])
+    assert str(info.value) == (
+        "InferenceSpec(name='vllm').shared_gpus=True, but replica vllm-0 runs on CPU, where replicas "
+        "cannot sleep and wake around training; set shared_gpus=False."
+    )
+    check_serving_mode([replica_spec(port=8123)])

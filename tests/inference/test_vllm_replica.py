@@ -22,10 +22,13 @@ from art_mega.inference import (
 from tests.inference.common import hf_logprobs, make_adapter
 from tests.inference.conftest import MODEL_NAME, Served
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+# The replica start counts toward the first test: 30-55 s idle, over 300 s on a loaded machine.
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
 
 TOLERANCE = 1e-3
 MESSAGES = [{"role": "user", "content": "What is two plus three?"}]
+LONG_MESSAGES = [{"role": "user", "content": " ".join(f"word{i % 50}" for i in range(110))}]
+"""~310 prompt tokens: whole KV-cache blocks, so a second request hits the prefix cache."""
 LOAD_LINE = '"POST /v1/load_lora_adapter HTTP/1.1"'
 
 
@@ -46,14 +49,14 @@ def checkpoint(run_dir: Path, step: int, source: Path) -> Path:
     return path
 
 
-async def sample(url: str, model: str, max_tokens: int = 8) -> dict:
+async def sample(url: str, model: str, max_tokens: int = 8, messages: list[dict] = MESSAGES) -> dict:
     """A greedy chat completion with token ids and logprobs (the OpenAI client, as rollouts use it)."""
     from openai import AsyncOpenAI
 
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         reply = await client.chat.completions.create(
             model=model,
-            messages=MESSAGES,
+            messages=messages,
             max_tokens=max_tokens,
             temperature=0.0,
             logprobs=True,
@@ -201,3 +204,49 @@ async def test_retry_after_a_lost_answer_loads_in_place(
         assert report.attempts == {"vllm-0": 2} and router.served_step == 7
         assert await status_of(served.url, "tiny@7") == 200
         await replica.unload_adapter("tiny@7")
+
+
+async def test_same_path_reload_serves_stale_state_and_publication_does_not(
+    served: Served, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """FACTS.md's trap on the raw server: new weights written to the same path and reloaded
+    under the same name give logprobs of neither version (the prompt's KV blocks are reused
+    from the prefix cache, computed with the old weights); art-mega's publication (a fresh path
+    per step, named `<name>@<step>`) serves the new weights exactly."""
+    same = shutil.copytree(adapters["a"], tmp_path / "same")
+    async with ReplicaClient("vllm-0", served.url) as replica:
+        await replica.load_adapter("trap", str(same))
+        first = await sample(served.url, "trap", messages=LONG_MESSAGES)  # fills the prefix cache
+        shutil.rmtree(same)
+        shutil.copytree(adapters["b"], same)
+        await replica.unload_adapter("trap")
+        await replica.load_adapter("trap", str(same))
+        trapped = await sample(served.url, "trap", messages=LONG_MESSAGES)
+        await replica.unload_adapter("trap")
+    off_a = max_difference_from(served, adapters["a"], trapped)
+    off_b = max_difference_from(served, adapters["b"], trapped)
+    print(f"\nsame path, same name: |trapped - HF(a)| = {off_a:.2e}, |trapped - HF(b)| = {off_b:.2e}")
+    assert max_difference(served, adapters["a"], first) <= TOLERANCE
+    assert off_a > 100 * TOLERANCE and off_b > 100 * TOLERANCE, "the trap did not reproduce"
+
+    router = PolicyRouter(MODEL_NAME, [ReplicaEndpoint.from_spec(served.spec)])
+    async with AdapterPublisher(router) as publisher:
+        await publisher.publish(20, shutil.copytree(adapters["a"], tmp_path / "0020"))
+        await sample(served.url, router.inference_name(), messages=LONG_MESSAGES)
+        await publisher.publish(21, shutil.copytree(adapters["b"], tmp_path / "0021"))
+        fresh = await sample(served.url, router.inference_name(), messages=LONG_MESSAGES)
+    async with ReplicaClient("vllm-0", served.url) as replica:
+        for name in ("tiny@20", "tiny@21"):
+            await replica.unload_adapter(name)
+    difference = max_difference(served, adapters["b"], fresh)
+    print(f"fresh path per step: |served - HF(b)| = {difference:.2e}")
+    assert difference <= TOLERANCE
+
+
+def max_difference_from(served: Served, adapter: Path, got: dict) -> float:
+    """Largest |served - HF+PEFT| over the sampled tokens' logprobs, without checking choices."""
+    prompt, tokens = got["prompt_ids"], got["token_ids"]
+    reference = hf_logprobs(served.model_dir, adapter, prompt + tokens)
+    return max(
+        abs(float(reference[len(prompt) + i - 1][t]) - got["logprobs"][i]) for i, t in enumerate(tokens)
+    )

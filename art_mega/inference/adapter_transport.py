@@ -1,0 +1,206 @@
+"""Getting each step's adapter to replicas whose host cannot read the exporter's artifact_root.
+
+With `ClusterSpec.shared_artifact_root=False`, trainer rank 0's host (the exporter) offers the
+adapter through its agent (bytes registered with NIXL, metadata in the launch's etcd); every
+other host that runs a replica fetches it through its own agent with one UCX READ, writes it to
+a new path under its own artifact_root and checks every file's sha256 before answering. Replicas
+on the exporter's host read the exported folder itself. See `art_mega.runtime.nixl_transfer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from art_mega.errors import UserError
+from art_mega.runtime.nixl_protocol import (
+    FetchRequest,
+    FetchResponse,
+    MetadataStore,
+    OfferRequest,
+    OfferResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+)
+from art_mega.runtime.nixl_routes import FETCH_PATH, OFFER_PATH, RELEASE_PATH
+
+if TYPE_CHECKING:
+    from art_mega.runtime.client import AgentClient
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class AdapterTransferError(Exception):
+    """An adapter did not reach a replica host intact; names the host, the transfer and the
+    file where one is at fault (e.g. a sha256 mismatch)."""
+
+
+@dataclass
+class TransferReport:
+    """One step's transfer: seconds to offer, seconds per receiving host (metadata, READ, write,
+    fsync and sha256 check), bytes per host, and the wall time of the whole stage."""
+
+    step: int
+    transfer_id: str
+    offer_s: float = 0.0
+    fetch_s: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    total_s: float = 0.0
+
+
+class AdapterTransport:
+    """Stages one step's adapter on every replica host; `await transport(step, adapter_dir)`
+    returns replica name -> the absolute path that replica loads (see `AdapterPublisher`).
+
+    Args:
+        clients: the agents' signed clients by host id.
+        exporter_host: the host whose artifact_root holds the exported adapter.
+        replica_hosts: replica name -> the host its server runs on.
+        artifact_root: the (host-local) artifact_root, the same path on every host.
+        store: NIXL's metadata store (the launch's etcd) and key prefix.
+        timeout_s: bound on each agent's offer and fetch (seconds).
+    """
+
+    def __init__(
+        self,
+        clients: Mapping[str, AgentClient],
+        exporter_host: str,
+        replica_hosts: Mapping[str, str],
+        artifact_root: str,
+        store: MetadataStore,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        missing = sorted({h for h in [exporter_host, *replica_hosts.values()] if h not in clients})
+        if missing:
+            raise ValueError(f"no agent client for hosts {missing}")
+        self.clients = clients
+        self.exporter_host = exporter_host
+        self.replica_hosts = dict(replica_hosts)
+        self.artifact_root = artifact_root
+        self.store = store
+        self.timeout_s = timeout_s
+        self.last: TransferReport | None = None
+
+    @property
+    def receiving_hosts(self) -> list[str]:
+        """Hosts that get a copy: every replica host but the exporter, each once, sorted."""
+        return sorted({h for h in self.replica_hosts.values() if h != self.exporter_host})
+
+    async def _call(self, host: str, path: str, body: Any, model: type[Any]) -> Any:
+        # the agent's own bound covers NIXL; the HTTP bound adds a margin for file I/O
+        return await self.clients[host]._request("POST", path, body, model, self.timeout_s + 30)
+
+    async def __call__(self, step: int, adapter_dir: str | os.PathLike[str]) -> dict[str, str]:
+        """Copy `adapter_dir` (absolute, under artifact_root on the exporter) to every other
+        replica host as `<adapter_dir>.nixl-<transfer id>`; returns replica -> path to load.
+
+        Raises:
+            AdapterTransferError: the offer or a fetch failed (names the host and, for a
+                sha256 mismatch, the file). Copies that did arrive stay on their hosts.
+            AgentError: the exporter's agent did not answer the offer (or its NIXL process died).
+        """
+        source = os.fspath(adapter_dir)
+        paths = {name: source for name, host in self.replica_hosts.items() if host == self.exporter_host}
+        receivers = self.receiving_hosts
+        if not receivers:
+            return paths
+        started = time.monotonic()
+        transfer_id = f"step{step:04d}-{secrets.token_hex(6)}"
+        report = TransferReport(step=step, transfer_id=transfer_id)
+        offered: OfferResponse = await self._call(
+            self.exporter_host,
+            OFFER_PATH,
+            OfferRequest(
+                host=self.exporter_host,
+                root=self.artifact_root,
+                path=source,
+                transfer_id=transfer_id,
+                store=self.store,
+                timeout_s=self.timeout_s,
+            ),
+            OfferResponse,
+        )
+        if not offered.ok or offered.offer is None:
+            raise AdapterTransferError(f"step {step}: {offered.error}")
+        report.offer_s = time.monotonic() - started
+        dest = os.path.relpath(f"{source}.nixl-{transfer_id}", self.artifact_root)
+        try:
+            replies: list[FetchResponse | BaseException] = await asyncio.gather(
+                *(
+                    self._call(
+                        host,
+                        FETCH_PATH,
+                        FetchRequest(
+                            host=host,
+                            root=self.artifact_root,
+                            dest=dest,
+                            offer=offered.offer,
+                            store=self.store,
+                            timeout_s=self.timeout_s,
+                        ),
+                        FetchResponse,
+                    )
+                    for host in receivers
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            await self._release(transfer_id)
+        errors = []
+        received: dict[str, str] = {}
+        for host, reply in zip(receivers, replies):
+            if isinstance(reply, BaseException):
+                errors.append(f"host {host}: {reply}")
+            elif not reply.ok:
+                errors.append(reply.error)
+            else:
+                received[host] = reply.path
+                report.fetch_s[host], report.bytes[host] = reply.seconds, reply.bytes
+        if errors:
+            raise AdapterTransferError(
+                f"step {step}: the adapter did not reach every replica host: " + "; ".join(errors)
+            )
+        paths.update({name: received[host] for name, host in self.replica_hosts.items() if host in received})
+        report.total_s = time.monotonic() - started
+        self.last = report
+        return paths
+
+    async def _release(self, transfer_id: str) -> None:
+        try:
+            await self._call(
+                self.exporter_host, RELEASE_PATH, ReleaseRequest(transfer_id=transfer_id), ReleaseResponse
+            )
+        except Exception:  # the exporter's agent frees it at shutdown anyway
+            pass
+
+
+def adapter_transport_for(runtime: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> AdapterTransport | None:
+    """The transport a runtime's replicas need: None when artifact_root is shared (replicas read
+    the exported folder) or every replica runs on trainer rank 0's host.
+
+    Raises:
+        UserError: artifact_root is host-local and a replica runs on another host, but the
+            runtime was started without a metadata store (`metadata_store=False`).
+    """
+    topology = runtime.topology
+    cluster = topology.cluster
+    if cluster.shared_artifact_root or not topology.trainer_ranks:
+        return None
+    exporter = topology.trainer_ranks[0].host_id
+    replica_hosts = {r.process_name: r.host_ids[0] for r in topology.replicas}
+    if all(h == exporter for h in replica_hosts.values()):
+        return None
+    endpoint = runtime.preflight.metadata_store if runtime.preflight is not None else None
+    if endpoint is None:
+        raise UserError(
+            "ArtRuntime.start(metadata_store=False) leaves NIXL without a metadata store, but "
+            "ClusterSpec.shared_artifact_root=False and replicas run off trainer rank 0's host "
+            f"{exporter}; pass metadata_store=None (or True) so adapters can reach them"
+        )
+    store = MetadataStore(endpoint=endpoint, namespace=f"/art-mega/{runtime.launch_id}/nixl")
+    return AdapterTransport(runtime.clients, exporter, replica_hosts, cluster.artifact_root, store, timeout_s)

@@ -1,0 +1,79 @@
+"""The OpenAI client rollouts use: each request goes to a replica that is up, each choice is
+tagged with the policy step that served it, and a failed request names its replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from art_mega.inference.router import PolicyRouter, Route
+from art_mega.trajectories import POLICY_STEP_FIELD
+
+
+class ReplicaRequestError(Exception):
+    """A request to one replica failed (e.g. it died while answering); names the replica, its
+    URL and the model asked for. `route` is where the request went; the cause is chained."""
+
+    def __init__(self, route: Route, cause: BaseException) -> None:
+        super().__init__(
+            f"request to replica {route.replica} ({route.url}) for model {route.model} failed: "
+            f"{type(cause).__name__}: {cause}"
+        )
+        self.route = route
+
+
+def served_step(router: PolicyRouter, served_model: str) -> int | None:
+    """The step in a reply's `model` field (`<name>@<step>`, as vLLM names the adapter that
+    answered); None for the base model or another name."""
+    prefix = f"{router.model_name}@"
+    if served_model.startswith(prefix) and served_model[len(prefix) :].isdigit():
+        return int(served_model[len(prefix) :])
+    return None
+
+
+def tag_choices(router: PolicyRouter, reply: Any) -> Any:
+    """Set `policy_step` (see `art_mega.trajectories.POLICY_STEP_FIELD`) on every choice of a
+    (non-streamed) completion reply from the reply's own `model` field: the server's word on
+    which adapter produced it, not the router's guess. Returns `reply`."""
+    step = served_step(router, str(getattr(reply, "model", "")))
+    for choice in getattr(reply, "choices", None) or ():
+        setattr(choice, POLICY_STEP_FIELD, step)
+    return reply
+
+
+def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs: Any) -> Any:
+    """An `openai.AsyncOpenAI` over `router`'s replicas (`kwargs` go to its constructor).
+
+    `chat.completions.create` and `completions.create` pick a replica per request
+    (`router.route()`: round-robin over the replicas that are up), tag each choice of a
+    non-streamed reply with its policy step (`tag_choices`), and turn an `openai.APIError`
+    into `ReplicaRequestError` naming the replica. With `training_defaults`, chat completions
+    ask for `logprobs=True` and `extra_body={"return_token_ids": True}` unless the caller says
+    otherwise (training then never re-tokenizes sampled text).
+
+    Raises (from `create`): `NoReplicaUpError` when every replica is down, `ReplicaRequestError`.
+    """
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{router.replicas[0].url}/v1", **{"api_key": "art-mega", **kwargs})
+
+    def routed(pick: Any, chat: bool) -> Any:
+        async def create(*args: Any, **options: Any) -> Any:
+            if chat and training_defaults:
+                options.setdefault("logprobs", True)
+                extra = dict(options.get("extra_body") or {})
+                extra.setdefault("return_token_ids", True)
+                options["extra_body"] = extra
+            route = router.route()
+            target = pick(client.with_options(base_url=route.base_url))
+            try:
+                reply = await target.create(*args, **options)
+            except openai.APIError as exc:
+                raise ReplicaRequestError(route, exc) from exc
+            return reply if options.get("stream") else tag_choices(router, reply)
+
+        return create
+
+    client.chat.completions.create = routed(lambda c: c.chat.completions, chat=True)  # type: ignore[method-assign]
+    client.completions.create = routed(lambda c: c.completions, chat=False)  # type: ignore[method-assign]
+    return client

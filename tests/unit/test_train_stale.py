@@ -1,0 +1,59 @@
+"""Policy tags on trajectories and the stale-policy check of `backend.train` (no trainer needed)."""
+
+from __future__ import annotations
+
+import pytest
+from openai.types.chat.chat_completion import Choice
+
+from art_mega.backend import MegatronBackend
+from art_mega.errors import UserError
+from art_mega.trajectories import POLICY_STEP_FIELD, Trajectory, TrajectoryGroup, off_policy
+
+
+def choice(step: int | None, tagged: bool = True) -> Choice:
+    data = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}
+    if tagged:
+        data[POLICY_STEP_FIELD] = step
+    return Choice.model_validate(data)
+
+
+def trajectory(*steps: int | None, untagged: int = 0) -> Trajectory:
+    items: list = [{"role": "user", "content": "hi"}]
+    items += [choice(s) for s in steps] + [choice(None, tagged=False) for _ in range(untagged)]
+    return Trajectory(messages_and_choices=items, reward=1.0)
+
+
+def test_policy_steps_survive_a_json_round_trip() -> None:
+    original = trajectory(3, 3, 4, None, untagged=1)
+    assert original.policy_steps() == [3, 4, None]
+    again = Trajectory.model_validate_json(original.model_dump_json())
+    assert again.policy_steps() == [3, 4, None]
+    assert trajectory(untagged=2).policy_steps() == []
+
+
+def test_off_policy_lists_every_trajectory_with_another_step() -> None:
+    groups = [
+        TrajectoryGroup([trajectory(5), trajectory(4), trajectory(untagged=1)]),
+        TrajectoryGroup([trajectory(5, 6), trajectory(5)]),
+    ]
+    assert off_policy(groups, 5) == [(0, 1, [4]), (1, 0, [5, 6])]
+    assert off_policy(groups, 4) == [(0, 0, [5]), (1, 0, [5, 6]), (1, 1, [5])]
+
+
+def test_backend_refuses_stale_trajectories_naming_the_steps() -> None:
+    backend = MegatronBackend()
+    backend._step = 7
+    groups = [TrajectoryGroup([trajectory(7), trajectory(6)]), TrajectoryGroup([trajectory(None)])]
+    with pytest.raises(UserError) as info:
+        backend._check_policy_steps(groups, allow_stale=False)
+    message = str(info.value)
+    assert message == (
+        "trajectory 1 of group 0 was sampled by policy step 6, but backend.train expects step 7 "
+        "(2 stale trajectories); sample with the current model.get_inference_name() or pass "
+        "allow_stale=True to train off-policy."
+    )
+    assert backend._check_policy_steps(groups, allow_stale=True) == 2
+    assert backend._check_policy_steps([TrajectoryGroup([trajectory(7, untagged=1)])], False) == 0
+    backend._step = 0
+    with pytest.raises(UserError, match="sampled by the base model, but"):
+        backend._check_policy_steps([groups[1]], allow_stale=False)
