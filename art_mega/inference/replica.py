@@ -72,9 +72,16 @@ def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
     return argv + list(launch.extra_args)
 
 
-def vllm_env(launch: ReplicaLaunch, base: dict[str, str] | None = None) -> dict[str, str]:
+def vllm_env(
+    launch: ReplicaLaunch, base: dict[str, str] | None = None, *, on_cpu: bool = False
+) -> dict[str, str]:
     """The replica's environment: `base` (default os.environ) without the launch secret, plus
     runtime LoRA updating, the CPU KV-cache size (GiB) and `launch.env` (which wins).
+
+    `on_cpu` (a replica without GPUs) also runs vLLM's engine core inside the API server process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python + vLLM import fewer per start, measured
+    34-36 s against 48-53 s to healthy for the tiny model on 2 cores, with the same first-request
+    latency. GPU replicas keep vLLM's separate engine process (it overlaps API work with the GPU).
 
     When `launch.python` is another interpreter, the agent's PYTHONPATH, PYTHONHOME and
     VIRTUAL_ENV are dropped: they point into the agent's environment, not vLLM's.
@@ -87,6 +94,8 @@ def vllm_env(launch: ReplicaLaunch, base: dict[str, str] | None = None) -> dict[
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(launch.kv_cache_gib)
     env["PYTHONUNBUFFERED"] = "1"
+    if on_cpu:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.update(launch.env)
     return env
 
@@ -203,7 +212,10 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
         log.flush()
         try:
             process = await spawn_child(
-                argv, env=vllm_env(launch), stdout=log.fileno(), stderr=asyncio.subprocess.STDOUT
+                argv,
+                env=vllm_env(launch, on_cpu=not any(gpus for _, gpus in spec.gpu_ids)),
+                stdout=log.fileno(),
+                stderr=asyncio.subprocess.STDOUT,
             )
         except OSError as exc:
             raise ReplicaStartError(

@@ -88,6 +88,8 @@ def test_argv_and_env(tmp_path) -> None:
     assert "ART_MEGA_SECRET" not in env and "PYTHONPATH" not in env and env["HOME"] == "/root"
     same = launch.model_copy(update={"python": sys.executable})
     assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # GPU replicas keep the engine process
+    assert vllm_env(launch, {}, on_cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 async def test_publish_refuses_bad_steps_and_paths_before_any_call() -> None:
