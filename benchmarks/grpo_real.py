@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = work / RUN
     if run_dir is None:
         parser.error("pass --run-dir DIR or --run")
-    report(summarize(run_dir), "python benchmarks/grpo_real.py --run", args.record)
+    command = (
+        "python benchmarks/grpo_real.py --run" + (" --quick" if args.quick else "")
+        if args.run
+        else f"python benchmarks/grpo_real.py --run-dir {args.run_dir}"
+    )
+    report(summarize(run_dir), command, args.record)
     return 0
 
 
