@@ -102,55 +102,56 @@ def test_signals_clean_up_every_host_and_exit_128_plus_signal(sig):
     assert wait_gone(pids["agents"] + pids["workers"], 15) == []
 
 
+async def _first_loss(
+    clients: list, expected: dict, silent_after_s: float, act
+) -> tuple[float, object] | None:
+    """Seconds from `act()` to the first host a fresh monitor (0.2 s beats, 1 s refusal bound,
+    `silent_after_s` silence bound) declares lost, and its error; None after 15 s."""
+    from art_mega.runtime.monitor import AgentMonitor
+
+    lost: list[tuple[float, object]] = []
+    monitor = AgentMonitor(
+        clients,
+        expected,
+        lambda exc: lost.append((time.monotonic(), exc)),
+        interval_s=0.2,
+        lost_after_s=1.0,
+        silent_after_s=silent_after_s,
+    )
+    monitor.start()
+    act()
+    started = time.monotonic()
+    while not lost and time.monotonic() - started < 15:
+        await asyncio.sleep(0.05)
+    await monitor.stop()
+    return (lost[0][0] - started, lost[0][1]) if lost else None
+
+
 async def test_a_silent_agent_gets_the_longer_bound_and_a_refusing_one_the_short():
     """SIGSTOP freezes host1's agent (alive, no answers: what an overloaded host looks like):
     the monitor waits `silent_after_s`, not `lost_after_s`; SIGKILL (port refused) takes the short bound."""
-    from art_mega.runtime.monitor import AgentMonitor, HostLostError
-
     runtime = await ArtRuntime.start_local(loopback_topology(2))
     stopped: list[int] = []
     try:
         health = await runtime.health()
         expected = {host: (h.launch_id, h.pid) for host, h in health.items()}
-        lost: list[tuple[float, HostLostError]] = []
-        monitor = AgentMonitor(
-            list(runtime.clients.values()),
-            expected,
-            lambda exc: lost.append((time.monotonic(), exc)),
-            interval_s=0.2,
-            lost_after_s=1.0,
-            silent_after_s=4.0,
-        )
-        monitor.start()
+        clients = list(runtime.clients.values())
         frozen = health["host1"].pid
-        os.kill(frozen, signal.SIGSTOP)
-        stopped.append(frozen)
-        started = time.monotonic()
-        while not lost and time.monotonic() - started < 15:
-            await asyncio.sleep(0.05)
-        await monitor.stop()
-        assert lost, "a silent agent was never declared lost"
-        waited = lost[0][0] - started
-        assert 3.5 <= waited < 10, waited
-        assert "host host1" in str(lost[0][1]) and "for 4 s" in str(lost[0][1])
 
-        lost.clear()
-        monitor = AgentMonitor(
-            list(runtime.clients.values())[:1],
-            expected,
-            lambda exc: lost.append((time.monotonic(), exc)),
-            interval_s=0.2,
-            lost_after_s=1.0,
-            silent_after_s=30.0,
+        def freeze() -> None:
+            os.kill(frozen, signal.SIGSTOP)
+            stopped.append(frozen)
+
+        silent = await _first_loss(clients, expected, 4.0, freeze)
+        assert silent is not None, "a silent agent was never declared lost"
+        assert 3.5 <= silent[0] < 10, silent[0]
+        assert "host host1" in str(silent[1]) and "for 4 s" in str(silent[1])
+
+        killed = await _first_loss(
+            clients[:1], expected, 30.0, lambda: os.kill(health["host0"].pid, signal.SIGKILL)
         )
-        monitor.start()
-        os.kill(health["host0"].pid, signal.SIGKILL)
-        started = time.monotonic()
-        while not lost and time.monotonic() - started < 15:
-            await asyncio.sleep(0.05)
-        await monitor.stop()
-        assert lost and lost[0][0] - started < 10  # well under the 30 s silence bound
-        assert "host host0" in str(lost[0][1]) and "for 1 s" in str(lost[0][1])
+        assert killed is not None and killed[0] < 10  # well under the 30 s silence bound
+        assert "host host0" in str(killed[1]) and "for 1 s" in str(killed[1])
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)

@@ -25,6 +25,25 @@ OPTIMIZER = OptimizerSettings(lr=2e-2, clip_grad=1.0, weight_decay=0.01)
 SEQ_LEN = 32
 EXPORT_MODELS = ("llama", "qwen2_1kv")
 """Untied GQA with 2 KV heads; tied embeddings, q/k/v biases and fewer KV heads than TP=2."""
+COMPARED_METRICS = (
+    "loss/policy",
+    "loss/grad_norm",
+    "loss/kl",
+    "loss/entropy",
+    "loss/ratio_mean",
+    "loss/clipped_fraction",
+    "loss/tokens",
+)
+"""The step metrics that every parallel layout must reproduce against one process."""
+
+
+def assert_steps_match(label: str, metrics: list[dict], reference: list[dict], tolerance: float) -> None:
+    """Each step's `COMPARED_METRICS` within `tolerance` of the reference run's (printed per step)."""
+    for step, (got, expected) in enumerate(zip(metrics, reference, strict=True)):
+        diffs = {key: abs(got[key] - expected[key]) for key in COMPARED_METRICS}
+        print(f"{label} step {step + 1}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+        assert max(diffs.values()) <= tolerance, diffs
+
 
 STEP_LOSSES = (
     GRPOLossConfig(),

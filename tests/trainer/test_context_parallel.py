@@ -13,7 +13,7 @@ from tests.trainer.common import RankProcesses, input_ids, megatron_logits, requ
 require_trainer_deps()
 
 from tests.trainer.cp_worker import CP_MODELS, packed_forward  # noqa: E402
-from tests.trainer.engine_scenarios import STEP_LOSSES, training  # noqa: E402
+from tests.trainer.engine_scenarios import STEP_LOSSES, assert_steps_match, training  # noqa: E402
 from tests.trainer.test_cpu_compat import only_patch as only_patch_fixture  # noqa: E402
 from tests.trainer.test_cpu_compat import unpatched_fails  # noqa: E402
 from tests.trainer.test_lora_engine import ADAM_DRIFT_TOLERANCE, COMPARED_METRICS  # noqa: E402
@@ -108,10 +108,7 @@ def test_cp2_grpo_steps_match_one_process(cp2_results: list[dict], cp1_reference
     for rank, results in enumerate(cp2_results):
         run = results["training/llama"]
         assert len(run["metrics"]) == len(STEP_LOSSES)
-        for step, (got, expected) in enumerate(zip(run["metrics"], reference["metrics"], strict=True)):
-            diffs = {key: abs(got[key] - expected[key]) for key in COMPARED_METRICS}
-            print(f"cp2 rank {rank} step {step + 1}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
-            assert max(diffs.values()) <= CP_TOLERANCE, diffs
+        assert_steps_match(f"cp2 rank {rank}", run["metrics"], reference["metrics"], CP_TOLERANCE)
         logits = (run["logits"] - reference["logits"]).abs().max().item()
         print(f"cp2 rank {rank}: max |logits - one process| after {len(STEP_LOSSES)} steps = {logits:.1e}")
         assert logits <= ADAM_DRIFT_TOLERANCE

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from tests.trainer.common import input_ids, megatron_logits, require_trainer_deps
-from tests.trainer.engine_scenarios import EXPORT_MODELS, LORA, OPTIMIZER, STEP_LOSSES
+from tests.trainer.engine_scenarios import (
+    COMPARED_METRICS,
+    EXPORT_MODELS,
+    LORA,
+    OPTIMIZER,
+    STEP_LOSSES,
+    assert_steps_match,
+)
 
 require_trainer_deps()
 
@@ -20,16 +27,6 @@ ADAM_DRIFT_TOLERANCE = 1e-3
 """Logits after the 3 steps: Adam divides each gradient element by its own magnitude, so
 rounding-level differences in near-zero elements become update differences of up to ~lr;
 measured up to 1.5e-4 (qwen2_1kv, TP=2) on logits of standard deviation 1.5."""
-
-COMPARED_METRICS = (
-    "loss/policy",
-    "loss/grad_norm",
-    "loss/kl",
-    "loss/entropy",
-    "loss/ratio_mean",
-    "loss/clipped_fraction",
-    "loss/tokens",
-)
 
 
 def test_fresh_lora_is_the_identity(megatron_world, tiny_dirs: dict[str, Path], tp1_logits: dict) -> None:
@@ -127,10 +124,7 @@ def _layouts(tp1_engine: dict, tp2_engine: list[dict]) -> list[tuple[str, str, d
 def test_grpo_steps_agree_across_layouts(tp1_engine: dict, tp2_engine: list[dict]) -> None:
     for label, name, run in _layouts(tp1_engine, tp2_engine):
         reference = tp1_engine[f"training/{name}"]
-        for step, (got, expected) in enumerate(zip(run["metrics"], reference["metrics"], strict=True)):
-            diffs = {key: abs(got[key] - expected[key]) for key in COMPARED_METRICS}
-            print(f"{label} {name} step {step + 1}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
-            assert max(diffs.values()) <= LAYOUT_TOLERANCE, diffs
+        assert_steps_match(f"{label} {name}", run["metrics"], reference["metrics"], LAYOUT_TOLERANCE)
         logits = (run["logits"] - reference["logits"]).abs().max().item()
         print(f"{label} {name}: max |logits - tp1 logits| after {len(STEP_LOSSES)} steps = {logits:.1e}")
         assert logits <= ADAM_DRIFT_TOLERANCE

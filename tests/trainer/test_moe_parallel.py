@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
-from tests.trainer.engine_scenarios import LORA
+from tests.trainer.engine_scenarios import COMPARED_METRICS, LORA, assert_steps_match
 from tests.trainer.moe_worker import MOE_SIZES, build_tiny_moe
-from tests.trainer.test_lora_engine import COMPARED_METRICS, LAYOUT_TOLERANCE
+from tests.trainer.test_lora_engine import LAYOUT_TOLERANCE
 
 require_trainer_deps()
 pytest.importorskip("peft", reason="peft is not installed (the test extra)")
@@ -125,13 +125,9 @@ def test_expert_parallel_logits_match_one_process(layout: str, moe_results, moe_
 def test_grpo_steps_agree_with_one_process(layout: str, moe_results, moe_reference) -> None:
     reference = moe_reference["training"]["metrics"]
     for rank, results in enumerate(moe_results[layout]):
-        for step, (got, expected) in enumerate(zip(results["training"]["metrics"], reference, strict=True)):
-            diffs = {key: abs(got[key] - expected[key]) for key in COMPARED_METRICS}
-            print(
-                f"{layout} rank {rank} step {step + 1}: "
-                + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
-            )
-            assert max(diffs.values()) <= LAYOUT_TOLERANCE, diffs
+        assert_steps_match(
+            f"{layout} rank {rank}", results["training"]["metrics"], reference, LAYOUT_TOLERANCE
+        )
     assert reference[0]["loss/grad_norm"] > 0 and reference[1]["loss/kl"] > 0
 
 
