@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.errors import UserError
+from art_mega.runtime.ports import free_port
 
 COMMIT_FILE = "LATEST"
 
@@ -32,12 +32,6 @@ class TrainResult:
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_vllm_python() -> str:
@@ -72,8 +66,8 @@ def local_topology(artifact_root: str, vllm_python: str, startup_timeout_s: floa
     )
     return compile_topology(
         cluster,
-        trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=_free_port()),
-        inference=InferenceSpec(replicas=1, api_port=_free_port(), python=vllm_python),
+        trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=free_port()),
+        inference=InferenceSpec(replicas=1, api_port=free_port(), python=vllm_python),
     )
 
 
@@ -172,12 +166,16 @@ class MegatronBackend:
         from art_mega.trainer.service import TrainerService
 
         if self._model is not None:
-            raise UserError(f"this backend already trains model {self._model.name!r}; make one backend per model")
+            raise UserError(
+                f"this backend already trains model {self._model.name!r}; make one backend per model"
+            )
         if self._runtime is None:
             self._runtime = await self._local_runtime()
         topology = self._runtime.topology
         if not topology.trainer_ranks or not topology.replicas:
-            raise UserError("the runtime's topology needs a TrainerSpec and an InferenceSpec to train a model")
+            raise UserError(
+                "the runtime's topology needs a TrainerSpec and an InferenceSpec to train a model"
+            )
         cluster = topology.cluster
         resolved = resolve_base_model(model.base_model, cluster.cache_root)
         self._model, self._model_dir = model, resolved.model_dir
@@ -324,7 +322,9 @@ class MegatronBackend:
             )
         return len(stale)
 
-    async def train_sft(self, model: Any, trajectories: Any, config: Any = None, **kwargs: Any) -> TrainResult:
+    async def train_sft(
+        self, model: Any, trajectories: Any, config: Any = None, **kwargs: Any
+    ) -> TrainResult:
         """One SFT step on these trajectories' assistant tokens (`config`: an `SFTConfig`)."""
         from art_mega.sft import SFTConfig
         from art_mega.trainer.tokenize import sft_documents
@@ -334,10 +334,18 @@ class MegatronBackend:
         async with self._lock:
             started = time.perf_counter()
             documents, stats = sft_documents(self.tokenizer(), list(trajectories), config.assistant_turns)
-            return await self._step_with(documents, stats.as_metrics(), "sft", config.learning_rate, {}, started)
+            return await self._step_with(
+                documents, stats.as_metrics(), "sft", config.learning_rate, {}, started
+            )
 
     async def _step_with(
-        self, documents: list[Any], metrics: dict[str, float], kind: str, learning_rate: float, loss: dict[str, Any], started: float
+        self,
+        documents: list[Any],
+        metrics: dict[str, float],
+        kind: str,
+        learning_rate: float,
+        loss: dict[str, Any],
+        started: float,
     ) -> TrainResult:
         from art_mega.trainer.batch import pack
 
@@ -394,7 +402,11 @@ class MegatronBackend:
         assert self._run_dir is not None
         checkpoints = self._run_dir / "checkpoints"
         steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
-        scores = {int(r["step"]): float(r[best_checkpoint_metric]) for r in read_history(self._run_dir / "history.jsonl") if best_checkpoint_metric in r}
+        scores = {
+            int(r["step"]): float(r[best_checkpoint_metric])
+            for r in read_history(self._run_dir / "history.jsonl")
+            if best_checkpoint_metric in r
+        }
         keep = {self._step}
         scored = [s for s in steps if s in scores]
         if scored:

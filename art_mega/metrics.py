@@ -91,7 +91,9 @@ def read_history(path: Path) -> list[dict[str, Any]]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} cannot be read as a text file ({type(exc).__name__}); pass a run directory") from None
+        raise UserError(
+            f"{path} cannot be read as a text file ({type(exc).__name__}); pass a run directory"
+        ) from None
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -99,7 +101,9 @@ def read_history(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except ValueError:
-            raise UserError(f"{path} line {number} is not valid JSON; history.jsonl holds one JSON object per line") from None
+            raise UserError(
+                f"{path} line {number} is not valid JSON; history.jsonl holds one JSON object per line"
+            ) from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise UserError(f"{path} line {number} is not a JSON object with an integer 'step'")
         rows.append(row)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from art_mega.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
@@ -70,12 +71,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def te_logits(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 1: TE-spec Megatron logits vs HF logits on cuda:0; raises AssertionError past tolerance."""
     import torch
@@ -91,7 +86,7 @@ def te_logits(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
 
     model_dir = resolve_base_model(MODEL, work / "cache").model_dir
     rank = TrainerRank(rank=0, host_id="local", local_rank=0, gpu_id=0, **rank_coordinates(0, 1))
-    init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=_free_port())
+    init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())
     try:
         built = build_megatron_model(model_dir, device="cuda:0", dtype="float32", use_te=True)
         assert built.uses_te, "build_megatron_model(use_te=True) built the local spec"
@@ -130,8 +125,8 @@ async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float,
     )
     topology = compile_topology(
         cluster,
-        trainer=TrainerSpec(master_port=_free_port()),
-        inference=InferenceSpec(replicas=1, shared_gpus=True, api_port=_free_port(), python=sys.executable),
+        trainer=TrainerSpec(master_port=free_port()),
+        inference=InferenceSpec(replicas=1, shared_gpus=True, api_port=free_port(), python=sys.executable),
     )
     runtime = await ArtRuntime.start_local(topology)
     backend = art.MegatronBackend(runtime=runtime, seq_len=256, max_model_len=256, lora_rank=8)

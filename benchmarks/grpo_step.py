@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from _results import print_table, record, rows_for  # noqa: E402
+
+from art_mega.runtime.ports import free_port  # noqa: E402
 
 GROUP_SIZE = 4
 COMPLETION_TOKENS = 48
@@ -59,12 +60,6 @@ class _NoPublisher:
 
     async def aclose(self) -> None:
         return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def attach_trainer(backend: Any, model: Any) -> None:
@@ -135,7 +130,7 @@ async def measure(
         cache_root=default_cache_root(),
     )
     topology = compile_topology(
-        cluster, trainer=TrainerSpec(cpu_ranks_per_host=ranks, master_port=_free_port())
+        cluster, trainer=TrainerSpec(cpu_ranks_per_host=ranks, master_port=free_port())
     )
     runtime = await ArtRuntime.start_local(topology)
     backend = MegatronBackend(runtime=runtime)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from art_mega.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
@@ -98,12 +99,6 @@ def _report(stage: str, extra: dict | None = None) -> None:
     print(MARK + json.dumps({"stage": stage, "peaks": figures, **(extra or {})}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def program(launch) -> None:
     """Measure at start, after a rollout call, and after one SFT step per layout in BENCH_LAYOUTS."""
     _report("start")
@@ -119,8 +114,8 @@ async def program(launch) -> None:
         tp, ranks = LAYOUTS[layout]
         topology = compile_topology(
             cluster,
-            trainer=TrainerSpec(tp=tp, cpu_ranks_per_host=ranks, master_port=_free_port()),
-            inference=InferenceSpec(replicas=1, api_port=_free_port()),
+            trainer=TrainerSpec(tp=tp, cpu_ranks_per_host=ranks, master_port=free_port()),
+            inference=InferenceSpec(replicas=1, api_port=free_port()),
         )
         runtime = await ArtRuntime.start(launch, topology)
         try:

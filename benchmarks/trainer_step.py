@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from art_mega.errors import UserError  # noqa: E402
+from art_mega.runtime.ports import free_port  # noqa: E402
 
 RANK_SCRIPT = HERE / "_trainer_step_rank.py"
 STEPS, QUICK_STEPS, WARMUP = 5, 2, 1
@@ -166,12 +166,6 @@ def detail_table(layouts: list[Layout], summaries: dict[str, dict[str, float]]) 
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def build_models(root: Path) -> dict[str, Path]:
     """The tiny llama (`art_mega.models.tiny`) and tiny Qwen3-MoE (`art_mega.models.tiny_moe`)
     HF directories under `root`, by model kind."""
@@ -206,7 +200,7 @@ def rank_table(layout: Layout, port: int) -> tuple[list[dict], dict]:
 def run_layout(layout: Layout, model_dir: Path, steps: int, work: Path) -> list[dict] | None:
     """Start `layout.world` rank processes, wait for them; their results, or None (with a printed
     line) when one failed or the layout ran past LAYOUT_TIMEOUT_S."""
-    port = _free_port()
+    port = free_port()
     table, trainer = rank_table(layout, port)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs, outs = [], []

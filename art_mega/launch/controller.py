@@ -237,12 +237,16 @@ async def run_attached(
                 raise UserError(
                     f"--worker {exc.address} refused the launch secret; set ART_MEGA_SECRET to the secret the workers were started with"
                 ) from None
-            raise UserError(f"--worker {exc.address} does not answer; is `art-mega worker` running there? ({exc})") from None
+            raise UserError(
+                f"--worker {exc.address} does not answer; is `art-mega worker` running there? ({exc})"
+            ) from None
         seen: dict[tuple[str, int, str], str] = {}
         for client, reply in zip(clients, replies):
             key = (reply.boot_id, reply.pid, reply.hostname)
             if key in seen:
-                raise UserError(f"--worker {client.address} is the same agent as --worker {seen[key]}; list each agent once")
+                raise UserError(
+                    f"--worker {client.address} is the same agent as --worker {seen[key]}; list each agent once"
+                )
             seen[key] = client.address
         wanted = launch_id or replies[0].launch_id
         for client, reply in zip(clients, replies):

@@ -54,7 +54,9 @@ def resolve_base_model(base_model: str, cache_root: str | Path, depth: int = 0) 
     if base_model in TINY_NAMES:
         from art_mega.models.tiny import build_tiny_model
 
-        return ResolvedModel(build_tiny_model(Path(cache_root) / "models" / base_model, arch=TINY_NAMES[base_model]))
+        return ResolvedModel(
+            build_tiny_model(Path(cache_root) / "models" / base_model, arch=TINY_NAMES[base_model])
+        )
     raise UserError(
         f"base_model {base_model!r} is neither an HF model directory (config.json), a PEFT adapter directory "
         f"(adapter_config.json), nor a model in {Path(cache_root) / 'models'}; known names: "

@@ -59,7 +59,9 @@ def prepare_smollm2(cache_root: str | Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except ImportError as exc:
         raise UserError(f"converting the GGUF needs gguf and accelerate ({exc}): {INSTALL_HINT}") from None
-    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    config = AutoConfig.for_model(
+        **{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    )
     config.dtype = "float32"
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())

@@ -418,7 +418,7 @@ def create_app(state: AgentState) -> FastAPI:
 
     @app.post(f"{API_PREFIX}/free-port")
     async def free_port(body: FreePortRequest) -> FreePortResponse:
-        from art_mega.runtime.etcd import free_port
+        from art_mega.runtime.ports import free_port
 
         return FreePortResponse(port=free_port(body.host))
 

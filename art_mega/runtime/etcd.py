@@ -13,7 +13,6 @@ import hashlib
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ import httpx
 
 from art_mega.runtime.admission import PreflightError
 from art_mega.runtime.client import AgentClient, AgentError
+from art_mega.runtime.ports import free_port
 from art_mega.runtime.protocol import (
     EtcdCheckRequest,
     EtcdCheckResponse,
@@ -35,15 +35,6 @@ from art_mega.topology import EndpointSpec
 
 MIN_VERSION = (3, 4)
 ETCD_ENV = "ART_MEGA_ETCD_BIN"
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` right now (bound to port 0, then released)."""
-    infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    family, socktype, proto, _, addr = infos[0]
-    with socket.socket(family, socktype, proto) as sock:
-        sock.bind(addr)
-        return sock.getsockname()[1]
 
 
 def find_binary(given: str | None) -> str:

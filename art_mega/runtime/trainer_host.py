@@ -75,13 +75,28 @@ class TrainerRanks:
             Path(launch.log_path).parent.mkdir(parents=True, exist_ok=True)
             log = open(launch.log_path, "ab")
             config = json.dumps({**request.config, "rank": launch.rank})
-            argv = [request.python or sys.executable, "-m", "art_mega.trainer.rank_main", "--fd", str(child_sock.fileno()), "--config", config]
+            argv = [
+                request.python or sys.executable,
+                "-m",
+                "art_mega.trainer.rank_main",
+                "--fd",
+                str(child_sock.fileno()),
+                "--config",
+                config,
+            ]
             try:
-                process = await spawn_child(argv, env=env, stdout=log, stderr=log, pass_fds=(child_sock.fileno(),))
+                process = await spawn_child(
+                    argv, env=env, stdout=log, stderr=log, pass_fds=(child_sock.fileno(),)
+                )
             finally:
                 child_sock.close()
                 log.close()
-            child = Child(child_id=f"trainer-rank{launch.rank}", role="trainer", process=process, log_path=launch.log_path)
+            child = Child(
+                child_id=f"trainer-rank{launch.rank}",
+                role="trainer",
+                process=process,
+                log_path=launch.log_path,
+            )
             self.supervisor.add(child)
             reader, writer = await asyncio.open_connection(sock=parent_sock, limit=STREAM_LIMIT)
             rank = _Rank(launch.rank, child, writer, self.generation)

@@ -90,7 +90,9 @@ async def main(launch) -> None:
         first_val = await validate(model)
         print(f"step {await model.get_step()}: val/reward {first_val:.3f}", flush=True)
         val = first_val
-        for batch in art.iterate_dataset(TRAIN_QUESTIONS, groups_per_step=4, num_epochs=100, initial_step=await model.get_step()):
+        for batch in art.iterate_dataset(
+            TRAIN_QUESTIONS, groups_per_step=4, num_epochs=100, initial_step=await model.get_step()
+        ):
             if batch.step >= steps:
                 break
             started = time.perf_counter()

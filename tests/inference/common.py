@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -24,13 +23,6 @@ VLLM_SETUP = (
 )
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ROLLOUT_PROMPTS = ("say yes", "say no")
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def replica_spec(port: int, name: str = "vllm", index: int = 0, host_id: str = "host0") -> ReplicaSpec:

@@ -17,25 +17,19 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import time
 
 import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.backend import read_commit, write_commit
+from art_mega.runtime.ports import free_port
 from art_mega.trainer.service import TrainerJobError, TrainerService
 from tests.helpers import loopback_cluster
 
 pytest.importorskip("megatron.core", reason="trainer ranks need megatron-core (the trainer-cpu extra)")
 
 SEQ_LEN = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_batch(batch_dir, step: int) -> None:

@@ -53,7 +53,10 @@ def test_bad_program_references(program, fragments):
         (["worker", "--address", "tcp://127.0.0.1:99999"], ["--address", "99999"]),
         (["controller", "--worker", "tcp://10.0.0.1"], ["--worker", "no port"]),
         (["worker", "--address", "tcp://127.0.0.1:0"], ["ART_MEGA_SECRET"]),
-        (["worker", "--address", "tcp://127.0.0.1:0", "--launch-id", "$(x);"], ["--launch-id", "letters, digits"]),
+        (
+            ["worker", "--address", "tcp://127.0.0.1:0", "--launch-id", "$(x);"],
+            ["--launch-id", "letters, digits"],
+        ),
     ],
 )
 def test_bad_cli_values(args, fragments):

@@ -27,7 +27,16 @@ def test_train_example_two_steps_over_ssh(netns_cluster, tmp_path):
         ART_MEGA_VLLM_PYTHON=vllm_python,
         ART_MEGA_CACHE=str(tmp_path / "cache"),
     )
-    argv = [sys.executable, "-m", "art_mega", "ssh", "--program", f"{REPO}/examples/multinode/train.py:main", "--port", "22700"]
+    argv = [
+        sys.executable,
+        "-m",
+        "art_mega",
+        "ssh",
+        "--program",
+        f"{REPO}/examples/multinode/train.py:main",
+        "--port",
+        "22700",
+    ]
     for host in cluster.hosts:
         argv += ["--host", host.ssh_alias]
     argv += [f"--ssh-arg=-F {cluster.ssh_config}", "--startup-timeout", "120"]
@@ -37,4 +46,7 @@ def test_train_example_two_steps_over_ssh(netns_cluster, tmp_path):
     run = tmp_path / ".art-mega" / "artifacts" / "art-mega-quickstart" / "models" / "yes-no"
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "2"
     assert (run / "report" / "reward.png").is_file()
-    assert sorted(p.name for p in (run / "logs").glob("trainer-rank*.log")) == ["trainer-rank0.log", "trainer-rank1.log"]
+    assert sorted(p.name for p in (run / "logs").glob("trainer-rank*.log")) == [
+        "trainer-rank0.log",
+        "trainer-rank1.log",
+    ]

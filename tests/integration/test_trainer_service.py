@@ -2,26 +2,22 @@
 
 import os
 import signal
-import socket
 import time
 
 import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
+from art_mega.runtime.ports import free_port
 from art_mega.trainer.service import TrainerJobError, TrainerService
 from tests.helpers import loopback_cluster
 
 pytest.importorskip("megatron.core", reason="trainer ranks need megatron-core (the trainer-cpu extra)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_ranks_run_jobs_and_a_dead_rank_is_named(tmp_path):
-    topology = compile_topology(loopback_cluster(1), trainer=TrainerSpec(cpu_ranks_per_host=2, master_port=free_port()))
+    topology = compile_topology(
+        loopback_cluster(1), trainer=TrainerSpec(cpu_ranks_per_host=2, master_port=free_port())
+    )
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, tmp_path / "logs")
     try:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from art_mega.runtime.ports import free_port
 
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -59,13 +60,6 @@ def megatron_logits(built, ids):
         full = gather_from_tensor_model_parallel_region(shard, mpu.get_tensor_model_parallel_group())
         full = gather_from_cp_ranks(full, mpu.get_context_parallel_group(), dim=1)[:, : ids.shape[1]]
     return full[..., : built.vocab_size].float()
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RankProcesses:

@@ -58,7 +58,11 @@ def test_bad_model_names(name):
 
 @pytest.mark.parametrize(
     "content,message",
-    [("garbage\n", "line 1 is not valid JSON"), ("[1, 2]\n", "line 1 is not a JSON object"), ('{"step": "x"}\n', "integer 'step'")],
+    [
+        ("garbage\n", "line 1 is not valid JSON"),
+        ("[1, 2]\n", "line 1 is not a JSON object"),
+        ('{"step": "x"}\n', "integer 'step'"),
+    ],
 )
 def test_bad_history_lines_are_named(tmp_path, content, message):
     from art_mega.errors import UserError
