@@ -25,7 +25,9 @@ async def preflight(launch) -> None:
     try:
         report = runtime.preflight
         links = report.collective.bandwidth_gbps if report.collective else {}
-        print("PHASES " + json.dumps({"total": total, **report.phases_s, "links": links}), flush=True)
+        run_s = max(report.collective.run_s.values(), default=0.0) if report.collective else 0.0
+        phases = {"total": total, **report.phases_s, "collective_run": run_s, "links": links}
+        print("PHASES " + json.dumps(phases), flush=True)
         print(f"PROVEN_AT {time.time():.6f}", flush=True)
     finally:
         await runtime.close()

@@ -43,6 +43,8 @@ from art_mega.runtime.protocol import (
     FsOpResponse,
     HealthResponse,
     HostFacts,
+    PreflightPrepareRequest,
+    PreflightPrepareResponse,
     PreflightRunRequest,
     PreflightRunResponse,
     RemoteFailure,
@@ -139,6 +141,7 @@ class AgentState:
         self.boot_id = boot_id()
         self.shutdown_requested = asyncio.Event()
         self._worker_ids = itertools.count()
+        self._warm_probes: dict[str, Child] = {}
         self.fs_probe = FsProbeOps()
         from art_mega.runtime.trainer_host import TrainerRanks
 
@@ -171,27 +174,57 @@ class AgentState:
             version=etcd.version,
         )
 
-    async def run_preflight(self, request: PreflightRunRequest) -> PreflightRunResponse:
-        """Run one preflight rank as a supervised child; kill it after `timeout_s` + 10 s."""
-        from art_mega.runtime.preflight_probe import RESULT_PREFIX
-        from art_mega.runtime.supervisor import spawn_child, stop_process
+    async def _spawn_probe(self, argv: list[str], warm: bool) -> Child:
+        from art_mega.runtime.supervisor import spawn_child
 
-        argv = [
-            request.python or sys.executable,
-            "-m",
-            "art_mega.runtime.preflight_probe",
-            json.dumps(request.config),
-        ]
         env = dict(os.environ)
         env.pop("ART_MEGA_SECRET", None)
         process = await spawn_child(
-            argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            argv,
+            env=env,
+            stdin=asyncio.subprocess.PIPE if warm else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         child = Child(child_id=f"preflight-{next(self._worker_ids)}", role="preflight", process=process)
         self.supervisor.add(child)
+        return child
+
+    async def prepare_preflight(self, request: PreflightPrepareRequest) -> PreflightPrepareResponse:
+        """Start a warm probe (`preflight_probe --stdin`) for `request.python` unless one waits."""
+        from art_mega.runtime.preflight_probe import WARM_FLAG
+
+        python = request.python or sys.executable
+        waiting = self._warm_probes.get(python)
+        if waiting is not None and waiting.process.returncode is None:
+            return PreflightPrepareResponse(started=False)
+        argv = [python, "-m", "art_mega.runtime.preflight_probe", WARM_FLAG]
+        self._warm_probes[python] = await self._spawn_probe(argv, warm=True)
+        return PreflightPrepareResponse(started=True)
+
+    async def run_preflight(self, request: PreflightRunRequest) -> PreflightRunResponse:
+        """Run one preflight rank as a supervised child; kill it after `timeout_s` + 10 s.
+
+        Uses the warm probe `prepare_preflight` started for this Python when it is still alive
+        (the config goes to its stdin), else starts a cold one with the config in argv.
+        """
+        from art_mega.runtime.preflight_probe import RESULT_PREFIX
+        from art_mega.runtime.supervisor import stop_process
+
+        python = request.python or sys.executable
+        config = json.dumps(request.config)
+        child = self._warm_probes.pop(python, None)
+        stdin_line: bytes | None = None
+        if child is not None and child.process.returncode is None:
+            stdin_line = config.encode() + b"\n"
+        else:
+            child = await self._spawn_probe(
+                [python, "-m", "art_mega.runtime.preflight_probe", config], warm=False
+            )
+        process = child.process
         timed_out = False
         try:
-            out, err = await asyncio.wait_for(process.communicate(), request.timeout_s + 10)
+            out, err = await asyncio.wait_for(process.communicate(stdin_line), request.timeout_s + 10)
         except TimeoutError:
             timed_out = True
             await stop_process(process, 2.0)
@@ -421,6 +454,10 @@ def create_app(state: AgentState) -> FastAPI:
         from art_mega.runtime.ports import free_port
 
         return FreePortResponse(port=free_port(body.host))
+
+    @app.post(f"{API_PREFIX}/preflight/prepare")
+    async def preflight_prepare(body: PreflightPrepareRequest) -> PreflightPrepareResponse:
+        return await state.prepare_preflight(body)
 
     @app.post(f"{API_PREFIX}/preflight/run")
     async def preflight_run(body: PreflightRunRequest) -> PreflightRunResponse:

@@ -28,6 +28,8 @@ from art_mega.runtime.protocol import (
     FsOpResponse,
     HealthResponse,
     HostFacts,
+    PreflightPrepareRequest,
+    PreflightPrepareResponse,
     PreflightRunRequest,
     PreflightRunResponse,
     RemoteFailure,
@@ -237,6 +239,11 @@ class AgentClient:
     async def free_port(self, host: str) -> int:
         """A TCP port that is free on this agent's host at `host` right now."""
         return (await self._request("POST", "/free-port", FreePortRequest(host=host), FreePortResponse)).port
+
+    async def preflight_prepare(self, python: str | None = None) -> bool:
+        """Start a warm preflight probe here (see `preflight_probe`); True when one was started."""
+        request = PreflightPrepareRequest(python=python)
+        return (await self._request("POST", "/preflight/prepare", request, PreflightPrepareResponse)).started
 
     async def preflight_run(self, request: PreflightRunRequest) -> PreflightRunResponse:
         """Run one preflight rank here; returns when it exits or after `timeout_s` (+ margin)."""

@@ -29,6 +29,9 @@ class CollectiveReport:
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     """GB/s per link, keyed "hostA-hostB" (a measurement, never pass/fail)."""
     seconds: float = 0.0
+    """Wall time of the whole phase, probe start-up included."""
+    run_s: dict[str, float] = field(default_factory=dict)
+    """Per host: seconds from its probe having the config (torch imported) to its result."""
 
 
 async def run_collective(
@@ -91,7 +94,8 @@ async def run_collective(
         for link, gbps in result.get("bandwidth_gbps", {}).items():
             i, j = (int(x) for x in link.split("-"))
             bandwidth[f"{host_ids[i]}-{host_ids[j]}"] = round(float(gbps), 3)
-    return CollectiveReport(tuple(host_ids), backend, members, bandwidth, time.monotonic() - started)
+    run_s = {h: float(r.get("run_s", 0.0)) for h, r in results.items()}
+    return CollectiveReport(tuple(host_ids), backend, members, bandwidth, time.monotonic() - started, run_s)
 
 
 def _raise_for_failures(

@@ -4,6 +4,12 @@ Run by each participating host's agent, in the Python environment the trainer (o
 replica) will use, as `python -m art_mega.runtime.preflight_probe CONFIG_JSON`. It prints one JSON
 line (`PREFLIGHT_RESULT {...}`) and exits 0 on success, 1 on failure. Arrival is recorded in the
 TCPStore before the process group forms, so a rank that never arrives is named, not waited for.
+
+`python -m art_mega.runtime.preflight_probe --stdin` is the warm form: it imports torch and
+torch.distributed first (2-4 s of the collective's wall time on a loaded CPU host), then reads
+the config as one JSON line from stdin. Agents start it when the controller begins proving the
+cluster, so the import overlaps admission, the artifact_root probe and etcd. It exits 0 without
+doing anything on EOF or after `WARM_IDLE_S` seconds without a config.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from art_mega.runtime.netif import gloo_interface_for, local_interface
 
 RESULT_PREFIX = "PREFLIGHT_RESULT "
 RECORD_BYTES = 512
+WARM_FLAG = "--stdin"
+WARM_IDLE_S = 600.0
+"""Seconds a warm probe waits for its config before exiting on its own."""
 
 
 def check_nccl_log(text: str, expected: str, rank: int, host: str) -> None:
@@ -133,7 +142,14 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         if value.item() != expected:
             raise RuntimeError(f"all-reduce of rank+1 gave {value.item()}, expected {expected}")
         interface, local_ip = local_interface(config["master_host"]) if world > 1 else ("lo", "127.0.0.1")
-        record = {"host": host, "rank": rank, "backend": backend, "interface": interface, "ip": local_ip}
+        record = {
+            "host": host,
+            "rank": rank,
+            "backend": backend,
+            "interface": interface,
+            "ip": local_ip,
+            "warm": bool(config.get("warm")),
+        }
         gathered = [torch.zeros(RECORD_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
         dist.all_gather(gathered, _encode(record).to(device))
         members = [_decode(g.cpu()) for g in gathered]
@@ -178,12 +194,38 @@ def _bandwidth(rank: int, world: int, nbytes: int, device) -> dict[str, float]: 
     return results
 
 
+def _read_config_when_warm() -> dict[str, Any] | None:
+    """Import torch, then wait for one JSON line on stdin (None: EOF or `WARM_IDLE_S` passed)."""
+    import select
+
+    import torch.distributed  # noqa: F401  (the point of the warm form)
+
+    ready, _, _ = select.select([sys.stdin], [], [], WARM_IDLE_S)
+    line = sys.stdin.readline() if ready else ""
+    return json.loads(line) if line.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: `CONFIG_JSON` (cold) or `--stdin` (warm); returns the exit code.
+
+    The result carries `run_s`: seconds from (config in hand and torch imported) to the result,
+    i.e. rendezvous, process group, collectives and bandwidth, without the interpreter's start.
+    """
     args = sys.argv[1:] if argv is None else argv
-    config = json.loads(args[0])
+    if args[0] == WARM_FLAG:
+        warm = _read_config_when_warm()
+        if warm is None:
+            return 0
+        config = {**warm, "warm": True}
+    else:
+        config = json.loads(args[0])
     _watchdog(config)
+    import torch.distributed  # noqa: F401  (imported before the clock starts)
+
+    started = time.monotonic()
     try:
         result = run(config)
+        result["run_s"] = round(time.monotonic() - started, 4)
     except Exception as exc:
         result = {
             "ok": False,

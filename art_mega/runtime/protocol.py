@@ -195,6 +195,17 @@ class PreflightRunRequest(_Body):
     timeout_s: float = Field(gt=0)
 
 
+class PreflightPrepareRequest(_Body):
+    """Start a warm preflight probe on this host (torch imported, waiting for its config)."""
+
+    python: str | None = None
+
+
+class PreflightPrepareResponse(_Body):
+    started: bool
+    """False when a warm probe for this Python was already waiting."""
+
+
 class PreflightRunResponse(_Body):
     exit_code: int | None
     timed_out: bool = False

@@ -221,6 +221,17 @@ class ArtRuntime:
         cluster = self.topology.cluster
         phases: dict[str, float] = {}
         started = loop.time()
+        hosts_in_collective = self.collective_hosts(collective)
+        # Warm probes import torch while admission, the FS probe and etcd run (a failed prepare
+        # only means that host's probe starts cold).
+        warming = asyncio.gather(
+            *(
+                self._clients[h].preflight_prepare()
+                for h in hosts_in_collective
+                if len(hosts_in_collective) > 1
+            ),
+            return_exceptions=True,
+        )
         hosts = list(self._clients)
         facts = await asyncio.gather(*(self._clients[h].facts() for h in hosts))
         self.host_facts = dict(zip(hosts, facts))
@@ -253,7 +264,7 @@ class ArtRuntime:
                 endpoint = reply.endpoint
             phases["metadata_store"] = loop.time() - started
         report = None
-        hosts_in_collective = self.collective_hosts(collective)
+        await warming
         if len(hosts_in_collective) > 1:
             first = cluster.host(hosts_in_collective[0])
             on_gpu = (

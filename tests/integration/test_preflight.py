@@ -146,6 +146,8 @@ def test_collective_proves_membership_and_measures_every_link(netns3, tmp_path):
     ]
     assert [m["ip"] for m in report["members"]] == [h.address for h in netns3.hosts]
     assert all(m["interface"] == "eth0" for m in report["members"])
+    # every rank ran in the warm probe its agent started when the proof began (torch pre-imported)
+    assert [m["warm"] for m in report["members"]] == [True, True, True]
     assert set(report["bandwidth_gbps"]) == {"host0-host1", "host0-host2", "host1-host2"}
     assert all(v > 0 for v in report["bandwidth_gbps"].values())
 
