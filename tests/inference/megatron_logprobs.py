@@ -16,11 +16,11 @@ import torch
 
 
 def main(spec_path: str, out_path: str) -> None:
+    from art_mega.runtime.ports import free_port
     from art_mega.trainer.batch import TrainBatch
     from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.lora import LoraConfig
     from art_mega.trainer.parallel import destroy_parallel
-    from tests.inference.common import free_port
     from tests.trainer.tp_worker import join
 
     torch.set_num_threads(1)

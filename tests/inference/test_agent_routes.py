@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from art_mega.inference import ReplicaLaunch, ReplicaStartError, start_replicas, stop_replicas
-from tests.inference.common import free_port, replica_spec
+from art_mega.runtime.ports import free_port
+from tests.inference.common import replica_spec
 from tests.inference.conftest import Agent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

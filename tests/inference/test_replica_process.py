@@ -9,8 +9,9 @@ import pytest
 
 from art_mega.inference import ReplicaLaunch, ReplicaStartError
 from art_mega.inference.replica import start_replica
+from art_mega.runtime.ports import free_port
 from tests.conftest import pid_alive
-from tests.inference.common import free_port, replica_spec
+from tests.inference.common import replica_spec
 
 
 def _script(path: Path, body: str) -> str:
