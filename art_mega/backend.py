@@ -71,6 +71,69 @@ def local_topology(artifact_root: str, vllm_python: str, startup_timeout_s: floa
     )
 
 
+def check_artifact_root_reach(topology: Any) -> None:
+    """Refuse a topology whose trainer ranks cannot share the controller's artifact_root.
+
+    The controller writes each step's batch and the commit pointer under its own artifact_root
+    and reads the checkpoints' manifests there; the ranks read the batch and write checkpoints
+    under theirs. With `ClusterSpec.shared_artifact_root=False` that only holds when every
+    trainer rank runs on the controller's host (adapters reach replica hosts over NIXL).
+
+    Raises:
+        UserError: artifact_root is host-local and some trainer rank runs on another host.
+    """
+    cluster = topology.cluster
+    if cluster.shared_artifact_root:
+        return
+    controller = cluster.controller_host_id
+    elsewhere = sorted({r.host_id for r in topology.trainer_ranks if r.host_id != controller})
+    if elsewhere:
+        raise UserError(
+            f"ClusterSpec.shared_artifact_root=False, but trainer ranks run on host"
+            f"{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} while the controller runs "
+            f"on host {controller}, so they cannot "
+            f"read the batches it writes under the host-local artifact_root {cluster.artifact_root} "
+            f"(nor it their checkpoints); put every trainer rank on host {controller} "
+            f"(TrainerSpec.host_ids=({controller!r},)) or set ClusterSpec.shared_artifact_root=True"
+        )
+
+
+async def check_controller_sees_artifact_root(runtime: Any) -> None:
+    """Refuse a controller process that does not see its host's artifact_root.
+
+    The controller writes batches and the commit pointer where the trainer ranks of its host
+    read and write (see `check_artifact_root_reach`); the FS probe only proved what the agents
+    see. Here the controller host's agent writes a token under `<root>/.art-mega-probe/` and
+    this process must read it back (one HTTP round trip).
+
+    Raises:
+        UserError: the token is not there (the controller runs on another machine or mount
+            namespace than `ClusterSpec.controller_host_id`'s agent).
+    """
+    import secrets
+
+    from art_mega.runtime.fs_probe import PROBE_DIR
+    from art_mega.runtime.protocol import FsOpRequest
+
+    cluster = runtime.topology.cluster
+    host, root = cluster.controller_host_id, cluster.artifact_root
+    client = runtime.clients[host]
+    folder, token = f"controller-{secrets.token_hex(6)}", secrets.token_hex(16)
+    written = await client.fs_op(FsOpRequest(op="write", root=root, name=f"{folder}/probe", content=token))
+    try:
+        probe = Path(root) / PROBE_DIR / folder / "probe"
+        seen = written.ok and probe.is_file() and probe.read_text() == token
+    finally:
+        await client.fs_op(FsOpRequest(op="cleanup", root=root, name=folder))
+    if not seen:
+        raise UserError(
+            f"this controller process does not see the artifact_root {root} of its host {host} "
+            f"(ClusterSpec.controller_host_id={host!r}): a file host {host}'s agent wrote there is "
+            f"missing here; run the controller on host {host} (same machine and mounts) or name the "
+            "host it runs on as controller_host_id"
+        )
+
+
 def read_commit(checkpoints: Path) -> int | None:
     """The last committed step in `checkpoints/LATEST` (None when nothing is committed)."""
     pointer = checkpoints / COMMIT_FILE
@@ -101,6 +164,11 @@ class MegatronBackend:
         max_model_len: the replicas' context length in tokens.
         keep_adapters: published steps each replica keeps loaded.
         startup_timeout_s: bound on trainer and replica start-up (seconds).
+        vllm_python: the interpreter that runs vLLM (default: see `default_vllm_python`).
+        gpu_memory_utilization: fraction (0, 1] of each GPU vLLM may take (None: vLLM's 0.9);
+            lower it for replicas with `InferenceSpec.shared_gpus=True`, which start after the
+            trainer ranks hold their weights and then sleep during each train step
+            (`inference.sleep`).
     """
 
     def __init__(
@@ -115,7 +183,13 @@ class MegatronBackend:
         keep_adapters: int = 2,
         startup_timeout_s: float = 900.0,
         vllm_python: str | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise UserError(
+                f"MegatronBackend(gpu_memory_utilization={gpu_memory_utilization!r}) is a fraction of "
+                "each GPU's memory; use a value in (0, 1], e.g. 0.5, or None for vLLM's default"
+            )
         self._runtime = runtime
         self._owns_runtime = runtime is None
         self.lora = {"rank": lora_rank, "alpha": lora_alpha, "targets": list(lora_targets or [])}
@@ -124,6 +198,8 @@ class MegatronBackend:
         self.keep_adapters = keep_adapters
         self.startup_timeout_s = startup_timeout_s
         self._vllm_python = vllm_python
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self._shared: Any = None
         self._model: Any = None
         self._model_dir: Path | None = None
         self._run_dir: Path | None = None
@@ -162,6 +238,7 @@ class MegatronBackend:
         from art_mega.inference.recovery import ReplicaRecovery
         from art_mega.inference.remote import start_replicas
         from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
+        from art_mega.inference.sleep import SharedGpuReplicas
         from art_mega.models.resolve import resolve_base_model
         from art_mega.trainer.service import TrainerService
 
@@ -176,6 +253,9 @@ class MegatronBackend:
             raise UserError(
                 "the runtime's topology needs a TrainerSpec and an InferenceSpec to train a model"
             )
+        check_artifact_root_reach(topology)  # before any trainer rank or replica starts
+        await check_controller_sees_artifact_root(self._runtime)
+        transport = adapter_transport_for(self._runtime)  # UserError, also before any start
         cluster = topology.cluster
         resolved = resolve_base_model(model.base_model, cluster.cache_root)
         self._model, self._model_dir = model, resolved.model_dir
@@ -198,14 +278,25 @@ class MegatronBackend:
             max_model_len=self.max_model_len,
             log_dir=str(run_dir / "logs"),
             ready_timeout_s=self.startup_timeout_s,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
-        await asyncio.gather(
-            self._service.start(config, timeout_s=self.startup_timeout_s),
-            start_replicas(self._runtime.clients, topology.replicas, launch),
-        )
+        shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
+        self._shared = SharedGpuReplicas(shared, timeout_s=self.startup_timeout_s)
+        start_trainer = self._service.start(config, timeout_s=self.startup_timeout_s)
+        if shared:
+            # vLLM sizes its memory from what is free when it starts: let the trainer settle first
+            await start_trainer
+            await start_replicas(self._runtime.clients, topology.replicas, launch)
+        else:
+            await asyncio.gather(
+                start_trainer, start_replicas(self._runtime.clients, topology.replicas, launch)
+            )
         self._router = PolicyRouter(model.name, [ReplicaEndpoint.from_spec(r) for r in topology.replicas])
         self._publisher = AdapterPublisher(
-            self._router, keep=self.keep_adapters, stage=adapter_transport_for(self._runtime)
+            self._router,
+            keep=self.keep_adapters,
+            stage=transport,
+            prune=transport.prune if transport is not None else None,
         )
         if committed is None:
             committed = 0
@@ -347,6 +438,7 @@ class MegatronBackend:
         loss: dict[str, Any],
         started: float,
     ) -> TrainResult:
+        from art_mega.inference.adapter_transport import transfer_metrics
         from art_mega.trainer.batch import pack
 
         assert self._run_dir is not None
@@ -369,9 +461,10 @@ class MegatronBackend:
             "learning_rate": learning_rate,
             "loss": loss,
         }
-        # after a failed step the ranks may be one update ahead: restart them from the last commit
-        await self._service.recover(self._checkpoint(self._step))
-        result = await self._service.run(job)
+        async with self._shared.asleep(metrics):  # replicas on the trainer's GPUs free them
+            # after a failed step the ranks may be one update ahead: restart them from the last commit
+            await self._service.recover(self._checkpoint(self._step))
+            result = await self._service.run(job)
         try:
             write_commit(self._run_dir / "checkpoints", step)
         except BaseException:
@@ -389,6 +482,7 @@ class MegatronBackend:
                 "time/train_s": trained - prepared,
                 "time/publish_s": published - trained,
                 "time/adapter_load_s": max(report.load_s.values(), default=0.0),
+                **transfer_metrics(self._publisher.stage, step),
             }
         )
         return TrainResult(step=step, metrics=metrics)

@@ -28,8 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from art_mega.runtime.ports import free_port
-
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 STEPS = {
@@ -77,6 +75,7 @@ def te_logits(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from transformers import AutoModelForCausalLM
 
     from art_mega.models.resolve import resolve_base_model
+    from art_mega.runtime.ports import free_port
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
@@ -109,6 +108,7 @@ def te_logits(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
 async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Steps 2-4 on one runtime: GRPO step, publication + completion, NCCL preflight."""
     import art_mega as art
+    from art_mega.runtime.ports import free_port
     from art_mega.runtime.preflight import run_collective
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
@@ -153,6 +153,8 @@ async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float,
         rollout_s = time.perf_counter() - started
         result = await backend.train(model, groups, learning_rate=1e-4)
         assert result.step == 1, f"backend.train returned step {result.step}, expected 1"
+        # shared_gpus=True: the replica slept through the step and woke before the adapter loaded
+        assert "time/sleep_s" in result.metrics and "time/wake_s" in result.metrics, sorted(result.metrics)
         print(f"grpo_lora: step {result.step}, metrics {sorted(result.metrics)}")
         figures += [
             ("gpu: GRPO rollout (8 completions), tiny Qwen3", rollout_s, "s"),
@@ -161,6 +163,8 @@ async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float,
                 result.metrics.get("time/rank_compute_s", 0.0),
                 "s",
             ),
+            ("gpu: shared-GPU replica sleep (level 1)", result.metrics["time/sleep_s"], "s"),
+            ("gpu: shared-GPU replica wake", result.metrics["time/wake_s"], "s"),
             (
                 "gpu: GRPO step, whole train call, tiny Qwen3 LoRA",
                 sum(result.metrics.get(k, 0.0) for k in ("time/prepare_s", "time/train_s", "time/publish_s")),

@@ -4,35 +4,44 @@ With `ClusterSpec.shared_artifact_root=False`, trainer rank 0's host (the export
 adapter through its agent (bytes registered with NIXL, metadata in the launch's etcd); every
 other host that runs a replica fetches it through its own agent with one UCX READ, writes it to
 a new path under its own artifact_root and checks every file's sha256 before answering. Replicas
-on the exporter's host read the exported folder itself. See `art_mega.runtime.nixl_transfer`.
+on the exporter's host read the exported folder itself. Copies of steps that left the
+publisher's keep window are deleted on their hosts (`AdapterTransport.prune`). See
+`art_mega.runtime.nixl_transfer`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
 from art_mega.runtime.nixl_protocol import (
+    COPY_MARKER,
     FetchRequest,
     FetchResponse,
     MetadataStore,
     OfferRequest,
     OfferResponse,
+    PruneRequest,
+    PruneResponse,
     ReleaseRequest,
     ReleaseResponse,
 )
-from art_mega.runtime.nixl_routes import FETCH_PATH, OFFER_PATH, RELEASE_PATH
+from art_mega.runtime.nixl_routes import FETCH_PATH, OFFER_PATH, PRUNE_PATH, RELEASE_PATH
 
 if TYPE_CHECKING:
     from art_mega.runtime.client import AgentClient
 
 DEFAULT_TIMEOUT_S = 120.0
+TRANSFER_METRIC = "time/adapter_transfer_s"
+
+log = logging.getLogger(__name__)
 
 
 class AdapterTransferError(Exception):
@@ -85,6 +94,7 @@ class AdapterTransport:
         self.store = store
         self.timeout_s = timeout_s
         self.last: TransferReport | None = None
+        self._copies: dict[int, dict[str, list[str]]] = {}  # step -> host -> received copies
 
     @property
     def receiving_hosts(self) -> list[str]:
@@ -128,7 +138,7 @@ class AdapterTransport:
         if not offered.ok or offered.offer is None:
             raise AdapterTransferError(f"step {step}: {offered.error}")
         report.offer_s = time.monotonic() - started
-        dest = os.path.relpath(f"{source}.nixl-{transfer_id}", self.artifact_root)
+        dest = os.path.relpath(f"{source}{COPY_MARKER}{transfer_id}", self.artifact_root)
         try:
             replies: list[FetchResponse | BaseException] = await asyncio.gather(
                 *(
@@ -161,6 +171,7 @@ class AdapterTransport:
             else:
                 received[host] = reply.path
                 report.fetch_s[host], report.bytes[host] = reply.seconds, reply.bytes
+                self._copies.setdefault(step, {}).setdefault(host, []).append(reply.path)
         if errors:
             raise AdapterTransferError(
                 f"step {step}: the adapter did not reach every replica host: " + "; ".join(errors)
@@ -169,6 +180,55 @@ class AdapterTransport:
         report.total_s = time.monotonic() - started
         self.last = report
         return paths
+
+    def copies(self) -> dict[int, dict[str, list[str]]]:
+        """Step -> receiving host -> the received copies not yet pruned (absolute paths)."""
+        return {step: {h: list(p) for h, p in hosts.items()} for step, hosts in self._copies.items()}
+
+    async def prune(self, keep: Collection[int]) -> dict[str, list[str]]:
+        """Delete, on every receiving host, the copies of each step not in `keep` (the steps some
+        replica may still load: the publisher's window and whatever a replica still holds), and
+        each such copy's step folder when it is left empty. Returns host -> removed paths.
+
+        Best effort: a host that refuses or does not answer is logged and its copies stay
+        recorded, so the next `prune` tries again; nothing is raised.
+        """
+        doomed: dict[str, list[str]] = {}
+        for step in sorted(set(self._copies) - set(keep)):
+            for host, paths in self._copies[step].items():
+                doomed.setdefault(host, []).extend(paths)
+        if not doomed:
+            return {}
+        hosts = sorted(doomed)
+        replies = await asyncio.gather(
+            *(
+                self._call(
+                    host,
+                    PRUNE_PATH,
+                    PruneRequest(host=host, root=self.artifact_root, paths=tuple(doomed[host])),
+                    PruneResponse,
+                )
+                for host in hosts
+            ),
+            return_exceptions=True,
+        )
+        removed: dict[str, list[str]] = {}
+        for host, reply in zip(hosts, replies):
+            if isinstance(reply, BaseException):
+                log.warning("pruning adapter copies on host %s: %s", host, reply)
+                continue
+            if reply.error:
+                log.warning("%s", reply.error)
+            removed[host] = list(reply.removed)
+        for step in sorted(set(self._copies) - set(keep)):
+            left = {
+                host: [p for p in paths if p not in removed.get(host, ())]
+                for host, paths in self._copies[step].items()
+            }
+            self._copies[step] = {host: paths for host, paths in left.items() if paths}
+            if not self._copies[step]:
+                del self._copies[step]
+        return removed
 
     async def _release(self, transfer_id: str) -> None:
         try:
@@ -204,3 +264,13 @@ def adapter_transport_for(runtime: Any, timeout_s: float = DEFAULT_TIMEOUT_S) ->
         )
     store = MetadataStore(endpoint=endpoint, namespace=f"/art-mega/{runtime.launch_id}/nixl")
     return AdapterTransport(runtime.clients, exporter, replica_hosts, cluster.artifact_root, store, timeout_s)
+
+
+def transfer_metrics(transport: AdapterTransport | None, step: int) -> dict[str, float]:
+    """`{"time/adapter_transfer_s": seconds}` (the `TransferReport.total_s`: offer, every host's
+    fetch, release) when `transport` carried `step`'s adapter to some host; {} otherwise (no
+    transport, no receiving host, or the last transfer was of another step)."""
+    report = transport.last if transport is not None else None
+    if report is None or report.step != step:
+        return {}
+    return {TRANSFER_METRIC: report.total_s}

@@ -61,7 +61,10 @@ class AdapterPublisher:
     `retry_delay_s` is the pause before the one retry of a failed load. `stage`, when given,
     turns one exported adapter path into replica -> path before loading (e.g.
     `inference.adapter_transport.AdapterTransport` for host-local artifact roots; its errors
-    propagate and the served step stays). Publications are serialised. Use as an async
+    propagate and the served step stays). `prune`, when given, is awaited after each
+    publication's unloads with the steps some replica may still load (the window plus any step
+    a replica still holds), so staged copies of every other step can be deleted (e.g.
+    `AdapterTransport.prune`); it must not raise. Publications are serialised. Use as an async
     context manager or call `aclose()`.
     """
 
@@ -72,6 +75,7 @@ class AdapterPublisher:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_delay_s: float = RETRY_DELAY_S,
         stage: Callable[[int, str], Awaitable[Mapping[str, str]]] | None = None,
+        prune: Callable[[set[int]], Awaitable[object]] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1: the served step itself stays loaded")
@@ -79,6 +83,7 @@ class AdapterPublisher:
         self.keep = keep
         self.retry_delay_s = retry_delay_s
         self.stage = stage  # host-local artifact_root: copies the adapter to each replica host
+        self.prune = prune  # ... and deletes the copies no replica loads any more
         self._clients = {r.name: ReplicaClient(r.name, r.url, timeout_s) for r in router.replicas}
         self._loaded: dict[str, dict[int, str]] = {r.name: {} for r in router.replicas}
         self._paths: dict[str, int] = {}
@@ -232,6 +237,8 @@ class AdapterPublisher:
         )
         for step in [s for s in self._published if s not in keep]:
             del self._published[step]
+        if self.prune is not None:
+            await self.prune(keep | {s for steps in self._loaded.values() for s in steps})
 
     async def restore(self, replica: str) -> list[str]:
         """Load every step of the window onto `replica` (e.g. after it restarted empty), oldest

@@ -43,7 +43,9 @@ class ReplicaLaunch(_Body):
     whole GiB). `log_dir` receives `<replica>.log` (appended to on restart). Timeouts in seconds:
     `ready_timeout_s` bounds start to healthy plus the warm-up completion; `stop_grace_s` is the
     wait between SIGTERM and SIGKILL. `extra_args` are appended to vLLM's argv; `env` is added
-    to the environment (e.g. the topology's `ProcessSpec.environ`).
+    to the environment (e.g. the topology's `ProcessSpec.environ`). `gpu_memory_utilization`
+    (GPU only) is the fraction of each GPU's memory vLLM may take (None: vLLM's default, 0.9);
+    lower it when replicas share GPUs with trainer ranks whose weights stay resident.
     """
 
     model: str
@@ -59,6 +61,7 @@ class ReplicaLaunch(_Body):
     stop_grace_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
 
     @field_validator("max_lora_rank")
     @classmethod

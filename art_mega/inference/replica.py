@@ -69,14 +69,26 @@ def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
         argv += ["--pipeline-parallel-size", str(spec.pp)]
     if spec.dp > 1:
         argv += ["--data-parallel-size", str(spec.dp)]
+    if spec.shared_gpus:
+        # sleeps while the trainer uses the same GPUs (see `inference.sleep`)
+        argv += ["--enable-sleep-mode"]
+    if launch.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
     return argv + list(launch.extra_args)
 
 
 def vllm_env(
-    launch: ReplicaLaunch, base: dict[str, str] | None = None, *, on_cpu: bool = False
+    launch: ReplicaLaunch,
+    base: dict[str, str] | None = None,
+    *,
+    on_cpu: bool = False,
+    sleep_mode: bool = False,
 ) -> dict[str, str]:
     """The replica's environment: `base` (default os.environ) without the launch secret, plus
     runtime LoRA updating, the CPU KV-cache size (GiB) and `launch.env` (which wins).
+
+    `sleep_mode` (a replica sharing the trainer's GPUs) sets `VLLM_SERVER_DEV_MODE=1`, which is
+    what exposes vLLM's `/sleep` and `/wake_up` routes.
 
     `on_cpu` (a replica without GPUs) also runs vLLM's engine core inside the API server process
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python + vLLM import fewer per start, measured
@@ -96,6 +108,8 @@ def vllm_env(
     env["PYTHONUNBUFFERED"] = "1"
     if on_cpu:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if sleep_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(launch.env)
     return env
 
@@ -213,7 +227,11 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
         try:
             process = await spawn_child(
                 argv,
-                env=vllm_env(launch, on_cpu=not any(gpus for _, gpus in spec.gpu_ids)),
+                env=vllm_env(
+                    launch,
+                    on_cpu=not any(gpus for _, gpus in spec.gpu_ids),
+                    sleep_mode=spec.shared_gpus,
+                ),
                 stdout=log.fileno(),
                 stderr=asyncio.subprocess.STDOUT,
             )

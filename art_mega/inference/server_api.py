@@ -95,6 +95,20 @@ class ReplicaClient:
         body = {"lora_name": lora_name}
         await self._call(f"unloading adapter {lora_name}", "POST", "/v1/unload_lora_adapter", body)
 
+    async def sleep(self, level: int = 1) -> None:
+        """`POST /sleep?level=LEVEL&mode=wait`: finish in-flight requests, then free the GPU.
+
+        Level 1 offloads the weights (and loaded adapters) to CPU memory and discards the KV
+        cache; `wake_up` brings them back. Needs a server started with `--enable-sleep-mode`
+        and `VLLM_SERVER_DEV_MODE=1` (see `replica.vllm_argv`); others answer 404. Raises
+        `ReplicaHTTPError`.
+        """
+        await self._call(f"sleeping (level {level})", "POST", f"/sleep?level={level}&mode=wait")
+
+    async def wake_up(self) -> None:
+        """`POST /wake_up`: reload what `sleep` freed. Raises `ReplicaHTTPError`."""
+        await self._call("waking up", "POST", "/wake_up")
+
     async def complete(self, model: str, prompt: str, max_tokens: int = 1, **fields: Any) -> dict[str, Any]:
         """`POST /v1/completions` with greedy decoding unless `fields` say otherwise; the JSON reply."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **fields}

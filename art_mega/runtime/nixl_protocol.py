@@ -1,4 +1,4 @@
-"""Bodies of the agent's adapter-transfer routes (`/v1/adapters/offer|fetch|release`).
+"""Bodies of the agent's adapter-transfer routes (`/v1/adapters/offer|fetch|release|prune`).
 
 An offer is the sender's manifest: where its NIXL agent registered the adapter's bytes and the
 size and sha256 of every file in them. Pure pydantic; the NIXL work is in `nixl_transfer`.
@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+COPY_MARKER = ".nixl-"
+"""A received copy of adapter folder `A` is written as `A.nixl-<transfer id>`; prune deletes only
+folders whose name holds this marker."""
 
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -127,3 +131,20 @@ class ReleaseRequest(_Body):
 
 class ReleaseResponse(_Body):
     released: bool
+
+
+class PruneRequest(_Body):
+    """Delete received adapter copies on this host: `paths` (absolute, inside `root`), each a
+    folder named `<adapter>.nixl-<transfer id>` as `AdapterTransport` wrote it."""
+
+    host: str
+    root: str
+    paths: tuple[str, ...]
+
+
+class PruneResponse(_Body):
+    """`removed`: the paths that no longer exist (deleted now or gone before); `error` names each
+    path that was refused or could not be deleted, with the host and cause ("" when none)."""
+
+    removed: tuple[str, ...] = ()
+    error: str = ""

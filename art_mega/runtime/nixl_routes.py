@@ -1,9 +1,11 @@
-"""The agent's adapter-transfer routes: offer an adapter, fetch one from another host, release.
+"""The agent's adapter-transfer routes: offer an adapter, fetch one from another host, release,
+prune received copies.
 
 `register_adapter_transport_routes(app, supervisor)` adds `POST /v1/adapters/offer`,
-`/v1/adapters/fetch` and `/v1/adapters/release`; the app's signature check guards them like
-every other route. The work runs in this host's NIXL process (`runtime.nixl_worker`), started
-on the first request as a supervised child (role "nixl"), so NIXL never loads into the agent.
+`/v1/adapters/fetch`, `/v1/adapters/release` and `/v1/adapters/prune`; the app's signature check
+guards them like every other route. Transfers run in this host's NIXL process
+(`runtime.nixl_worker`), started on the first request as a supervised child (role "nixl"), so
+NIXL never loads into the agent; prune is plain file deletion and runs in an agent thread.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from art_mega.runtime.nixl_protocol import (
     FetchResponse,
     OfferRequest,
     OfferResponse,
+    PruneRequest,
+    PruneResponse,
     ReleaseRequest,
     ReleaseResponse,
 )
+from art_mega.runtime.nixl_transfer import remove_copies
 from art_mega.runtime.protocol import API_PREFIX
 from art_mega.runtime.rollout_worker import STREAM_LIMIT
 from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
@@ -34,6 +39,7 @@ from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
 OFFER_PATH = "/adapters/offer"
 FETCH_PATH = "/adapters/fetch"
 RELEASE_PATH = "/adapters/release"
+PRUNE_PATH = "/adapters/prune"
 ROLE = "nixl"
 
 
@@ -148,3 +154,7 @@ def register_adapter_transport_routes(app: FastAPI, supervisor: Supervisor) -> N
     @app.post(API_PREFIX + RELEASE_PATH)
     async def adapters_release(body: ReleaseRequest) -> ReleaseResponse:
         return await call("release", body, ReleaseResponse)
+
+    @app.post(API_PREFIX + PRUNE_PATH)
+    async def adapters_prune(body: PruneRequest) -> PruneResponse:
+        return await asyncio.to_thread(remove_copies, body)

@@ -6,6 +6,7 @@ agent and publishes partial agent metadata under a per-transfer label in the lau
 fetches that metadata, allocates and registers a buffer, does one UCX READ, writes the files to
 a new staging folder under its own artifact root, fsyncs them, checks each file's sha256 (read
 back from disk) against the sender's manifest and only then renames the folder into place.
+`remove_copies` deletes received copies once no replica loads them any more.
 
 UCX between hosts: the agents' environment decides the transport. Between Linux network
 namespaces on one machine (the CI stand-in for hosts) the defaults work (UCX picks tcp over the
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.runtime.nixl_protocol import (
+    COPY_MARKER,
     AdapterFile,
     AdapterOffer,
     FetchRequest,
@@ -37,6 +39,8 @@ from art_mega.runtime.nixl_protocol import (
     MetadataStore,
     OfferRequest,
     OfferResponse,
+    PruneRequest,
+    PruneResponse,
 )
 
 POLL_S = 0.002
@@ -126,6 +130,35 @@ def write_verified(buffer: memoryview, offer: AdapterOffer, final: Path, host: s
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def remove_copies(request: PruneRequest) -> PruneResponse:
+    """Delete the received adapter copies `request.paths` on this host, then each copy's parent
+    folder (the step's checkpoint folder) when that is left empty. Blocking file I/O.
+
+    A path that does not exist counts as removed (pruning is retried until it succeeds). A path
+    outside `request.root`, or one whose name lacks `COPY_MARKER` (not a received copy, e.g.
+    the exported adapter itself), is refused and left alone; the reply's `error` names every
+    refusal or failure (host, path, cause), and `removed` lists what no longer exists.
+    """
+    removed: list[str] = []
+    errors: list[str] = []
+    for path in request.paths:
+        try:
+            copy = inside(request.root, path, "adapter copy")
+            if COPY_MARKER not in copy.name or copy.name.endswith(STAGING_SUFFIX):
+                raise TransferError(f"{path} is not a received adapter copy (<adapter>{COPY_MARKER}<id>)")
+            if copy.exists():
+                shutil.rmtree(copy)
+            removed.append(path)
+            if copy.parent != Path(request.root).resolve():
+                try:
+                    copy.parent.rmdir()  # only when empty: the step's folder held just this copy
+                except OSError:
+                    pass
+        except (TransferError, OSError) as exc:
+            errors.append(f"host {request.host}: pruning {path}: {exc}")
+    return PruneResponse(removed=tuple(removed), error="; ".join(errors))
 
 
 @dataclass

@@ -9,6 +9,7 @@ N(N+1)/2, membership and order against the topology, and measures GB/s per host 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,13 +115,29 @@ def _raise_for_failures(
         elif result.get("missing_ranks"):
             missing.update(int(r) for r in result["missing_ranks"])
         elif not result.get("ok"):
-            detail = result.get("error") or reply.stderr_tail.strip().splitlines()[-1:] or ["no result"]
-            failures.append(f"host {host} (rank {rank}): {detail if isinstance(detail, str) else detail[0]}")
+            failures.append(f"host {host} (rank {rank}): {_why_failed(reply)}")
     if missing:
         names = ", ".join(f"host {host_ids[r]} (rank {r})" for r in sorted(missing))
+        # a rank that failed at once (killed, bad config) is reported missing by the others
+        why = f" ({'; '.join(f.splitlines()[0] for f in failures)})" if failures else ""
         raise PreflightError(
-            f"preflight collective: {names} did not arrive within {timeout_s:g} s; every probe was stopped"
+            f"preflight collective: {names} did not arrive within {timeout_s:g} s; every probe was stopped{why}"
         )
     if failures:
         # a rank stuck after rendezvous blames its whole group: name where each one was stuck
         raise PreflightError("preflight collective failed on " + "; ".join(failures))
+
+
+def _why_failed(reply: PreflightRunResponse) -> str:
+    """The probe's own error, else how its process ended and the last line it wrote to stderr."""
+    error = (reply.result or {}).get("error")
+    if error:
+        return str(error)
+    code = reply.exit_code
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else ""
+    except ValueError:
+        how = ""
+    how = how or f"exited with code {code}"
+    tail = reply.stderr_tail.strip().splitlines()[-1:]
+    return f"the probe {how} without a result" + (f"; its stderr ends: {tail[0]}" if tail else "")

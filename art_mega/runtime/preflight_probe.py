@@ -2,8 +2,9 @@
 
 Run by each participating host's agent, in the Python environment the trainer (or the vLLM
 replica) will use, as `python -m art_mega.runtime.preflight_probe CONFIG_JSON`. It prints one JSON
-line (`PREFLIGHT_RESULT {...}`) and exits 0 on success, 1 on failure. Arrival is recorded in the
-TCPStore before the process group forms, so a rank that never arrives is named, not waited for.
+line (`PREFLIGHT_RESULT {...}`) and exits 0 on success, 1 on failure (a config that is not JSON
+or has a wrong field included: the result names it). Arrival is recorded in the TCPStore before
+the process group forms, so a rank that never arrives is named, not waited for.
 
 `python -m art_mega.runtime.preflight_probe --stdin` is the warm form: it imports torch and
 torch.distributed first (2-4 s of the collective's wall time on a loaded CPU host), then reads
@@ -25,6 +26,9 @@ from typing import Any
 from art_mega.runtime.netif import gloo_interface_for, local_interface
 
 RESULT_PREFIX = "PREFLIGHT_RESULT "
+CONFIG_READ = "PREFLIGHT_CONFIG_READ"
+"""Printed (one line) once the probe holds a valid config: an agent whose warm probe ended
+without it knows the probe never started its rank, so a cold probe can take the rank over."""
 RECORD_BYTES = 512
 WARM_FLAG = "--stdin"
 WARM_IDLE_S = 600.0
@@ -194,15 +198,90 @@ def _bandwidth(rank: int, world: int, nbytes: int, device) -> dict[str, float]: 
     return results
 
 
+_REQUIRED: dict[str, tuple[type, ...]] = {
+    "rank": (int,),
+    "world_size": (int,),
+    "host_id": (str,),
+    "master_host": (str,),
+    "master_port": (int,),
+    "timeout_s": (int, float),
+}
+_OPTIONAL: dict[str, tuple[type, ...]] = {
+    "backend": (str,),
+    "bandwidth_bytes": (int,),
+    "nccl_net": (str, type(None)),
+    "log_dir": (str,),
+}
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """`config` when it is a JSON object with the fields `run` reads, of the right types.
+
+    Raises:
+        ValueError: naming the field, the value and what it must be (a probe given this prints
+            it as its result instead of dying with a traceback).
+    """
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"preflight config is {type(config).__name__} {config!r:.80}, expected a JSON object"
+        )
+    for fields, required in ((_REQUIRED, True), (_OPTIONAL, False)):
+        for name, types in fields.items():
+            if name not in config:
+                if required:
+                    raise ValueError(f"preflight config has no field {name!r}")
+                continue
+            value = config[name]
+            if isinstance(value, bool) or not isinstance(value, types):
+                wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+                raise ValueError(f"preflight config field {name!r} is {value!r:.80}, expected {wanted}")
+    if not 0 <= config["rank"] < config["world_size"]:
+        raise ValueError(
+            f"preflight config field 'rank' is {config['rank']}, expected 0 <= rank < world_size={config['world_size']}"
+        )
+    if not 0 < config["master_port"] < 65536 or not config["timeout_s"] > 0:
+        raise ValueError(
+            f"preflight config fields master_port={config['master_port']} and timeout_s={config['timeout_s']} "
+            "must be a TCP port and a positive number of seconds"
+        )
+    if config.get("backend", "gloo") not in ("gloo", "nccl"):
+        raise ValueError(
+            f"preflight config field 'backend' is {config['backend']!r}, expected 'gloo' or 'nccl'"
+        )
+    return config
+
+
 def _read_config_when_warm() -> dict[str, Any] | None:
-    """Import torch, then wait for one JSON line on stdin (None: EOF or `WARM_IDLE_S` passed)."""
+    """Import torch, then wait for one JSON line on stdin (None: EOF or `WARM_IDLE_S` passed).
+
+    Raises:
+        ValueError: the line is not JSON (`json.JSONDecodeError`) or not a valid config.
+    """
     import select
 
     import torch.distributed  # noqa: F401  (the point of the warm form)
 
     ready, _, _ = select.select([sys.stdin], [], [], WARM_IDLE_S)
     line = sys.stdin.readline() if ready else ""
-    return json.loads(line) if line.strip() else None
+    return _parse(line) if line.strip() else None
+
+
+def _read_config(args: list[str]) -> dict[str, Any] | None:
+    """The config from argv (cold) or stdin (warm; None: nothing came). Raises `ValueError`."""
+    if len(args) != 1:
+        raise ValueError(f"usage: preflight_probe CONFIG_JSON | {WARM_FLAG} (got arguments {args})")
+    if args[0] == WARM_FLAG:
+        warm = _read_config_when_warm()
+        return None if warm is None else {**warm, "warm": True}
+    return _parse(args[0])
+
+
+def _parse(text: str) -> dict[str, Any]:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"preflight config is not JSON ({exc}): {text.strip()!r:.80}") from None
+    return check_config(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,15 +289,17 @@ def main(argv: list[str] | None = None) -> int:
 
     The result carries `run_s`: seconds from (config in hand and torch imported) to the result,
     i.e. rendezvous, process group, collectives and bandwidth, without the interpreter's start.
+    A config that is not JSON or lacks a field gives a failed result naming it (exit 1).
     """
     args = sys.argv[1:] if argv is None else argv
-    if args[0] == WARM_FLAG:
-        warm = _read_config_when_warm()
-        if warm is None:
-            return 0
-        config = {**warm, "warm": True}
-    else:
-        config = json.loads(args[0])
+    try:
+        config = _read_config(args)
+    except ValueError as exc:
+        print(RESULT_PREFIX + json.dumps({"ok": False, "phase": "config", "error": f"{exc}"}), flush=True)
+        return 1
+    if config is None:
+        return 0
+    print(CONFIG_READ, flush=True)
     _watchdog(config)
     import torch.distributed  # noqa: F401  (imported before the clock starts)
 

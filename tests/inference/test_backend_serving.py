@@ -128,6 +128,8 @@ async def test_three_publications_change_outputs_and_match_megatron(setup: Setup
         result = await backend.train(model, await rollout_groups(model), learning_rate=5e-2)
         assert result.step == step and result.metrics["data/stale_trajectories"] == 0.0
         assert model.get_inference_name() == f"agent@{step}"
+        # shared artifact_root and dedicated replicas: no transfer, no sleep/wake
+        assert not {"time/adapter_transfer_s", "time/sleep_s", "time/wake_s"} & set(result.metrics)
         served.append(await greedy(model))
     gaps = []
     for before, after in zip(served, served[1:]):

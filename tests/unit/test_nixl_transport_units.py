@@ -10,14 +10,21 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from art_mega.backend import check_artifact_root_reach
 from art_mega.errors import UserError
-from art_mega.inference.adapter_transport import AdapterTransport, adapter_transport_for
-from art_mega.runtime.nixl_protocol import AdapterFile, AdapterOffer, MetadataStore
+from art_mega.inference.adapter_transport import (
+    AdapterTransport,
+    TransferReport,
+    adapter_transport_for,
+    transfer_metrics,
+)
+from art_mega.runtime.nixl_protocol import AdapterFile, AdapterOffer, MetadataStore, PruneRequest
 from art_mega.runtime.nixl_transfer import (
     AdapterTransfers,
     TransferError,
     inside,
     read_adapter,
+    remove_copies,
     write_verified,
 )
 from art_mega.runtime.nixl_worker import handle
@@ -136,11 +143,16 @@ def test_manifest_digests_and_labels_are_checked():
         MetadataStore(endpoint="http://x:1", namespace="no-leading-slash")
 
 
-def runtime_like(shared: bool, replica_hosts: tuple[str, ...], store: str | None = "http://127.0.0.1:2379"):
+def runtime_like(
+    shared: bool,
+    replica_hosts: tuple[str, ...],
+    store: str | None = "http://127.0.0.1:2379",
+    trainer_hosts: tuple[str, ...] = ("host0",),
+):
     cluster = loopback_cluster(3, shared_artifact_root=shared)
     topology = compile_topology(
         cluster,
-        trainer=TrainerSpec(host_ids=("host0",)),
+        trainer=TrainerSpec(host_ids=trainer_hosts),
         inference=InferenceSpec(replicas=len(replica_hosts), host_ids=replica_hosts),
     )
     clients = {h: object() for h in cluster.host_ids}
@@ -179,3 +191,77 @@ def test_the_nixl_process_answers_release_and_refuses_unknown_ops():
     assert handle(transfers, "release", {"transfer_id": "never-offered"}) == {"released": False}
     with pytest.raises(ValueError, match="unknown op 'nope'"):
         handle(transfers, "nope", {})
+
+
+@pytest.mark.parametrize(
+    ("trainer_hosts", "elsewhere"),
+    [
+        (("host1",), "host host1"),
+        (("host0", "host2"), "host host2"),
+        (("host1", "host2"), "hosts host1, host2"),
+    ],
+)
+def test_trainer_ranks_off_the_controllers_host_are_refused_with_a_host_local_root(trainer_hosts, elsewhere):
+    topology = runtime_like(False, ("host1",), trainer_hosts=trainer_hosts).topology
+    with pytest.raises(UserError) as caught:
+        check_artifact_root_reach(topology)
+    assert str(caught.value) == (
+        f"ClusterSpec.shared_artifact_root=False, but trainer ranks run on {elsewhere} while the "
+        "controller runs on host host0, so they cannot read the batches it writes under the host-local "
+        "artifact_root /tmp/art-mega-test/artifacts (nor it their checkpoints); put every trainer rank "
+        "on host host0 (TrainerSpec.host_ids=('host0',)) or set ClusterSpec.shared_artifact_root=True"
+    )
+    check_artifact_root_reach(runtime_like(True, ("host1",), trainer_hosts=trainer_hosts).topology)
+    check_artifact_root_reach(runtime_like(False, ("host1", "host2")).topology)
+
+
+def test_prune_deletes_received_copies_and_their_emptied_step_folders_only(tmp_path):
+    checkpoints = tmp_path / "proj" / "models" / "m" / "checkpoints"
+    for name in ("0001/adapter.nixl-a", "0002/adapter", "0002/adapter.nixl-b", "0003/adapter.nixl-c"):
+        make_tree(checkpoints / name)
+    paths = [
+        str(checkpoints / "0001" / "adapter.nixl-a"),
+        str(checkpoints / "0002" / "adapter.nixl-b"),
+        str(checkpoints / "0009" / "adapter.nixl-gone"),  # pruned before: counts as removed
+        str(checkpoints / "0002" / "adapter"),  # the exported adapter itself: refused
+        "/etc/x.nixl-1",  # outside the root: refused
+    ]
+    reply = remove_copies(PruneRequest(host="host1", root=str(tmp_path), paths=tuple(paths)))
+    assert reply.removed == tuple(paths[:3])
+    assert reply.error == (
+        f"host host1: pruning {paths[3]}: {paths[3]} is not a received adapter copy (<adapter>.nixl-<id>); "
+        "host host1: pruning /etc/x.nixl-1: adapter copy '/etc/x.nixl-1' is not inside the artifact root "
+        f"{tmp_path}"
+    )
+    remaining = sorted(p.relative_to(checkpoints).as_posix() for p in checkpoints.glob("*/*"))
+    assert remaining == ["0002/adapter", "0003/adapter.nixl-c"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["0002", "0003"]
+
+
+def test_the_transfer_time_is_a_metric_only_of_a_step_that_was_transferred():
+    assert transfer_metrics(adapter_transport_for(runtime_like(False, ("host0",))), 1) == {}
+    assert transfer_metrics(adapter_transport_for(runtime_like(True, ("host1",))), 1) == {}
+    transport = adapter_transport_for(runtime_like(False, ("host1",)))
+    assert transfer_metrics(transport, 1) == {}  # nothing transferred yet
+    transport.last = TransferReport(step=3, transfer_id="step0003-x", total_s=0.25)
+    assert transfer_metrics(transport, 3) == {"time/adapter_transfer_s": 0.25}
+    assert transfer_metrics(transport, 4) == {}  # step 4 did not reach any host
+
+
+async def test_the_publisher_prunes_all_but_the_kept_steps_after_each_publication():
+    """Nothing listens at port 9 and the only replica is down, so publications make no call; the
+    prune hook still learns, after each, which steps a replica may load."""
+    from art_mega.inference.adapters import AdapterPublisher
+    from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
+
+    router = PolicyRouter("tiny", [ReplicaEndpoint("vllm-0", "http://127.0.0.1:9")])
+    router.mark_down("vllm-0", "exited with code -9")
+    kept: list[set[int]] = []
+
+    async def prune(keep: set[int]) -> None:
+        kept.append(set(keep))
+
+    async with AdapterPublisher(router, keep=2, prune=prune) as publisher:
+        for step in (1, 2, 3, 4):
+            await publisher.publish(step, f"/ckpt/{step:04d}/adapter")
+    assert kept == [{1}, {1, 2}, {2, 3}, {3, 4}]

@@ -57,3 +57,9 @@ def test_backend_refuses_stale_trajectories_naming_the_steps() -> None:
     backend._step = 0
     with pytest.raises(UserError, match="sampled by the base model, but"):
         backend._check_policy_steps([groups[1]], allow_stale=False)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.2])
+def test_gpu_memory_utilization_outside_zero_one_is_refused(fraction: float) -> None:
+    with pytest.raises(UserError, match=rf"gpu_memory_utilization={fraction}\) .* use a value in \(0, 1\]"):
+        MegatronBackend(gpu_memory_utilization=fraction)

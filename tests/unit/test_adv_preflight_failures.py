@@ -1,0 +1,70 @@
+"""How the controller names a preflight rank whose probe ended without a result.
+
+A warm probe can die before its config arrives (OOM killer, an operator's kill): the agent then
+returns its exit status and no result, and the other ranks, waiting at the rendezvous, report
+that rank missing once `timeout_s` has passed. The error must say why it never arrived.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from art_mega.runtime.admission import PreflightError
+from art_mega.runtime.preflight import _raise_for_failures
+from art_mega.runtime.preflight_probe import WARM_FLAG
+from art_mega.runtime.protocol import PreflightRunResponse
+
+
+@pytest.fixture(scope="module")
+def killed_probe() -> PreflightRunResponse:
+    """What the agent returns for a warm probe SIGKILLed before its config came."""
+    probe = subprocess.Popen(
+        [sys.executable, "-m", "art_mega.runtime.preflight_probe", WARM_FLAG],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    probe.send_signal(signal.SIGKILL)
+    out, err = probe.communicate(timeout=60)
+    assert out == b""
+    return PreflightRunResponse(exit_code=probe.returncode, result=None, stderr_tail=err.decode()[-1500:])
+
+
+def test_a_killed_probe_is_named_with_its_signal(killed_probe):
+    with pytest.raises(PreflightError) as raised:
+        _raise_for_failures({"h0": killed_probe}, ["h0"], 8.0)
+    assert str(raised.value) == (
+        "preflight collective failed on host h0 (rank 0): the probe was killed by SIGKILL without a result"
+    )
+
+
+def test_the_rank_the_others_missed_says_why_it_never_arrived(killed_probe):
+    waited = PreflightRunResponse(
+        exit_code=0,
+        result={"ok": False, "rank": 0, "host": "h0", "missing_ranks": [1], "error": "rendezvous timed out"},
+    )
+    with pytest.raises(PreflightError) as raised:
+        _raise_for_failures({"h0": waited, "h1": killed_probe}, ["h0", "h1"], 8.0)
+    assert str(raised.value) == (
+        "preflight collective: host h1 (rank 1) did not arrive within 8 s; every probe was stopped "
+        "(host h1 (rank 1): the probe was killed by SIGKILL without a result)"
+    )
+
+
+def test_a_probe_that_exited_quietly_and_one_that_wrote_a_traceback():
+    quiet = PreflightRunResponse(exit_code=0, result=None)  # a warm probe that saw EOF first
+    crashed = PreflightRunResponse(
+        exit_code=1,
+        result=None,
+        stderr_tail="Traceback (most recent call last):\n  ...\nImportError: no torch\n",
+    )
+    with pytest.raises(PreflightError) as raised:
+        _raise_for_failures({"a": quiet, "b": crashed}, ["a", "b"], 8.0)
+    assert str(raised.value) == (
+        "preflight collective failed on host a (rank 0): the probe exited with code 0 without a result; "
+        "host b (rank 1): the probe exited with code 1 without a result; its stderr ends: ImportError: no torch"
+    )
