@@ -5,6 +5,7 @@ Every error names the replica and carries the server's answer (status code and b
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -106,8 +107,11 @@ class ReplicaClient:
         await self._call(f"sleeping (level {level})", "POST", f"/sleep?level={level}&mode=wait")
 
     async def wake_up(self) -> None:
-        """`POST /wake_up`: reload what `sleep` freed. Raises `ReplicaHTTPError`."""
-        await self._call("waking up", "POST", "/wake_up")
+        """`POST /wake_up`: reload what `sleep` freed. Raises `ReplicaHTTPError`, also when the
+        server answers 200 but says it is not fully awake (`{"status": "sleeping"}`)."""
+        reply = await self._call("waking up", "POST", "/wake_up")
+        if isinstance(reply, dict) and reply.get("status", "awake") != "awake":
+            raise ReplicaHTTPError(self.name, self.url, "waking up", 200, json.dumps(reply))
 
     async def complete(self, model: str, prompt: str, max_tokens: int = 1, **fields: Any) -> dict[str, Any]:
         """`POST /v1/completions` with greedy decoding unless `fields` say otherwise; the JSON reply."""

@@ -162,7 +162,7 @@ class AgentState:
         if self.etcd is not None:
             return EtcdStartResponse(ok=False, error="a managed etcd already runs on this agent")
         try:
-            self.etcd = await start_managed_etcd(request)
+            self.etcd = await start_managed_etcd(request, self.launch_id)
         except (TimeoutError, OSError, ValueError, RuntimeError) as exc:
             return EtcdStartResponse(ok=False, error=str(exc))
         etcd = self.etcd
@@ -206,41 +206,55 @@ class AgentState:
         """Run one preflight rank as a supervised child; kill it after `timeout_s` + 10 s.
 
         Uses the warm probe `prepare_preflight` started for this Python when it is still alive
-        (the config goes to its stdin), else starts a cold one with the config in argv.
+        (the config goes to its stdin), else starts a cold one with the config in argv. A warm
+        probe that ended before it read the config (killed, idle exit) is replaced by a cold one.
         """
-        from art_mega.runtime.preflight_probe import RESULT_PREFIX
-        from art_mega.runtime.supervisor import stop_process
-
         python = request.python or sys.executable
         config = json.dumps(request.config)
-        child = self._warm_probes.pop(python, None)
-        stdin_line: bytes | None = None
-        if child is not None and child.process.returncode is None:
-            stdin_line = config.encode() + b"\n"
-        else:
-            child = await self._spawn_probe(
-                [python, "-m", "art_mega.runtime.preflight_probe", config], warm=False
-            )
+        warm = self._warm_probes.pop(python, None)
+        if warm is not None and warm.process.returncode is None:
+            reply, took_config = await self._finish_probe(warm, config.encode() + b"\n", request.timeout_s)
+            if took_config or reply.timed_out:
+                return reply
+        cold = await self._spawn_probe([python, "-m", "art_mega.runtime.preflight_probe", config], warm=False)
+        reply, _ = await self._finish_probe(cold, None, request.timeout_s)
+        return reply
+
+    async def _finish_probe(
+        self, child: Child, stdin_line: bytes | None, timeout_s: float
+    ) -> tuple[PreflightRunResponse, bool]:
+        """Feed `stdin_line`, wait for the probe (killed after `timeout_s` + 10 s); its reply and
+        whether it read its config (`preflight_probe.CONFIG_READ`)."""
+        from art_mega.runtime.preflight_probe import CONFIG_READ, RESULT_PREFIX
+        from art_mega.runtime.supervisor import stop_process
+
         process = child.process
         timed_out = False
         try:
-            out, err = await asyncio.wait_for(process.communicate(stdin_line), request.timeout_s + 10)
+            out, err = await asyncio.wait_for(process.communicate(stdin_line), timeout_s + 10)
         except TimeoutError:
             timed_out = True
             await stop_process(process, 2.0)
             out, err = b"", b""
         finally:
             await self.supervisor.stop([child.child_id], 2.0)
+        lines = out.decode(errors="replace").splitlines()
         result = None
-        for line in out.decode(errors="replace").splitlines():
+        for line in lines:
             if line.startswith(RESULT_PREFIX):
                 result = json.loads(line[len(RESULT_PREFIX) :])
-        return PreflightRunResponse(
+        reply = PreflightRunResponse(
             exit_code=process.returncode,
             timed_out=timed_out,
             result=result,
             stderr_tail=err.decode(errors="replace")[-1500:],
         )
+        return reply, CONFIG_READ in lines
+
+    async def discard_preflight(self) -> None:
+        """Stop the warm probes still waiting for a config (the proof ended before its collective)."""
+        probes, self._warm_probes = list(self._warm_probes.values()), {}
+        await self.supervisor.stop([c.child_id for c in probes], 2.0)
 
     async def stop_etcd(self) -> None:
         if self.etcd is not None:
@@ -458,6 +472,11 @@ def create_app(state: AgentState) -> FastAPI:
     @app.post(f"{API_PREFIX}/preflight/prepare")
     async def preflight_prepare(body: PreflightPrepareRequest) -> PreflightPrepareResponse:
         return await state.prepare_preflight(body)
+
+    @app.post(f"{API_PREFIX}/preflight/discard")
+    async def preflight_discard() -> ShutdownResponse:
+        await state.discard_preflight()
+        return ShutdownResponse()
 
     @app.post(f"{API_PREFIX}/preflight/run")
     async def preflight_run(body: PreflightRunRequest) -> PreflightRunResponse:

@@ -245,6 +245,10 @@ class AgentClient:
         request = PreflightPrepareRequest(python=python)
         return (await self._request("POST", "/preflight/prepare", request, PreflightPrepareResponse)).started
 
+    async def preflight_discard(self) -> None:
+        """Stop this host's warm preflight probes that still wait for a config (none: no-op)."""
+        await self._request("POST", "/preflight/discard", None, ShutdownResponse)
+
     async def preflight_run(self, request: PreflightRunRequest) -> PreflightRunResponse:
         """Run one preflight rank here; returns when it exits or after `timeout_s` (+ margin)."""
         return await self._request(

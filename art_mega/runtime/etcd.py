@@ -77,8 +77,11 @@ async def _version(binary: str) -> str:
     return ".".join(match.groups())
 
 
-async def start_managed_etcd(request: EtcdStartRequest) -> ManagedEtcd:
+async def start_managed_etcd(request: EtcdStartRequest, launch_id: str = "") -> ManagedEtcd:
     """Start etcd per `request` and wait until /health says true.
+
+    Its data dir is a new `art-mega-etcd-<launch_id>-*` folder in the temp dir (deleted on stop),
+    so what one launch leaves behind can be told from another's.
 
     Raises:
         FileNotFoundError, ValueError: no binary, a version below 3.4, or a sha256 mismatch.
@@ -96,7 +99,7 @@ async def start_managed_etcd(request: EtcdStartRequest) -> ManagedEtcd:
     client_port, peer_port = free_port(host), free_port(host)
     client = EndpointSpec(host=host, port=client_port)
     peer = EndpointSpec(host=host, port=peer_port)
-    data_dir = tempfile.mkdtemp(prefix="art-mega-etcd-")
+    data_dir = tempfile.mkdtemp(prefix=f"art-mega-etcd-{launch_id}-" if launch_id else "art-mega-etcd-")
     log_path = Path(data_dir) / "etcd.log"
     argv = [
         binary,

@@ -211,7 +211,30 @@ class ArtRuntime:
     async def prove(
         self, metadata_store: bool | None = None, collective: bool | None = None
     ) -> PreflightReport:
-        """Admission, artifact_root probe, metadata store, collective; results in `self.preflight`."""
+        """Admission, artifact_root probe, metadata store, collective; results in `self.preflight`.
+
+        A proof that fails stops the warm preflight probes it started (each holds torch in memory
+        and would otherwise wait `preflight_probe.WARM_IDLE_S` seconds on its agent).
+        """
+        hosts_in_collective = self.collective_hosts(collective)
+        warm_hosts = hosts_in_collective if len(hosts_in_collective) > 1 else ()
+        # Warm probes import torch while admission, the FS probe and etcd run (a failed prepare
+        # only means that host's probe starts cold).
+        warming = asyncio.gather(
+            *(self._clients[h].preflight_prepare() for h in warm_hosts), return_exceptions=True
+        )
+        try:
+            return await self._prove(metadata_store, hosts_in_collective, warming)
+        except BaseException:
+            await warming  # no probe may start after the discard
+            await asyncio.gather(
+                *(self._clients[h].preflight_discard() for h in warm_hosts), return_exceptions=True
+            )
+            raise
+
+    async def _prove(
+        self, metadata_store: bool | None, hosts_in_collective: tuple[str, ...], warming: asyncio.Future
+    ) -> PreflightReport:
         from art_mega.runtime.admission import admit
         from art_mega.runtime.etcd import check_from_every_host, start_metadata_store
         from art_mega.runtime.fs_probe import probe_artifact_root
@@ -221,17 +244,6 @@ class ArtRuntime:
         cluster = self.topology.cluster
         phases: dict[str, float] = {}
         started = loop.time()
-        hosts_in_collective = self.collective_hosts(collective)
-        # Warm probes import torch while admission, the FS probe and etcd run (a failed prepare
-        # only means that host's probe starts cold).
-        warming = asyncio.gather(
-            *(
-                self._clients[h].preflight_prepare()
-                for h in hosts_in_collective
-                if len(hosts_in_collective) > 1
-            ),
-            return_exceptions=True,
-        )
         hosts = list(self._clients)
         facts = await asyncio.gather(*(self._clients[h].facts() for h in hosts))
         self.host_facts = dict(zip(hosts, facts))

@@ -34,6 +34,7 @@ class StandIn:
     def __init__(self, name: str, calls: list[tuple], fail_sleep: bool = False) -> None:
         self.name, self.calls, self.fail_sleep = name, calls, fail_sleep
         self.fail_wake = False
+        self.half_awake = False
         self.hang_sleep_s = 0.0
         self.port = free_port()
 
@@ -48,6 +49,8 @@ class StandIn:
         self.calls.append((self.name, "wake_up", dict(request.query_params)))
         if self.fail_wake:
             return JSONResponse({"error": "CUDA out of memory while reloading weights"}, status_code=500)
+        if self.half_awake:  # what vLLM answers when some tags are still asleep
+            return JSONResponse({"status": "sleeping", "tags": ["kv_cache"]})
         return JSONResponse({"status": "awake", "tags": None})
 
     @property
@@ -167,3 +170,14 @@ async def test_a_real_server_without_sleep_mode_is_named(served) -> None:
         await SharedGpuReplicas([endpoint]).sleep()
     async with ReplicaClient(endpoint.name, endpoint.url) as client:
         assert await client.healthy()  # the refused call left the replica serving
+
+
+async def test_a_wake_that_leaves_a_replica_asleep_is_an_error(stand_ins) -> None:
+    _, servers = stand_ins
+    servers[0].half_awake = True
+    shared = SharedGpuReplicas([s.endpoint for s in servers])
+    await shared.sleep()
+    with pytest.raises(
+        ReplicaSleepError, match=r"replica vllm-0 .*waking up failed with HTTP 200: .*sleeping"
+    ):
+        await shared.wake()

@@ -16,9 +16,11 @@ pytestmark = pytest.mark.skipif(
 
 
 async def test_start_put_get_stop():
-    etcd = await start_managed_etcd(EtcdStartRequest(advertise_host="127.0.0.1"))
+    etcd = await start_managed_etcd(EtcdStartRequest(advertise_host="127.0.0.1"), launch_id="pf")
     try:
         assert etcd.version.startswith("3.")
+        # the preflight tests find what a launch left behind by this name
+        assert os.path.basename(etcd.data_dir).startswith("art-mega-etcd-pf-")
         reply = check_endpoint(EtcdCheckRequest(endpoint=etcd.endpoint.url, key="/k", value="v1"))
         assert reply.ok, reply.error
         bad = check_endpoint(

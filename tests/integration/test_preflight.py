@@ -118,11 +118,13 @@ def only_agent_traffic(host, peer):
 
 
 def _etcd_dirs() -> set[str]:
-    return {p.name for p in Path("/tmp").glob("art-mega-etcd-*")}
+    """This file's launches' etcd data dirs (launch id "pf"; other launches on the machine differ)."""
+    return {p.name for p in Path("/tmp").glob("art-mega-etcd-pf-*")}
 
 
 def _etcd_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-x", "etcd"], capture_output=True, text=True).stdout
+    """etcd processes whose data dir belongs to this file's launches."""
+    out = subprocess.run(["pgrep", "-f", "art-mega-etcd-pf-"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 
@@ -162,13 +164,7 @@ def test_a_preflight_rank_that_never_arrives_is_named_and_bounded(netns3, tmp_pa
         elapsed = time.monotonic() - started
         _fails(result, "host host2 (rank 2) did not arrive within 8 s")
         assert elapsed < 40
-        probes = [
-            p
-            for h in netns3.hosts
-            for p in h.pids()
-            if b"preflight_probe" in open(f"/proc/{p}/cmdline", "rb").read()
-        ]
-        assert probes == []
+        assert _probes(netns3) == []
 
 
 def test_different_art_mega_files_on_one_host(netns3, tmp_path):
@@ -230,3 +226,29 @@ def test_etcd_unreachable_from_one_host_fails_and_cleans_up(netns3):
     assert _etcd_dirs() == before_dirs
     assert wait_gone([p for p in _etcd_pids() if p not in before_pids], 5) == []
     assert os.path.exists("/tmp")
+
+
+def test_a_proof_refused_in_admission_stops_its_warm_probes(netns3, tmp_path):
+    pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
+    with agents(netns3):
+        _fails(
+            controller(
+                netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_GPU_HOST1="0", PREFLIGHT_ROOT=str(tmp_path / "a")
+            ),
+            "host host1",
+            "GPU 0",
+        )
+        # the agents live on (an attached launch); the warm probes the proof started do not
+        assert _probes(netns3) == []
+
+
+def _probes(cluster) -> list[int]:
+    found = []
+    for host in cluster.hosts:
+        for pid in host.pids():
+            try:
+                if b"preflight_probe" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(pid)
+            except OSError:  # exited meanwhile
+                pass
+    return found
