@@ -72,30 +72,43 @@ def local_topology(artifact_root: str, vllm_python: str, startup_timeout_s: floa
 
 
 def check_artifact_root_reach(topology: Any) -> None:
-    """Refuse a topology whose trainer ranks cannot share the controller's artifact_root.
+    """Refuse a topology whose trainer rank 0 cannot share the controller's artifact_root.
 
     The controller writes each step's batch and the commit pointer under its own artifact_root
-    and reads the checkpoints' manifests there; the ranks read the batch and write checkpoints
-    under theirs. With `ClusterSpec.shared_artifact_root=False` that only holds when every
-    trainer rank runs on the controller's host (adapters reach replica hosts over NIXL).
+    and reads the manifest of rank 0's checkpoints there. With `ClusterSpec.shared_artifact_root=False`
+    that needs trainer rank 0 on the controller's host; ranks on other hosts get their batches
+    through their agents (`remote_trainer_hosts`), commit their own hosts' checkpoint folders
+    (`trainer.jobs.write_checkpoint`), and adapters reach replica hosts over NIXL.
 
     Raises:
-        UserError: artifact_root is host-local and some trainer rank runs on another host.
+        UserError: artifact_root is host-local and trainer rank 0 runs on another host.
     """
     cluster = topology.cluster
     if cluster.shared_artifact_root:
         return
     controller = cluster.controller_host_id
-    elsewhere = sorted({r.host_id for r in topology.trainer_ranks if r.host_id != controller})
-    if elsewhere:
+    rank0 = next(r for r in topology.trainer_ranks if r.rank == 0).host_id
+    if rank0 != controller:
         raise UserError(
-            f"ClusterSpec.shared_artifact_root=False, but trainer ranks run on host"
-            f"{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} while the controller runs "
-            f"on host {controller}, so they cannot "
-            f"read the batches it writes under the host-local artifact_root {cluster.artifact_root} "
-            f"(nor it their checkpoints); put every trainer rank on host {controller} "
-            f"(TrainerSpec.host_ids=({controller!r},)) or set ClusterSpec.shared_artifact_root=True"
+            f"ClusterSpec.shared_artifact_root=False, but trainer rank 0 runs on host {rank0} while "
+            f"the controller runs on host {controller}, so the controller cannot read its checkpoints "
+            f"under the host-local artifact_root {cluster.artifact_root}; include host {controller} in "
+            "TrainerSpec.host_ids with the lowest node_rank among them (ranks follow node-rank order), "
+            f"name host {rank0} as ClusterSpec.controller_host_id, or set ClusterSpec.shared_artifact_root=True"
         )
+
+
+def remote_trainer_hosts(topology: Any) -> dict[str, list[int]]:
+    """With a host-local artifact_root: each trainer host other than the controller's -> the DP
+    ranks whose batch files its ranks read (sorted); empty with a shared root."""
+    cluster = topology.cluster
+    if cluster.shared_artifact_root:
+        return {}
+    needs: dict[str, set[int]] = {}
+    for r in topology.trainer_ranks:
+        if r.host_id != cluster.controller_host_id:
+            needs.setdefault(r.host_id, set()).add(r.dp_rank)
+    return {host: sorted(ranks) for host, ranks in needs.items()}
 
 
 async def check_controller_sees_artifact_root(runtime: Any) -> None:
@@ -264,6 +277,8 @@ class MegatronBackend:
         self._run_dir = run_dir
         committed = read_commit(run_dir / "checkpoints")
         config: dict[str, Any] = {"model_dir": str(resolved.model_dir), "lora": self.lora}
+        if not cluster.shared_artifact_root:
+            config["host_local_root"] = True  # each trainer host commits its own checkpoint folder
         if committed is not None:
             config["resume_dir"] = str(run_dir / "checkpoints" / f"{committed:04d}")
         elif resolved.warm_start is not None:
@@ -452,6 +467,7 @@ class MegatronBackend:
         batch_dir.mkdir(parents=True, exist_ok=True)
         for rank, batch in enumerate(batches):
             batch.save(batch_dir / f"dp{rank}.safetensors")
+        await self._send_batches(batch_dir)
         prepared = time.perf_counter()
         job = {
             "kind": kind,
@@ -475,6 +491,7 @@ class MegatronBackend:
         report = await self._publisher.publish(step, str(self._checkpoint(step) / "adapter"))
         published = time.perf_counter()
         shutil.rmtree(batch_dir, ignore_errors=True)
+        await self._remove_on_trainer_hosts(batch_dir, best_effort=True)  # as the rmtree above
         metrics.update({k: float(v) for k, v in result.rank0.get("metrics", {}).items()})
         metrics.update(
             {
@@ -509,7 +526,49 @@ class MegatronBackend:
         deleted = [s for s in steps if s not in keep and s not in served]
         for s in deleted:
             shutil.rmtree(checkpoints / f"{s:04d}", ignore_errors=True)
+            await self._remove_on_trainer_hosts(checkpoints / f"{s:04d}")
         return deleted
+
+    async def _send_batches(self, batch_dir: Path) -> None:
+        """With a host-local artifact_root, write `batch_dir/dp<r>.safetensors` on every other
+        trainer host whose ranks read DP rank r's batch, through its agent (same path under its
+        root); nothing with a shared root.
+
+        Raises:
+            ArtifactFileError, AgentError: an agent could not write it (named).
+        """
+        from art_mega.runtime.artifact_files import send_file
+
+        root = self._runtime.topology.cluster.artifact_root
+        sends = [
+            send_file(
+                self._runtime.clients[host],
+                root,
+                str((batch_dir / f"dp{dp}.safetensors").relative_to(root)),
+                (batch_dir / f"dp{dp}.safetensors").read_bytes(),
+            )
+            for host, dp_ranks in remote_trainer_hosts(self._runtime.topology).items()
+            for dp in dp_ranks
+        ]
+        await asyncio.gather(*sends)
+
+    async def _remove_on_trainer_hosts(self, folder: Path, best_effort: bool = False) -> None:
+        """With a host-local artifact_root, remove `folder` (under the root) on every other trainer
+        host through its agent; nothing with a shared root.
+
+        Raises:
+            ArtifactFileError, AgentError: an agent could not remove it (named); never with
+                `best_effort`.
+        """
+        from art_mega.runtime.artifact_files import remove_remote
+
+        root = self._runtime.topology.cluster.artifact_root
+        relative = str(folder.relative_to(root))
+        hosts = remote_trainer_hosts(self._runtime.topology)
+        await asyncio.gather(
+            *(remove_remote(self._runtime.clients[h], root, relative) for h in hosts),
+            return_exceptions=best_effort,
+        )
 
     async def close(self) -> None:
         """Stop the replicas and trainer ranks; close the runtime when this backend owns it."""

@@ -490,6 +490,10 @@ def create_app(state: AgentState) -> FastAPI:
 
     register_adapter_transport_routes(app, state.supervisor)
 
+    from art_mega.runtime.artifact_files import register_artifact_file_routes
+
+    register_artifact_file_routes(app)
+
     @app.post(f"{API_PREFIX}/trainer/start")
     async def trainer_start(body: TrainerStartRequest) -> TrainerStartResponse:
         try:

@@ -6,6 +6,13 @@ sha256, base model, parallel layout). Everything is written into a hidden stagin
 it, fsynced, and renamed into place by rank 0 after every rank finished: a crash never leaves a
 half checkpoint under the final name. The controller moves the commit pointer afterwards.
 
+With a host-local artifact_root (`ClusterSpec.shared_artifact_root=False`) each trainer host has
+its own staging folder: the lowest rank of every host makes it, writes the manifest (broadcast
+from rank 0) into it and renames it on that host, so each rank's state file and a manifest are
+committed where that rank resumes from; the adapter stays on rank 0's host. Hosts whose roots are
+in fact one disk (loopback clusters) see each other's marker file in the staging folder, and only
+the lowest of them renames it.
+
 Versions are contiguous: a rank refuses an `rl`, `sft` or `export` job whose step is not the one
 after the last checkpoint it resumed from or wrote (`check_job_step`), before any collective.
 A job that fails after that check (in the step or the save) leaves the rank's weights and
@@ -29,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 STAGING_PREFIX = ".staging-"
+LEADER_MARK = ".leader-rank"
 SAVE_PAUSE_ENV = "ART_MEGA_TEST_SAVE_PAUSE"
 SAVE_PAUSE_POLL_S = 0.05
 
@@ -111,21 +119,32 @@ def _pause_for_tests() -> None:
 
 
 def write_checkpoint(
-    engine: Any, state: Any, step: int, checkpoint_dir: str, timings: dict[str, float] | None = None
+    engine: Any,
+    state: Any,
+    step: int,
+    checkpoint_dir: str,
+    timings: dict[str, float] | None = None,
+    host_of: list[str] | None = None,
 ) -> dict[str, Any] | None:
-    """Collective: export the adapter and every rank's state, then commit the folder (rank 0).
+    """Collective: export the adapter and every rank's state, then commit the folder.
 
-    Returns the adapter_ready event on rank 0 (path, step, sha256), None on other ranks. With
-    `timings`, adds this rank's `time/adapter_export_s` and `time/state_save_s` (seconds).
+    `host_of` (the host id of each global rank) says the artifact_root is host-local: the lowest
+    rank of each host then commits its host's folder (see the module docstring); None (a shared
+    root): rank 0 commits the one folder. Returns the adapter_ready event on rank 0 (path, step,
+    sha256), None on other ranks. With `timings`, adds this rank's `time/adapter_export_s` and
+    `time/state_save_s` (seconds).
     """
     import torch.distributed as dist
 
     final = Path(checkpoint_dir)
     staging = final.parent / f"{STAGING_PREFIX}{final.name}"
-    if state.rank == 0:
+    leader = state.rank == 0 if host_of is None else state.rank == host_of.index(host_of[state.rank])
+    if leader:
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        staging.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    if leader and host_of is not None:
+        (staging / f"{LEADER_MARK}{state.rank}").touch()
     exported = time.perf_counter()
     files = engine.export_adapter(staging / "adapter")
     saved = time.perf_counter()
@@ -135,16 +154,28 @@ def write_checkpoint(
         timings["time/state_save_s"] = time.perf_counter() - saved
     _pause_for_tests()
     dist.barrier()
-    if state.rank != 0:
+    manifest = None
+    if state.rank == 0:
+        manifest = {
+            "step": step,
+            "adapter_sha256": files.sha256,
+            "base_model": engine.model_dir,
+            "layout": {"world_size": state.world_size, "tp": state.tp, "dp": state.dp},
+            "written_at": time.time(),
+        }
+    if host_of is not None:
+        shared = [manifest]
+        dist.broadcast_object_list(shared, src=0)
+        manifest = shared[0]
+        marks = sorted(staging.glob(f"{LEADER_MARK}*")) if leader else []
+        dist.barrier()  # every leader has seen the marks before one of them deletes them
+        # a leader that sees a lower rank's mark shares this folder with it: that one commits it
+        leader = leader and min(int(p.name[len(LEADER_MARK) :]) for p in marks) == state.rank
+        for mark in marks if leader else []:
+            mark.unlink()
+    if not leader:
         dist.barrier()
         return None
-    manifest = {
-        "step": step,
-        "adapter_sha256": files.sha256,
-        "base_model": engine.model_dir,
-        "layout": {"world_size": state.world_size, "tp": state.tp, "dp": state.dp},
-        "written_at": time.time(),
-    }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
     _fsync_tree(staging)
     if final.exists():
@@ -156,7 +187,18 @@ def write_checkpoint(
         shutil.rmtree(trash)
     staging.rename(final)
     dist.barrier()
+    if state.rank != 0:
+        return None
     return {"event": "adapter_ready", "path": str(final / "adapter"), "step": step, "sha256": files.sha256}
+
+
+def checkpoint_hosts(config: dict[str, Any]) -> list[str] | None:
+    """The host id of each global rank when the launch config says the artifact_root is host-local
+    (`host_local_root`), else None: `write_checkpoint`'s `host_of`."""
+    if not config.get("host_local_root"):
+        return None
+    table = sorted(config["rank_table"], key=lambda r: int(r["rank"]))
+    return [str(r["host_id"]) for r in table]
 
 
 def run_train_job(
@@ -198,6 +240,6 @@ def run_train_job(
         metrics["time/megatron_s"] = time.perf_counter() - loaded
     metrics["time/rank_compute_s"] = time.perf_counter() - started
     saved = time.perf_counter()
-    event = write_checkpoint(engine, state, step, job["checkpoint_dir"], metrics)
+    event = write_checkpoint(engine, state, step, job["checkpoint_dir"], metrics, checkpoint_hosts(config))
     metrics["time/checkpoint_s"] = metrics["time/rank_checkpoint_s"] = time.perf_counter() - saved
     return {"metrics": metrics, "events": [event] if event else []}

