@@ -7,8 +7,8 @@ import signal
 import sys
 
 from art_mega.runtime.agent import AgentState
-from art_mega.runtime.ports import free_port
 from art_mega.runtime.protocol import PreflightPrepareRequest, PreflightRunRequest
+from tests.unit.test_preflight_probe import solo_config
 
 
 async def test_a_warm_probe_killed_before_its_config_is_replaced_by_a_cold_one():
@@ -16,17 +16,7 @@ async def test_a_warm_probe_killed_before_its_config_is_replaced_by_a_cold_one()
     assert await state.prepare_preflight(PreflightPrepareRequest()) is not None
     (probe,) = [c for c in state.supervisor.statuses() if c.role == "preflight"]
     os.kill(probe.pid, signal.SIGKILL)  # no await before run_preflight: the agent has not noticed
-    config = {
-        "rank": 0,
-        "world_size": 1,
-        "host_id": "solo",
-        "master_host": "127.0.0.1",
-        "master_port": free_port(),
-        "backend": "gloo",
-        "timeout_s": 30.0,
-        "bandwidth_bytes": 0,
-        "log_dir": "/tmp",
-    }
+    config = solo_config()
     reply = await state.run_preflight(PreflightRunRequest(config=config, python=sys.executable, timeout_s=30))
     assert reply.result is not None and reply.result["ok"] is True, reply
     assert [(m["host"], m["warm"]) for m in reply.result["members"]] == [("solo", False)]

@@ -24,8 +24,9 @@ def _warm_probe() -> subprocess.Popen:
     )
 
 
-def test_warm_probe_runs_the_config_it_reads_from_stdin():
-    config = {
+def solo_config() -> dict:
+    """A one-rank gloo collective on 127.0.0.1 as host "solo" (no bandwidth probe)."""
+    return {
         "rank": 0,
         "world_size": 1,
         "host_id": "solo",
@@ -36,6 +37,10 @@ def test_warm_probe_runs_the_config_it_reads_from_stdin():
         "bandwidth_bytes": 0,
         "log_dir": "/tmp",
     }
+
+
+def test_warm_probe_runs_the_config_it_reads_from_stdin():
+    config = solo_config()
     out, err = _warm_probe().communicate(json.dumps(config) + "\n", timeout=120)
     lines = [line for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
     assert len(lines) == 1, err[-2000:]
