@@ -296,7 +296,6 @@ class MegatronBackend:
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
-        self._shared = SharedGpuReplicas(shared, timeout_s=self.startup_timeout_s)
         start_trainer = self._service.start(config, timeout_s=self.startup_timeout_s)
         if shared:
             # vLLM sizes its memory from what is free when it starts: let the trainer settle first
@@ -307,6 +306,10 @@ class MegatronBackend:
                 start_trainer, start_replicas(self._runtime.clients, topology.replicas, launch)
             )
         self._router = PolicyRouter(model.name, [ReplicaEndpoint.from_spec(r) for r in topology.replicas])
+        router = self._router
+        self._shared = SharedGpuReplicas(
+            shared, timeout_s=self.startup_timeout_s, is_up=lambda name: name not in router.down()
+        )
         self._publisher = AdapterPublisher(
             self._router,
             keep=self.keep_adapters,
@@ -319,7 +322,13 @@ class MegatronBackend:
             write_commit(run_dir / "checkpoints", 0)
         self._step = committed
         await self._publisher.publish(committed, str(self._checkpoint(committed) / "adapter"))
-        self._recovery = ReplicaRecovery(self._runtime.clients, topology.replicas, launch, self._publisher)
+        self._recovery = ReplicaRecovery(
+            self._runtime.clients,
+            topology.replicas,
+            launch,
+            self._publisher,
+            before_restart=self._shared.wait_awake,
+        )
         self._recovery.start()
         return run_dir
 

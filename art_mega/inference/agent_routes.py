@@ -1,24 +1,23 @@
 """The agent's inference routes: start and stop this host's vLLM replicas as supervised children.
 
-`register_inference_routes(app, supervisor)` adds `POST /v1/inference/start` and
-`POST /v1/inference/stop`; the app's own signature check guards them like every other route.
+`register_inference_routes(router, supervisor)` adds `POST /v1/inference/start` and
+`POST /v1/inference/stop`; the router's signature check guards them like every other route.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import FastAPI
-
 from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse, InferenceStopRequest
-from art_mega.runtime.protocol import API_PREFIX, ShutdownResponse
+from art_mega.runtime.protocol import ShutdownResponse
+from art_mega.runtime.routes import SignedRouter
 from art_mega.runtime.supervisor import DEFAULT_STOP_GRACE_S, Child, Supervisor
 
 ROLE = "inference"
 
 
-def register_inference_routes(app: FastAPI, supervisor: Supervisor) -> None:
-    """Add the inference routes to the agent's `app`; replicas join `supervisor`'s children.
+def register_inference_routes(router: SignedRouter, supervisor: Supervisor) -> None:
+    """Add the inference routes to the agent's `router`; replicas join `supervisor`'s children.
 
     Replicas are children like any other: the agent's shutdown stops them (SIGTERM, then
     SIGKILL) and its health lists them with their log paths and exit codes (how a crash is
@@ -28,7 +27,7 @@ def register_inference_routes(app: FastAPI, supervisor: Supervisor) -> None:
     lock = asyncio.Lock()
     grace_s: dict[str, float] = {}
 
-    @app.post(f"{API_PREFIX}/inference/start")
+    @router.post("/inference/start", InferenceStartRequest)
     async def inference_start(body: InferenceStartRequest) -> InferenceStartResponse:
         from art_mega.inference.replica import ReplicaStartError, spawn_replica
 
@@ -65,7 +64,7 @@ def register_inference_routes(app: FastAPI, supervisor: Supervisor) -> None:
             raise
         return InferenceStartResponse(ok=True, seconds=seconds, **response)
 
-    @app.post(f"{API_PREFIX}/inference/stop")
+    @router.post("/inference/stop", InferenceStopRequest)
     async def inference_stop(body: InferenceStopRequest) -> ShutdownResponse:
         ours = [c.child_id for c in supervisor.children() if c.role == ROLE]
         names = [n for n in body.names if n in ours] if body.names else ours

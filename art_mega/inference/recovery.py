@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,9 @@ class ReplicaRecovery:
     up to `max_restarts` times in a row, then the replica stays down. `events` records what
     happened, in order; `on_event` (if given) is called with each. An agent that does not
     answer is skipped (losing a host is the runtime's `AgentMonitor`'s business).
+    `before_restart(name)` (if given) is awaited before each restart: a replica that shares the
+    trainer's GPUs waits there until the train step in progress is over
+    (`SharedGpuReplicas.wait_awake`).
 
     Stop it (`stop()`) before stopping the replicas on purpose, or it restarts them.
     """
@@ -64,6 +67,7 @@ class ReplicaRecovery:
         interval_s: float = POLL_INTERVAL_S,
         max_restarts: int = MAX_RESTARTS,
         on_event: Callable[[RecoveryEvent], None] | None = None,
+        before_restart: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.clients = clients
         self.replicas = {spec.process_name: spec for spec in replicas}
@@ -72,6 +76,7 @@ class ReplicaRecovery:
         self.interval_s = interval_s
         self.max_restarts = max_restarts
         self.on_event = on_event
+        self.before_restart = before_restart
         self.events: list[RecoveryEvent] = []
         self._recovering: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -128,6 +133,8 @@ class ReplicaRecovery:
         launch = self.launch(spec) if callable(self.launch) else self.launch
         try:
             for attempt in range(1, self.max_restarts + 1):
+                if self.before_restart is not None:
+                    await self.before_restart(name)
                 answer = await self.clients[host].inference_start(spec, launch)
                 if not answer.ok:
                     self._record(name, "failed", f"restart {attempt}/{self.max_restarts}: {answer.error}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import httpx
 
@@ -52,11 +52,30 @@ class SharedGpuReplicas:
         replicas: the shared replicas (empty: every call is a no-op that takes 0 s).
         timeout_s: bound in seconds on each sleep (which waits for in-flight requests) or wake
             call (httpx's per-operation timeout: connect, each read, each write).
+        is_up: whether a replica (by name) is up in the router; `asleep` leaves the others alone
+            (a dead replica cannot answer; crash recovery restarts it once the step is over,
+            see `wait_awake`). None: every replica counts as up.
     """
 
-    def __init__(self, replicas: Sequence[ReplicaEndpoint], timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaEndpoint],
+        timeout_s: float = 600.0,
+        is_up: Callable[[str], bool] | None = None,
+    ) -> None:
         self.replicas = tuple(replicas)
         self.timeout_s = timeout_s
+        self.is_up = is_up or (lambda _name: True)
+        self.names = frozenset(r.name for r in self.replicas)
+        self._awake = asyncio.Event()
+        self._awake.set()
+
+    async def wait_awake(self, replica: str) -> None:
+        """Return once no train step holds the GPUs `replica` shares (at once for a replica that
+        does not share them): crash recovery restarts a shared replica only then, so that it does
+        not take its GPU memory while the trainer runs."""
+        if replica in self.names:
+            await self._awake.wait()
 
     async def _each(self, what: str, call: str, replicas: Sequence[ReplicaEndpoint]) -> float:
         """`call` ("sleep" or "wake") on every replica in `replicas` at once; seconds taken."""
@@ -95,24 +114,27 @@ class SharedGpuReplicas:
         return f"{failure} ({hint})"
 
     async def sleep(self) -> float:
-        """Put every shared replica to sleep; seconds taken.
+        """Put every shared replica that is up to sleep; seconds taken.
 
         Raises:
             ReplicaSleepError: a replica refused or did not answer within `timeout_s` (named);
                 the others may be asleep then (`asleep` wakes them again).
         """
-        return await self._each("putting to sleep", "sleep", self.replicas) if self.replicas else 0.0
+        up = [r for r in self.replicas if self.is_up(r.name)]
+        return await self._each("putting to sleep", "sleep", up) if up else 0.0
 
     async def wake(self) -> float:
-        """Wake every shared replica; seconds taken. Raises `ReplicaSleepError` naming the replica."""
-        return await self._each("waking", "wake", self.replicas) if self.replicas else 0.0
+        """Wake every shared replica that is up; seconds taken. Raises `ReplicaSleepError` naming
+        the replica."""
+        up = [r for r in self.replicas if self.is_up(r.name)]
+        return await self._each("waking", "wake", up) if up else 0.0
 
     async def _wake_after_failed_sleep(self, error: ReplicaSleepError) -> ReplicaSleepError:
         """Wake every replica that may have paused or slept: all but those without sleep routes
         (404). vLLM pauses its scheduler before it sleeps, and a paused replica queues every new
         request until woken. Returns `error`, extended with the replicas that did not wake."""
         no_routes = {f.replica for f in error.failures if f.status == 404}
-        again = [r for r in self.replicas if r.name not in no_routes]
+        again = [r for r in self.replicas if r.name not in no_routes and self.is_up(r.name)]
         try:
             if again:
                 await self._each("waking", "wake", again)
@@ -135,6 +157,16 @@ class SharedGpuReplicas:
         if not self.replicas:
             yield
             return
+        self._awake.clear()
+        try:
+            async with self._cycle(metrics):
+                yield
+        finally:
+            self._awake.set()
+
+    @contextlib.asynccontextmanager
+    async def _cycle(self, metrics: dict[str, float]) -> AsyncIterator[None]:
+        """Sleep, run the body, wake (see `asleep`)."""
         try:
             metrics["time/sleep_s"] = await self.sleep()
         except ReplicaSleepError as exc:

@@ -1,4 +1,4 @@
 """The per-host agent, its authenticated client, and the runtime that sequences them.
 
-Heavy modules (fastapi, uvicorn) are imported by the agent only; import submodules directly.
+Heavy modules (starlette, uvicorn) are imported by the agent only; import submodules directly.
 """

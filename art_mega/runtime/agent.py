@@ -1,4 +1,4 @@
-"""The per-host agent: an authenticated FastAPI server that supervises this host's children.
+"""The per-host agent: an authenticated HTTP server (Starlette on uvicorn) that supervises this host's children.
 
 It is the only long-lived art-mega process per host. Every request must carry a valid HMAC
 signature (see `auth`); refused requests execute nothing.
@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import Response
 
 from art_mega import __version__
-from art_mega.runtime.auth import AuthError, Verifier
+from art_mega.runtime.auth import Verifier
 from art_mega.runtime.fs_probe import FsProbeOps
 from art_mega.runtime.protocol import (
-    API_PREFIX,
     READY_PREFIX,
     CallableRef,
     EtcdCheckRequest,
@@ -62,6 +61,7 @@ from art_mega.runtime.protocol import (
     TrainerStartResponse,
 )
 from art_mega.runtime.rollout_worker import STREAM_LIMIT
+from art_mega.runtime.routes import RouteError, SignedRouter, body_error, json_reply
 from art_mega.runtime.supervisor import Child, Supervisor
 
 WORKER_HELLO_TIMEOUT_S = 60.0
@@ -355,48 +355,23 @@ class _WorkerStartError(Exception):
         self.failure = failure
 
 
-def _json(model: Any) -> Response:
-    return Response(content=model.model_dump_json(), media_type="application/json")
+def create_app(state: AgentState) -> Starlette:
+    """Build the agent's app over `state`: every route requires a signed request (`routes`).
 
-
-def create_app(state: AgentState) -> FastAPI:
-    """Build the agent's FastAPI app over `state`. Every route requires a signed request.
-
-    `/v1/health` and `/v1/rollouts/run`, the calls made per rollout and per heartbeat, are plain
-    Starlette routes: they verify the same signature over the raw body, then parse and answer with
-    pydantic directly, skipping FastAPI's dependency and validation machinery (about 0.6 ms per
-    request here; see benchmarks/RESULTS.md). Every other route uses the FastAPI dependency.
-    Either way a refused request gets 401 `{"detail": reason}` and executes nothing.
+    `/v1/health` and `/v1/rollouts/run`, the calls made per rollout and per heartbeat, parse and
+    answer by hand (one pydantic parse, no per-call model dumps of the callable). A refused
+    request gets 401 `{"detail": reason}` and executes nothing.
     """
-
-    async def verified_body(request: Request) -> bytes:
-        """The request's body once its signature is verified; HTTPException 401 otherwise."""
-        body = await request.body()
-        try:
-            state.verifier.verify(request.method, request.url.path, dict(request.headers), body)
-        except AuthError as exc:
-            raise HTTPException(status_code=401, detail=str(exc)) from None
-        return body
-
-    async def authenticate(request: Request) -> None:
-        await verified_body(request)
+    router = SignedRouter(state.verifier)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
         await state.close()
 
-    app = FastAPI(
-        lifespan=lifespan,
-        dependencies=[Depends(authenticate)],
-        openapi_url=None,
-        docs_url=None,
-        redoc_url=None,
-    )
-
     async def health(request: Request) -> Response:
-        await verified_body(request)
-        return _json(state.health())
+        await router.verified_body(request)
+        return json_reply(state.health())
 
     callables: dict[CallableRef, dict[str, Any]] = {}
 
@@ -410,117 +385,118 @@ def create_app(state: AgentState) -> FastAPI:
         return dumped
 
     async def run_rollout(request: Request) -> Response:
-        body = await verified_body(request)
+        body = await router.verified_body(request)
         try:
             run = RunRolloutRequest.model_validate_json(body)
-        except ValidationError as exc:  # the 422 that FastAPI gives for a bad body
-            errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-            raise RequestValidationError(errors, body=body) from None
+        except ValidationError as exc:
+            raise body_error(exc) from None
         worker = state.workers.get(run.worker_id)
         if worker is None:
-            raise HTTPException(status_code=404, detail=f"no rollout worker {run.worker_id!r} on this agent")
+            raise RouteError(404, f"no rollout worker {run.worker_id!r} on this agent")
         reply = await worker.call(
             {"callable": callable_message(run.callable), "args": run.args, "kwargs": run.kwargs}
         )
         if reply.get("ok"):
-            return _json(RunRolloutResponse(ok=True, result=reply.get("result")))
-        return _json(RunRolloutResponse(ok=False, failure=RemoteFailure.model_validate(reply["failure"])))
+            return json_reply(RunRolloutResponse(ok=True, result=reply.get("result")))
+        return json_reply(
+            RunRolloutResponse(ok=False, failure=RemoteFailure.model_validate(reply["failure"]))
+        )
 
-    app.router.add_route(f"{API_PREFIX}/health", health, methods=["GET"], include_in_schema=False)
-    app.router.add_route(f"{API_PREFIX}/rollouts/run", run_rollout, methods=["POST"], include_in_schema=False)
+    router.raw("/health", health, ["GET"])
+    router.raw("/rollouts/run", run_rollout, ["POST"])
 
-    @app.post(f"{API_PREFIX}/rollout-workers/start")
+    @router.post("/rollout-workers/start", StartRolloutWorkersRequest)
     async def start_workers(body: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
         try:
             return await state.start_rollout_workers(body)
         except _WorkerStartError as exc:
             return StartRolloutWorkersResponse(failure=exc.failure)
 
-    @app.post(f"{API_PREFIX}/rollout-workers/stop")
+    @router.post("/rollout-workers/stop", StopRolloutWorkersRequest)
     async def stop_workers(body: StopRolloutWorkersRequest) -> ShutdownResponse:
         return await state.stop_rollout_workers(body.worker_ids)
 
-    @app.get(f"{API_PREFIX}/facts")
+    @router.get("/facts")
     async def facts() -> HostFacts:
         return await asyncio.to_thread(state.facts)
 
-    @app.post(f"{API_PREFIX}/fs/op")
+    @router.post("/fs/op", FsOpRequest)
     async def fs_op(body: FsOpRequest) -> FsOpResponse:
         return await asyncio.to_thread(state.fs_probe.run, body)
 
-    @app.post(f"{API_PREFIX}/etcd/start")
+    @router.post("/etcd/start", EtcdStartRequest)
     async def etcd_start(body: EtcdStartRequest) -> EtcdStartResponse:
         return await state.start_etcd(body)
 
-    @app.post(f"{API_PREFIX}/etcd/stop")
+    @router.post("/etcd/stop")
     async def etcd_stop() -> ShutdownResponse:
         await state.stop_etcd()
         return ShutdownResponse()
 
-    @app.post(f"{API_PREFIX}/etcd/check")
+    @router.post("/etcd/check", EtcdCheckRequest)
     async def etcd_check(body: EtcdCheckRequest) -> EtcdCheckResponse:
         from art_mega.runtime.etcd import check_endpoint
 
         return await asyncio.to_thread(check_endpoint, body)
 
-    @app.post(f"{API_PREFIX}/free-port")
+    @router.post("/free-port", FreePortRequest)
     async def free_port(body: FreePortRequest) -> FreePortResponse:
         from art_mega.runtime.ports import free_port
 
         return FreePortResponse(port=free_port(body.host))
 
-    @app.post(f"{API_PREFIX}/preflight/prepare")
+    @router.post("/preflight/prepare", PreflightPrepareRequest)
     async def preflight_prepare(body: PreflightPrepareRequest) -> PreflightPrepareResponse:
         return await state.prepare_preflight(body)
 
-    @app.post(f"{API_PREFIX}/preflight/discard")
+    @router.post("/preflight/discard")
     async def preflight_discard() -> ShutdownResponse:
         await state.discard_preflight()
         return ShutdownResponse()
 
-    @app.post(f"{API_PREFIX}/preflight/run")
+    @router.post("/preflight/run", PreflightRunRequest)
     async def preflight_run(body: PreflightRunRequest) -> PreflightRunResponse:
         return await state.run_preflight(body)
 
     from art_mega.inference.agent_routes import register_inference_routes
 
-    register_inference_routes(app, state.supervisor)
+    register_inference_routes(router, state.supervisor)
 
     from art_mega.runtime.nixl_routes import register_adapter_transport_routes
 
-    register_adapter_transport_routes(app, state.supervisor)
+    register_adapter_transport_routes(router, state.supervisor)
 
     from art_mega.runtime.artifact_files import register_artifact_file_routes
 
-    register_artifact_file_routes(app)
+    register_artifact_file_routes(router)
 
-    @app.post(f"{API_PREFIX}/trainer/start")
+    @router.post("/trainer/start", TrainerStartRequest)
     async def trainer_start(body: TrainerStartRequest) -> TrainerStartResponse:
         try:
             return await state.trainer.start(body)
         except (OSError, RuntimeError) as exc:
             return TrainerStartResponse(error=str(exc))
 
-    @app.post(f"{API_PREFIX}/trainer/job")
+    @router.post("/trainer/job", TrainerJobRequest)
     async def trainer_job(body: TrainerJobRequest) -> TrainerJobResponse:
         return TrainerJobResponse(sent=await state.trainer.send_job(body.job))
 
-    @app.post(f"{API_PREFIX}/trainer/events")
+    @router.post("/trainer/events", TrainerEventsRequest)
     async def trainer_events(body: TrainerEventsRequest) -> TrainerEventsResponse:
         return await state.trainer.wait_events(body.after, body.timeout_s)
 
-    @app.post(f"{API_PREFIX}/trainer/stop")
+    @router.post("/trainer/stop")
     async def trainer_stop() -> ShutdownResponse:
         await state.trainer.stop()
         return ShutdownResponse()
 
-    @app.post(f"{API_PREFIX}/shutdown")
+    @router.post("/shutdown")
     async def shutdown() -> ShutdownResponse:
         stopped = await state.close()
         state.shutdown_requested.set()
         return stopped
 
-    return app
+    return router.app(lifespan)
 
 
 def _watch_stdin_eof(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:

@@ -19,12 +19,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from art_mega.runtime.protocol import API_PREFIX
-
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
-    from fastapi import FastAPI
-
     from art_mega.runtime.client import AgentClient
+    from art_mega.runtime.routes import SignedRouter
 
 WRITE_PATH = "/artifacts/write"
 REMOVE_PATH = "/artifacts/remove"
@@ -113,15 +110,15 @@ def remove_path(request: ArtifactRemoveRequest) -> ArtifactResponse:
         return ArtifactResponse(ok=False, error=f"removing {request.path}: {type(exc).__name__}: {exc}")
 
 
-def register_artifact_file_routes(app: FastAPI) -> None:
-    """Add `POST /v1/artifacts/write` and `/v1/artifacts/remove` to the agent's `app`; each runs
+def register_artifact_file_routes(router: SignedRouter) -> None:
+    """Add `POST /v1/artifacts/write` and `/v1/artifacts/remove` to the agent's `router`; each runs
     in an agent thread and answers `ArtifactResponse` (failures in it, not as HTTP errors)."""
 
-    @app.post(API_PREFIX + WRITE_PATH)
+    @router.post(WRITE_PATH, ArtifactWriteRequest)
     async def artifacts_write(body: ArtifactWriteRequest) -> ArtifactResponse:
         return await asyncio.to_thread(write_file, body)
 
-    @app.post(API_PREFIX + REMOVE_PATH)
+    @router.post(REMOVE_PATH, ArtifactRemoveRequest)
     async def artifacts_remove(body: ArtifactRemoveRequest) -> ArtifactResponse:
         return await asyncio.to_thread(remove_path, body)
 

@@ -1,8 +1,8 @@
 """The agent's adapter-transfer routes: offer an adapter, fetch one from another host, release,
 prune received copies.
 
-`register_adapter_transport_routes(app, supervisor)` adds `POST /v1/adapters/offer`,
-`/v1/adapters/fetch`, `/v1/adapters/release` and `/v1/adapters/prune`; the app's signature check
+`register_adapter_transport_routes(router, supervisor)` adds `POST /v1/adapters/offer`,
+`/v1/adapters/fetch`, `/v1/adapters/release` and `/v1/adapters/prune`; the router's signature check
 guards them like every other route. Transfers run in this host's NIXL process
 (`runtime.nixl_worker`), started on the first request as a supervised child (role "nixl"), so
 NIXL never loads into the agent; prune is plain file deletion and runs in an agent thread.
@@ -19,8 +19,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
-
 from art_mega.runtime.nixl_protocol import (
     FetchRequest,
     FetchResponse,
@@ -32,8 +30,8 @@ from art_mega.runtime.nixl_protocol import (
     ReleaseResponse,
 )
 from art_mega.runtime.nixl_transfer import remove_copies
-from art_mega.runtime.protocol import API_PREFIX
 from art_mega.runtime.rollout_worker import STREAM_LIMIT
+from art_mega.runtime.routes import RouteError, SignedRouter
 from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
 
 OFFER_PATH = "/adapters/offer"
@@ -128,8 +126,8 @@ class NixlWorker:
         return model.model_validate(answer["reply"])
 
 
-def register_adapter_transport_routes(app: FastAPI, supervisor: Supervisor) -> None:
-    """Add the adapter-transfer routes to the agent's `app`; the NIXL process joins `supervisor`'s
+def register_adapter_transport_routes(router: SignedRouter, supervisor: Supervisor) -> None:
+    """Add the adapter-transfer routes to the agent's `router`; the NIXL process joins `supervisor`'s
     children, so the agent's shutdown stops it (its offers die with it).
 
     Transfer failures come back in the reply (`ok=False`, `error` naming the host, transfer and
@@ -141,20 +139,20 @@ def register_adapter_transport_routes(app: FastAPI, supervisor: Supervisor) -> N
         try:
             return await worker.call(op, body, model)
         except NixlWorkerError as exc:
-            raise HTTPException(status_code=500, detail=str(exc)) from None
+            raise RouteError(500, str(exc)) from None
 
-    @app.post(API_PREFIX + OFFER_PATH)
+    @router.post(OFFER_PATH, OfferRequest)
     async def adapters_offer(body: OfferRequest) -> OfferResponse:
         return await call("offer", body, OfferResponse)
 
-    @app.post(API_PREFIX + FETCH_PATH)
+    @router.post(FETCH_PATH, FetchRequest)
     async def adapters_fetch(body: FetchRequest) -> FetchResponse:
         return await call("fetch", body, FetchResponse)
 
-    @app.post(API_PREFIX + RELEASE_PATH)
+    @router.post(RELEASE_PATH, ReleaseRequest)
     async def adapters_release(body: ReleaseRequest) -> ReleaseResponse:
         return await call("release", body, ReleaseResponse)
 
-    @app.post(API_PREFIX + PRUNE_PATH)
+    @router.post(PRUNE_PATH, PruneRequest)
     async def adapters_prune(body: PruneRequest) -> PruneResponse:
         return await asyncio.to_thread(remove_copies, body)

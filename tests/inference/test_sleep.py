@@ -181,3 +181,24 @@ async def test_a_wake_that_leaves_a_replica_asleep_is_an_error(stand_ins) -> Non
         ReplicaSleepError, match=r"replica vllm-0 .*waking up failed with HTTP 200: .*sleeping"
     ):
         await shared.wake()
+
+
+async def test_a_replica_down_in_the_router_is_neither_slept_nor_woken(stand_ins) -> None:
+    calls, servers = stand_ins
+    shared = SharedGpuReplicas([s.endpoint for s in servers], is_up=lambda name: name != "vllm-1")
+    async with shared.asleep({}):
+        pass
+    assert [(c[0], c[1]) for c in calls] == [("vllm-0", "sleep"), ("vllm-0", "wake_up")]
+
+
+async def test_recovery_of_a_shared_replica_waits_for_the_step_to_end(stand_ins) -> None:
+    calls, servers = stand_ins
+    shared = SharedGpuReplicas([s.endpoint for s in servers])
+    await asyncio.wait_for(shared.wait_awake("vllm-0"), 1)  # no step running: at once
+    async with shared.asleep({}):
+        waiting = asyncio.create_task(shared.wait_awake("vllm-0"))
+        await asyncio.wait_for(shared.wait_awake("dedicated-0"), 1)  # not a shared replica
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # a restart now would take the trainer's GPU memory
+    await asyncio.wait_for(waiting, 1)
+    assert [c[1] for c in calls].count("wake_up") == 2

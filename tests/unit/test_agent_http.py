@@ -1,4 +1,4 @@
-"""The agent's HTTP layer in-process: the plain health/run routes and the FastAPI routes, same auth."""
+"""The agent's HTTP layer in-process: the hand-parsed health/run routes and the model routes, same auth."""
 
 import json
 
@@ -96,7 +96,7 @@ async def test_run_forwards_to_the_worker_and_answers_its_reply(agent):
     assert not reply.ok and reply.failure is not None and reply.failure.traceback == "tb"
 
 
-async def test_run_errors_have_fastapi_shapes(agent):
+async def test_run_errors_have_the_detail_shapes_the_client_reads(agent):
     _, http = agent
     reply = await post(http, RUN, run_body("rollout-9"))
     assert reply.status_code == 404 and reply.json() == {
@@ -112,7 +112,7 @@ async def test_run_errors_have_fastapi_shapes(agent):
     assert reply.status_code == 422 and reply.json()["detail"][0]["loc"][0] == "body"
 
 
-async def test_fastapi_routes_keep_the_auth_dependency(agent):
+async def test_model_routes_check_the_signature_and_parse_the_body(agent):
     state, http = agent
     path = "/v1/rollout-workers/stop"
     body = b'{"worker_ids": []}'
@@ -122,3 +122,7 @@ async def test_fastapi_routes_keep_the_auth_dependency(agent):
     assert reply.status_code == 200 and reply.json() == {"stopped": []}
     reply = await http.post(path, content=body, headers={**JSON, **sign(SECRET, "POST", path, b"{}")})
     assert reply.status_code == 401 and reply.json() == {"detail": "bad signature"}
+    reply = await post(http, path, b'{"worker_ids": "rollout-0"}')  # signed, but not the model
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["body", "worker_ids"]
+    reply = await post(http, "/v1/no-such-route", body)
+    assert reply.status_code == 404
