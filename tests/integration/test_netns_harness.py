@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,10 @@ def test_hosts_are_namespaces_with_one_address_each(netns3: NetnsCluster) -> Non
 def test_kill_host_processes_keeps_sshd_and_unplugging_drops_traffic(netns3: NetnsCluster) -> None:
     h0, h1, _ = netns3.hosts
     sleeper = h1.exec(["sleep", "60"])
+    # `ip netns exec` enters the namespace a moment after Popen returns; kill only once it is inside.
+    deadline = time.monotonic() + 10
+    while sleeper.pid not in h1.pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
     killed = netns3.kill_host_processes(h1)
     assert sleeper.wait(timeout=5) == -9 and killed == [sleeper.pid]
     assert h1.sshd_pid in h1.pids()
