@@ -1,43 +1,107 @@
-"""The GPU device check's Python side: four checks on one NVIDIA GPU, each through art-mega's own
+"""The GPU device check's Python side: checks on one NVIDIA GPU, each through art-mega's own
 code paths, printed as RESULTS.md rows with "gpu ..." in the machine column.
 
-    python benchmarks/device_check.py --log-dir DIR [--dry-run] [--record]
+    python benchmarks/device_check.py --log-dir DIR [--steps a,b] [--keep-going] [--dry-run] [--record]
 
-Steps (run in this order; the first failure stops the check with exit 1):
-1. te_logits: `build_megatron_model(use_te=True)` on cuda:0 (TransformerEngine layer spec) for the
-   tiny Qwen3 model, its logits against Hugging Face transformers' (fp32, max |diff| <= 1e-3).
-2. grpo_lora: `MegatronBackend` on a one-GPU topology (trainer rank on GPU 0, one upstream vLLM
-   replica sharing it), tiny Qwen3, LoRA r=8: 2 groups x 4 rollouts, one `backend.train` step.
-3. adapter_publish: the step-1 adapter is published into the vLLM replica (`AdapterPublisher`
-   inside `backend.train`) and a chat completion is served by `<name>@1`.
-4. nccl_preflight: the preflight collective with backend NCCL over this host
+Steps (in this order; `--steps` picks some, by name):
+1. megatron_logits: `build_megatron_model` with the local layer spec (the spec the trainer ranks
+   use) on cuda:0 for the tiny Qwen3 model, its logits against Hugging Face transformers'
+   (fp32, max |diff| <= 1e-3).
+2. te_logits: the same with the TransformerEngine layer spec (needs `transformer_engine`).
+3. trainer_grpo: a trainer rank started by a host agent on GPU 0 (NCCL world of one, driven by
+   `TrainerService` as `MegatronBackend` drives it), tiny Qwen3, LoRA r=8: the step-0 export, then
+   three GRPO steps on tokenized groups; every loss metric finite, the adapter changes each step
+   and its sha256 matches the file.
+4. trainer_throughput: the same service on a SmolLM2-135M-shaped model with seeded random weights
+   (no download), LoRA r=8, 64 documents x 1024 tokens packed into 4096-token rows, fp32 and
+   bf16 at one row per microbatch, bf16 at four: tokens per second of the GRPO step (forward +
+   backward + optimizer) on one GPU.
+5. grpo_lora: `MegatronBackend` on a one-GPU topology (trainer rank on GPU 0, one upstream vLLM
+   replica sharing it, sleeping through the step), tiny Qwen3, LoRA r=8: 2 groups x 4 rollouts,
+   one `backend.train` step (needs `vllm`).
+6. adapter_publish: the step-1 adapter published into that vLLM replica (`AdapterPublisher`
+   inside `backend.train`) and a chat completion served by `<name>@1` (runs with grpo_lora).
+7. nccl_preflight: the preflight collective with backend NCCL over this host
    (`art_mega.runtime.preflight.run_collective`), proved from the NCCL log ("Using network").
-Bad arguments: one sentence on stderr, exit 2. scripts/device_check.sh installs the `gpu` extra,
-bounds the whole run to 10 minutes and keeps the full log in DIR.
+
+`ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
+steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
+nothing recorded. Without `--keep-going` the first failure stops the check; with it every chosen step runs and the
+failures are listed at the end. Exit 0 when every chosen step passed, 1 otherwise, 2 on a bad
+command line (one sentence on stderr). scripts/device_check.sh installs the `gpu` extra, bounds
+the whole run to 10 minutes and keeps the full log in DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import math
 import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
-STEPS = {
-    "te_logits": "Megatron model with the TransformerEngine spec against Hugging Face logits (tiny Qwen3)",
-    "grpo_lora": "one GRPO step with LoRA on tiny Qwen3: trainer rank on GPU 0, upstream vLLM replica",
-    "adapter_publish": "the step-1 adapter published into vLLM and a chat completion served by it",
-    "nccl_preflight": "the NCCL single-host preflight collective, proved from the NCCL log",
+# name -> (what it checks, Python modules it needs besides torch and art-mega's own dependencies)
+STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "megatron_logits": (
+        "Megatron model with the local spec (the trainer's) on cuda:0 against Hugging Face logits (tiny Qwen3)",
+        ("megatron.core",),
+    ),
+    "te_logits": (
+        "Megatron model with the TransformerEngine spec against Hugging Face logits (tiny Qwen3)",
+        ("megatron.core", "transformer_engine"),
+    ),
+    "trainer_grpo": (
+        "three GRPO steps with LoRA on a trainer rank an agent started on GPU 0 (NCCL), tiny Qwen3",
+        ("megatron.core",),
+    ),
+    "trainer_throughput": (
+        "GRPO step tokens/s on one GPU, SmolLM2-135M-shaped random weights, LoRA r=8, fp32 and bf16, 1 and 4 rows",
+        ("megatron.core",),
+    ),
+    "grpo_lora": (
+        "one GRPO step with LoRA on tiny Qwen3: trainer rank on GPU 0, upstream vLLM replica",
+        ("megatron.core", "vllm"),
+    ),
+    "adapter_publish": (
+        "the step-1 adapter published into vLLM and a chat completion served by it",
+        ("megatron.core", "vllm"),
+    ),
+    "nccl_preflight": ("the NCCL single-host preflight collective, proved from the NCCL log", ()),
 }
 TE_TOLERANCE = 1e-3
+LOGITS_TOLERANCE = 1e-3
 MODEL = "tiny-qwen3"
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M-Instruct config.json), random weights
+SMOLLM2_SHAPE = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+
+
+def rehearsing() -> bool:
+    """True under ART_MEGA_DEVICE_CHECK_REHEARSE=1: CPU ranks, small batches, nothing recorded."""
+    return os.environ.get("ART_MEGA_DEVICE_CHECK_REHEARSE") == "1"
+
+
+def _device() -> str:
+    return "cpu" if rehearsing() else "cuda:0"
 
 
 class ArgumentError(Exception):
@@ -46,17 +110,23 @@ class ArgumentError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would print usage and exit 2 itself
-        raise ArgumentError(f"{message}; usage: device_check.py --log-dir DIR [--dry-run] [--record]")
+        raise ArgumentError(
+            f"{message}; usage: device_check.py --log-dir DIR [--steps a,b] [--keep-going] [--dry-run] [--record]"
+        )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Parse the command line.
+    """Parse the command line; `args.steps` becomes the chosen step names in STEPS order.
 
     Raises:
-        ArgumentError: an unknown flag, --log-dir missing, empty or naming a file.
+        ArgumentError: an unknown flag or step name, --log-dir missing, empty or naming a file.
     """
     parser = _Parser(prog="device_check.py", add_help=True)
     parser.add_argument("--log-dir", required=True, help="folder for the full log and NCCL logs")
+    parser.add_argument("--steps", default="all", help="comma-separated step names, or 'all' (default)")
+    parser.add_argument(
+        "--keep-going", action="store_true", help="run every chosen step even after a failure"
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the steps; run nothing")
     parser.add_argument("--record", action="store_true", help="write the rows into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
@@ -66,11 +136,57 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if log_dir.exists() and not log_dir.is_dir():
         raise ArgumentError(f"--log-dir {args.log_dir} is a file; pass a folder (it is created if missing)")
     args.log_dir = log_dir
+    if args.steps.strip() == "all":
+        args.steps = list(STEPS)
+    else:
+        chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
+        unknown = [s for s in chosen if s not in STEPS]
+        if unknown or not chosen:
+            raise ArgumentError(
+                f"--steps {args.steps!r} names {', '.join(map(repr, unknown)) or 'no step'}; "
+                f"choose from {', '.join(STEPS)} (comma-separated) or 'all'"
+            )
+        args.steps = [s for s in STEPS if s in chosen]
     return args
 
 
-def te_logits(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
-    """Step 1: TE-spec Megatron logits vs HF logits on cuda:0; raises AssertionError past tolerance."""
+def missing_modules(step: str) -> list[str]:
+    """The Python modules `step` needs that this interpreter cannot import (checked by spec)."""
+    missing = []
+    for name in STEPS[step][1]:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _gpu_cluster(work: Path) -> Any:
+    from art_mega.topology import ClusterSpec, HostSpec
+
+    return ClusterSpec(
+        hosts=(
+            HostSpec(
+                host_id="gpu0",
+                node_rank=0,
+                worker_address="tcp://127.0.0.1:0",
+                cpu_slots=2,
+                gpu_ids=() if rehearsing() else (0,),
+            ),
+        ),
+        controller_host_id="gpu0",
+        artifact_root=str(work / "artifacts"),
+        cache_root=str(work / "cache"),
+    )
+
+
+def megatron_logits(work: Path, log_dir: Path, use_te: bool = False) -> list[tuple[str, float, str]]:
+    """Steps 1-2: Megatron logits (local or TE spec) vs HF logits on cuda:0, fp32.
+
+    Raises AssertionError past the tolerance, or when `use_te` built the local spec.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,48 +199,272 @@ def te_logits(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from art_mega.trainer.model_builder import build_megatron_model
     from art_mega.trainer.parallel import destroy_parallel, init_parallel
 
+    spec = "TE" if use_te else "local"
+    tolerance = TE_TOLERANCE if use_te else LOGITS_TOLERANCE
     model_dir = resolve_base_model(MODEL, work / "cache").model_dir
-    rank = TrainerRank(rank=0, host_id="local", local_rank=0, gpu_id=0, **rank_coordinates(0, 1))
+    device = _device()
+    gpu_id = None if device == "cpu" else 0
+    rank = TrainerRank(rank=0, host_id="local", local_rank=0, gpu_id=gpu_id, **rank_coordinates(0, 1))
     init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())
     try:
-        built = build_megatron_model(model_dir, device="cuda:0", dtype="float32", use_te=True)
-        assert built.uses_te, "build_megatron_model(use_te=True) built the local spec"
+        built = build_megatron_model(model_dir, device=device, dtype="float32", use_te=use_te)
+        assert built.uses_te == use_te, f"build_megatron_model(use_te={use_te}) built the other spec"
         ids = torch.randint(0, built.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1234))
-        ids = ids.to("cuda:0")
-        positions = torch.arange(ids.shape[1], device="cuda:0").expand_as(ids)
+        ids = ids.to(device)
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         with torch.no_grad():
             got = forward_logits(built.module, ids, positions)[..., : built.vocab_size].float()
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda:0")
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
             expected = hf(ids).logits.float()
         diff = (got - expected).abs().max().item()
     finally:
         destroy_parallel()
         torch.cuda.empty_cache()
-    print(f"te_logits: max |megatron(TE) - hf| = {diff:.2e} (tolerance {TE_TOLERANCE})")
-    assert diff <= TE_TOLERANCE, f"TE logits differ from HF by {diff:.2e} > {TE_TOLERANCE}"
-    return [("gpu: Megatron (TE spec) vs HF max abs logit diff, tiny Qwen3 fp32", diff, "logit")]
+    print(
+        f"{'te' if use_te else 'megatron'}_logits: max |megatron({spec}) - hf| = {diff:.2e} (tolerance {tolerance})"
+    )
+    assert diff <= tolerance, f"{spec}-spec logits differ from HF by {diff:.2e} > {tolerance}"
+    return [(f"gpu: Megatron ({spec} spec) vs HF max abs logit diff, tiny Qwen3 fp32", diff, "logit")]
+
+
+def _grpo_groups() -> list[Any]:
+    """Two groups of four one-turn conversations with distinct rewards (plain messages: the
+    trainer tokenizes them with the chat template and its own old logprobs)."""
+    import art_mega as art
+
+    groups = []
+    for g, question in enumerate(("Is water wet?", "Name a colour.")):
+        answers = (
+            ("Yes.", "No, never.", "Maybe so, it depends.", "Blue.")
+            if g == 0
+            else ("Red.", "Green, I think.", "A colour.", "Purple and gold.")
+        )
+        groups.append(
+            art.TrajectoryGroup(
+                art.Trajectory(
+                    messages_and_choices=[
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": answer},
+                    ],
+                    reward=float(i),
+                )
+                for i, answer in enumerate(answers)
+            )
+        )
+    return groups
+
+
+def _save_batch(documents: list[Any], batch_dir: Path, seq_len: int) -> int:
+    """Pack `documents` for one DP rank into `batch_dir/dp0.safetensors`; returns the tokens."""
+    from art_mega.trainer.batch import pack
+
+    batch_dir.mkdir(parents=True, exist_ok=True)
+    (batch,) = pack(documents, seq_len, 1)
+    batch.save(batch_dir / "dp0.safetensors")
+    return sum(len(d) for d in documents)
+
+
+def _rl_job(run: Path, step: int, batch_dir: Path) -> dict[str, Any]:
+    return {
+        "kind": "rl",
+        "step": step,
+        "batch_dir": str(batch_dir),
+        "checkpoint_dir": str(run / "checkpoints" / f"{step:04d}"),
+        "learning_rate": 1e-3,
+        "loss": {},
+    }
+
+
+async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 3: three GRPO steps on an agent-started GPU trainer rank (see the module docstring).
+
+    Raises AssertionError on a non-finite loss metric, an unchanged adapter or a sha256 that does
+    not match the adapter file.
+    """
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from art_mega.models.resolve import resolve_base_model
+    from art_mega.runtime.ports import free_port
+    from art_mega.runtime.runtime import ArtRuntime
+    from art_mega.topology import TrainerSpec, compile_topology
+    from art_mega.trainer.service import TrainerService
+    from art_mega.trainer.tokenize import grpo_documents
+
+    model_dir = resolve_base_model(MODEL, work / "cache").model_dir
+    documents, stats = grpo_documents(AutoTokenizer.from_pretrained(model_dir), _grpo_groups())
+    assert stats.trajectories_used == 8, stats
+    topology = compile_topology(_gpu_cluster(work), trainer=TrainerSpec(master_port=free_port()))
+    assert topology.trainer_ranks[0].gpu_id == (None if rehearsing() else 0), topology.trainer_ranks
+    runtime = await ArtRuntime.start_local(topology)
+    service = TrainerService(runtime.clients, topology, log_dir / "trainer-grpo")
+    run = work / "grpo"
+    figures: list[tuple[str, float, str]] = []
+    try:
+        ready_s = await service.start({"model_dir": str(model_dir), "lora": {"rank": 8, "alpha": 16}})
+        await service.run({"kind": "export", "step": 0, "checkpoint_dir": str(run / "checkpoints" / "0000")})
+        seen = {
+            hashlib.sha256(
+                (run / "checkpoints/0000/adapter/adapter_model.safetensors").read_bytes()
+            ).hexdigest()
+        }
+        for step in (1, 2, 3):
+            batch_dir = run / "batches" / f"{step:04d}"
+            _save_batch(documents, batch_dir, 256)
+            result = await service.run(_rl_job(run, step, batch_dir))
+            metrics = result.rank0["metrics"]
+            bad = {k: v for k, v in metrics.items() if k.startswith("loss/") and not math.isfinite(v)}
+            assert not bad, f"step {step}: non-finite loss metrics {bad}"
+            (ready,) = result.adapter_ready
+            sha = hashlib.sha256((Path(ready["path"]) / "adapter_model.safetensors").read_bytes()).hexdigest()
+            assert ready["step"] == step and ready["sha256"] == sha, (ready, sha)
+            assert sha not in seen, f"step {step} wrote the same adapter as an earlier step"
+            seen.add(sha)
+            print(
+                f"trainer_grpo: step {step} loss/grad_norm {metrics['loss/grad_norm']:.4g}, "
+                f"compute {metrics['time/rank_compute_s']:.3f} s, adapter sha256 {sha[:12]}"
+            )
+        figures += [
+            ("gpu: trainer rank start (agent child, NCCL, tiny Qwen3 + LoRA)", ready_s, "s"),
+            (
+                "gpu: GRPO step, Megatron compute, tiny Qwen3 LoRA, TrainerService",
+                metrics["time/rank_compute_s"],
+                "s",
+            ),
+        ]
+    finally:
+        await service.stop()
+        await runtime.close()
+    return figures
+
+
+def _smollm2_shaped(out_dir: Path) -> Path:
+    """A Llama directory with SmolLM2-135M's shape and seeded random weights (config + safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE, torch_dtype="float32"))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 4: GRPO step tokens/s on one GPU rank, SmolLM2-135M shape, fp32 then bf16.
+
+    Each dtype: one warm-up step, then the mean of three timed steps' `time/megatron_s` (batch
+    loaded, forward + backward + optimizer step; the checkpoint write is not in it).
+    """
+    import random
+
+    from art_mega.runtime.ports import free_port
+    from art_mega.runtime.runtime import ArtRuntime
+    from art_mega.topology import TrainerSpec, compile_topology
+    from art_mega.trainer.batch import Document
+    from art_mega.trainer.service import TrainerService
+
+    model_dir = _smollm2_shaped(work / "smollm2-shape")
+    rng = random.Random(0)
+    length, count, seq_len = (512, 2, 1024) if rehearsing() else (1024, 64, 4096)
+    documents = []
+    for i in range(count):
+        ids = [rng.randrange(SMOLLM2_SHAPE["vocab_size"]) for _ in range(length)]
+        mask = [0.0] * (length // 4) + [1.0] * (length - length // 4)
+        documents.append(
+            Document(ids, mask, [-2.0] * length, 1.0 if i % 2 else -1.0, 1.0 / (length - length // 4))
+        )
+    figures: list[tuple[str, float, str]] = []
+    for dtype, rows in (("float32", 1), ("bfloat16", 1), ("bfloat16", 4)):
+        topology = compile_topology(_gpu_cluster(work), trainer=TrainerSpec(master_port=free_port()))
+        runtime = await ArtRuntime.start_local(topology)
+        service = TrainerService(runtime.clients, topology, log_dir / f"trainer-throughput-{dtype}-{rows}")
+        run = work / f"throughput-{dtype}-{rows}"
+        try:
+            await service.start(
+                {
+                    "model_dir": str(model_dir),
+                    "lora": {"rank": 8, "alpha": 16},
+                    "dtype": dtype,
+                    "micro_batch_rows": rows,
+                }
+            )
+            await service.run(
+                {"kind": "export", "step": 0, "checkpoint_dir": str(run / "checkpoints" / "0000")}
+            )
+            times = []
+            for step in (1, 2, 3, 4):
+                batch_dir = run / "batches" / f"{step:04d}"
+                tokens = _save_batch(documents, batch_dir, seq_len)
+                result = await service.run(_rl_job(run, step, batch_dir))
+                metrics = result.rank0["metrics"]
+                assert math.isfinite(metrics["loss/grad_norm"]), metrics
+                if step > 1:
+                    times.append(metrics["time/megatron_s"])
+            step_s = sum(times) / len(times)
+            print(
+                f"trainer_throughput: {dtype}, micro_batch_rows={rows}: {tokens} tokens in {step_s:.3f} s "
+                f"= {tokens / step_s:.0f} tokens/s"
+            )
+            # rows=1 keeps the figure names recorded before micro_batch_rows was a column of the run
+            suffix = "" if rows == 1 else f", {rows} rows per microbatch"
+            figures += [
+                (
+                    f"gpu: GRPO step tokens/s, SmolLM2-135M shape, LoRA r=8, {dtype}, 1 GPU{suffix}",
+                    tokens / step_s,
+                    "tokens/s",
+                ),
+                (f"gpu: GRPO step time (64x1024 tokens), SmolLM2-135M shape, {dtype}{suffix}", step_s, "s"),
+            ]
+        finally:
+            await service.stop()
+            await runtime.close()
+    return figures
+
+
+async def nccl_preflight(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 7: the NCCL preflight collective over this host, proved from its NCCL log.
+
+    Raises PreflightError when the collective fails, StopIteration when the log has no
+    "Using network" line.
+    """
+    from art_mega.runtime.preflight import run_collective
+    from art_mega.runtime.runtime import ArtRuntime
+    from art_mega.topology import compile_topology
+
+    runtime = await ArtRuntime.start_local(compile_topology(_gpu_cluster(work)))
+    try:
+        report = await run_collective(
+            runtime.clients,
+            ["gpu0"],
+            "127.0.0.1",
+            120.0,
+            backend="nccl",
+            nccl_net="Socket",
+            log_dir=str(log_dir),
+        )
+    finally:
+        await runtime.close()
+    proof = (log_dir / "nccl-preflight-rank0.log").read_text(errors="replace")
+    line = next(line for line in proof.splitlines() if "Using network" in line)
+    print(
+        f"nccl_preflight: {report.backend} over {report.host_ids} in {report.seconds:.2f} s; log: {line.strip()}"
+    )
+    return [("gpu: NCCL single-host preflight collective (log-proved)", report.seconds, "s")]
 
 
 async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
-    """Steps 2-4 on one runtime: GRPO step, publication + completion, NCCL preflight."""
+    """Steps 5-6 on one runtime: a GRPO step with a shared-GPU vLLM replica, then publication of
+    its adapter and a completion served by it."""
     import art_mega as art
     from art_mega.runtime.ports import free_port
-    from art_mega.runtime.preflight import run_collective
     from art_mega.runtime.runtime import ArtRuntime
-    from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
+    from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
 
-    cluster = ClusterSpec(
-        hosts=(
-            HostSpec(
-                host_id="gpu0", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2, gpu_ids=(0,)
-            ),
-        ),
-        controller_host_id="gpu0",
-        artifact_root=str(work / "artifacts"),
-        cache_root=str(work / "cache"),
-    )
     topology = compile_topology(
-        cluster,
+        _gpu_cluster(work),
         trainer=TrainerSpec(master_port=free_port()),
         inference=InferenceSpec(replicas=1, shared_gpus=True, api_port=free_port(), python=sys.executable),
     )
@@ -187,42 +527,64 @@ async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float,
             ),
             ("gpu: vLLM LoRA adapter load", result.metrics.get("time/adapter_load_s", 0.0), "s"),
         ]
-        report = await run_collective(
-            runtime.clients,
-            ["gpu0"],
-            "127.0.0.1",
-            120.0,
-            backend="nccl",
-            nccl_net="Socket",
-            log_dir=str(log_dir),
-        )
-        proof = (log_dir / "nccl-preflight-rank0.log").read_text(errors="replace")
-        line = next(line for line in proof.splitlines() if "Using network" in line)
-        print(
-            f"nccl_preflight: {report.backend} over {report.host_ids} in {report.seconds:.2f} s; log: {line.strip()}"
-        )
-        figures.append(("gpu: NCCL single-host preflight collective (log-proved)", report.seconds, "s"))
     finally:
         await backend.close()
         await runtime.close()
     return figures
 
 
-def run_steps(log_dir: Path) -> list[tuple[str, float, str]]:
-    """Run every step; returns (figure, value, unit). Raises the first step's failure."""
+def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tuple[str, float, str]]]]:
+    return {
+        "megatron_logits": lambda: megatron_logits(work, log_dir),
+        "te_logits": lambda: megatron_logits(work, log_dir, use_te=True),
+        "trainer_grpo": lambda: asyncio.run(trainer_grpo(work, log_dir)),
+        "trainer_throughput": lambda: asyncio.run(trainer_throughput(work, log_dir)),
+        "grpo_lora": lambda: asyncio.run(_grpo_and_publish(work, log_dir)),
+        "nccl_preflight": lambda: asyncio.run(nccl_preflight(work, log_dir)),
+    }
+
+
+def run_steps(
+    log_dir: Path, steps: list[str] | None = None, keep_going: bool = False
+) -> tuple[list[tuple[str, float, str]], dict[str, str]]:
+    """Run the chosen steps (default all) in STEPS order.
+
+    Returns (figures as (figure, value, unit), failures as step -> one line). Without
+    `keep_going` the first failure stops the run. grpo_lora and adapter_publish are one run of
+    the backend: choosing either runs both.
+    """
     work = Path(tempfile.mkdtemp(prefix="art-mega-device-check-"))
     os.environ.setdefault("ART_MEGA_CACHE", str(work / "cache"))
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("te_logits", lambda: te_logits(work, log_dir)),
-        ("grpo_lora, adapter_publish, nccl_preflight", lambda: asyncio.run(_grpo_and_publish(work, log_dir))),
-    ]
-    figures = []
-    for name, step in steps:
+    chosen = list(STEPS) if steps is None else list(steps)
+    if "adapter_publish" in chosen and "grpo_lora" not in chosen:
+        chosen[chosen.index("adapter_publish")] = "grpo_lora"
+    functions = _step_functions(work, log_dir)
+    figures: list[tuple[str, float, str]] = []
+    failures: dict[str, str] = {}
+    for name in dict.fromkeys(c for c in chosen if c != "adapter_publish"):
+        label = "grpo_lora, adapter_publish" if name == "grpo_lora" else name
         started = time.perf_counter()
-        print(f"== {name}", flush=True)
-        figures += step()
-        print(f"== {name}: ok after {time.perf_counter() - started:.1f} s", flush=True)
-    return figures
+        print(f"== {label}", flush=True)
+        missing = missing_modules(name)
+        try:
+            if missing:
+                raise ModuleNotFoundError(
+                    f"{label} needs {', '.join(missing)}, which this Python cannot import "
+                    "(install the gpu extra: ART_MEGA_EXTRAS=test,gpu bash scripts/install.sh)"
+                )
+            figures += functions[name]()
+        except Exception as exc:  # one failed step is reported; the others may still run
+            traceback.print_exc()
+            failures[label] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            print(
+                f"== {label}: FAILED after {time.perf_counter() - started:.1f} s: {failures[label]}",
+                flush=True,
+            )
+            if not keep_going:
+                break
+            continue
+        print(f"== {label}: ok after {time.perf_counter() - started:.1f} s", flush=True)
+    return figures, failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,20 +594,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device_check: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        for n, (name, what) in enumerate(STEPS.items(), 1):
-            print(f"{n}. {name}: {what}")
+        for n, name in enumerate(args.steps, 1):
+            print(f"{n}. {name}: {STEPS[name][0]}")
         return 0
     args.log_dir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(HERE))
     import torch
     from _results import machine, report
 
-    if not torch.cuda.is_available():
+    if rehearsing():
+        where, args.record = machine("cpu") + " (rehearsal)", False
+    elif not torch.cuda.is_available():
         print("device_check: error: torch sees no CUDA device; run this on a machine with an NVIDIA GPU")
         return 1
-    where = machine("gpu", f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
-    figures = run_steps(args.log_dir)
-    report(figures, "bash scripts/device_check.sh --log-dir DIR", args.record, machine_name=where)
+    else:
+        where = machine("gpu", f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
+    figures, failures = run_steps(args.log_dir, args.steps, args.keep_going)
+    command = "bash scripts/device_check.sh --log-dir DIR"
+    if args.steps != list(STEPS):
+        command += f" --steps {','.join(args.steps)}"
+    if figures:
+        report(figures, command, args.record, machine_name=where)
+    if failures:
+        for label, line in failures.items():
+            print(f"device_check: FAILED {label}: {line}")
+        return 1
     print("DEVICE_CHECK_PASS")
     return 0
 

@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # The GPU device check, one command on a machine with an NVIDIA GPU:
-#   bash scripts/device_check.sh --log-dir DIR [--dry-run] [--skip-install] [--record]
+#   bash scripts/device_check.sh --log-dir DIR [--steps a,b] [--keep-going] [--dry-run] [--skip-install] [--record]
 # 1. installs the `gpu` extra into .venv (scripts/install.sh with ART_MEGA_EXTRAS=test,gpu;
 #    --skip-install when it is there already);
 # 2. within 10 minutes (ART_MEGA_DEVICE_CHECK_TIMEOUT seconds, default 600) runs
-#    benchmarks/device_check.py: the TransformerEngine Megatron model against HF logits, one GRPO
-#    step with LoRA on tiny Qwen3, adapter publication into upstream vLLM and a completion from
-#    it, the NCCL single-host preflight with its log proof; it prints RESULTS.md rows with
-#    "gpu ..." in the machine column (--record also writes them into benchmarks/RESULTS.md).
+#    benchmarks/device_check.py: the Megatron model (local and TransformerEngine specs) against
+#    HF logits, GRPO steps on an agent-started GPU trainer rank and their tokens/s, one GRPO step
+#    with LoRA on tiny Qwen3 with a shared-GPU upstream vLLM replica, adapter publication into it
+#    and a completion from it, the NCCL single-host preflight with its log proof; it prints
+#    RESULTS.md rows with "gpu ..." in the machine column (--record also writes them into
+#    benchmarks/RESULTS.md). --steps picks steps by name (see --dry-run); --keep-going runs
+#    every chosen step even after one failed.
 # The full log goes to DIR/device_check.log (NCCL logs beside it). Exit 0 when every step
 # passed, 1 on any failure, 2 on a bad command line (one sentence on stderr).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage="usage: bash scripts/device_check.sh --log-dir DIR [--dry-run] [--skip-install] [--record]"
+usage="usage: bash scripts/device_check.sh --log-dir DIR [--steps a,b] [--keep-going] [--dry-run] [--skip-install] [--record]"
 log_dir=""
 dry_run=0
 skip_install=0
 record=()
+passed=()
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --log-dir)
@@ -36,6 +40,15 @@ while [ "$#" -gt 0 ]; do
       fi
       shift
       ;;
+    --steps)
+      if [ "$#" -lt 2 ] || [ -z "$2" ] || [ "${2#--}" != "$2" ]; then
+        echo "device_check.sh: error: --steps needs step names, e.g. --steps megatron_logits,nccl_preflight; $usage" >&2
+        exit 2
+      fi
+      passed+=(--steps "$2")
+      shift 2
+      ;;
+    --keep-going) passed+=(--keep-going); shift ;;
     --dry-run) dry_run=1; shift ;;
     --skip-install) skip_install=1; shift ;;
     --record) record=(--record); shift ;;
@@ -62,14 +75,17 @@ case "$timeout_s" in
     ;;
 esac
 
+if [ "${#passed[@]}" -gt 0 ]; then  # a bad --steps is refused before anything installs
+  python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir" "${passed[@]}" >/dev/null || exit 2
+fi
 if [ "$dry_run" = "1" ]; then
   if [ "$skip_install" = "1" ]; then
     echo "0. install: skipped (--skip-install)"
   else
     echo "0. install: ART_MEGA_EXTRAS=test,gpu bash scripts/install.sh (the gpu extra into .venv)"
   fi
-  python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir"
-  echo "log: $log_dir/device_check.log; time limit for steps 1-4: ${timeout_s} s"
+  python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir" ${passed[@]+"${passed[@]}"} || exit $?
+  echo "log: $log_dir/device_check.log; time limit for the steps: ${timeout_s} s"
   exit 0
 fi
 
@@ -91,7 +107,7 @@ if [ "$skip_install" = "0" ]; then
 fi
 status=0
 timeout --signal=TERM --kill-after=30 "$timeout_s" \
-  .venv/bin/python benchmarks/device_check.py --log-dir "$log_dir" ${record[@]+"${record[@]}"} || status=$?
+  .venv/bin/python benchmarks/device_check.py --log-dir "$log_dir" ${passed[@]+"${passed[@]}"} ${record[@]+"${record[@]}"} || status=$?
 if [ "$status" = "124" ]; then
   echo "device_check.sh: FAIL: the checks ran past ${timeout_s} s"
   exit 1

@@ -72,7 +72,8 @@ def build_engine(config: dict[str, Any], state: Any) -> Any:
     """The rank's TrainerEngine from the launch config, resumed or warm-started when asked.
 
     config keys: model_dir, lora {rank, alpha, targets}, optimizer {lr, weight_decay, clip_grad},
-    micro_batch_rows, resume_dir (a committed checkpoint) or warm_start (a PEFT adapter dir).
+    micro_batch_rows, dtype ("float32", the default, or "bfloat16" parameters), resume_dir (a
+    committed checkpoint) or warm_start (a PEFT adapter dir).
     """
     from art_mega.trainer.engine import OptimizerSettings, TrainerEngine
     from art_mega.trainer.lora import LoraConfig
@@ -89,6 +90,7 @@ def build_engine(config: dict[str, Any], state: Any) -> Any:
         state,
         lora=lora_config,
         optimizer=optimizer,
+        dtype=str(config.get("dtype", "float32")),
         micro_batch_rows=int(config.get("micro_batch_rows", 1)),
     )
     if config.get("resume_dir"):

@@ -31,6 +31,7 @@ def test_script_parses():
         (("--log-dir=",), "--log-dir is empty"),
         (("--log-dir", "/tmp/x", "--fast"), "unknown argument '--fast'"),
         (("--log-dir", str(SCRIPT)), "is a file"),
+        (("--log-dir", "/tmp/x", "--steps"), "--steps needs step names"),
     ],
 )
 def test_bad_arguments_are_one_sentence_with_exit_2(args, fragment):
@@ -57,12 +58,15 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
     result = _sh("--dry-run", "--log-dir", str(log_dir))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines[:5]] == [
+    assert [line.split(":")[0] for line in lines[:8]] == [
         "0. install",
-        "1. te_logits",
-        "2. grpo_lora",
-        "3. adapter_publish",
-        "4. nccl_preflight",
+        "1. megatron_logits",
+        "2. te_logits",
+        "3. trainer_grpo",
+        "4. trainer_throughput",
+        "5. grpo_lora",
+        "6. adapter_publish",
+        "7. nccl_preflight",
     ]
     assert "600 s" in lines[-1]
     assert not log_dir.exists()
@@ -81,3 +85,28 @@ def test_python_side_arguments(tmp_path, capsys):
     assert len(err) == 1 and "required: --log-dir" in err[0]
     assert device_check.main(["--dry-run", "--log-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("\n") == len(device_check.STEPS)
+
+
+def test_steps_are_chosen_by_name_in_order_and_unknown_names_refused(tmp_path, capsys):
+    args = device_check.parse_args(
+        ["--log-dir", str(tmp_path), "--steps", "nccl_preflight, megatron_logits", "--keep-going"]
+    )
+    assert args.steps == ["megatron_logits", "nccl_preflight"] and args.keep_going
+    assert device_check.parse_args(["--log-dir", str(tmp_path)]).steps == list(device_check.STEPS)
+    with pytest.raises(device_check.ArgumentError, match="names 'trainer'; choose from megatron_logits"):
+        device_check.parse_args(["--log-dir", str(tmp_path), "--steps", "trainer,nccl_preflight"])
+    with pytest.raises(device_check.ArgumentError, match="names no step"):
+        device_check.parse_args(["--log-dir", str(tmp_path), "--steps", ","])
+    # the shell script refuses a bad --steps before it installs anything
+    result = _sh("--log-dir", str(tmp_path / "logs"), "--steps", "megatron_logits,warp")
+    assert result.returncode == 2 and "names 'warp'" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_step_whose_modules_are_missing_fails_with_its_name(tmp_path, monkeypatch):
+    monkeypatch.setitem(device_check.STEPS, "te_logits", ("TE logits", ("no_such_module_art_mega",)))
+    figures, failures = device_check.run_steps(tmp_path, ["te_logits"], keep_going=True)
+    assert figures == []
+    assert list(failures) == ["te_logits"]
+    assert "te_logits needs no_such_module_art_mega" in failures["te_logits"]
+    assert device_check.missing_modules("nccl_preflight") == []

@@ -63,3 +63,19 @@ def test_backend_refuses_stale_trajectories_naming_the_steps() -> None:
 def test_gpu_memory_utilization_outside_zero_one_is_refused(fraction: float) -> None:
     with pytest.raises(UserError, match=rf"gpu_memory_utilization={fraction}\) .* use a value in \(0, 1\]"):
         MegatronBackend(gpu_memory_utilization=fraction)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"dtype": "fp16"}, "dtype='fp16'\\) is not a trainer dtype; use 'auto', 'float32' or 'bfloat16'"),
+        ({"micro_batch_rows": 0}, "micro_batch_rows=0\\) counts packed rows"),
+        ({"micro_batch_rows": 2.5}, "micro_batch_rows=2.5\\) counts packed rows"),
+        ({"micro_batch_rows": True}, "micro_batch_rows=True\\) counts packed rows"),
+    ],
+)
+def test_bad_dtype_or_micro_batch_rows_is_refused(kwargs, fragment) -> None:
+    with pytest.raises(UserError, match=fragment):
+        MegatronBackend(**kwargs)
+    backend = MegatronBackend(dtype="bfloat16", micro_batch_rows=4)
+    assert (backend.dtype, backend.micro_batch_rows) == ("bfloat16", 4)

@@ -219,7 +219,9 @@ def _context_parallel_size() -> int:
 def layer_spec(args: DenseArgs, *, use_te: bool):
     """The GPT decoder layer spec: TransformerEngine modules when `use_te`, else Megatron's local ones.
 
-    With context parallelism (megatron-core's CP size > 1) the local spec's core attention is
+    The local spec's core attention is `sdpa_attention.SdpaCoreAttention` (PyTorch's fused
+    scaled_dot_product_attention instead of Megatron's materialised scores); with context
+    parallelism (megatron-core's CP size > 1) it is
     `cp_attention.ContextParallelDotProductAttention` (Megatron's local `DotProductAttention`
     refuses CP, `transformer/dot_product_attention.py:57`); TE's attention does CP itself.
     """
@@ -228,9 +230,10 @@ def layer_spec(args: DenseArgs, *, use_te: bool):
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
     from art_mega.trainer.cp_attention import with_context_parallel_attention
+    from art_mega.trainer.sdpa_attention import with_sdpa_attention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
-    return with_context_parallel_attention(spec)
+    return with_context_parallel_attention(with_sdpa_attention(spec))
 
 
 def gpt_model_kwargs(args: DenseArgs, *, tp: int) -> dict[str, Any]:

@@ -155,6 +155,7 @@ def layer_spec(args: MoeArgs, *, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
     from art_mega.trainer.cp_attention import with_context_parallel_attention
+    from art_mega.trainer.sdpa_attention import with_sdpa_attention
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -163,7 +164,7 @@ def layer_spec(args: MoeArgs, *, use_te: bool):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
-    return with_context_parallel_attention(spec)
+    return with_context_parallel_attention(with_sdpa_attention(spec))
 
 
 def gpt_model_kwargs(args: MoeArgs, *, tp: int) -> dict[str, Any]:

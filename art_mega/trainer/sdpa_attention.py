@@ -1,0 +1,112 @@
+"""Core attention for the local layer spec through PyTorch's `scaled_dot_product_attention`.
+
+Megatron's local `DotProductAttention` materialises the scores of every head, [b, np, s, s],
+converts them to fp32 for the softmax and keeps them for the backward. On an H200 with packed
+4096-token rows (SmolLM2-135M shape, bf16, LoRA) that path was ~75% of the GPU time of a GRPO
+step: the dtype copies, `masked_fill` and the softmax and its backward (torch.profiler, recorded
+in benchmarks/RESULTS.md notes). `torch.nn.functional.scaled_dot_product_attention` runs the same
+math in one fused kernel (memory-efficient attention on GPU, which takes an arbitrary mask; the
+flash or math kernel on CPU) without keeping the scores.
+
+Same interface and numbers as the module it replaces: GQA by repeating each key/value head for
+its `np / ng` query heads (Megatron's `repeat_interleave` on the head dimension), softmax scale
+1/sqrt(head dim) unless `softmax_scale` is given (`apply_query_key_layer_scaling` multiplies and
+divides by the layer number in Megatron, a no-op on the result), an explicit mask wins over the
+mask type (Megatron's `forward_torch_softmax`), no mask and a causal mask type mean causal.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+
+@functools.cache
+def sdpa_core_attention() -> type:
+    """The `SdpaCoreAttention` class, a core-attention module for Megatron `ModuleSpec`s (built on
+    first use: it subclasses megatron-core's `MegatronModule`)."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.utils import divide
+
+    class SdpaCoreAttention(MegatronModule):
+        """Self-attention of one layer's heads on this TP rank, through SDPA.
+
+        forward(query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask) -> [s, b, np*hn]
+        in the inputs' dtype; np and ng are this TP rank's query heads and query groups.
+        `attention_mask` bool [b or 1, 1, s, s], True = masked (Megatron's convention,
+        `logprobs.packed_attention_mask`), or None for the layer's mask type (causal). No
+        parameters of its own.
+
+        Raises:
+            ValueError: at construction for what it does not implement (context parallelism,
+                sliding windows, a softmax other than "vanilla"); in forward for an attention
+                bias or packed-sequence (THD) parameters.
+        """
+
+        def __init__(
+            self,
+            config: Any,
+            layer_number: int,
+            attn_mask_type: Any,
+            attention_type: str,
+            attention_dropout: float | None = None,
+            softmax_scale: float | None = None,
+            cp_comm_type: str | None = None,
+            pg_collection: Any = None,
+        ) -> None:
+            super().__init__(config=config)
+            if config.context_parallel_size != 1:
+                raise ValueError("SdpaCoreAttention runs without context parallelism (cp_attention does CP)")
+            if config.window_size is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
+                raise ValueError("SdpaCoreAttention has no sliding window and only the vanilla softmax")
+            tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+            tp = tp_group.size() if tp_group is not None else mpu.get_tensor_model_parallel_world_size()
+            self.heads = divide(config.num_attention_heads, tp)
+            self.groups = divide(config.num_query_groups, tp)
+            self.head_dim = config.kv_channels
+            self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+            self.attn_mask_type = attn_mask_type
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("SdpaCoreAttention takes neither attention_bias nor packed_seq_params")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+            if self.groups != self.heads:
+                k = k.repeat_interleave(self.heads // self.groups, dim=1)
+                v = v.repeat_interleave(self.heads // self.groups, dim=1)
+            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None if attention_mask is None else ~attention_mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=attention_mask is None and mask_type == AttnMaskType.causal,
+                scale=self.softmax_scale,
+            )
+            seq, batch = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, self.heads * self.head_dim)
+
+    return SdpaCoreAttention
+
+
+def with_sdpa_attention(spec: Any) -> Any:
+    """`spec` (a local-spec transformer layer `ModuleSpec`) with `SdpaCoreAttention` as its
+    self-attention's core attention. Modifies and returns `spec`; apply before
+    `cp_attention.with_context_parallel_attention`, which replaces it again when CP > 1."""
+    spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    return spec
