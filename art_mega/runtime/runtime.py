@@ -68,6 +68,7 @@ class ArtRuntime:
         self._closed = False
         self.lost: HostLostError | None = None
         self._etcd_host: str | None = None
+        self._etcd_endpoint: str | None = None
         self.host_facts: dict[str, HostFacts] = {}
         self.preflight: PreflightReport | None = None
 
@@ -214,7 +215,9 @@ class ArtRuntime:
         """Admission, artifact_root probe, metadata store, collective; results in `self.preflight`.
 
         A proof that fails stops the warm preflight probes it started (each holds torch in memory
-        and would otherwise wait `preflight_probe.WARM_IDLE_S` seconds on its agent).
+        and would otherwise wait `preflight_probe.WARM_IDLE_S` seconds on its agent). Proving
+        again (e.g. after a host was replaced) re-checks the managed etcd this runtime started
+        from every host instead of starting a second one; `close` stops it.
         """
         hosts_in_collective = self.collective_hosts(collective)
         warm_hosts = hosts_in_collective if len(hosts_in_collective) > 1 else ()
@@ -263,6 +266,10 @@ class ArtRuntime:
             if explicit is not None:
                 endpoint = explicit.url
                 await check_from_every_host(self._clients, endpoint, self.launch_id)
+            elif self._etcd_endpoint is not None:
+                # a proof again (after a host came back, say): this runtime's etcd runs already
+                endpoint = self._etcd_endpoint
+                await check_from_every_host(self._clients, endpoint, self.launch_id)
             else:
                 controller = cluster.controller
                 reply = await start_metadata_store(
@@ -272,7 +279,7 @@ class ArtRuntime:
                     self.launch_id,
                     timeout_s=cluster.startup_timeout_s,
                 )
-                self._etcd_host = controller.host_id
+                self._etcd_host, self._etcd_endpoint = controller.host_id, reply.endpoint
                 endpoint = reply.endpoint
             phases["metadata_store"] = loop.time() - started
         report = None

@@ -212,8 +212,13 @@ def test_private_artifact_root_on_one_host(netns3, tmp_path):
 def test_managed_etcd_serves_every_host_and_leaves_nothing(netns3, tmp_path):
     before_dirs, before_pids = _etcd_dirs(), set(_etcd_pids())
     with agents(netns3):
-        report = _ok(controller(netns3, PREFLIGHT_ETCD="1", PREFLIGHT_ROOT=str(tmp_path / "a")))
+        report = _ok(
+            controller(
+                netns3, PREFLIGHT_ETCD="1", PREFLIGHT_ROOT=str(tmp_path / "a"), PREFLIGHT_PROVE_AGAIN="1"
+            )
+        )
     assert report["metadata_store"].startswith(f"http://{netns3.hosts[0].address}:")
+    assert report["again"] == report["metadata_store"]  # a second proof re-checks the same etcd
     assert "metadata_store" in report["phases"]
     assert _etcd_dirs() == before_dirs
     assert wait_gone([p for p in _etcd_pids() if p not in before_pids], 5) == []

@@ -2,7 +2,8 @@
 
 PREFLIGHT_GPU_HOST1: GPU ids for host1 (comma-separated); PREFLIGHT_NCCL_NET: nccl net_name;
 PREFLIGHT_LOCAL_ROOT=1: host-local artifact_root; PREFLIGHT_ROOT: artifact_root; PREFLIGHT_ETCD=1:
-require the metadata store; PREFLIGHT_ETCD_BIN: etcd binary. Prints PREFLIGHT_OK {json}.
+require the metadata store; PREFLIGHT_ETCD_BIN: etcd binary; PREFLIGHT_PROVE_AGAIN=1: prove a
+second time and report its metadata store as "again". Prints PREFLIGHT_OK {json}.
 """
 
 import json
@@ -40,12 +41,16 @@ async def main(launch):
     try:
         report = runtime.preflight
         facts = runtime.host_facts
+        again = None
+        if os.environ.get("PREFLIGHT_PROVE_AGAIN") == "1":
+            again = (await runtime.prove(metadata_store=True)).metadata_store
         print(
             "PREFLIGHT_OK "
             + json.dumps(
                 {
                     "phases": report.phases_s,
                     "metadata_store": report.metadata_store,
+                    "again": again,
                     "hosts": sorted(facts),
                     "boot_ids": sorted({f.boot_id for f in facts.values()}),
                     "bandwidth_gbps": report.collective.bandwidth_gbps if report.collective else None,
