@@ -147,6 +147,39 @@ async def check_controller_sees_artifact_root(runtime: Any) -> None:
         )
 
 
+async def check_hosts_see_model(runtime: Any, model_dir: Path, warm_start: Path | None = None) -> None:
+    """Refuse to start when a trainer or replica host cannot read the base model (or warm start).
+
+    The controller resolves `base_model` into a directory under its `cache_root`, and every
+    trainer rank and vLLM replica reads that same path on its own host. Each of those hosts'
+    agents checks the directory's top-level files (config, weights, tokenizer) are readable
+    there: one signed call per host, in parallel, before any rank or replica starts.
+
+    Raises:
+        UserError: a host misses some of the files (the first such host is named, with the
+            directory and how many of its files are missing).
+    """
+    topology = runtime.topology
+    hosts = [
+        h
+        for h in topology.cluster.host_ids
+        if any(r.host_id == h for r in topology.trainer_ranks)
+        or any(h in r.host_ids for r in topology.replicas)
+    ]
+    folders = [model_dir] + ([warm_start] if warm_start is not None else [])
+    files = tuple(str(f) for folder in folders for f in sorted(Path(folder).iterdir()) if f.is_file())
+    missing = await asyncio.gather(*(runtime.clients[h].files_missing(files) for h in hosts))
+    for host, lost in zip(hosts, missing):
+        if lost:
+            folder = next(f for f in folders if lost[0].startswith(str(f)))
+            raise UserError(
+                f"host {host} cannot read the model directory {folder} ({len(lost)} of its files are "
+                f"missing there, e.g. {Path(lost[0]).name}), which its trainer ranks or replicas load; "
+                "put ClusterSpec.cache_root on a filesystem every host mounts, or copy the directory "
+                f"to the same path on host {host}"
+            )
+
+
 def read_commit(checkpoints: Path) -> int | None:
     """The last committed step in `checkpoints/LATEST` (None when nothing is committed)."""
     pointer = checkpoints / COMMIT_FILE
@@ -296,6 +329,7 @@ class MegatronBackend:
         transport = adapter_transport_for(self._runtime)  # UserError, also before any start
         cluster = topology.cluster
         resolved = resolve_base_model(model.base_model, cluster.cache_root)
+        await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
         self._model, self._model_dir = model, resolved.model_dir
         run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)

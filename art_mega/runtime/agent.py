@@ -36,6 +36,8 @@ from art_mega.runtime.protocol import (
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
+    FilesCheckRequest,
+    FilesCheckResponse,
     FreePortRequest,
     FreePortResponse,
     FsOpRequest,
@@ -423,6 +425,17 @@ def create_app(state: AgentState) -> Starlette:
     @router.post("/fs/op", FsOpRequest)
     async def fs_op(body: FsOpRequest) -> FsOpResponse:
         return await asyncio.to_thread(state.fs_probe.run, body)
+
+    @router.post("/files/check", FilesCheckRequest)
+    async def files_check(body: FilesCheckRequest) -> FilesCheckResponse:
+        def missing() -> tuple[str, ...]:
+            return tuple(
+                p
+                for p in body.paths
+                if not (os.path.isabs(p) and os.path.isfile(p) and os.access(p, os.R_OK))
+            )
+
+        return FilesCheckResponse(missing=await asyncio.to_thread(missing))
 
     @router.post("/etcd/start", EtcdStartRequest)
     async def etcd_start(body: EtcdStartRequest) -> EtcdStartResponse:

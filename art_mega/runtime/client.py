@@ -22,6 +22,8 @@ from art_mega.runtime.protocol import (
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
+    FilesCheckRequest,
+    FilesCheckResponse,
     FreePortRequest,
     FreePortResponse,
     FsOpRequest,
@@ -221,6 +223,13 @@ class AgentClient:
     async def fs_op(self, request: FsOpRequest) -> FsOpResponse:
         """One filesystem-probe step on this host (see `runtime.fs_probe`)."""
         return await self._request("POST", "/fs/op", request, FsOpResponse)
+
+    async def files_missing(self, paths: tuple[str, ...]) -> tuple[str, ...]:
+        """Which of these absolute file paths this host cannot read (relative ones count as missing)."""
+        reply = await self._request(
+            "POST", "/files/check", FilesCheckRequest(paths=paths), FilesCheckResponse
+        )
+        return reply.missing
 
     async def etcd_start(self, request: EtcdStartRequest) -> EtcdStartResponse:
         """Start the managed etcd on this host (see `runtime.etcd`)."""

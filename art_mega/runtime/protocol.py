@@ -183,6 +183,18 @@ class FreePortRequest(_Body):
     host: str
 
 
+class FilesCheckRequest(_Body):
+    """Absolute paths of files this host's processes will read (a base model's files, say)."""
+
+    paths: tuple[str, ...] = Field(max_length=4096)
+
+
+class FilesCheckResponse(_Body):
+    """The requested paths that are not readable regular files on this host, in request order."""
+
+    missing: tuple[str, ...] = ()
+
+
 class FreePortResponse(_Body):
     port: int
 

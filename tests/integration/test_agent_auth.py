@@ -75,3 +75,17 @@ async def test_health_names_the_launch_and_the_agent_pid(agent):
     assert data["pid"] == agent.pid
     assert data["address"] == agent.endpoint.address
     assert agent.endpoint.port != 0
+
+
+async def test_files_check_names_what_this_host_cannot_read(agent, tmp_path):
+    from art_mega.runtime.client import AgentClient
+
+    readable = tmp_path / "config.json"
+    readable.write_text("{}")
+    paths = (str(readable), str(tmp_path / "gone.safetensors"), "relative/config.json", str(tmp_path))
+    client = AgentClient("host0", agent.endpoint.address, agent.endpoint.url, SECRET)
+    try:
+        assert await client.files_missing(paths) == paths[1:]  # a folder is not a readable file
+        assert await client.files_missing((str(readable),)) == ()
+    finally:
+        await client.aclose()

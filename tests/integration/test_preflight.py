@@ -209,6 +209,35 @@ def test_private_artifact_root_on_one_host(netns3, tmp_path):
     assert "fs_probe" in report["phases"]
 
 
+def test_a_host_that_cannot_read_the_base_model_is_named_before_anything_starts(netns3, tmp_path):
+    """cache_root is private on host1 (a tmpfs over it in host1's mount namespace): the controller
+    builds tiny-qwen3 there, host1's trainer rank could not load it, and register says so first."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def wrap(i, argv):
+        if i != 1:
+            return argv
+        script = f"mount -t tmpfs tmpfs {cache} && exec " + " ".join(argv)
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+
+    with agents(netns3, wrap_for=wrap):
+        error = _fails(
+            controller(
+                netns3,
+                PREFLIGHT_REGISTER="1",
+                PREFLIGHT_CACHE=str(cache),
+                PREFLIGHT_ROOT=str(tmp_path / "a"),
+                PREFLIGHT_ETCD="0",
+            ),
+            "host host1 cannot read the model directory",
+            str(cache),
+            "ClusterSpec.cache_root",
+        )
+    assert "config.json" in error or "missing there" in error
+    assert not list((tmp_path / "a").rglob("trainer-rank*.log"))  # no rank was started
+
+
 def test_managed_etcd_serves_every_host_and_leaves_nothing(netns3, tmp_path):
     before_dirs, before_pids = _etcd_dirs(), set(_etcd_pids())
     with agents(netns3):

@@ -3,19 +3,31 @@
 PREFLIGHT_GPU_HOST1: GPU ids for host1 (comma-separated); PREFLIGHT_NCCL_NET: nccl net_name;
 PREFLIGHT_LOCAL_ROOT=1: host-local artifact_root; PREFLIGHT_ROOT: artifact_root; PREFLIGHT_ETCD=1:
 require the metadata store; PREFLIGHT_ETCD_BIN: etcd binary; PREFLIGHT_PROVE_AGAIN=1: prove a
-second time and report its metadata store as "again". Prints PREFLIGHT_OK {json}.
+second time and report its metadata store as "again"; PREFLIGHT_REGISTER=1: a trainer rank on
+host1 and a replica on host0, then register tiny-qwen3 from PREFLIGHT_CACHE (cache_root). Prints
+PREFLIGHT_OK {json}.
 """
 
 import json
 import os
 
-from art_mega import ArtRuntime, ClusterSpec, HostSpec, NcclTransportSpec, compile_topology
+import art_mega as art
+from art_mega import (
+    ArtRuntime,
+    ClusterSpec,
+    HostSpec,
+    InferenceSpec,
+    NcclTransportSpec,
+    TrainerSpec,
+    compile_topology,
+)
 
 
 async def main(launch):
     base = launch.homogeneous_cluster(
         allow_shared_kernel=True,
         artifact_root=os.environ.get("PREFLIGHT_ROOT") or None,
+        cache_root=os.environ.get("PREFLIGHT_CACHE") or None,
         shared_artifact_root=os.environ.get("PREFLIGHT_LOCAL_ROOT") != "1",
         nccl_transport=NcclTransportSpec(net_name=os.environ["PREFLIGHT_NCCL_NET"])
         if os.environ.get("PREFLIGHT_NCCL_NET")
@@ -32,6 +44,12 @@ async def main(launch):
             **{**base.model_dump(), "startup_timeout_s": float(os.environ["PREFLIGHT_TIMEOUT"])}
         )
     topology = compile_topology(base)
+    if os.environ.get("PREFLIGHT_REGISTER") == "1":
+        topology = compile_topology(
+            base,
+            trainer=TrainerSpec(host_ids=(base.hosts[1].host_id,), cpu_ranks_per_host=1),
+            inference=InferenceSpec(replicas=1, host_ids=(base.hosts[0].host_id,)),
+        )
     runtime = await ArtRuntime.start(
         launch,
         topology,
@@ -39,6 +57,12 @@ async def main(launch):
         collective=True if os.environ.get("PREFLIGHT_COLLECTIVE") == "1" else None,
     )
     try:
+        if os.environ.get("PREFLIGHT_REGISTER") == "1":
+            backend = art.MegatronBackend(runtime=runtime)
+            try:
+                await art.TrainableModel(name="m", project="p", base_model="tiny-qwen3").register(backend)
+            finally:
+                await backend.close()
         report = runtime.preflight
         facts = runtime.host_facts
         again = None
