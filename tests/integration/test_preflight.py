@@ -190,17 +190,24 @@ def test_a_gpu_named_by_the_topology_is_missing(netns3):
         _fails(controller(netns3, PREFLIGHT_GPU_HOST1="0"), "host host1", "GPU 0", "not present")
 
 
-def test_private_artifact_root_on_one_host(netns3, tmp_path):
-    root = tmp_path / "shared-artifacts"
-    root.mkdir()
+def private_folder_on_host1(folder: Path):
+    """An `agents(wrap_for=...)` that starts host1's agent in its own mount namespace with an empty
+    tmpfs over `folder`: host1 sees its own private folder at that path, the other hosts the real one."""
 
     def wrap(i, argv):
         if i != 1:
             return argv
-        script = f"mount -t tmpfs tmpfs {root} && exec " + " ".join(argv)
+        script = f"mount -t tmpfs tmpfs {folder} && exec " + " ".join(argv)
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
-    with agents(netns3, wrap_for=wrap):
+    return wrap
+
+
+def test_private_artifact_root_on_one_host(netns3, tmp_path):
+    root = tmp_path / "shared-artifacts"
+    root.mkdir()
+
+    with agents(netns3, wrap_for=private_folder_on_host1(root)):
         _fails(controller(netns3, PREFLIGHT_ROOT=str(root)), "host host1", "not one shared filesystem")
         # the same hosts pass when artifact_root is declared host-local
         report = _ok(
@@ -215,13 +222,7 @@ def test_a_host_that_cannot_read_the_base_model_is_named_before_anything_starts(
     cache = tmp_path / "cache"
     cache.mkdir()
 
-    def wrap(i, argv):
-        if i != 1:
-            return argv
-        script = f"mount -t tmpfs tmpfs {cache} && exec " + " ".join(argv)
-        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
-
-    with agents(netns3, wrap_for=wrap):
+    with agents(netns3, wrap_for=private_folder_on_host1(cache)):
         error = _fails(
             controller(
                 netns3,
