@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import operator
 import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,18 +168,37 @@ async def check_hosts_see_model(runtime: Any, model_dir: Path, warm_start: Path 
         if any(r.host_id == h for r in topology.trainer_ranks)
         or any(h in r.host_ids for r in topology.replicas)
     ]
-    folders = [model_dir] + ([warm_start] if warm_start is not None else [])
-    files = tuple(str(f) for folder in folders for f in sorted(Path(folder).iterdir()) if f.is_file())
+    folders = {Path(model_dir): "base model directory"}
+    if warm_start is not None:
+        folders[Path(warm_start)] = "warm-start adapter directory"
+    files = tuple(str(f) for folder in folders for f in sorted(folder.iterdir()) if f.is_file() and _utf8(f))
     missing = await asyncio.gather(*(runtime.clients[h].files_missing(files) for h in hosts))
     for host, lost in zip(hosts, missing):
         if lost:
-            folder = next(f for f in folders if lost[0].startswith(str(f)))
-            raise UserError(
-                f"host {host} cannot read the model directory {folder} ({len(lost)} of its files are "
-                f"missing there, e.g. {Path(lost[0]).name}), which its trainer ranks or replicas load; "
-                "put ClusterSpec.cache_root on a filesystem every host mounts, or copy the directory "
-                f"to the same path on host {host}"
-            )
+            raise unreadable_model_error(host, lost, folders)
+
+
+def unreadable_model_error(host: str, lost: Sequence[str], folders: Mapping[Path, str]) -> UserError:
+    """The one-sentence error for `host` missing the files `lost` (non-empty) of `folders`
+    (directory -> what it is, e.g. "base model directory"): names the folder of the first lost
+    file and counts that folder's lost files only."""
+    folder = Path(lost[0]).parent
+    count = sum(Path(p).parent == folder for p in lost)
+    return UserError(
+        f"host {host} cannot read the {folders[folder]} {folder} ({count} of its files are "
+        f"missing there, e.g. {Path(lost[0]).name}), which its trainer ranks or replicas load; "
+        "put ClusterSpec.cache_root on a filesystem every host mounts, or copy the directory "
+        f"to the same path on host {host}"
+    )
+
+
+def _utf8(path: Path) -> bool:
+    """True when `path` is valid UTF-8 (a name that is not cannot travel in JSON; no loader reads it)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_commit(checkpoints: Path) -> int | None:
@@ -245,11 +266,11 @@ class MegatronBackend:
             raise UserError(
                 f"MegatronBackend(dtype={dtype!r}) is not a trainer dtype; use 'auto', 'float32' or 'bfloat16'"
             )
-        if (
-            isinstance(micro_batch_rows, bool)
-            or not isinstance(micro_batch_rows, int)
-            or micro_batch_rows < 1
-        ):
+        try:  # any integer type, numpy's too; not a bool and not a float
+            rows = None if "bool" in type(micro_batch_rows).__name__ else operator.index(micro_batch_rows)
+        except TypeError:
+            rows = None
+        if rows is None or rows < 1:
             raise UserError(
                 f"MegatronBackend(micro_batch_rows={micro_batch_rows!r}) counts packed rows per microbatch; "
                 "use a whole number of at least 1, e.g. 1 on CPU or 4 on a GPU with memory to spare"
@@ -269,7 +290,7 @@ class MegatronBackend:
         self._vllm_python = vllm_python
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = dtype
-        self.micro_batch_rows = micro_batch_rows
+        self.micro_batch_rows = int(micro_batch_rows)
         self._shared: Any = None
         self._model: Any = None
         self._model_dir: Path | None = None

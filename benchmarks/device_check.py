@@ -39,6 +39,7 @@ import asyncio
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -108,6 +109,10 @@ class ArgumentError(Exception):
     """A bad command line; the message is one sentence."""
 
 
+class _CannotRun(Exception):
+    """A step that cannot run here (a missing module, NCCL in a CPU rehearsal): no traceback."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would print usage and exit 2 itself
         raise ArgumentError(
@@ -121,9 +126,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     Raises:
         ArgumentError: an unknown flag or step name, --log-dir missing, empty or naming a file.
     """
-    parser = _Parser(prog="device_check.py", add_help=True)
+    parser = _Parser(prog="device_check.py", add_help=True, allow_abbrev=False)
     parser.add_argument("--log-dir", required=True, help="folder for the full log and NCCL logs")
-    parser.add_argument("--steps", default="all", help="comma-separated step names, or 'all' (default)")
+    parser.add_argument(
+        "--steps", action="append", help="comma-separated step names, or 'all' (the default); once"
+    )
     parser.add_argument(
         "--keep-going", action="store_true", help="run every chosen step even after a failure"
     )
@@ -135,18 +142,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     log_dir = Path(args.log_dir).expanduser()
     if log_dir.exists() and not log_dir.is_dir():
         raise ArgumentError(f"--log-dir {args.log_dir} is a file; pass a folder (it is created if missing)")
+    existing = next(p for p in (log_dir.absolute(), *log_dir.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ArgumentError(
+            f"--log-dir {args.log_dir} cannot be created: {existing} is not a writable folder; "
+            "pass a folder you can write, e.g. --log-dir /tmp/device-check"
+        )
     args.log_dir = log_dir
-    if args.steps.strip() == "all":
+    if args.steps is not None and len(args.steps) > 1:
+        raise ArgumentError("--steps is given more than once; name every step in one comma-separated --steps")
+    steps = "all" if args.steps is None else args.steps[0]
+    chosen = [s.strip() for s in steps.split(",") if s.strip()]
+    if chosen == ["all"]:
         args.steps = list(STEPS)
-    else:
-        chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
-        unknown = [s for s in chosen if s not in STEPS]
-        if unknown or not chosen:
-            raise ArgumentError(
-                f"--steps {args.steps!r} names {', '.join(map(repr, unknown)) or 'no step'}; "
-                f"choose from {', '.join(STEPS)} (comma-separated) or 'all'"
-            )
-        args.steps = [s for s in STEPS if s in chosen]
+        return args
+    unknown = [s for s in chosen if s not in STEPS]
+    if "all" in chosen:
+        raise ArgumentError(
+            f"--steps {steps!r} combines 'all' with step names; pass 'all' alone or names alone"
+        )
+    if unknown or not chosen:
+        raise ArgumentError(
+            f"--steps {steps!r} names {'unknown steps ' + ', '.join(map(repr, unknown)) if unknown else 'no step'}; "
+            f"choose from {', '.join(STEPS)} (comma-separated) or 'all'"
+        )
+    if "adapter_publish" in chosen and "grpo_lora" not in chosen:
+        chosen.append("grpo_lora")  # adapter_publish publishes grpo_lora's adapter: one run of both
+    args.steps = [s for s in STEPS if s in chosen]
     return args
 
 
@@ -554,6 +576,15 @@ def run_steps(
     the backend: choosing either runs both.
     """
     work = Path(tempfile.mkdtemp(prefix="art-mega-device-check-"))
+    try:
+        return _run_steps_in(work, log_dir, steps, keep_going)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # models, checkpoints: hundreds of MB per run
+
+
+def _run_steps_in(
+    work: Path, log_dir: Path, steps: list[str] | None, keep_going: bool
+) -> tuple[list[tuple[str, float, str]], dict[str, str]]:
     os.environ.setdefault("ART_MEGA_CACHE", str(work / "cache"))
     chosen = list(STEPS) if steps is None else list(steps)
     if "adapter_publish" in chosen and "grpo_lora" not in chosen:
@@ -568,13 +599,16 @@ def run_steps(
         missing = missing_modules(name)
         try:
             if missing:
-                raise ModuleNotFoundError(
+                raise _CannotRun(
                     f"{label} needs {', '.join(missing)}, which this Python cannot import "
                     "(install the gpu extra: ART_MEGA_EXTRAS=test,gpu bash scripts/install.sh)"
                 )
+            if name == "nccl_preflight" and rehearsing():
+                raise _CannotRun("nccl_preflight needs NCCL and a GPU; a CPU rehearsal cannot run it")
             figures += functions[name]()
         except Exception as exc:  # one failed step is reported; the others may still run
-            traceback.print_exc()
+            if not isinstance(exc, _CannotRun):
+                traceback.print_exc()
             failures[label] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             print(
                 f"== {label}: FAILED after {time.perf_counter() - started:.1f} s: {failures[label]}",
@@ -597,7 +631,14 @@ def main(argv: list[str] | None = None) -> int:
         for n, name in enumerate(args.steps, 1):
             print(f"{n}. {name}: {STEPS[name][0]}")
         return 0
-    args.log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(
+            f"device_check: error: --log-dir {args.log_dir} cannot be created ({exc.strerror})",
+            file=sys.stderr,
+        )
+        return 2
     sys.path.insert(0, str(HERE))
     import torch
     from _results import machine, report
@@ -613,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "bash scripts/device_check.sh --log-dir DIR"
     if args.steps != list(STEPS):
         command += f" --steps {','.join(args.steps)}"
+    if rehearsing():  # CPU figures must not pass for GPU rows
+        figures = [(name.replace("gpu: ", "rehearsal: ", 1), value, unit) for name, value, unit in figures]
     if figures:
         report(figures, command, args.record, machine_name=where)
     if failures:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -27,9 +28,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one sentence, not argparse's usage block
+        print(f"trainer_profile.py: error: {message}; see --help", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse the command line; exits 2 with one sentence on a bad value."""
-    parser = argparse.ArgumentParser(prog="trainer_profile.py")
+    parser = _Parser(prog="trainer_profile.py", allow_abbrev=False)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--micro-batch-rows", default="1,4", help="comma-separated sizes to time")
@@ -54,6 +61,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
+
+    on_gpu = torch.cuda.is_available()
+    work = Path(tempfile.mkdtemp(prefix="art-mega-profile-"))
+    try:
+        return _profile(args, work, on_gpu)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the random weights are ~0.5 GB
+
+
+def _profile(args: argparse.Namespace, work: Path, on_gpu: bool) -> int:
+    import torch
     from device_check import SMOLLM2_SHAPE, _smollm2_shaped
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from art_mega.trainer.lora import LoraConfig
     from art_mega.trainer.parallel import destroy_parallel, init_parallel
 
-    on_gpu = torch.cuda.is_available()
-    model_dir = _smollm2_shaped(Path(tempfile.mkdtemp(prefix="art-mega-profile-")) / "smollm2-shape")
+    model_dir = _smollm2_shaped(work / "smollm2-shape")
     rank = TrainerRank(
         rank=0, host_id="local", local_rank=0, gpu_id=0 if on_gpu else None, **rank_coordinates(0, 1)
     )

@@ -48,6 +48,10 @@ while [ "$#" -gt 0 ]; do
       passed+=(--steps "$2")
       shift 2
       ;;
+    --steps=*)
+      passed+=(--steps "${1#--steps=}")
+      shift
+      ;;
     --keep-going) passed+=(--keep-going); shift ;;
     --dry-run) dry_run=1; shift ;;
     --skip-install) skip_install=1; shift ;;
@@ -75,26 +79,30 @@ case "$timeout_s" in
     ;;
 esac
 
-if [ "${#passed[@]}" -gt 0 ]; then  # a bad --steps is refused before anything installs
-  python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir" "${passed[@]}" >/dev/null || exit 2
-fi
+# a bad --steps or --log-dir is refused (by the Python side, in one sentence) before anything installs
+steps_listed=$(python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir" ${passed[@]+"${passed[@]}"}) || exit 2
 if [ "$dry_run" = "1" ]; then
   if [ "$skip_install" = "1" ]; then
     echo "0. install: skipped (--skip-install)"
   else
     echo "0. install: ART_MEGA_EXTRAS=test,gpu bash scripts/install.sh (the gpu extra into .venv)"
   fi
-  python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir" ${passed[@]+"${passed[@]}"} || exit $?
+  echo "$steps_listed"
   echo "log: $log_dir/device_check.log; time limit for the steps: ${timeout_s} s"
   exit 0
 fi
 
-mkdir -p "$log_dir"
+if ! mkdir -p "$log_dir" 2>/dev/null; then
+  echo "device_check.sh: error: --log-dir $log_dir cannot be created; pass a folder you can write" >&2
+  exit 2
+fi
 log="$log_dir/device_check.log"
 exec > >(tee -a "$log") 2>&1
 echo "device_check.sh: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), log $log"
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L; then
+if [ "${ART_MEGA_DEVICE_CHECK_REHEARSE:-}" = "1" ]; then
+  echo "device_check.sh: rehearsal on CPU ranks (ART_MEGA_DEVICE_CHECK_REHEARSE=1): no GPU needed, nothing recorded"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L; then
   echo "device_check.sh: FAIL: no NVIDIA GPU here (nvidia-smi is missing or lists none)"
   exit 1
 fi

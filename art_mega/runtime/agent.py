@@ -161,6 +161,8 @@ class AgentState:
     async def start_etcd(self, request: EtcdStartRequest) -> EtcdStartResponse:
         from art_mega.runtime.etcd import start_managed_etcd
 
+        if self.etcd is not None and self.etcd.process.returncode is not None:
+            await self.stop_etcd()  # it exited on its own: clean its data dir, start a new one
         if self.etcd is not None:
             return EtcdStartResponse(ok=False, error="a managed etcd already runs on this agent")
         try:

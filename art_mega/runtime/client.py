@@ -17,6 +17,7 @@ from art_mega.errors import UserError
 from art_mega.runtime.auth import sign
 from art_mega.runtime.protocol import (
     API_PREFIX,
+    FILES_PER_CHECK,
     CallableRef,
     EtcdCheckRequest,
     EtcdCheckResponse,
@@ -225,11 +226,13 @@ class AgentClient:
         return await self._request("POST", "/fs/op", request, FsOpResponse)
 
     async def files_missing(self, paths: tuple[str, ...]) -> tuple[str, ...]:
-        """Which of these absolute file paths this host cannot read (relative ones count as missing)."""
-        reply = await self._request(
-            "POST", "/files/check", FilesCheckRequest(paths=paths), FilesCheckResponse
-        )
-        return reply.missing
+        """Which of these absolute file paths this host cannot read (relative ones count as missing),
+        in the given order; sent in requests of at most `FILES_PER_CHECK` paths."""
+        missing: list[str] = []
+        for start in range(0, len(paths), FILES_PER_CHECK):
+            request = FilesCheckRequest(paths=paths[start : start + FILES_PER_CHECK])
+            missing += (await self._request("POST", "/files/check", request, FilesCheckResponse)).missing
+        return tuple(missing)
 
     async def etcd_start(self, request: EtcdStartRequest) -> EtcdStartResponse:
         """Start the managed etcd on this host (see `runtime.etcd`)."""

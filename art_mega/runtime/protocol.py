@@ -183,10 +183,13 @@ class FreePortRequest(_Body):
     host: str
 
 
+FILES_PER_CHECK = 4096  # paths per /files/check request (AgentClient.files_missing sends more in turns)
+
+
 class FilesCheckRequest(_Body):
     """Absolute paths of files this host's processes will read (a base model's files, say)."""
 
-    paths: tuple[str, ...] = Field(max_length=4096)
+    paths: tuple[str, ...] = Field(max_length=FILES_PER_CHECK)
 
 
 class FilesCheckResponse(_Body):

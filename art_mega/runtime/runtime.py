@@ -219,6 +219,7 @@ class ArtRuntime:
         again (e.g. after a host was replaced) re-checks the managed etcd this runtime started
         from every host instead of starting a second one; `close` stops it.
         """
+        self._check_usable()
         hosts_in_collective = self.collective_hosts(collective)
         warm_hosts = hosts_in_collective if len(hosts_in_collective) > 1 else ()
         # Warm probes import torch while admission, the FS probe and etcd run (a failed prepare
@@ -266,11 +267,9 @@ class ArtRuntime:
             if explicit is not None:
                 endpoint = explicit.url
                 await check_from_every_host(self._clients, endpoint, self.launch_id)
-            elif self._etcd_endpoint is not None:
-                # a proof again (after a host came back, say): this runtime's etcd runs already
-                endpoint = self._etcd_endpoint
-                await check_from_every_host(self._clients, endpoint, self.launch_id)
             else:
+                endpoint = await self._recheck_managed_etcd()
+            if endpoint is None:
                 controller = cluster.controller
                 reply = await start_metadata_store(
                     self._clients,
@@ -302,6 +301,23 @@ class ArtRuntime:
             phases["collective"] = report.seconds
         self.preflight = PreflightReport(phases_s=phases, metadata_store=endpoint, collective=report)
         return self.preflight
+
+    async def _recheck_managed_etcd(self) -> str | None:
+        """On a proof again: this runtime's managed etcd, checked from every host, or None when
+        there is none or it no longer serves (then it is stopped, and the caller starts another)."""
+        from art_mega.runtime.etcd import check_from_every_host
+        from art_mega.runtime.preflight import PreflightError
+
+        if self._etcd_endpoint is None:
+            return None
+        try:
+            await check_from_every_host(self._clients, self._etcd_endpoint, self.launch_id)
+            return self._etcd_endpoint
+        except PreflightError:
+            host, self._etcd_host, self._etcd_endpoint = self._etcd_host, None, None
+            if host is not None:
+                await self._clients[host].etcd_stop()
+            return None
 
     def _on_lost(self, exc: HostLostError) -> None:
         self.lost = exc

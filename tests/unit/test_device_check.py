@@ -32,13 +32,17 @@ def test_script_parses():
         (("--log-dir", "/tmp/x", "--fast"), "unknown argument '--fast'"),
         (("--log-dir", str(SCRIPT)), "is a file"),
         (("--log-dir", "/tmp/x", "--steps"), "--steps needs step names"),
+        (("--log-dir", f"{SCRIPT}/x"), "is not a writable folder"),
+        (("--log-dir", " "), "--log-dir is empty"),
+        (("--log-dir", "/tmp/x", "--steps=nccl_preflight,warp"), "unknown steps 'warp'"),
     ],
 )
 def test_bad_arguments_are_one_sentence_with_exit_2(args, fragment):
     result = _sh(*args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("device_check.sh: error: ") and fragment in lines[0]
+    prefixes = ("device_check.sh: error: ", "device_check: error: ")  # the Python side checks some
+    assert len(lines) == 1 and lines[0].startswith(prefixes) and fragment in lines[0], lines
     assert result.stdout == ""
 
 
@@ -93,13 +97,26 @@ def test_steps_are_chosen_by_name_in_order_and_unknown_names_refused(tmp_path, c
     )
     assert args.steps == ["megatron_logits", "nccl_preflight"] and args.keep_going
     assert device_check.parse_args(["--log-dir", str(tmp_path)]).steps == list(device_check.STEPS)
-    with pytest.raises(device_check.ArgumentError, match="names 'trainer'; choose from megatron_logits"):
+    with pytest.raises(
+        device_check.ArgumentError, match="names unknown steps 'trainer'; choose from megatron_logits"
+    ):
         device_check.parse_args(["--log-dir", str(tmp_path), "--steps", "trainer,nccl_preflight"])
     with pytest.raises(device_check.ArgumentError, match="names no step"):
         device_check.parse_args(["--log-dir", str(tmp_path), "--steps", ","])
+    with pytest.raises(device_check.ArgumentError, match="combines 'all' with step names"):
+        device_check.parse_args(["--log-dir", str(tmp_path), "--steps", "all,foo"])
+    with pytest.raises(device_check.ArgumentError, match="given more than once"):
+        device_check.parse_args(["--log-dir", str(tmp_path), "--steps", "te_logits", "--steps", "grpo_lora"])
+    with pytest.raises(device_check.ArgumentError, match="unrecognized arguments: --step"):
+        device_check.parse_args(["--log-dir", str(tmp_path), "--step", "te_logits"])  # no abbreviations
+    # adapter_publish publishes grpo_lora's adapter: choosing it runs (and lists) both
+    publish = device_check.parse_args(["--log-dir", str(tmp_path), "--steps", "adapter_publish"])
+    assert publish.steps == ["grpo_lora", "adapter_publish"]
+    with pytest.raises(device_check.ArgumentError, match="device_check.sh is not a writable folder"):
+        device_check.parse_args(["--log-dir", f"{SCRIPT}/logs"])
     # the shell script refuses a bad --steps before it installs anything
     result = _sh("--log-dir", str(tmp_path / "logs"), "--steps", "megatron_logits,warp")
-    assert result.returncode == 2 and "names 'warp'" in result.stderr and result.stdout == ""
+    assert result.returncode == 2 and "unknown steps 'warp'" in result.stderr and result.stdout == ""
     assert not (tmp_path / "logs").exists()
 
 

@@ -79,3 +79,30 @@ def test_bad_dtype_or_micro_batch_rows_is_refused(kwargs, fragment) -> None:
         MegatronBackend(**kwargs)
     backend = MegatronBackend(dtype="bfloat16", micro_batch_rows=4)
     assert (backend.dtype, backend.micro_batch_rows) == ("bfloat16", 4)
+
+
+def test_unreadable_model_error_names_the_folder_of_the_lost_files() -> None:
+    from pathlib import Path
+
+    import numpy as np
+
+    from art_mega.backend import unreadable_model_error
+
+    folders = {
+        Path("/c/model"): "base model directory",
+        Path("/c/model-lora"): "warm-start adapter directory",
+    }
+    # "/c/model" is a string prefix of "/c/model-lora/...": the adapter folder must still be named
+    error = unreadable_model_error("h1", ("/c/model-lora/adapter_model.safetensors",), folders)
+    assert str(error).startswith(
+        "host h1 cannot read the warm-start adapter directory /c/model-lora (1 of its files are missing "
+        "there, e.g. adapter_model.safetensors)"
+    )
+    error = unreadable_model_error(
+        "h2", ("/c/model/config.json", "/c/model/a.safetensors", "/c/model-lora/x"), folders
+    )
+    assert "the base model directory /c/model (2 of its files" in str(error) and "host h2" in str(error)
+    # numpy integers are whole numbers too; numpy booleans are not
+    assert MegatronBackend(micro_batch_rows=np.int64(4)).micro_batch_rows == 4
+    with pytest.raises(UserError, match="micro_batch_rows=np.True_"):
+        MegatronBackend(micro_batch_rows=np.True_)
