@@ -124,6 +124,7 @@ def build_megatron_model(
     missing = [name for name in missing if not name.endswith("._extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"HF -> Megatron weights mismatch: missing {missing}, unexpected {unexpected}")
+    _norms_in(module, dtype_t)
     if getattr(module, "position_embedding_type", None) == "rope":
         RopeFromPositionIds.install(module)
     return MegatronModel(
@@ -135,6 +136,21 @@ def build_megatron_model(
         device=device,
         uses_te=use_te,
     )
+
+
+def _norms_in(module: Any, dtype: Any) -> None:
+    """Cast the local spec's torch norm weights to the model's parameter dtype.
+
+    megatron-core's `WrappedTorchNorm` builds `torch.nn.RMSNorm`/`LayerNorm` without a dtype, so
+    with bf16 parameters the norms stay fp32 and torch falls back from its fused norm kernel
+    ("Mismatch dtype between input and weight", seen on an H200); Megatron's own bf16 training
+    casts the whole module (`Float16Module`), norms included. A no-op for fp32.
+    """
+    import torch
+
+    for child in module.modules():
+        if isinstance(child, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            child.to(dtype)
 
 
 def _rename_for_spec(state: dict[str, Any], model_keys: set[str], name_map: dict[str, str]) -> dict[str, Any]:

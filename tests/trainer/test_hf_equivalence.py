@@ -38,3 +38,22 @@ def test_divisibility_is_checked_from_config_alone(tiny_dirs: dict[str, Path]) -
     assert str(caught.value) == (
         "tp=3 cannot split this llama model (4 attention heads, 2 KV heads, FFN size 256); use tp in {1, 2, 4}."
     )
+
+
+def test_bf16_model_keeps_every_parameter_in_bf16_and_tracks_fp32(
+    tp1_logits: dict, tiny_dirs: dict[str, Path]
+) -> None:
+    """bf16 parameters everywhere, the torch norms included (megatron-core builds them fp32, which
+    stops torch's fused norm kernel); logits within bf16 rounding of the fp32 model's."""
+    import torch
+
+    from art_mega.trainer.model_builder import build_megatron_model
+    from tests.trainer.common import megatron_logits
+
+    built = build_megatron_model(tiny_dirs["qwen3"], dtype="bfloat16")
+    norms = [m for m in built.module.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert norms and all(m.weight.dtype == torch.bfloat16 for m in norms)
+    assert {p.dtype for p in built.module.parameters()} == {torch.bfloat16}
+    got = megatron_logits(built, input_ids(built.vocab_size)).float()
+    expected = tp1_logits["qwen3"]
+    assert (got - expected).abs().max().item() <= 0.1 * expected.abs().max().item()
