@@ -231,7 +231,7 @@ def test_a_host_that_cannot_read_the_base_model_is_named_before_anything_starts(
                 PREFLIGHT_ROOT=str(tmp_path / "a"),
                 PREFLIGHT_ETCD="0",
             ),
-            "host host1 cannot read the model directory",
+            "host host1 cannot read the base model directory",
             str(cache),
             "ClusterSpec.cache_root",
         )
