@@ -27,7 +27,8 @@ Steps (in this order; `--steps` picks some, by name):
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
 nothing recorded. Without `--keep-going` the first failure stops the check; with it every chosen step runs and the
-failures are listed at the end. Exit 0 when every chosen step passed, 1 otherwise, 2 on a bad
+failures are listed at the end (with `--record`, the rows of the steps that passed are recorded
+even then: each row stands for its own step). Exit 0 when every chosen step passed, 1 otherwise, 2 on a bad
 command line (one sentence on stderr). scripts/device_check.sh installs the `gpu` extra, bounds
 the whole run to 10 minutes and keeps the full log in DIR.
 """

@@ -78,6 +78,10 @@ case "$timeout_s" in
     exit 2
     ;;
 esac
+if [ "$((10#$timeout_s))" -lt 1 ]; then  # timeout 0 would mean no limit at all
+  echo "device_check.sh: error: ART_MEGA_DEVICE_CHECK_TIMEOUT='$timeout_s' must be at least 1 second, e.g. 600" >&2
+  exit 2
+fi
 
 # a bad --steps or --log-dir is refused (by the Python side, in one sentence) before anything installs
 steps_listed=$(python3 benchmarks/device_check.py --dry-run --log-dir "$log_dir" ${passed[@]+"${passed[@]}"}) || exit 2

@@ -46,15 +46,18 @@ def test_bad_arguments_are_one_sentence_with_exit_2(args, fragment):
     assert result.stdout == ""
 
 
-def test_bad_timeout_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "value,fragment", [("10m", "must be whole seconds"), ("00", "must be at least 1 second")]
+)
+def test_bad_timeout_is_refused(tmp_path, value, fragment):
     result = subprocess.run(
         ["bash", str(SCRIPT), "--log-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin", "ART_MEGA_DEVICE_CHECK_TIMEOUT": "10m"},
+        env={"PATH": "/usr/bin:/bin", "ART_MEGA_DEVICE_CHECK_TIMEOUT": value},
     )
-    assert result.returncode == 2 and "ART_MEGA_DEVICE_CHECK_TIMEOUT='10m'" in result.stderr
+    assert result.returncode == 2 and f"ART_MEGA_DEVICE_CHECK_TIMEOUT='{value}' {fragment}" in result.stderr
 
 
 def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
