@@ -18,6 +18,37 @@ class UserError(Exception):
     exit_code = 2
 
 
+class TokenizationError(UserError):
+    """A conversation training cannot tokenize exactly: a sampled Choice without token ids or
+    logprobs, a tool call whose arguments are not a JSON object, or a chat template that fails
+    on the conversation or renders an assistant turn so that its tokens cannot be that turn's.
+
+    Attributes:
+        where: the conversation, e.g. "trajectory 3 of group 0".
+        message_index: the index in its `messages_and_choices` of the message at fault (None
+            where the history itself is malformed).
+    """
+
+    def __init__(self, message: str, where: str, message_index: int | None):
+        super().__init__(message)
+        self.where = where
+        self.message_index = message_index
+
+
+class SFTFileError(UserError):
+    """An SFT JSONL file that cannot be trained, found when it is read (before any SFT step).
+
+    Attributes:
+        path: the file.
+        line: the 1-based line at fault (None where it is about the whole file).
+    """
+
+    def __init__(self, message: str, path: str, line: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.line = line
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for item in loc:

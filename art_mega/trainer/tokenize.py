@@ -1,21 +1,33 @@
 """Trajectories -> token sequences with trained-token masks and sampling logprobs -> Documents.
 
-Sampled assistant turns (openai `Choice` objects) use the exact token ids and logprobs the
-inference server returned (request them with `logprobs=True` and
-`extra_body={"return_token_ids": True}`): sampled text is never re-tokenized. Plain messages use
-the tokenizer's chat template; an assistant turn's tokens are the difference between the
-template of the conversation up to and including it and the template up to it (with the
-generation prompt), cut after the first end-of-turn token. Tools are passed to the template.
-`additional_histories` become separate sequences that share the trajectory's advantage and weight.
+Every trained assistant turn is trained on exactly its own tokens, after exactly the context the
+model saw when it produced that turn: the chat template's render of the conversation before it
+with the generation prompt, tokenized whole (as vLLM tokenizes a chat request). Where the
+conversation so far is not a prefix of that context (templates such as Qwen3's re-render earlier
+turns without their `<think>` block; a sampled turn re-tokenizes differently), the turn starts a
+new sequence: each turn is then trained in its own history, as ART's `additional_histories` do.
+
+- A sampled turn (an openai `Choice`) is its token ids and logprobs exactly as the server returned
+  them (request `logprobs=True` and `extra_body={"return_token_ids": True}`): never re-tokenized.
+- A plain assistant message is the text the template adds for it (its render through the turn
+  minus the render before it with the generation prompt), tokenized on its own as the model
+  would emit it, through the first end-of-turn token. A template whose render of the turn does
+  not continue its generation prompt is refused, naming the message.
+- Tool-call `arguments` given as a JSON string (OpenAI's wire format) are parsed once before
+  rendering, as vLLM does, so templates that print them as an object (Qwen2.5's `| tojson`)
+  never render a double-escaped string; missing or empty arguments render as `{}` (vLLM's rule).
+- `additional_histories` become more sequences; all of a trajectory's sequences share its
+  advantage and its weight (1 / its trained tokens).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from art_mega.errors import UserError
+from art_mega.errors import TokenizationError
 from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document
 from art_mega.trajectories import Trajectory, TrajectoryGroup
@@ -23,7 +35,11 @@ from art_mega.trajectories import Trajectory, TrajectoryGroup
 
 @dataclass
 class TokenizedSequence:
-    """One sequence: token ids, 1.0 on trained tokens, and each trained token's sampling logprob."""
+    """One sequence: token ids, 1.0 on trained tokens, and each trained token's sampling logprob.
+
+    The three lists have one entry per token; `old_logprobs[t]` is the logprob token t was
+    sampled with (0.0 on prompt tokens and on plain, unsampled assistant messages).
+    """
 
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[float] = field(default_factory=list)
@@ -39,48 +55,138 @@ class TokenizedSequence:
         return int(sum(1 for m in self.loss_mask if m > 0))
 
 
-def _template(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool
-) -> list[int]:
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: Any,
+    generation_prompt: bool,
+    where: str,
+    turn: int,
+) -> str:
+    """The chat template's text for `messages` (the conversation before or through `turn`)."""
     try:
-        out = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
         )
     except Exception as exc:  # the model's own Jinja template: any error is about this input
-        raise UserError(
-            f"the model's chat template could not render the conversation through messages[{len(messages) - 1}] "
+        through = f"through messages[{len(messages) - 1}]" if messages else f"before messages[{turn}]"
+        raise TokenizationError(
+            f"{where}: the model's chat template could not render the conversation {through} "
             f"({type(exc).__name__}: {exc}); give that message the fields the template reads (a string "
-            "'content') or train a model whose chat template supports it (tools, tool_calls)"
+            "'content') or train a model whose chat template supports it (tools, tool_calls)",
+            where,
+            turn,
         ) from None
-    ids = out["input_ids"] if isinstance(out, Mapping) else out
-    return [int(i) for i in ids]
+    if not isinstance(text, str):
+        raise TokenizationError(
+            f"{where}: the model's chat template rendered a {type(text).__name__}, not text, for "
+            f"messages[{turn}]; give the tokenizer a chat template that renders one conversation",
+            where,
+            turn,
+        )
+    return text
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """`text` as token ids, the way vLLM tokenizes a rendered chat (no added special tokens)."""
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def _is_choice(item: Any) -> bool:
     return hasattr(item, "message") and hasattr(item, "finish_reason")
 
 
-def _choice_tokens(choice: Any) -> tuple[list[int], list[float]]:
+def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[list[int], list[float]]:
+    """The sampled token ids of `choice` and their logprobs, checked to pair up one to one."""
     token_ids = getattr(choice, "token_ids", None)
     if token_ids is None and getattr(choice, "model_extra", None):
         token_ids = choice.model_extra.get("token_ids")
     if not token_ids:
-        raise UserError(
-            "a sampled Choice has no token_ids; request completions with "
-            "extra_body={'return_token_ids': True} (model.openai_client() does) so training never re-tokenizes"
+        raise TokenizationError(
+            f"{where}: messages_and_choices[{turn}] is a sampled Choice without token_ids; request "
+            "completions with extra_body={'return_token_ids': True} (model.openai_client() does) so "
+            "training never re-tokenizes",
+            where,
+            turn,
         )
+    vocabulary = len(tokenizer)
+    for k, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocabulary:
+            raise TokenizationError(
+                f"{where}: messages_and_choices[{turn}] has token_ids[{k}]={token!r}, not a token id "
+                f"of this model's {vocabulary}-token vocabulary; train choices sampled from this model",
+                where,
+                turn,
+            )
     content = getattr(getattr(choice, "logprobs", None), "content", None)
     if not content or len(content) != len(token_ids):
-        raise UserError(
-            f"a sampled Choice has {len(content or [])} logprobs for {len(token_ids)} tokens; request logprobs=True"
+        raise TokenizationError(
+            f"{where}: messages_and_choices[{turn}] is a sampled Choice with {len(content or [])} "
+            f"logprobs for {len(token_ids)} tokens; request logprobs=True (model.openai_client() does)",
+            where,
+            turn,
         )
-    return [int(t) for t in token_ids], [float(c.logprob) for c in content]
+    return list(token_ids), [float(c.logprob) for c in content]
 
 
-def _message_of(item: Any) -> dict[str, Any]:
-    if _is_choice(item):
-        return item.message.model_dump(exclude_none=True)
-    return dict(item)
+def _tool_arguments(arguments: Any, where: str) -> dict[str, Any]:
+    """One tool call's `arguments` as the object a chat template prints (see the module docstring)."""
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(
+                f"{where} is not valid JSON ({exc.msg} at character {exc.pos}); give the arguments "
+                'as a JSON object string such as \'{"city": "Paris"}\' or as a dict'
+            ) from None
+        if not isinstance(arguments, dict):
+            raise ValueError(
+                f"{where} is the JSON {type(arguments).__name__} {json.dumps(arguments)[:40]}, "
+                'not an object; tool arguments are a JSON object such as \'{"city": "Paris"}\''
+            )
+        return arguments
+    if isinstance(arguments, dict):
+        return arguments
+    raise ValueError(
+        f"{where} is a {type(arguments).__name__}; give the arguments as a JSON object string or a dict"
+    )
+
+
+def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
+    """`item` (a message dict or a Choice) as the message dict the template renders: a copy,
+    with every tool call's arguments parsed to an object."""
+    message = item.message.model_dump(exclude_none=True) if _is_choice(item) else dict(item)
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    if not isinstance(calls, list):
+        raise TokenizationError(
+            f"{where}: messages_and_choices[{turn}].tool_calls is a {type(calls).__name__}; "
+            "tool_calls is a list of {'type': 'function', 'function': {'name', 'arguments'}}",
+            where,
+            turn,
+        )
+    parsed = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise TokenizationError(
+                f"{where}: messages_and_choices[{turn}].tool_calls[{k}] has no 'function' object; a tool "
+                "call is {'type': 'function', 'function': {'name': ..., 'arguments': ...}}",
+                where,
+                turn,
+            )
+        try:
+            arguments = _tool_arguments(
+                function.get("arguments"),
+                f"{where}: messages_and_choices[{turn}].tool_calls[{k}].function.arguments",
+            )
+        except ValueError as exc:
+            raise TokenizationError(str(exc), where, turn) from None
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": parsed}
 
 
 def _assistant_span(tokenizer: Any, ids: list[int]) -> int:
@@ -98,56 +204,92 @@ def tokenize_history(
     messages_and_choices: Sequence[Any],
     tools: Any = None,
     assistant_turns: Literal["all", "last"] = "all",
-) -> TokenizedSequence:
-    """One conversation as a TokenizedSequence (see the module docstring for the rules).
+    where: str = "the conversation",
+) -> list[TokenizedSequence]:
+    """One conversation as the sequences that train each of its assistant turns exactly.
+
+    Consecutive turns share one sequence while the sequence so far is a token prefix of the
+    next turn's context; a turn whose context differs (see the module docstring) starts a new
+    sequence holding that context (untrained) and the turn. `assistant_turns="last"` trains
+    only the last assistant turn (one sequence). No assistant turn: no sequence.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages_and_choices: message dicts and sampled openai `Choice` objects, in order.
+        tools: the tool schemas the conversation was sampled with (passed to the template).
+        where: how errors name the conversation, e.g. "trajectory 3 of group 0".
+
+    Returns:
+        the sequences in turn order; each assistant turn is trained in exactly one of them.
 
     Raises:
-        UserError: a Choice without token ids or logprobs, a chat template that fails on the
-            conversation (names the message), or one that is not prefix-consistent (the
-            conversation so far is not a prefix of the next template).
+        TokenizationError: names `where` and the message index: a Choice without token ids or
+            with a logprob count that does not match them, or with an id outside the
+            vocabulary; a tool call whose arguments are not a JSON object; a chat template that
+            fails on the conversation; a plain assistant message whose render does not continue
+            the generation prompt before it (templates that strip `<think>` blocks do this).
     """
     items = list(messages_and_choices)
-    trainable = [
-        i for i, item in enumerate(items) if _is_choice(item) or _message_of(item).get("role") == "assistant"
-    ]
+    messages = [_chat_message(item, where, turn) for turn, item in enumerate(items)]
+    turns = [t for t, item in enumerate(items) if _is_choice(item) or messages[t].get("role") == "assistant"]
     if assistant_turns == "last":
-        trainable = trainable[-1:]
+        turns = turns[-1:]
+    sequences: list[TokenizedSequence] = []
     sequence = TokenizedSequence()
-    messages: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        if index in trainable:
-            prompt = _template(tokenizer, messages, tools, generation_prompt=True)
-            if prompt[: len(sequence.input_ids)] != sequence.input_ids:
-                raise UserError(
-                    "the chat template is not prefix-consistent for this conversation (turn "
-                    f"{index} re-renders earlier turns differently); art-mega cannot align trained tokens"
-                )
-            sequence.extend(prompt[len(sequence.input_ids) :], trained=False)
-            if _is_choice(item):
-                ids, logprobs = _choice_tokens(item)
-                sequence.extend(ids, trained=True, logprobs=logprobs)
-            else:
-                full = _template(tokenizer, [*messages, _message_of(item)], tools, generation_prompt=False)
-                turn = full[len(prompt) :]
-                span = _assistant_span(tokenizer, turn)
-                sequence.extend(turn[:span], trained=True)
-        messages.append(_message_of(item))
-    return sequence
+    for turn in turns:
+        prompt_text = _render(tokenizer, messages[:turn], tools, True, where, turn)
+        prompt = _encode(tokenizer, prompt_text)
+        if not sequences or prompt[: len(sequence.input_ids)] != sequence.input_ids:
+            sequence = TokenizedSequence()
+            sequences.append(sequence)
+        sequence.extend(prompt[len(sequence.input_ids) :], trained=False)
+        if _is_choice(items[turn]):
+            ids, logprobs = _choice_tokens(tokenizer, items[turn], where, turn)
+            sequence.extend(ids, trained=True, logprobs=logprobs)
+            continue
+        full_text = _render(tokenizer, messages[: turn + 1], tools, False, where, turn)
+        if not full_text.startswith(prompt_text):
+            raise TokenizationError(
+                f"{where}: the chat template renders the assistant message messages_and_choices[{turn}] "
+                "so that it does not continue the generation prompt before it (templates that strip "
+                "or add <think> blocks do this), so its trained tokens cannot be exactly that turn's; "
+                "train what the model sampled (the Choice from model.openai_client(), trained token for "
+                "token) or use a chat template whose render of an assistant turn starts with its "
+                "generation prompt",
+                where,
+                turn,
+            )
+        ids = _encode(tokenizer, full_text[len(prompt_text) :])
+        sequence.extend(ids[: _assistant_span(tokenizer, ids)], trained=True)
+    return sequences
 
 
 def tokenize_trajectory(
-    tokenizer: Any, trajectory: Trajectory, assistant_turns: Literal["all", "last"] = "all"
+    tokenizer: Any,
+    trajectory: Trajectory,
+    assistant_turns: Literal["all", "last"] = "all",
+    where: str = "the trajectory",
 ) -> list[TokenizedSequence]:
-    """The trajectory's main history and each `additional_histories` entry, tokenized."""
-    sequences = [
-        tokenize_history(tokenizer, trajectory.messages_and_choices, trajectory.tools, assistant_turns)
-    ]
-    for history in trajectory.additional_histories:
-        sequences.append(
-            tokenize_history(
-                tokenizer, history.get("messages_and_choices", []), history.get("tools"), assistant_turns
-            )
-        )
+    """The sequences of the trajectory's main history, then of each `additional_histories` entry
+    (choices stored as dicts, as after a JSON round trip, are read back as Choices)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from art_mega.errors import format_validation_error
+    from art_mega.trajectories import MessageOrChoice
+
+    sequences = tokenize_history(
+        tokenizer, trajectory.messages_and_choices, trajectory.tools, assistant_turns, where
+    )
+    adapter = TypeAdapter(list[MessageOrChoice])
+    for h, history in enumerate(trajectory.additional_histories):
+        name = f"{where}, additional_histories[{h}]"
+        try:
+            items = adapter.validate_python(history.get("messages_and_choices", []))
+        except ValidationError as exc:
+            raise TokenizationError(
+                f"{name}: {format_validation_error(exc, 'messages_and_choices')}", name, None
+            ) from None
+        sequences += tokenize_history(tokenizer, items, history.get("tools"), assistant_turns, name)
     return sequences
 
 
@@ -169,19 +311,25 @@ def grpo_documents(
     tokenizer: Any, groups: Sequence[TrajectoryGroup], scale_rewards: bool = True
 ) -> tuple[list[Document], BatchStats]:
     """Advantages per group, zero-variance groups skipped, zero-advantage trajectories dropped,
-    then each kept trajectory tokenized with weight 1 / (its assistant tokens)."""
+    then each kept trajectory tokenized with weight 1 / (its assistant tokens): one Document per
+    sequence (see `tokenize_history`), all of a trajectory's with its advantage and weight.
+
+    Raises:
+        TokenizationError: a conversation that cannot be tokenized exactly (names group,
+            trajectory and message).
+    """
     stats = BatchStats(groups=len(groups))
     documents: list[Document] = []
-    for group in groups:
+    for g, group in enumerate(groups):
         advantages = group_advantages([t.reward for t in group.trajectories], scale_rewards)
         if advantages.skipped:
             stats.groups_skipped_zero_variance += 1
             continue
-        for trajectory, advantage in zip(group.trajectories, advantages.advantages):
+        for t, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages.advantages)):
             if advantage == 0.0:
                 stats.trajectories_dropped_zero_advantage += 1
                 continue
-            sequences = tokenize_trajectory(tokenizer, trajectory)
+            sequences = tokenize_trajectory(tokenizer, trajectory, where=f"trajectory {t} of group {g}")
             weight = token_weight(sum(s.trained_tokens for s in sequences))
             if weight == 0.0:
                 stats.trajectories_dropped_zero_advantage += 1
@@ -196,11 +344,17 @@ def grpo_documents(
 def sft_documents(
     tokenizer: Any, trajectories: Sequence[Trajectory], assistant_turns: Literal["all", "last"] = "all"
 ) -> tuple[list[Document], BatchStats]:
-    """Each trajectory's assistant tokens as SFT documents (advantage 0, weight 1/its tokens)."""
+    """Each trajectory's assistant tokens as SFT documents (advantage 0, weight 1/its tokens),
+    one per sequence (see `tokenize_history`).
+
+    Raises:
+        TokenizationError: a conversation that cannot be tokenized exactly (names the
+            trajectory's index in `trajectories` and the message).
+    """
     stats = BatchStats()
     documents: list[Document] = []
-    for trajectory in trajectories:
-        sequences = tokenize_trajectory(tokenizer, trajectory, assistant_turns)
+    for t, trajectory in enumerate(trajectories):
+        sequences = tokenize_trajectory(tokenizer, trajectory, assistant_turns, f"trajectory {t}")
         weight = token_weight(sum(s.trained_tokens for s in sequences))
         stats.trajectories_used += 1
         for s in sequences:

@@ -35,7 +35,7 @@ def template(tok, messages, gen):
 
 def test_sampled_choice_uses_exact_ids_and_logprobs(tiny_tokenizer):
     prompt = template(tiny_tokenizer, [SYSTEM, USER], gen=True)
-    seq = tokenize_history(tiny_tokenizer, [SYSTEM, USER, choice([7, 8, 2], [-0.1, -0.2, -0.3])])
+    (seq,) = tokenize_history(tiny_tokenizer, [SYSTEM, USER, choice([7, 8, 2], [-0.1, -0.2, -0.3])])
     assert seq.input_ids == prompt + [7, 8, 2]  # not re-tokenized: 7, 8 are not what "hello" encodes to
     assert seq.loss_mask == [0.0] * len(prompt) + [1.0, 1.0, 1.0]
     assert seq.old_logprobs[-3:] == pytest.approx([-0.1, -0.2, -0.3])
@@ -174,7 +174,8 @@ def expected(tok, pieces):
     return ids, mask
 
 
-def assert_spans(tok, seq, pieces):
+def assert_spans(tok, sequences, pieces):
+    (seq,) = sequences
     ids, mask = expected(tok, pieces)
     assert tok.decode(seq.input_ids) == "".join(text for text, _ in pieces)
     assert seq.input_ids == ids
@@ -224,7 +225,7 @@ def test_tool_call_conversation_masks_by_hand(tool_tokenizer):
         [(prompt + call + result, False), (answer, True)],
     )
     # without tools the system block is the default one: same trained tokens, a shorter prompt
-    plain = tokenize_history(tool_tokenizer, TOOL_CONVERSATION)
+    (plain,) = tokenize_history(tool_tokenizer, TOOL_CONVERSATION)
     assert tool_tokenizer.decode(plain.input_ids).startswith(
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     )
