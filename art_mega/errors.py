@@ -98,3 +98,53 @@ def format_validation_error(exc: Exception, model: str | None = None) -> str:
         sentence = f"{where}={shown} is invalid: {msg}"
     sentence = " ".join(sentence.split())
     return sentence if sentence.endswith(".") else sentence + "."
+
+
+class PreflightError(UserError):
+    """The cluster failed a check before any model was allocated; names the host and the cause."""
+
+
+class HostMismatchError(PreflightError):
+    """A host is not as the launch names it (a GPU named twice or absent, a socket interface it
+    lacks or cannot parse), found by host admission before any rank starts.
+
+    Attributes:
+        host: the host id, e.g. "host1".
+        field: what names the thing, e.g. "gpu_ids" or "GLOO_SOCKET_IFNAME".
+        value: the value as given.
+    """
+
+    def __init__(self, message: str, host: str, field: str, value: object):
+        super().__init__(message)
+        self.host = host
+        self.field = field
+        self.value = value
+
+
+class LoopbackAddressError(UserError):
+    """A multi-host launch would advertise a loopback address for one host's agent (a literal
+    127.x/::1, or a name such as Debian's own hostname that resolves to 127.0.1.1).
+
+    Attributes:
+        host: the host as the user named it (e.g. the `--host` value).
+        address: the loopback address it stands for.
+    """
+
+    def __init__(self, message: str, host: str, address: str):
+        super().__init__(message)
+        self.host = host
+        self.address = address
+
+
+class ProgramImportError(UserError):
+    """Importing the `--program` module failed (a missing package, or its top-level code raised).
+
+    Attributes:
+        module: the program's module name.
+        cause: the exception's type name, e.g. "ModuleNotFoundError".
+    """
+
+    def __init__(self, message: str, module: str, cause: str):
+        super().__init__(message)
+        self.module = module
+        self.cause = cause

@@ -1,22 +1,22 @@
 """Host admission: the hosts are what the topology says, before anything is allocated.
 
 Pure checks over the `HostFacts` every agent reported: one software fingerprint on all hosts,
-distinct kernels (unless allowed), distinct GPUs, no GPU used whole and as a MIG slice, every GPU
-the topology names present, and NCCL_NET equal to the spec's network where NCCL is configured.
+distinct kernels (unless allowed), distinct GPUs, every GPU the topology names present and named
+once (an index and a UUID of one device are one GPU), no GPU used whole and as a MIG slice,
+socket interface variables that select interfaces the host has, and NCCL_NET equal to the spec's
+network where NCCL is configured.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from art_mega.errors import UserError
+from art_mega.errors import HostMismatchError, PreflightError
+from art_mega.runtime.netif import gloo_ifname_problem, nccl_ifname_problem
 from art_mega.runtime.protocol import GpuInfo, HostFacts
 from art_mega.topology import CompiledTopology
 
-
-class PreflightError(UserError):
-    """The cluster failed a check before any model was allocated; names the host and the cause."""
-
+__all__ = ["HostMismatchError", "PreflightError", "admit", "fingerprint", "resolve_gpu"]
 
 FINGERPRINT_FIELDS = ("python_version", "art_mega_version", "art_mega_files_sha256", "packages")
 
@@ -85,30 +85,79 @@ def check_gpu_identity(facts: Mapping[str, HostFacts], allow_shared_kernel: bool
             by_pci.setdefault(gpu.pci_bus_id, host)
 
 
-def _resolve(gpu_id: int | str, gpus: tuple[GpuInfo, ...]) -> GpuInfo | None:
-    for gpu in gpus:
-        if isinstance(gpu_id, int) and gpu.parent_uuid is None and gpu.index == gpu_id:
+def _inventory(facts: HostFacts) -> str:
+    wholes = [g for g in facts.gpus if g.parent_uuid is None]
+    if not facts.gpus:
+        return f"no GPUs ({facts.nvml_error or 'NVML found none'})"
+    parts = [f"{g.index}: {g.uuid}" for g in wholes]
+    parts += [f"MIG {g.uuid} of GPU {g.index}" for g in facts.gpus if g.parent_uuid is not None]
+    return ", ".join(parts)
+
+
+def resolve_gpu(host_id: str, gpu_id: int | str, facts: HostFacts) -> GpuInfo:
+    """The physical device (whole GPU or MIG slice) that `gpu_id` names on host `host_id`.
+
+    An int is an NVML index of a whole GPU (PCI bus order, what CUDA uses with
+    CUDA_DEVICE_ORDER=PCI_BUS_ID); a `GPU-...` string is a whole GPU's UUID and a `MIG-...`
+    string a MIG slice's, matched exactly as NVML reports them.
+
+    Raises:
+        HostMismatchError: an index out of range, or a UUID the host does not have (the message
+            lists what it has).
+    """
+    have = _inventory(facts)
+    wholes = [g for g in facts.gpus if g.parent_uuid is None]
+    if isinstance(gpu_id, int):
+        for gpu in wholes:
+            if gpu.index == gpu_id:
+                return gpu
+        if not wholes:
+            fix = "remove gpu_ids for a CPU-only host"
+        else:
+            fix = f"use an index 0..{len(wholes) - 1} or a UUID"
+        raise HostMismatchError(
+            f"host {host_id}: GPU {gpu_id} in gpu_ids is not present (index out of range; the host has "
+            f"{have}); {fix}",
+            host_id,
+            "gpu_ids",
+            gpu_id,
+        )
+    for gpu in facts.gpus:
+        if gpu.uuid == gpu_id:
             return gpu
-        if isinstance(gpu_id, str) and gpu.uuid == gpu_id:
-            return gpu
-    return None
+    raise HostMismatchError(
+        f"host {host_id}: GPU {gpu_id} in gpu_ids is not present (the host has {have}); use one of its "
+        "indices or UUIDs",
+        host_id,
+        "gpu_ids",
+        gpu_id,
+    )
 
 
 def check_named_gpus(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -> None:
-    """Every GPU the topology names exists on its host; no GPU is used whole and as a MIG slice."""
+    """Every GPU the topology names exists on its host, once; no GPU is used whole and as a MIG slice.
+
+    Raises:
+        HostMismatchError: an unknown GPU (see `resolve_gpu`), or two spellings (an index and a
+            UUID) of one device, naming the host and both spellings.
+        PreflightError: a MIG slice listed together with its whole GPU.
+    """
     for host in topology.cluster.hosts:
         f = facts[host.host_id]
+        spelled: dict[str, int | str] = {}
         used: list[GpuInfo] = []
         for gpu_id in host.gpu_ids:
-            gpu = _resolve(gpu_id, f.gpus)
-            if gpu is None:
-                have = (
-                    ", ".join(f"{g.index}:{g.uuid}" for g in f.gpus)
-                    or f"no GPUs ({f.nvml_error or 'NVML found none'})"
+            gpu = resolve_gpu(host.host_id, gpu_id, f)
+            if gpu.uuid in spelled:
+                raise HostMismatchError(
+                    f"host {host.host_id}: gpu_ids names one GPU twice, as {spelled[gpu.uuid]!r} and "
+                    f"{gpu_id!r} (both are {gpu.uuid} at PCI {gpu.pci_bus_id}), which would put two "
+                    "ranks on it; list each GPU once",
+                    host.host_id,
+                    "gpu_ids",
+                    host.gpu_ids,
                 )
-                raise PreflightError(
-                    f"host {host.host_id}: GPU {gpu_id} named by the topology is not present (it has {have})"
-                )
+            spelled[gpu.uuid] = gpu_id
             used.append(gpu)
         wholes = {g.uuid for g in used if g.parent_uuid is None}
         for gpu in used:
@@ -117,6 +166,40 @@ def check_named_gpus(topology: CompiledTopology, facts: Mapping[str, HostFacts])
                     f"host {host.host_id}: MIG slice {gpu.uuid} and its whole GPU {gpu.parent_uuid} are both in the "
                     "topology; use one or the other"
                 )
+
+
+def check_socket_interfaces(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (host env or the spec's `socket_ifname`) name
+    interfaces each host has, in the syntax each library takes.
+
+    gloo takes a comma-separated list of exact names; NCCL also takes `^` (exclude) and `=`
+    (exact) prefixes. The spec's `nccl_transport.socket_ifname` replaces the host's
+    NCCL_SOCKET_IFNAME in every GPU process, so it is what is checked where it is set.
+
+    Raises:
+        HostMismatchError: naming the host, the variable, its value and why it cannot work.
+    """
+    transport = topology.cluster.nccl_transport
+    spec_nccl = transport.socket_ifname if transport is not None else None
+    for host_id, f in facts.items():
+        checks = []
+        if "GLOO_SOCKET_IFNAME" in f.env:
+            value = f.env["GLOO_SOCKET_IFNAME"]
+            checks.append(("GLOO_SOCKET_IFNAME", value, gloo_ifname_problem(value, f.interfaces)))
+        if spec_nccl is not None:
+            checks.append(
+                (
+                    "ClusterSpec.nccl_transport.socket_ifname (NCCL_SOCKET_IFNAME)",
+                    spec_nccl,
+                    nccl_ifname_problem(spec_nccl, f.interfaces),
+                )
+            )
+        elif f.env.get("NCCL_SOCKET_IFNAME"):
+            value = f.env["NCCL_SOCKET_IFNAME"]
+            checks.append(("NCCL_SOCKET_IFNAME", value, nccl_ifname_problem(value, f.interfaces)))
+        for name, value, problem in checks:
+            if problem is not None:
+                raise HostMismatchError(f"host {host_id}: {name}={value!r} {problem}", host_id, name, value)
 
 
 def check_nccl_env(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -> None:
@@ -143,4 +226,5 @@ def admit(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -> None:
     check_kernels(facts, allow)
     check_gpu_identity(facts, allow)
     check_named_gpus(topology, facts)
+    check_socket_interfaces(topology, facts)
     check_nccl_env(topology, facts)

@@ -1,4 +1,5 @@
-"""What an agent reports about its host: identity, software fingerprint, behaviour-changing env, GPUs.
+"""What an agent reports about its host: identity, software fingerprint, behaviour-changing env, GPUs
+(whole GPUs and MIG slices, so admission can tell two spellings of one device apart), interfaces.
 
 Collected on the agent (nothing heavy is imported: package versions come from metadata, GPUs from
 NVML, and no GPU or no NVML is an empty inventory, not a crash).
@@ -15,6 +16,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from art_mega.runtime.netif import interface_names
 from art_mega.runtime.protocol import GpuInfo, HostFacts
 
 FINGERPRINT_PACKAGES = (
@@ -158,4 +160,5 @@ def collect_host_facts() -> HostFacts:
         env=behaviour_env(),
         gpus=gpus,
         nvml_error=nvml_error,
+        interfaces=interface_names(),
     )

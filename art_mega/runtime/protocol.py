@@ -127,6 +127,8 @@ class HostFacts(_Body):
     env: dict[str, str]
     gpus: tuple[GpuInfo, ...] = ()
     nvml_error: str = ""
+    interfaces: tuple[str, ...] = ()
+    """Network interface names of the host (its namespace); empty when not reported."""
 
 
 class FsOpRequest(_Body):

@@ -1,11 +1,14 @@
 import pytest
 
+from art_mega.errors import HostMismatchError
 from art_mega.runtime.admission import PreflightError, admit
 from art_mega.runtime.protocol import GpuInfo, HostFacts
 from art_mega.topology import ClusterSpec, HostSpec, NcclTransportSpec, compile_topology
 
 
-def facts(boot="b0", files="f" * 64, gpus=(), env=None, version="0.1.0", torch=None) -> HostFacts:
+def facts(
+    boot="b0", files="f" * 64, gpus=(), env=None, version="0.1.0", torch=None, interfaces=("eth0", "lo")
+) -> HostFacts:
     packages = {"art-mega": version}
     if torch:
         packages["torch"] = torch
@@ -19,6 +22,7 @@ def facts(boot="b0", files="f" * 64, gpus=(), env=None, version="0.1.0", torch=N
         packages=packages,
         env=env or {},
         gpus=gpus,
+        interfaces=interfaces,
     )
 
 
@@ -34,7 +38,7 @@ def gpu(index, uuid, pci, parent=None):
     )
 
 
-def topology(n=3, gpu_ids=None, shared_kernel=False, nccl=None):
+def topology(n=3, gpu_ids=None, shared_kernel=False, nccl=None, nccl_ifname=None):
     hosts = tuple(
         HostSpec(
             host_id=f"host{i}",
@@ -50,7 +54,7 @@ def topology(n=3, gpu_ids=None, shared_kernel=False, nccl=None):
         artifact_root="/a",
         cache_root="/c",
         allow_shared_kernel=shared_kernel,
-        nccl_transport=NcclTransportSpec(net_name=nccl) if nccl else None,
+        nccl_transport=NcclTransportSpec(net_name=nccl, socket_ifname=nccl_ifname) if nccl else None,
     )
     return compile_topology(cluster)
 
@@ -88,11 +92,76 @@ def test_named_gpus_must_exist():
     admit(topology(gpu_ids={0: (0,)}), report)
     admit(topology(gpu_ids={0: ("GPU-a",)}), report)
     with pytest.raises(
-        PreflightError, match=r"host host0: GPU 1 named by the topology is not present \(it has 0:GPU-a\)"
-    ):
+        HostMismatchError,
+        match=r"host host0: GPU 1 in gpu_ids is not present \(index out of range; the host has 0: GPU-a\); "
+        r"use an index 0..0 or a UUID",
+    ) as info:
         admit(topology(gpu_ids={0: (1,)}), report)
-    with pytest.raises(PreflightError, match="host host1: GPU 0 .* not present"):
+    assert (info.value.host, info.value.field, info.value.value) == ("host0", "gpu_ids", 1)
+    with pytest.raises(HostMismatchError, match="host host0: GPU GPU-b in gpu_ids is not present"):
+        admit(topology(gpu_ids={0: ("GPU-b",)}), report)
+    with pytest.raises(
+        PreflightError, match="host host1: GPU 0 .* not present .*no GPUs.*remove gpu_ids for a CPU-only host"
+    ):
         admit(topology(gpu_ids={1: (0,)}), report)
+
+
+H200_UUID = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+
+
+def two_gpu_host():
+    """Synthetic facts of an H200 host with two whole GPUs and MIG slices on a third."""
+    return (
+        gpu(0, H200_UUID, "00000000:19:00.0"),
+        gpu(1, "GPU-1b6e9b2c-0000-4000-8000-000000000001", "00000000:3B:00.0"),
+        gpu(2, "GPU-2c0f0000-0000-4000-8000-000000000002", "00000000:4C:00.0"),
+        gpu(
+            2,
+            "MIG-aaaa0000-0000-5000-8000-000000000001",
+            "00000000:4C:00.0",
+            parent="GPU-2c0f0000-0000-4000-8000-000000000002",
+        ),
+        gpu(
+            2,
+            "MIG-bbbb0000-0000-5000-8000-000000000002",
+            "00000000:4C:00.0",
+            parent="GPU-2c0f0000-0000-4000-8000-000000000002",
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "gpu_ids,first,second",
+    [
+        ((0, H200_UUID), "0", f"'{H200_UUID}'"),
+        ((H200_UUID, 1, 0), f"'{H200_UUID}'", "0"),
+    ],
+)
+def test_one_gpu_named_by_index_and_uuid_is_refused(gpu_ids, first, second):
+    report = {
+        "host0": facts(boot="a", gpus=two_gpu_host()),
+        "host1": facts(boot="b"),
+        "host2": facts(boot="c"),
+    }
+    with pytest.raises(HostMismatchError) as info:
+        admit(topology(gpu_ids={0: gpu_ids}), report)
+    assert str(info.value) == (
+        f"host host0: gpu_ids names one GPU twice, as {first} and {second} (both are {H200_UUID} at PCI "
+        "00000000:19:00.0), which would put two ranks on it; list each GPU once"
+    )
+    assert (info.value.host, info.value.field, info.value.value) == ("host0", "gpu_ids", gpu_ids)
+
+
+def test_distinct_spellings_of_distinct_gpus_and_mig_slices_are_admitted():
+    report = {
+        "host0": facts(boot="a", gpus=two_gpu_host()),
+        "host1": facts(boot="b"),
+        "host2": facts(boot="c"),
+    }
+    slices = ("MIG-aaaa0000-0000-5000-8000-000000000001", "MIG-bbbb0000-0000-5000-8000-000000000002")
+    admit(topology(gpu_ids={0: (H200_UUID, 1, *slices)}), report)
+    with pytest.raises(HostMismatchError, match="GPU MIG-cccc in gpu_ids is not present .*MIG MIG-aaaa"):
+        admit(topology(gpu_ids={0: ("MIG-cccc",)}), report)
 
 
 def test_whole_gpu_with_its_mig_slice_is_refused():
@@ -124,6 +193,44 @@ def test_nccl_net_must_match_the_spec_on_every_host():
         admit(topology(nccl="IB"), unset)
 
 
+@pytest.mark.parametrize(
+    "value,reason",
+    [
+        ("^lo,docker", "uses '^', NCCL_SOCKET_IFNAME's syntax, which gloo does not take"),
+        ("=eth0", "uses '=', NCCL_SOCKET_IFNAME's syntax"),
+        ("eth9", "names interface 'eth9', which this host does not have (it has eth0, lo)"),
+        ("eth0,", "has an empty interface name"),
+    ],
+)
+def test_gloo_socket_ifname_that_cannot_work_is_refused_naming_the_host(value, reason):
+    report = {f"host{i}": facts(boot=f"b{i}") for i in range(3)}
+    report["host1"] = facts(boot="b1", env={"GLOO_SOCKET_IFNAME": value})
+    with pytest.raises(HostMismatchError) as info:
+        admit(topology(), report)
+    assert str(info.value).startswith(f"host host1: GLOO_SOCKET_IFNAME={value!r} {reason}")
+    assert (info.value.host, info.value.field, info.value.value) == ("host1", "GLOO_SOCKET_IFNAME", value)
+
+
+def test_gloo_socket_ifname_naming_present_interfaces_is_admitted():
+    report = {f"host{i}": facts(boot=f"b{i}", env={"GLOO_SOCKET_IFNAME": "eth0,lo"}) for i in range(3)}
+    admit(topology(), report)
+
+
+def test_nccl_socket_ifname_follows_nccl_syntax():
+    ib = {"NCCL_NET": "IB"}
+    ok = {f"host{i}": facts(boot=f"b{i}", env=dict(ib, NCCL_SOCKET_IFNAME="^lo")) for i in range(3)}
+    admit(topology(nccl="IB"), ok)
+    admit(topology(nccl="IB", nccl_ifname="eth"), ok)
+    admit(topology(nccl="IB", nccl_ifname="=eth0"), ok)
+    with pytest.raises(
+        HostMismatchError, match=r"host host0: ClusterSpec.nccl_transport.socket_ifname .*'ib' selects none"
+    ):
+        admit(topology(nccl="IB", nccl_ifname="ib"), ok)
+    bad = dict(ok, host2=facts(boot="b2", env=dict(ib, NCCL_SOCKET_IFNAME="^eth0,lo")))
+    with pytest.raises(HostMismatchError, match=r"host host2: NCCL_SOCKET_IFNAME='\^eth0,lo' selects none"):
+        admit(topology(nccl="IB"), bad)
+
+
 def test_host_facts_collect_without_a_gpu():
     from art_mega.runtime.host_facts import collect_host_facts
 
@@ -131,3 +238,4 @@ def test_host_facts_collect_without_a_gpu():
     assert collected.gpus == () and collected.nvml_error
     assert len(collected.art_mega_files_sha256) == 64
     assert collected.packages["art-mega"] == collected.art_mega_version
+    assert "lo" in collected.interfaces
