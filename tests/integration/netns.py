@@ -1,22 +1,27 @@
 """Real "hosts" for tests: Linux network namespaces on one L2 segment, each with a private sshd.
 
-Layout of one cluster (all of it outside the root network namespace, which is never touched)::
+Layout of one cluster (all of it outside the root network namespace but one route)::
 
     artm-<pid>-<k>-sw     switch namespace: bridge br0 plus one veth end vh<i> per host
     artm-<pid>-<k>-<i>    host namespace i: lo up, eth0 = 10.231.X.(i+1)/24, sshd on eth0:22
+    root namespace        `unreachable 10.231.X.0/24`: nothing for the subnet leaves the machine
 
 `X` is claimed per cluster under /run/artm-netns so concurrently existing clusters never share a
-subnet. Hosts talk to each other over the bridge (no routing, no IPv4 forwarding involved); the
-root namespace cannot reach them, so anything that talks to a host must itself run inside one of
+subnet. Hosts talk to each other over the bridge (no routing, no IPv4 forwarding involved; the
+root namespace is no hop). The root namespace cannot reach them: its route for the subnet is
+`unreachable`, a blackhole whose senders get EHOSTUNREACH at once (a plain `blackhole` route
+answers EINVAL), so a request sent from outside the namespaces by mistake fails fast instead of
+leaving through the default route. Anything that talks to a host must itself run inside one of
 the cluster's namespaces (`NetnsHost.exec` / `NetnsHost.run`).
 
 Every cluster writes a client key, a `known_hosts` with every host key and an OpenSSH `ssh_config`
 with one alias per host (`h0`, `h1`, ...), usable by OpenSSH, paramiko and asyncssh alike.
 
 Teardown (`NetnsCluster.close`) SIGKILLs every process in every namespace of the cluster, deletes
-the namespaces (which destroys the veths and the bridge), releases the subnet and removes the temp
-dir; it is idempotent, runs when setup fails midway, and is registered with atexit as a fallback.
-`reap_stale_namespaces` removes what a killed test process left behind.
+the namespaces (which destroys the veths and the bridge), removes the root namespace's route,
+releases the subnet and removes the temp dir; it is idempotent, runs when setup fails midway, and
+is registered with atexit as a fallback. `reap_stale_namespaces` removes what a killed test
+process left behind (routes of subnets nobody living claims included).
 """
 
 from __future__ import annotations
@@ -141,7 +146,25 @@ def reap_stale_namespaces() -> list[str]:
             shutil.rmtree(tmpdir, ignore_errors=True)
         with contextlib.suppress(OSError):
             claim.unlink()
+    for subnet in root_unreachable_routes():
+        # a claim is written before its route is added and removed after it is deleted, so a
+        # route without a living claim belongs to nobody
+        owner, _ = _read_claim(CLAIM_DIR / subnet.rsplit(".", 1)[0])
+        if not (owner and _pid_running(owner)):
+            _ip("route", "del", "unreachable", subnet, check=False)
     return reaped
+
+
+def root_unreachable_routes() -> list[str]:
+    """The `10.231.X.0/24` subnets with an `unreachable` route in the root namespace."""
+    out = _ip("-4", "route", "show", "type", "unreachable", check=False).stdout
+    found = []
+    for line in out.splitlines():
+        words = line.split()
+        subnet = words[1] if len(words) > 1 and words[0] == "unreachable" else (words[0] if words else "")
+        if re.fullmatch(rf"{re.escape(SUBNET_PREFIX)}\.\d+\.0/24", subnet):
+            found.append(subnet)
+    return found
 
 
 @functools.cache
@@ -315,6 +338,7 @@ class NetnsCluster:
         self.switch_netns = ""
         self.prefix = ""
         self._octet: int | None = None
+        self._route = False
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._started = False
@@ -374,6 +398,8 @@ class NetnsCluster:
         self.tmpdir = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.tmp_root))
         self._octet = _claim_subnet(self.tmpdir)
         self.subnet = f"{SUBNET_PREFIX}.{self._octet}.0/24"
+        _ip("route", "replace", "unreachable", self.subnet)  # replace: a dead owner's may remain
+        self._route = True
         pid = os.getpid()
         while True:
             self.prefix = f"artm-{pid}-{next(_counter)}"
@@ -528,6 +554,10 @@ class NetnsCluster:
             result = _ip("netns", "del", name, check=False)
             if result.returncode != 0 and name in netns_list():
                 errors.append(f"ip netns del {name}: {result.stderr.strip()}")
+        if self._route:
+            result = _ip("route", "del", "unreachable", self.subnet, check=False)
+            if result.returncode != 0 and self.subnet in root_unreachable_routes():
+                errors.append(f"ip route del unreachable {self.subnet}: {result.stderr.strip()}")
         if self._octet is not None:
             _release_subnet(self._octet)
         if self.tmpdir != Path():

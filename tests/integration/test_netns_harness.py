@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -142,13 +145,41 @@ def test_close_leaves_no_namespace_process_or_file(netns_cluster) -> None:
     names, tmpdir = cluster.namespaces, cluster.tmpdir
     claim = netns.CLAIM_DIR / f"{cluster.subnet.rsplit('.', 1)[0]}"
     assert claim.exists()
+    # from the root namespace the subnet is unreachable at once: nothing leaves the machine
+    assert cluster.subnet in netns.root_unreachable_routes()
+    with pytest.raises(OSError) as refused:
+        socket.create_connection((cluster.hosts[1].address, 22), timeout=5).close()
+    assert refused.value.errno == errno.EHOSTUNREACH, refused.value  # not a timeout
+    # while the hosts still reach each other over their bridge
+    connect = (
+        f"import socket; socket.create_connection(({cluster.hosts[1].address!r}, 22), timeout=2).close()"
+    )
+    assert cluster.hosts[0].run([sys.executable, "-I", "-S", "-c", connect]).returncode == 0
 
     cluster.close()
     assert session.poll() is not None
     assert not set(names) & set(netns.netns_list())
     assert not wait_gone(pids, 2) and not any(pid_alive(p) for p in sshd_pids)
     assert not tmpdir.exists() and not claim.exists()
+    assert cluster.subnet not in netns.root_unreachable_routes()
     cluster.close()  # idempotent
+
+
+def test_reaping_removes_a_route_nobody_claims() -> None:
+    if netns.netns_unavailable_reason():
+        pytest.skip(netns.netns_unavailable_reason())
+    netns.CLAIM_DIR.mkdir(parents=True, exist_ok=True)
+    with open(netns.CLAIM_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # nobody claims a subnet meanwhile
+        claimed = {p.name for p in netns.CLAIM_DIR.glob(f"{netns.SUBNET_PREFIX}.*")}
+        octet = next(o for o in range(254, 0, -1) if f"{netns.SUBNET_PREFIX}.{o}" not in claimed)
+        subnet = f"{netns.SUBNET_PREFIX}.{octet}.0/24"
+        netns._ip("route", "replace", "unreachable", subnet)  # as a killed test process leaves it
+        try:
+            netns.reap_stale_namespaces()
+            assert subnet not in netns.root_unreachable_routes()
+        finally:
+            netns._ip("route", "del", "unreachable", subnet, check=False)
 
 
 def test_setup_failure_midway_still_tears_down(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,3 +196,4 @@ def test_setup_failure_midway_still_tears_down(monkeypatch: pytest.MonkeyPatch) 
     assert cluster.namespaces and not set(cluster.namespaces) & set(netns.netns_list())
     assert not any(pid_alive(h.sshd_pid) for h in cluster.hosts)
     assert not cluster.tmpdir.exists() and cluster not in netns._live
+    assert cluster.subnet not in netns.root_unreachable_routes()
