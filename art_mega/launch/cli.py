@@ -30,6 +30,14 @@ ProgramOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+LeaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--controller-lease",
+        help="Seconds an agent waits for a word from its controller before it stops its children and "
+        "exits, freeing its port (default: $ART_MEGA_CONTROLLER_LEASE or 20).",
+    ),
+]
 
 
 def _fail(message: str, code: int) -> None:
@@ -97,6 +105,7 @@ def local(
     startup_timeout: Annotated[
         float, typer.Option("--startup-timeout", help="Seconds to wait for the agent.")
     ] = 60.0,
+    controller_lease: LeaseOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Run PROGRAM on this machine with one loopback agent."""
@@ -104,12 +113,14 @@ def local(
     def body() -> int:
         from art_mega.launch.controller import run_local
         from art_mega.launch.program import load_program, parse_program
+        from art_mega.runtime.lease import parse_controller_lease
 
         _check_port(port)
         _check_timeout(startup_timeout)
+        lease_s = parse_controller_lease(controller_lease)
         ref = parse_program(program)
         main = load_program(ref)
-        return asyncio.run(run_local(main, ref, port, startup_timeout, debug))
+        return asyncio.run(run_local(main, ref, port, startup_timeout, debug, lease_s))
 
     raise typer.Exit(_guarded(debug, body))
 
@@ -169,6 +180,7 @@ def ssh(
     startup_timeout: Annotated[
         float, typer.Option("--startup-timeout", help="Seconds to wait for every agent.")
     ] = 60.0,
+    controller_lease: LeaseOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Run PROGRAM with an agent started over SSH on every --host."""
@@ -176,13 +188,17 @@ def ssh(
     def body() -> int:
         from art_mega.launch.program import load_program, parse_program
         from art_mega.launch.ssh import default_python, plan_hosts, run_ssh
+        from art_mega.runtime.lease import parse_controller_lease
 
         _check_timeout(startup_timeout)
+        lease_s = parse_controller_lease(controller_lease)
         plan_hosts(host, ssh_arg or [], port)
         ref = parse_program(program)
         main = load_program(ref)
         chosen = python or default_python()
-        return asyncio.run(run_ssh(main, ref, host, chosen, port, ssh_arg or [], startup_timeout, debug))
+        return asyncio.run(
+            run_ssh(main, ref, host, chosen, port, ssh_arg or [], startup_timeout, debug, lease_s)
+        )
 
     raise typer.Exit(_guarded(debug, body))
 
@@ -230,6 +246,7 @@ def worker(
     exit_on_stdin_eof: Annotated[
         bool, typer.Option("--exit-on-stdin-eof", help="Stop this agent when stdin closes (used over SSH).")
     ] = False,
+    controller_lease: LeaseOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Run this host's agent. The launch secret comes from ART_MEGA_SECRET or stdin, never argv."""
@@ -237,9 +254,11 @@ def worker(
     def body() -> int:
         from art_mega.runtime.agent import agent_main
         from art_mega.runtime.auth import load_secret
+        from art_mega.runtime.lease import parse_controller_lease
 
         _check_address("--address", address)
         _check_launch_id(launch_id)
+        lease_s = parse_controller_lease(controller_lease)
         raw = sys.stdin.readline() if secret_stdin else os.environ.get("ART_MEGA_SECRET")
         try:
             secret = load_secret(raw)
@@ -250,7 +269,7 @@ def worker(
             raise UserError(message) from None
         os.environ.pop("ART_MEGA_SECRET", None)
         chosen = launch_id or os.environ.get("ART_MEGA_LAUNCH_ID") or secrets.token_hex(8)
-        return agent_main(address, chosen, secret, exit_on_stdin_eof)
+        return agent_main(address, chosen, secret, exit_on_stdin_eof, lease_s)
 
     raise typer.Exit(_guarded(debug, body))
 

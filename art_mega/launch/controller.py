@@ -1,8 +1,9 @@
 """The controller loop shared by every launcher: run `main(launch)` over proven agents.
 
 It watches every agent for the program's whole life (a lost host cancels the program and is
-named), turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and maps
-failures to exit codes: 0 success, 1 failure, 2 user error.
+named), holds every agent's lease on this controller with the same heartbeats (`monitor`),
+turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and maps failures
+to exit codes: 0 success, 1 failure, 2 user error.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from art_mega.topology import EndpointSpec
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 CLEANUP_TIMEOUT_S = 30.0
+ABORT_CLEANUP_S = 5.0
+"""Bound on closing the program's runtimes after a signal or a lost host: a stopped or cut-off
+host must not hold up the others (their agents then stop every child they still have)."""
+UNRESPONSIVE_AFTER_S = 2.0
+"""An agent silent this long at cleanup time is stopped without waiting for its answers."""
 
 
 def report(message: str) -> None:
@@ -87,11 +93,15 @@ async def supervise(
     guard: SignalGuard,
     debug: bool = False,
     watchers: Sequence[Callable[[], Awaitable[None]]] = (),
+    monitor: AgentMonitor | None = None,
 ) -> int:
     """Run `main(launch)` while watching every agent; return the process exit code.
 
     `watchers` are extra coroutine functions (e.g. one per SSH session) that raise
     `HostLostError` when their host is lost; that cancels the program like a lost heartbeat.
+    `monitor`: the launcher's running heartbeats (it stops them once its agents are stopped);
+    None: one over `clients` and `expected`, stopped on return. After a signal or a lost host
+    the program's runtimes get `ABORT_CLEANUP_S` seconds to close.
     """
     main_task = asyncio.create_task(main(launch), name="art-mega-program")
     guard.target = main_task
@@ -102,8 +112,14 @@ async def supervise(
         report(f"error: {exc}; cancelling the program")
         main_task.cancel()
 
-    monitor = AgentMonitor(clients, expected, on_lost)
-    monitor.start()
+    owned = monitor is None
+    if monitor is None:
+        monitor = AgentMonitor(clients, expected, on_lost)
+        monitor.start()
+    else:
+        monitor.on_lost = on_lost
+        if monitor.lost is not None:
+            on_lost(monitor.lost)
 
     def watcher_done(task: asyncio.Task[None]) -> None:
         if not task.cancelled() and isinstance(task.exception(), HostLostError) and not lost:
@@ -134,12 +150,19 @@ async def supervise(
             code, message = describe_failure(exc, debug)
             report(message)
     finally:
+        monitor.on_lost = _ignore_loss  # agents stopped from here on are not "lost"
         for task in watching:
             task.cancel()
         await asyncio.gather(*watching, return_exceptions=True)
-        await monitor.stop()
-        await _close_runtimes(launch)
+        aborted = bool(lost) or guard.received is not None
+        await _close_runtimes(launch, ABORT_CLEANUP_S if aborted else CLEANUP_TIMEOUT_S)
+        if owned:
+            await monitor.stop()
     return code
+
+
+def _ignore_loss(exc: HostLostError) -> None:
+    """The monitor's loss handler once the program has ended."""
 
 
 async def _confirm_lost(clients: Sequence[AgentClient], exc: AgentError) -> HostLostError | None:
@@ -154,12 +177,22 @@ async def _confirm_lost(clients: Sequence[AgentClient], exc: AgentError) -> Host
     return None
 
 
-async def _close_runtimes(launch: ArtLaunchContext) -> None:
+async def _close_runtimes(launch: ArtLaunchContext, timeout_s: float) -> bool:
+    """Close the program's runtimes, newest first, within `timeout_s` seconds in all; True when
+    every one closed (what is left runs under agents that their launcher stops)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    clean = True
     for runtime in reversed(launch._runtimes):
         try:
-            await asyncio.wait_for(runtime.close(), CLEANUP_TIMEOUT_S)
+            await asyncio.wait_for(runtime.close(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            clean = False
+            report(f"warning: closing a runtime took over {timeout_s:g} s; its agents stop what is left")
         except Exception as exc:  # cleanup goes on for the others
+            clean = False
             report(f"warning: closing a runtime failed: {exc}")
+    return clean
 
 
 async def run_local(
@@ -168,8 +201,11 @@ async def run_local(
     port: int,
     startup_timeout_s: float,
     debug: bool = False,
+    controller_lease_s: float | None = None,
 ) -> int:
-    """`art-mega local`: own one loopback agent, run the program, stop the agent."""
+    """`art-mega local`: own one loopback agent, run the program, stop the agent.
+
+    `controller_lease_s`: the agent's `--controller-lease` (None: the environment's or 20 s)."""
     guard = SignalGuard()
     guard.install()
     launch_id = secrets.token_hex(8)
@@ -179,7 +215,12 @@ async def run_local(
     code = 0
     try:
         agent = await start_local_agent(
-            "host0", EndpointSpec(host="127.0.0.1", port=port), launch_id, secret, startup_timeout_s
+            "host0",
+            EndpointSpec(host="127.0.0.1", port=port),
+            launch_id,
+            secret,
+            startup_timeout_s,
+            controller_lease_s,
         )
         client = AgentClient("host0", agent.endpoint.address, agent.endpoint.url, secret)
         clients.append(client)
@@ -221,7 +262,9 @@ async def run_attached(
     """`art-mega controller`: run the program over agents someone else started.
 
     Every agent must answer a signed health call and report one launch id (the given one, or
-    the first agent's when none is given). The agents are not stopped at the end.
+    the first agent's when none is given). The agents are not stopped at the end: when the
+    program ended on its own, their leases are released and they wait for the next controller;
+    after a signal or a lost host their leases run out and they stop their children and exit.
     """
     guard = SignalGuard()
     guard.install()
@@ -262,7 +305,15 @@ async def run_attached(
             _secret=secret,
         )
         expected = {c.host: (r.launch_id, r.pid) for c, r in zip(clients, replies)}
-        return await supervise(main, launch, clients, expected, guard, debug)
+        monitor = AgentMonitor(clients, expected, _ignore_loss)
+        monitor.start()
+        try:
+            code = await supervise(main, launch, clients, expected, guard, debug, monitor=monitor)
+        finally:
+            if guard.received is None and monitor.lost is None:
+                await monitor.release()
+            await monitor.stop()
+        return code
     except asyncio.CancelledError:
         return 128 + (guard.received or signal.SIGTERM)
     finally:

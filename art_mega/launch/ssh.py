@@ -18,7 +18,7 @@ from typing import Any
 
 from art_mega.errors import UserError
 from art_mega.launch.context import ArtLaunchContext
-from art_mega.launch.controller import SignalGuard, supervise
+from art_mega.launch.controller import UNRESPONSIVE_AFTER_S, SignalGuard, report, supervise
 from art_mega.launch.program import ProgramRef
 from art_mega.launch.ssh_session import AgentSession, agent_command, connect
 from art_mega.launch.ssh_target import (
@@ -30,8 +30,9 @@ from art_mega.launch.ssh_target import (
     worker_host_for,
 )
 from art_mega.runtime.client import AgentClient, AgentError
+from art_mega.runtime.lease import DEFAULT_CONTROLLER_LEASE_S
 from art_mega.runtime.local_agent import refuse_existing_listener
-from art_mega.runtime.monitor import HostLostError
+from art_mega.runtime.monitor import AgentMonitor, HostLostError
 from art_mega.topology import EndpointSpec
 
 DEFAULT_AGENT_PORT = 22222
@@ -101,10 +102,19 @@ def _is_local_address(host: str) -> bool:
     return False
 
 
-async def _start_host(host: SshHost, python: str, launch_id: str, secret: bytes, timeout_s: float) -> None:
+async def _start_host(
+    host: SshHost,
+    python: str,
+    launch_id: str,
+    secret: bytes,
+    timeout_s: float,
+    lease_s: float,
+    monitor: AgentMonitor,
+) -> None:
+    """Start and prove one host's agent; it is watched (its lease held) from the moment it is proven."""
     client = await asyncio.to_thread(connect, host.spec, host.label)
     host.session = AgentSession(host.label, client)
-    command = agent_command(python, host.endpoint.address, launch_id, os.getcwd())
+    command = agent_command(python, host.endpoint.address, launch_id, os.getcwd(), lease_s)
     await asyncio.to_thread(host.session.start, command, secret)
     ready = await asyncio.to_thread(host.session.wait_ready, timeout_s)
     where = f"host {host.label} ({host.endpoint.address})"
@@ -131,17 +141,31 @@ async def _start_host(host: SshHost, python: str, launch_id: str, secret: bytes,
         raise UserError(
             f"{where}: health answered with launch id {health.launch_id} pid {health.pid}, expected {launch_id} pid {host.pid}"
         )
+    monitor.watch(host.client, (launch_id, host.pid))
 
 
-async def _stop_host(host: SshHost) -> None:
+async def _stop_host(host: SshHost, unresponsive: bool) -> None:
+    """Ask the agent to stop, then close its session (the agent exits on stdin EOF), then kill
+    its process group over SSH if it is still there. An `unresponsive` agent (stopped, frozen,
+    cut off) is killed at once: waiting for its answers would only hold up the cleanup."""
+    grace = 0.0 if unresponsive else STOP_GRACE_S
     if host.client is not None:
-        try:
-            await host.client.shutdown(timeout_s=STOP_GRACE_S)
-        except AgentError:
-            pass
+        if not unresponsive:
+            try:
+                await host.client.shutdown(timeout_s=STOP_GRACE_S)
+            except AgentError:
+                pass
         await host.client.aclose()
     if host.session is not None:
-        await asyncio.to_thread(host.session.stop, STOP_GRACE_S, host.pid)
+        await asyncio.to_thread(host.session.stop, grace, host.pid)
+
+
+async def _stop_hosts(hosts: Sequence[SshHost], silent: set[str], monitor: AgentMonitor) -> None:
+    """Stop every host in parallel (the silent ones without waiting for them), then the heartbeats."""
+    await asyncio.gather(
+        *(_stop_host(h, h.endpoint.address in silent) for h in hosts), return_exceptions=True
+    )
+    await monitor.stop()
 
 
 def _session_watcher(host: SshHost) -> Callable[[], Any]:
@@ -167,8 +191,13 @@ async def run_ssh(
     ssh_args: Sequence[str],
     startup_timeout_s: float,
     debug: bool = False,
+    controller_lease_s: float = DEFAULT_CONTROLLER_LEASE_S,
 ) -> int:
-    """Start agents over SSH on every host, run `main(launch)`, and stop every host (bounded)."""
+    """Start agents over SSH on every host, run `main(launch)`, and stop every host (bounded).
+
+    Every agent runs with `--controller-lease controller_lease_s`; this controller's heartbeats
+    hold each lease from the moment that agent is proven until it is stopped.
+    """
     hosts = plan_hosts(host_values, ssh_args, port)
     for host in hosts:
         refuse_existing_listener(host.endpoint, f"--host {host.target.text!r} worker address")
@@ -177,14 +206,22 @@ async def run_ssh(
     launch_id = secrets.token_hex(8)
     secret = secrets.token_hex(32).encode()
     code = 0
+    monitor = AgentMonitor([], {}, lambda exc: None)
+    monitor.start()
     try:
         results = await asyncio.gather(
-            *(_start_host(h, python, launch_id, secret, startup_timeout_s) for h in hosts),
+            *(
+                _start_host(h, python, launch_id, secret, startup_timeout_s, controller_lease_s, monitor)
+                for h in hosts
+            ),
             return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise failures[0]
+        if monitor.lost is not None:  # a host proven early was lost while the others started
+            report(f"error: {monitor.lost}")
+            return 1
         controller_rank = next((i for i, h in enumerate(hosts) if _is_local_address(h.endpoint.host)), 0)
         launch = ArtLaunchContext(
             worker_addresses=tuple(h.endpoint.address for h in hosts),
@@ -196,12 +233,21 @@ async def run_ssh(
         clients = [h.client for h in hosts if h.client is not None]
         expected = {h.label: (launch_id, h.pid or -1) for h in hosts}
         code = await supervise(
-            main, launch, clients, expected, guard, debug, [_session_watcher(h) for h in hosts]
+            main,
+            launch,
+            clients,
+            expected,
+            guard,
+            debug,
+            [_session_watcher(h) for h in hosts],
+            monitor=monitor,
         )
     except asyncio.CancelledError:
         code = 128 + (guard.received or signal.SIGTERM)
     finally:
-        await asyncio.shield(asyncio.gather(*(_stop_host(h) for h in hosts), return_exceptions=True))
+        monitor.on_lost = lambda exc: None
+        silent = {c.address for c in monitor.unresponsive(UNRESPONSIVE_AFTER_S)}
+        await asyncio.shield(_stop_hosts(hosts, silent, monitor))
         guard.uninstall()
     if guard.received is not None:
         code = 128 + guard.received

@@ -203,9 +203,13 @@ class AgentSession:
                 jump.close()
 
 
-def agent_command(python: str, address: str, launch_id: str, cwd: str | None) -> str:
+def agent_command(
+    python: str, address: str, launch_id: str, cwd: str | None, controller_lease_s: float | None = None
+) -> str:
     """The remote shell command that starts an agent reading its secret from stdin."""
     worker = [python, "-m", "art_mega", "worker", "--address", address, "--launch-id", launch_id]
     worker += ["--secret-stdin", "--exit-on-stdin-eof"]
+    if controller_lease_s is not None:
+        worker += ["--controller-lease", repr(controller_lease_s)]
     prefix = f"cd {shlex.quote(cwd)} 2>/dev/null; " if cwd else ""
     return prefix + "exec " + " ".join(shlex.quote(w) for w in worker)

@@ -29,6 +29,7 @@ from starlette.responses import Response
 from art_mega import __version__
 from art_mega.runtime.auth import Verifier
 from art_mega.runtime.fs_probe import FsProbeOps
+from art_mega.runtime.lease import DEFAULT_CONTROLLER_LEASE_S, ControllerLease
 from art_mega.runtime.protocol import (
     READY_PREFIX,
     CallableRef,
@@ -44,6 +45,7 @@ from art_mega.runtime.protocol import (
     FsOpResponse,
     HealthResponse,
     HostFacts,
+    LeaseRequest,
     PreflightPrepareRequest,
     PreflightPrepareResponse,
     PreflightRunRequest,
@@ -133,7 +135,13 @@ class _RolloutWorker:
 class AgentState:
     """Everything one agent owns: identity, verifier, supervised children."""
 
-    def __init__(self, launch_id: str, secret: bytes, address: str) -> None:
+    def __init__(
+        self,
+        launch_id: str,
+        secret: bytes,
+        address: str,
+        controller_lease_s: float = DEFAULT_CONTROLLER_LEASE_S,
+    ) -> None:
         self.launch_id = launch_id
         self.address = address
         self.verifier = Verifier(secret)
@@ -142,6 +150,7 @@ class AgentState:
         self.started_at = time.time()
         self.boot_id = boot_id()
         self.shutdown_requested = asyncio.Event()
+        self.lease = ControllerLease(controller_lease_s)
         self._worker_ids = itertools.count()
         self._warm_probes: dict[str, Child] = {}
         self.fs_probe = FsProbeOps()
@@ -276,6 +285,7 @@ class AgentState:
             art_mega_version=__version__,
             started_at=self.started_at,
             children=self.supervisor.statuses(),
+            controller_lease_s=self.lease.lease_s,
         )
 
     async def start_rollout_workers(self, request: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
@@ -366,7 +376,7 @@ def create_app(state: AgentState) -> Starlette:
     answer by hand (one pydantic parse, no per-call model dumps of the callable). A refused
     request gets 401 `{"detail": reason}` and executes nothing.
     """
-    router = SignedRouter(state.verifier)
+    router = SignedRouter(state.verifier, on_verified=state.lease.renew)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -408,6 +418,14 @@ def create_app(state: AgentState) -> Starlette:
 
     router.raw("/health", health, ["GET"])
     router.raw("/rollouts/run", run_rollout, ["POST"])
+
+    @router.post("/lease", LeaseRequest)
+    async def lease(body: LeaseRequest) -> HealthResponse:
+        if body.hold:
+            state.lease.hold()
+        else:
+            state.lease.release()
+        return state.health()
 
     @router.post("/rollout-workers/start", StartRolloutWorkersRequest)
     async def start_workers(body: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
@@ -534,7 +552,8 @@ async def serve(
     """Serve the agent on an already-listening socket until SIGTERM/SIGINT or /v1/shutdown.
 
     With `exit_on_stdin_eof`, end of file on stdin (the launcher's SSH channel closed) stops
-    the agent and its children like a shutdown request.
+    the agent and its children like a shutdown request. So does an expired controller lease
+    (`state.lease.expired` is then True), after one line on stderr.
     """
     import uvicorn
 
@@ -554,7 +573,19 @@ async def serve(
         await asyncio.sleep(0.05)  # let the shutdown response leave
         server.should_exit = True
 
+    async def watch_lease() -> None:
+        await state.lease.wait_expired()
+        print(
+            f"art-mega: agent {state.address}: its controller was not heard from for "
+            f"{state.lease.lease_s:g} s (--controller-lease); stopping every child and exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        await state.close()  # children first: the server's graceful stop may wait on dead peers
+        state.shutdown_requested.set()
+
     watcher = asyncio.create_task(watch_shutdown())
+    lease_watcher = asyncio.create_task(watch_lease())
     if exit_on_stdin_eof:
         _watch_stdin_eof(asyncio.get_running_loop(), state.shutdown_requested)
     if on_ready is not None:
@@ -563,13 +594,24 @@ async def serve(
         await server.serve(sockets=[sock])
     finally:
         watcher.cancel()
+        lease_watcher.cancel()
         await state.close()
 
 
-def agent_main(address: str, launch_id: str, secret: bytes, exit_on_stdin_eof: bool = False) -> int:
+def agent_main(
+    address: str,
+    launch_id: str,
+    secret: bytes,
+    exit_on_stdin_eof: bool = False,
+    controller_lease_s: float = DEFAULT_CONTROLLER_LEASE_S,
+) -> int:
     """Run an agent listening on `address` (tcp://HOST:PORT); prints the ready line on stdout.
 
-    Returns the process exit code. Raises `UserError` for an address already in use.
+    `controller_lease_s`: seconds the agent waits for a word from the controller that holds it
+    before it stops its children and exits (see `lease`).
+
+    Returns the process exit code: 0, or 1 when the controller lease expired. Raises
+    `UserError` for an address already in use.
     """
     from art_mega.errors import UserError
     from art_mega.runtime.listeners import bind_listener, is_address_in_use, listener_pids
@@ -587,7 +629,7 @@ def agent_main(address: str, launch_id: str, secret: bytes, exit_on_stdin_eof: b
         raise UserError(f"worker address {address} cannot be bound: {exc.strerror}") from None
     port = sock.getsockname()[1]
     bound = EndpointSpec(host=endpoint.host, port=port)
-    state = AgentState(launch_id, secret, bound.address)
+    state = AgentState(launch_id, secret, bound.address, controller_lease_s)
 
     def announce() -> None:
         holders = listener_pids(port) if sys.platform.startswith("linux") else {os.getpid()}
@@ -603,4 +645,4 @@ def agent_main(address: str, launch_id: str, secret: bytes, exit_on_stdin_eof: b
         sys.stdout.flush()
 
     asyncio.run(serve(sock, state, announce, exit_on_stdin_eof))
-    return 0
+    return 1 if state.lease.expired else 0

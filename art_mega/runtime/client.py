@@ -31,6 +31,7 @@ from art_mega.runtime.protocol import (
     FsOpResponse,
     HealthResponse,
     HostFacts,
+    LeaseRequest,
     PreflightPrepareRequest,
     PreflightPrepareResponse,
     PreflightRunRequest,
@@ -179,6 +180,17 @@ class AgentClient:
         """The agent's identity and children. Raises `AgentError` when it does not answer."""
         return await self._request(
             "GET", "/health", None, HealthResponse, timeout_s if timeout_s is not None else ...
+        )
+
+    async def lease(self, hold: bool = True, timeout_s: float | None = None) -> HealthResponse:
+        """The controller's heartbeat: holds (or with `hold=False` releases) the agent's lease on
+        this controller, and answers like `health`. Raises `AgentError` when it does not answer."""
+        return await self._request(
+            "POST",
+            "/lease",
+            LeaseRequest(hold=hold),
+            HealthResponse,
+            timeout_s if timeout_s is not None else ...,
         )
 
     async def start_rollout_workers(

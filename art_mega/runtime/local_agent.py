@@ -68,10 +68,13 @@ async def start_local_agent(
     launch_id: str,
     secret: bytes,
     startup_timeout_s: float,
+    controller_lease_s: float | None = None,
 ) -> LocalAgent:
     """Start `python -m art_mega worker` on `endpoint` (port 0 = a free port) and prove readiness.
 
     The secret reaches the agent through its environment, never its command line.
+    `controller_lease_s` is the agent's `--controller-lease` (None: its environment's or the
+    default); the caller's heartbeats hold it (`AgentClient.lease`).
 
     Raises:
         UserError: the address already has a listener.
@@ -92,6 +95,8 @@ async def start_local_agent(
         "--launch-id",
         launch_id,
     ]
+    if controller_lease_s is not None:
+        argv += ["--controller-lease", repr(controller_lease_s)]
     process = await spawn_child(argv, env=env, stdout=asyncio.subprocess.PIPE, death_signal=signal.SIGTERM)
     assert process.stdout is not None
     try:

@@ -40,6 +40,8 @@ class HealthResponse(_Body):
     art_mega_version: str
     started_at: float
     children: tuple[ChildStatus, ...] = ()
+    controller_lease_s: float | None = None
+    """Seconds this agent waits for its controller before it stops its children and exits."""
 
 
 class CallableRef(_Body):
@@ -98,6 +100,12 @@ class RunRolloutResponse(_Body):
 
 class ShutdownResponse(_Body):
     stopped: tuple[ChildStatus, ...] = ()
+
+
+class LeaseRequest(_Body):
+    """The controller's heartbeat (`hold`) or its release of the agent (`hold=False`, at its end)."""
+
+    hold: bool = True
 
 
 class GpuInfo(_Body):

@@ -63,8 +63,10 @@ class SignedRouter:
     relative to `API_PREFIX`. `app(lifespan)` builds the Starlette application.
     """
 
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier, on_verified: Callable[[], None] | None = None) -> None:
         self.verifier = verifier
+        self.on_verified = on_verified
+        """Called after every verified request (the agent renews its controller lease)."""
         self.routes: list[Route] = []
 
     async def verified_body(self, request: Request) -> bytes:
@@ -78,6 +80,8 @@ class SignedRouter:
             self.verifier.verify(request.method, request.url.path, dict(request.headers), body)
         except AuthError as exc:
             raise RouteError(401, str(exc)) from None
+        if self.on_verified is not None:
+            self.on_verified()
         return body
 
     def raw(

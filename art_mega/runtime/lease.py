@@ -1,0 +1,88 @@
+"""An agent's lease on its controller: no agent outlives a controller it can no longer hear.
+
+The controller's first heartbeat (`POST /v1/lease`) arms the lease; from then on every signed
+request renews it. An agent whose armed lease runs out (its controller was killed, or its host
+was cut off without a FIN reaching anyone) stops its children and exits, freeing its port. A
+controller that ends normally releases the lease (`hold=False`): the agent waits for the next
+controller, as an agent nobody has claimed yet does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Mapping
+
+from art_mega.errors import UserError
+
+LEASE_ENV = "ART_MEGA_CONTROLLER_LEASE"
+DEFAULT_CONTROLLER_LEASE_S = 20.0
+"""Seconds without a word from the controller before an agent stops its children and exits."""
+
+
+def parse_controller_lease(
+    value: float | str | None, env: Mapping[str, str] | None = None, option: str = "--controller-lease"
+) -> float:
+    """The lease in seconds: `value` when given, else `$ART_MEGA_CONTROLLER_LEASE`, else 20.
+
+    Raises:
+        UserError: the chosen value is not a finite positive number of seconds (one sentence
+            naming the option or variable, the value and the fix).
+    """
+    env = os.environ if env is None else env
+    if value is None and env.get(LEASE_ENV, "").strip():
+        value, option = env[LEASE_ENV].strip(), LEASE_ENV
+    if value is None:
+        return DEFAULT_CONTROLLER_LEASE_S
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UserError(
+            f"{option} {value!r} is not a finite positive number of seconds; "
+            f"give e.g. {DEFAULT_CONTROLLER_LEASE_S:g} (the default)"
+        )
+    return seconds
+
+
+class ControllerLease:
+    """The agent's side of the lease: armed by a heartbeat, renewed by every signed request.
+
+    Times are `time.monotonic()` seconds; `lease_s` is the bound in seconds.
+    """
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._last_heard: float | None = None
+        self.expired = False
+
+    @property
+    def armed(self) -> bool:
+        return self._last_heard is not None
+
+    def hold(self) -> None:
+        """A controller heartbeat: arm the lease (if it was not) and renew it."""
+        self._last_heard = time.monotonic()
+
+    def renew(self) -> None:
+        """A signed request: renew the lease if a controller holds it."""
+        if self._last_heard is not None:
+            self._last_heard = time.monotonic()
+
+    def release(self) -> None:
+        """The controller ended normally: no controller holds this agent until the next heartbeat."""
+        self._last_heard = None
+
+    def silent_s(self) -> float:
+        """Seconds since the controller was last heard from (0 while no controller holds the lease)."""
+        return 0.0 if self._last_heard is None else time.monotonic() - self._last_heard
+
+    async def wait_expired(self) -> None:
+        """Return once an armed lease has gone `lease_s` seconds unrenewed; sets `expired`."""
+        step = min(0.25, self.lease_s / 8)
+        while self.silent_s() < self.lease_s:
+            await asyncio.sleep(step)
+        self.expired = True
