@@ -3,13 +3,17 @@
 Agent side: `ManagedEtcd` finds the binary (given path, $ART_MEGA_ETCD_BIN, or PATH), checks its
 version (and sha256 when pinned), starts one member on free ports with a temp data dir, and polls
 health. Controller side: `start_metadata_store` starts it on the controller host and checks that
-every host can reach it and put/get a key through it (client: etcd3gw, see FACTS.md).
+every host can reach it and put/get a key through it (client: etcd3gw, see FACTS.md); an
+explicitly given store gets the same check (`check_from_every_host`), version and API included.
+The probe keys are deleted after the check.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -141,25 +145,77 @@ async def start_managed_etcd(request: EtcdStartRequest, launch_id: str = "") -> 
             await asyncio.sleep(0.05)
 
 
+def etcd_api_problem(status: int, reason: str, body: str) -> tuple[str | None, str]:
+    """Why an answer to `GET /version` is not an etcd >= 3.4 (None: it is) and the version seen.
+
+    etcd answers `{"etcdserver": "3.4.23", "etcdcluster": "3.4.0"}`; from 3.4 on its JSON gateway
+    is at `/v3/` (3.3 had `/v3beta/`, which art-mega's client and NIXL do not use).
+    """
+    if status != 200:
+        return f"it is not etcd: GET /version answered HTTP {status} {reason}".rstrip(), ""
+    try:
+        server = json.loads(body)["etcdserver"]
+        version = tuple(int(p) for p in str(server).split(".")[:2])
+    except (ValueError, KeyError, TypeError):
+        return f"it is not etcd: GET /version answered {body[:80]!r}, not etcd's version JSON", ""
+    if len(version) < 2 or version < MIN_VERSION:
+        return (
+            f"it is etcd {server}, and art-mega needs etcd >= {MIN_VERSION[0]}.{MIN_VERSION[1]} "
+            "(the v3 JSON gateway at /v3/)",
+            str(server),
+        )
+    return None, str(server)
+
+
 def check_endpoint(request: EtcdCheckRequest) -> EtcdCheckResponse:
-    """From this host: GET /health, then put and get `key` through etcd3gw (blocking)."""
+    """From this host: the version/API check, GET /health, then put, get and delete `key`.
+
+    The same check serves the managed etcd and an explicitly given one: `GET /version` must
+    name etcd >= 3.4 and its v3 JSON gateway must serve the put (see `etcd_api_problem`). The
+    probe key is deleted again whenever the put went through (blocking; errors are the answer).
+    """
     import etcd3gw
+    from etcd3gw.exceptions import Etcd3Exception
 
     started = time.monotonic()
     endpoint = EndpointSpec.parse(request.endpoint.replace("http://", "tcp://"))
+    put = False
+    client = None
     try:
-        health = httpx.get(endpoint.url + "/health", timeout=request.timeout_s, trust_env=False)
-        if health.status_code != 200 or health.json().get("health") not in (True, "true"):
+        with httpx.Client(trust_env=False, timeout=request.timeout_s) as http:
+            version = http.get(endpoint.url + "/version")
+            problem, _ = etcd_api_problem(version.status_code, version.reason_phrase, version.text)
+            if problem:
+                return EtcdCheckResponse(ok=False, error=problem)
+            health = http.get(endpoint.url + "/health")
+            if health.status_code != 200 or health.json().get("health") not in (True, "true"):
+                return EtcdCheckResponse(
+                    ok=False, error=f"unhealthy: HTTP {health.status_code} {health.text[:200]}"
+                )
+        client = etcd3gw.client(
+            host=endpoint.host, port=endpoint.port, timeout=request.timeout_s, api_path="/v3/"
+        )
+        try:
+            client.put(request.key, request.value)
+        except Etcd3Exception as exc:
+            detail = (exc.detail_text or "").strip()[:120]
             return EtcdCheckResponse(
-                ok=False, error=f"unhealthy: HTTP {health.status_code} {health.text[:200]}"
+                ok=False,
+                error=f"its v3 JSON gateway refused a put at /v3/kv/put ({type(exc).__name__}: "
+                f"{' '.join(str(a) for a in exc.args) or detail})",
             )
-        client = etcd3gw.client(host=endpoint.host, port=endpoint.port, timeout=request.timeout_s)
-        client.put(request.key, request.value)
+        put = True
         got = client.get(request.key)
         if not got or (got[0].decode() if isinstance(got[0], bytes) else got[0]) != request.value:
             return EtcdCheckResponse(ok=False, error=f"put/get of {request.key} returned {got!r}")
+        client.delete(request.key)
+        put = False
     except Exception as exc:  # report any client failure as this host's answer
         return EtcdCheckResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if put and client is not None:
+            with contextlib.suppress(Exception):  # the answer already says what failed
+                client.delete(request.key)
     return EtcdCheckResponse(ok=True, seconds=time.monotonic() - started)
 
 
@@ -178,15 +234,21 @@ async def check_from_every_host(clients: Mapping[str, AgentClient], endpoint: st
     replies = await asyncio.gather(
         *(clients[h].etcd_check(r) for h, r in requests.items()), return_exceptions=True
     )
-    failures = []
+    by_error: dict[str, list[str]] = {}
     for host, reply in zip(requests, replies):
         if isinstance(reply, BaseException):
-            failures.append(f"{host} ({reply})")
+            by_error.setdefault(str(reply), []).append(host)
         elif not reply.ok:
-            failures.append(f"{host} ({reply.error})")
-    if failures:
+            by_error.setdefault(reply.error, []).append(host)
+    if len(by_error) == 1:
+        # one cause (an endpoint that is not etcd, the wrong version): one sentence
+        ((error, hosts),) = by_error.items()
+        where = f"host {hosts[0]}" if len(hosts) == 1 else f"hosts {', '.join(hosts)}"
+        raise PreflightError(f"the metadata store {endpoint} is not usable from {where}: {error}")
+    if by_error:
         raise PreflightError(
-            f"the metadata store {endpoint} is not usable from host " + "; host ".join(failures)
+            f"the metadata store {endpoint} is not usable from "
+            + "; ".join(f"host {', '.join(hosts)} ({error})" for error, hosts in by_error.items())
         )
 
 
