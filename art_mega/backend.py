@@ -220,6 +220,158 @@ def write_commit(checkpoints: Path, step: int) -> None:
     tmp.replace(checkpoints / COMMIT_FILE)
 
 
+GRPO_OPTIONS = (
+    "learning_rate",
+    "importance_sampling_level",
+    "epsilon",
+    "epsilon_high",
+    "kl_beta",
+    "tis_cap",
+    "scale_rewards",
+    "config",
+    "allow_stale",
+    "drop_nonfinite_rewards",
+)
+"""The keywords `MegatronBackend.train` takes."""
+
+ART_OPTION_HINTS = {
+    "kl_penalty_coef": "art-mega calls it kl_beta",
+    "truncated_importance_sampling": "art-mega calls it tis_cap",
+    "logprob_calculation_chunk_size": (
+        "art-mega computes logprobs one microbatch at a time (size it with MegatronBackend(micro_batch_rows=...)), "
+        "so remove it"
+    ),
+}
+"""ART `train` keywords art-mega does not take under that name: what to do instead."""
+
+
+def check_grpo_options(
+    *,
+    learning_rate: Any,
+    importance_sampling_level: Any,
+    epsilon: Any,
+    epsilon_high: Any,
+    kl_beta: Any,
+    tis_cap: Any,
+    scale_rewards: Any,
+    config: Any,
+    allow_stale: Any,
+    drop_nonfinite_rewards: Any,
+    unknown: Mapping[str, Any],
+) -> tuple[float, dict[str, Any]]:
+    """Check `backend.train`'s options before anything runs; returns (learning rate, the
+    `GRPOLossConfig` fields of the job).
+
+    learning_rate: finite > 0; epsilon, kl_beta: finite >= 0; epsilon_high: None or finite
+    >= 0; tis_cap: None or finite > 0; importance_sampling_level: "token" or "sequence";
+    scale_rewards, allow_stale, drop_nonfinite_rewards: bools; config: None or a `TrainConfig`,
+    whose learning_rate replaces `learning_rate` and whose beta is the KL coefficient unless
+    `kl_beta` is non-zero (then they must agree).
+
+    Raises:
+        HyperParameterError: the first option out of range or of the wrong type, or the first
+            keyword of `unknown` (named, with ART's renamed options pointed to their names here).
+    """
+    from art_mega.errors import HyperParameterError
+    from art_mega.hyperparams import (
+        bool_problem,
+        check,
+        nonnegative_problem,
+        optional,
+        positive_problem,
+    )
+    from art_mega.model import TrainConfig
+
+    where = "backend.train"
+    for name, value in unknown.items():
+        hint = ART_OPTION_HINTS.get(name, f"use one of {', '.join(GRPO_OPTIONS)}")
+        raise HyperParameterError(f"{where} got an unknown keyword {name}={value!r}; {hint}", name, value)
+    if config is not None:
+        if not isinstance(config, TrainConfig):
+            raise HyperParameterError(
+                f"{where}(config={config!r}) must be an art_mega.TrainConfig; pass e.g. "
+                "config=art.TrainConfig(learning_rate=5e-6)",
+                "config",
+                config,
+            )
+        learning_rate = config.learning_rate
+        if config.beta and kl_beta and config.beta != kl_beta:
+            raise HyperParameterError(
+                f"{where}(kl_beta={kl_beta!r}) disagrees with config.beta={config.beta!r}; set one of them",
+                "kl_beta",
+                kl_beta,
+            )
+        kl_beta = kl_beta or config.beta
+    check(where, "learning_rate", learning_rate, positive_problem, "5e-6")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise HyperParameterError(
+            f"{where}(importance_sampling_level={importance_sampling_level!r}) must be 'token' or "
+            "'sequence' (GSPO)",
+            "importance_sampling_level",
+            importance_sampling_level,
+        )
+    check(where, "epsilon", epsilon, nonnegative_problem, "0.2")
+    check(where, "epsilon_high", epsilon_high, optional(nonnegative_problem), "0.28")
+    check(where, "kl_beta", kl_beta, nonnegative_problem, "0.04")
+    check(where, "tis_cap", tis_cap, optional(positive_problem), "2.0")
+    for name, value in (
+        ("scale_rewards", scale_rewards),
+        ("allow_stale", allow_stale),
+        ("drop_nonfinite_rewards", drop_nonfinite_rewards),
+    ):
+        check(where, name, value, bool_problem, "True")
+    loss = {
+        "importance_sampling_level": importance_sampling_level,
+        "epsilon_low": float(epsilon),
+        "epsilon_high": None if epsilon_high is None else float(epsilon_high),
+        "kl_beta": float(kl_beta),
+        "tis_cap": None if tis_cap is None else float(tis_cap),
+    }
+    return float(learning_rate), loss
+
+
+def checked_groups(trajectory_groups: Any, drop_nonfinite_rewards: bool) -> tuple[list[Any], int]:
+    """`backend.train`'s groups after the input and reward checks, and how many trajectories
+    with a NaN or inf reward were left out (only with `drop_nonfinite_rewards`).
+
+    Raises:
+        TrainInputError: see `trajectories.check_train_groups`.
+        NonFiniteValueError: a NaN or inf reward (without `drop_nonfinite_rewards`), or rewards
+            so large that a group's advantages overflow (group and trajectory named).
+    """
+    from art_mega.errors import NonFiniteValueError
+    from art_mega.trainer.advantages import group_advantages
+    from art_mega.trajectories import check_train_groups, nonfinite_rewards, without_trajectories
+
+    groups = check_train_groups(trajectory_groups)
+    bad = nonfinite_rewards(groups)
+    if bad and not drop_nonfinite_rewards:
+        g, t, reward = bad[0]
+        raise NonFiniteValueError(
+            f"backend.train(trajectory_groups): trajectory {t} of group {g} has the reward {reward} "
+            f"({len(bad)} non-finite rewards in this call); rewards must be finite numbers: fix the "
+            "reward, or pass drop_nonfinite_rewards=True to leave such trajectories out",
+            "reward",
+            reward,
+            g,
+            t,
+        )
+    if bad:
+        groups = without_trajectories(groups, [(g, t) for g, t, _ in bad])
+    for g, group in enumerate(groups):
+        try:
+            group_advantages([t.reward for t in group.trajectories])
+        except NonFiniteValueError as exc:
+            raise NonFiniteValueError(
+                f"backend.train(trajectory_groups): group {g}: {exc}",
+                exc.quantity,
+                exc.value,
+                g,
+                exc.trajectory,
+            ) from None
+    return groups, len(bad)
+
+
 class MegatronBackend:
     """Trains one `TrainableModel` with Megatron ranks and serves it with vLLM replicas.
 
@@ -470,7 +622,8 @@ class MegatronBackend:
         scale_rewards: bool = True,
         config: Any = None,
         allow_stale: bool = False,
-        **unused: Any,
+        drop_nonfinite_rewards: bool = False,
+        **unknown: Any,
     ) -> TrainResult:
         """One GRPO step on these groups; returns the new step and its metrics.
 
@@ -481,30 +634,55 @@ class MegatronBackend:
         importance sampling against the trainer's own recomputation). `data/stale_trajectories`
         counts them either way.
 
+        Everything is checked before anything is tokenized or sent to a rank: the options (see
+        `check_grpo_options`; `config`, a `TrainConfig`, gives `learning_rate`, and `beta` as
+        `kl_beta` unless `kl_beta` is set), the groups (`trajectories.check_train_groups`) and
+        the rewards: a NaN or +-inf reward is refused, or with `drop_nonfinite_rewards=True`
+        its trajectory is left out and counted in `data/trajectories_dropped_nonfinite_reward`.
+        Inside the ranks a non-finite loss or gradient norm aborts the step before the optimizer
+        update, and a checkpoint whose LoRA or optimizer tensors are not finite is never
+        committed: either way the commit and the served step stay where they were.
+
         Raises:
             UserError: unregistered model, a trajectory longer than `seq_len`, or (without
                 `allow_stale`) a trajectory served by a step other than the current one.
+            HyperParameterError: an option out of range or of the wrong type, or an unknown
+                keyword (named).
+            TrainInputError: `trajectory_groups` is not a non-empty list of TrajectoryGroup, or
+                a message has an unknown role or a bad content (group and trajectory named).
+            NonFiniteValueError: a NaN or inf reward (without `drop_nonfinite_rewards`), sampling
+                logprob, or an advantage that overflows (group and trajectory named).
+            RankRefusedStepError: the ranks refused the step over a non-finite loss, gradient
+                norm or checkpoint tensor (a UserError naming the step and the quantity; see above).
             TrainerJobError: a rank failed or died (named); the last commit stays usable, and the
                 next call retries the same step on ranks restarted from it.
         """
         from art_mega.trainer.tokenize import grpo_documents
 
         self._require(model)
-        groups = list(trajectory_groups)
-        if config is not None and getattr(config, "learning_rate", None) is not None:
-            learning_rate = config.learning_rate
-        loss = {
-            "importance_sampling_level": importance_sampling_level,
-            "epsilon_low": epsilon,
-            "epsilon_high": epsilon_high,
-            "kl_beta": kl_beta,
-            "tis_cap": tis_cap,
-        }
+        learning_rate, loss = check_grpo_options(
+            learning_rate=learning_rate,
+            importance_sampling_level=importance_sampling_level,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            kl_beta=kl_beta,
+            tis_cap=tis_cap,
+            scale_rewards=scale_rewards,
+            config=config,
+            allow_stale=allow_stale,
+            drop_nonfinite_rewards=drop_nonfinite_rewards,
+            unknown=unknown,
+        )
+        groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards)
         async with self._lock:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(self.tokenizer(), groups, scale_rewards)
-            metrics = {**stats.as_metrics(), "data/stale_trajectories": float(stale)}
+            metrics = {
+                **stats.as_metrics(),
+                "data/stale_trajectories": float(stale),
+                "data/trajectories_dropped_nonfinite_reward": float(dropped),
+            }
             return await self._step_with(documents, metrics, "rl", learning_rate, loss, started)
 
     def _check_policy_steps(self, groups: list[Any], allow_stale: bool) -> int:
@@ -526,15 +704,44 @@ class MegatronBackend:
     async def train_sft(
         self, model: Any, trajectories: Any, config: Any = None, **kwargs: Any
     ) -> TrainResult:
-        """One SFT step on these trajectories' assistant tokens (`config`: an `SFTConfig`)."""
+        """One SFT step on these trajectories' assistant tokens.
+
+        `config` is an `SFTConfig`; without it `kwargs` are its fields (not both).
+
+        Raises:
+            UserError: unregistered model, a trajectory longer than `seq_len`.
+            HyperParameterError: `config` is not an SFTConfig, or given together with `kwargs`.
+            pydantic.ValidationError: `kwargs` are not valid SFTConfig fields (names the field).
+            TrainInputError: `trajectories` is not a non-empty list of Trajectory, or a message
+                has an unknown role or a bad content (trajectory and message named).
+            NonFiniteValueError: a sampled Choice holds a NaN or inf logprob.
+            RankRefusedStepError, TrainerJobError: as for `train`.
+        """
+        from art_mega.errors import HyperParameterError
         from art_mega.sft import SFTConfig
         from art_mega.trainer.tokenize import sft_documents
+        from art_mega.trajectories import check_sft_trajectories
 
         self._require(model)
+        if config is not None and not isinstance(config, SFTConfig):
+            raise HyperParameterError(
+                f"train_sft(config={config!r}) must be an art_mega.sft.SFTConfig; pass e.g. "
+                "config=SFTConfig(learning_rate=1e-4)",
+                "config",
+                config,
+            )
+        if config is not None and kwargs:
+            name = next(iter(kwargs))
+            raise HyperParameterError(
+                f"train_sft got config= and {name}= together; set {name} in the SFTConfig",
+                name,
+                kwargs[name],
+            )
         config = config or SFTConfig(**kwargs)
+        trajectories = check_sft_trajectories(trajectories)
         async with self._lock:
             started = time.perf_counter()
-            documents, stats = sft_documents(self.tokenizer(), list(trajectories), config.assistant_turns)
+            documents, stats = sft_documents(self.tokenizer(), trajectories, config.assistant_turns)
             return await self._step_with(
                 documents, stats.as_metrics(), "sft", config.learning_rate, {}, started
             )

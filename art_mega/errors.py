@@ -148,3 +148,104 @@ class ProgramImportError(UserError):
         super().__init__(message)
         self.module = module
         self.cause = cause
+
+
+class TrainInputError(UserError):
+    """An argument of `backend.train` / `train_sft` is not what training takes (a list where a
+    `TrajectoryGroup` belongs, an empty group, an unknown role, a message `content` that is not a
+    string, a list of parts or None).
+
+    Attributes:
+        argument: the argument's name, e.g. "trajectory_groups".
+        group, trajectory: where the bad value sits (None where it is the argument itself).
+    """
+
+    def __init__(self, message: str, argument: str, group: int | None = None, trajectory: int | None = None):
+        super().__init__(message)
+        self.argument = argument
+        self.group = group
+        self.trajectory = trajectory
+
+
+class NonFiniteValueError(UserError):
+    """A NaN or +-inf reward, advantage or sampling logprob reached the edge of training.
+
+    Attributes:
+        quantity: what it is ("reward", "advantage", "logprob").
+        value: the offending value.
+        group, trajectory: where it sits (None when not known to the raiser).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        quantity: str,
+        value: float,
+        group: int | None = None,
+        trajectory: int | None = None,
+    ):
+        super().__init__(message)
+        self.quantity = quantity
+        self.value = value
+        self.group = group
+        self.trajectory = trajectory
+
+
+class HyperParameterError(UserError):
+    """A hyper-parameter of `backend.train`, `train_sft` or a dataset iterator is out of range or of
+    the wrong type (never replaced by a default).
+
+    Attributes:
+        name: the parameter, e.g. "learning_rate".
+        value: what was given.
+    """
+
+    def __init__(self, message: str, name: str, value: object):
+        super().__init__(message)
+        self.name = name
+        self.value = value
+
+
+class NonFiniteStepError(UserError):
+    """A trainer rank found a non-finite loss or gradient norm and aborted the step before the
+    optimizer update: nothing changed on the rank and nothing was committed.
+
+    Attributes:
+        quantity: the first non-finite quantity, e.g. "loss/policy" or "loss/grad_norm".
+        value: its value (nan, inf or -inf).
+        step: the training step (None where the raiser does not know it).
+    """
+
+    def __init__(self, quantity: str, value: float, step: int | None = None):
+        at = "a training step" if step is None else f"training step {step}"
+        super().__init__(
+            f"{at} was aborted before the optimizer update because {quantity} is {value}; nothing "
+            "was committed and the served step did not move; look for extreme rewards or "
+            "advantages, or lower learning_rate"
+        )
+        self.quantity = quantity
+        self.value = value
+        self.step = step
+
+    def at_step(self, step: int) -> NonFiniteStepError:
+        """The same error naming `step`."""
+        return NonFiniteStepError(self.quantity, self.value, step)
+
+
+class NonFiniteCheckpointError(UserError):
+    """A checkpoint was refused before it was committed because a LoRA or optimizer tensor of
+    some rank holds NaN or +-inf (the step's update made the weights non-finite).
+
+    Attributes:
+        tensor: the first non-finite tensor, e.g. "rank 0 lora decoder.layers.0...lora_B".
+        step: the step whose checkpoint was refused.
+    """
+
+    def __init__(self, tensor: str, step: int):
+        super().__init__(
+            f"the checkpoint of step {step} was not committed because {tensor} holds NaN or inf "
+            "values after the optimizer update; the trainer restarts from the last commit on the "
+            "next backend.train; lower learning_rate or look for extreme rewards"
+        )
+        self.tensor = tensor
+        self.step = step

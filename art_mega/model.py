@@ -10,6 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from art_mega.errors import HyperParameterError
+from art_mega.hyperparams import nonnegative_problem, positive_problem, pydantic_check
+
 
 def _check_name(value: str, field: str) -> str:
     if not value or not value.strip() or value != value.strip():
@@ -20,12 +23,27 @@ def _check_name(value: str, field: str) -> str:
 
 
 class TrainConfig(BaseModel):
-    """ART's TrainConfig: the learning rate and the KL coefficient `beta` of one step."""
+    """ART's TrainConfig: the learning rate and the KL coefficient `beta` of one step.
+
+    Raises:
+        pydantic.ValidationError: `learning_rate` is not a finite number > 0 (a string, NaN,
+            inf, 0 or a negative value) or `beta` is not a finite number >= 0.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = 5e-6
     beta: float = 0.0
+
+    @field_validator("learning_rate", mode="before")
+    @classmethod
+    def _learning_rate(cls, value: Any) -> Any:
+        return pydantic_check(value, positive_problem, "5e-6")
+
+    @field_validator("beta", mode="before")
+    @classmethod
+    def _beta(cls, value: Any) -> Any:
+        return pydantic_check(value, nonnegative_problem, "0.04")
 
 
 class Model(BaseModel):
@@ -121,8 +139,21 @@ class TrainableModel(Model):
         return row
 
     async def train(self, trajectory_groups: Any, config: Any = None, **kwargs: Any) -> Any:
-        """ART's `model.train(groups, config=TrainConfig(...))`: one GRPO step through the backend."""
+        """ART's `model.train(groups, config=TrainConfig(...))`: one GRPO step through the backend.
+
+        `config`'s learning rate and `beta` (as `kl_beta`) apply unless `kwargs` name them.
+
+        Raises:
+            HyperParameterError: `config` is not a `TrainConfig`; and what `backend.train` raises.
+        """
         if config is not None:
+            if not isinstance(config, TrainConfig):
+                raise HyperParameterError(
+                    f"model.train(config={config!r}) must be an art_mega.TrainConfig; pass e.g. "
+                    "config=art.TrainConfig(learning_rate=5e-6)",
+                    "config",
+                    config,
+                )
             kwargs.setdefault("learning_rate", config.learning_rate)
             if getattr(config, "beta", 0.0):
                 kwargs.setdefault("kl_beta", config.beta)

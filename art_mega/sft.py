@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from art_mega.errors import UserError
+from art_mega.hyperparams import check, nonnegative_problem, pydantic_check, whole_problem
 from art_mega.trajectories import Trajectory
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -26,13 +27,32 @@ T = TypeVar("T")
 
 
 class SFTConfig(BaseModel):
-    """One SFT step's hyper-parameters (ART's SFTConfig)."""
+    """One SFT step's hyper-parameters (ART's SFTConfig).
+
+    `learning_rate` may be 0: a schedule decaying to `min_lr=0` (`create_lr_schedule`, as ART's)
+    ends on a step at 0.
+
+    Raises:
+        pydantic.ValidationError: `learning_rate` is not a finite number >= 0 (a string, NaN,
+            inf or a negative value), or `batch_size` is not a whole number >= 1 (a float or a
+            bool is not).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = 1e-4
     batch_size: int = 1
     assistant_turns: Literal["all", "last"] = "all"
+
+    @field_validator("learning_rate", mode="before")
+    @classmethod
+    def _learning_rate(cls, value: Any) -> Any:
+        return pydantic_check(value, nonnegative_problem, "1e-4")
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, value: Any) -> Any:
+        return pydantic_check(value, whole_problem(1), "8")
 
 
 def _check_tool_calls(calls: Any, where: str) -> None:
@@ -218,9 +238,16 @@ def iterate_dataset(
     shuffle: bool = True,
     seed: int = 0,
 ) -> Iterator[DatasetBatch[T]]:
-    """Batches of `groups_per_step` items per step over `num_epochs`, resuming at `initial_step`."""
-    if groups_per_step < 1:
-        raise UserError(f"groups_per_step={groups_per_step} must be >= 1")
+    """Batches of `groups_per_step` items per step over `num_epochs`, resuming at `initial_step`.
+
+    Raises:
+        HyperParameterError: `groups_per_step` or `num_epochs` is not a whole number >= 1, or
+            `initial_step` not one >= 0 (a float such as 1.5 or a bool is not).
+    """
+    where = "iterate_dataset"
+    check(where, "groups_per_step", groups_per_step, whole_problem(1), "4")
+    check(where, "num_epochs", num_epochs, whole_problem(1), "1")
+    check(where, "initial_step", initial_step, whole_problem(0), "await model.get_step()")
     per_epoch = math.ceil(len(dataset) / groups_per_step)
     rng = random.Random(seed)
     step = 0

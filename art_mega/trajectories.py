@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections.abc import Iterable
 from typing import Annotated, Any, Union
 
@@ -165,6 +166,194 @@ def off_policy(
             if any(step != expected_step for step in steps):
                 found.append((g, t, steps))
     return found
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The message roles training accepts (OpenAI's chat roles; "function" is its legacy tool role)."""
+
+
+def check_train_groups(value: Any, where: str = "backend.train") -> list[TrajectoryGroup]:
+    """`value` (the `trajectory_groups` argument of `where`) as a list of groups, checked whole
+    before anything is tokenized or trained.
+
+    Every element must be a built `TrajectoryGroup` holding at least one trajectory (a group
+    whose every rollout raised, as `gather_trajectory_groups` may return under
+    `max_exceptions`, is kept: training skips it), and each trajectory a conversation training
+    can take (see `check_conversation`). Rewards are checked by `nonfinite_rewards`.
+
+    Raises:
+        TrainInputError: a string, a single group, something not iterable, an empty list, an
+            element that is not a built TrajectoryGroup (a list, an un-awaited group), an empty
+            group without recorded exceptions, or a bad message (names group, trajectory, message).
+        NonFiniteValueError: a sampled Choice with a NaN or inf logprob (names the token).
+    """
+    from art_mega.errors import TrainInputError
+
+    argument = f"{where}(trajectory_groups)"
+    if isinstance(value, TrajectoryGroup):
+        raise TrainInputError(
+            f"{argument} got one TrajectoryGroup; pass a list of groups, e.g. [group]", "trajectory_groups"
+        )
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise TrainInputError(
+            f"{argument} got a {type(value).__name__}; pass a list of art.TrajectoryGroup "
+            "(what art.gather_trajectory_groups returns)",
+            "trajectory_groups",
+        )
+    groups = list(value)
+    if not groups:
+        raise TrainInputError(
+            f"{argument} got an empty list; pass at least one TrajectoryGroup", "trajectory_groups"
+        )
+    for g, group in enumerate(groups):
+        if isinstance(group, PendingTrajectoryGroup) or inspect.isawaitable(group):
+            raise TrainInputError(
+                f"{argument}: group {g} was never awaited; await it or build the groups with "
+                "art.gather_trajectory_groups",
+                "trajectory_groups",
+                g,
+            )
+        if not isinstance(group, TrajectoryGroup):
+            raise TrainInputError(
+                f"{argument}: group {g} is a {type(group).__name__}, not an art.TrajectoryGroup; "
+                "wrap its trajectories: art.TrajectoryGroup([...])",
+                "trajectory_groups",
+                g,
+            )
+        if not group.trajectories and not group.exceptions:
+            raise TrainInputError(
+                f"{argument}: group {g} has no trajectories; leave it out or fill it",
+                "trajectory_groups",
+                g,
+            )
+        for t, trajectory in enumerate(group.trajectories):
+            check_conversation(
+                trajectory, f"{argument}: trajectory {t} of group {g}", "trajectory_groups", g, t
+            )
+    return groups
+
+
+def check_sft_trajectories(value: Any, where: str = "train_sft") -> list[Trajectory]:
+    """`value` (the `trajectories` argument of `where`) as a non-empty list of trajectories whose
+    conversations training can take (see `check_conversation`).
+
+    Raises:
+        TrainInputError: a string, something not iterable, an empty list, an element that is
+            not a Trajectory, or a bad message (names the trajectory and message).
+        NonFiniteValueError: a sampled Choice with a NaN or inf logprob.
+    """
+    from art_mega.errors import TrainInputError
+
+    argument = f"{where}(trajectories)"
+    if isinstance(value, (str, bytes, dict, Trajectory)) or not isinstance(value, Iterable):
+        raise TrainInputError(
+            f"{argument} got a {type(value).__name__}; pass a list of art.Trajectory", "trajectories"
+        )
+    trajectories = list(value)
+    if not trajectories:
+        raise TrainInputError(f"{argument} got an empty list; pass at least one Trajectory", "trajectories")
+    for t, trajectory in enumerate(trajectories):
+        if not isinstance(trajectory, Trajectory):
+            raise TrainInputError(
+                f"{argument}: trajectory {t} is a {type(trajectory).__name__}, not an art.Trajectory",
+                "trajectories",
+                None,
+                t,
+            )
+        check_conversation(trajectory, f"{argument}: trajectory {t}", "trajectories", None, t)
+    return trajectories
+
+
+def check_conversation(
+    trajectory: Trajectory, where: str, argument: str, group: int | None, index: int
+) -> None:
+    """Refuse a conversation (main history or `additional_histories`) training cannot take: a
+    message whose role is not one of `CHAT_ROLES`, whose `content` is neither a string, a list of
+    content parts (objects) nor None/absent, or a sampled Choice with a NaN or inf logprob.
+
+    Raises:
+        TrainInputError: names `where` (argument, group, trajectory), the history and the message.
+        NonFiniteValueError: names `where`, the message and the token index.
+    """
+    histories = [("messages_and_choices", trajectory.messages_and_choices)]
+    for h, history in enumerate(trajectory.additional_histories):
+        histories.append(
+            (f"additional_histories[{h}].messages_and_choices", history.get("messages_and_choices", []))
+        )
+    for name, items in histories:
+        for m, item in enumerate(items):
+            _check_item(item, f"{where}: {name}[{m}]", argument, group, index)
+
+
+def _check_item(item: Any, where: str, argument: str, group: int | None, index: int) -> None:
+    from art_mega.errors import NonFiniteValueError, TrainInputError
+
+    def refuse(reason: str) -> TrainInputError:
+        return TrainInputError(f"{where} {reason}", argument, group, index)
+
+    if isinstance(item, Choice):
+        message: Any = item.message.model_dump(exclude_none=True)
+        entries = [e.logprob for e in (item.logprobs.content or [])] if item.logprobs else []
+    elif isinstance(item, dict) and _message_kind(item) == "choice":
+        message = item["message"]
+        logprobs = item.get("logprobs") or {}
+        entries = [e.get("logprob") for e in logprobs.get("content") or [] if isinstance(e, dict)]
+    elif isinstance(item, dict):
+        message, entries = item, []
+    else:
+        raise refuse(f"is a {type(item).__name__}; use a chat message dict or an openai Choice")
+    if not isinstance(message, dict):
+        raise refuse(f"holds a message of type {type(message).__name__}; use a chat message dict")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        shown = "no role" if "role" not in message else f"the unknown role {role!r}"
+        raise refuse(f"has {shown}; use one of {', '.join(repr(r) for r in CHAT_ROLES)}")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list):
+            raise refuse(
+                f"has a content of type {type(content).__name__}; content must be a string, "
+                "a list of content parts or None"
+            )
+        for k, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise refuse(
+                    f"has a content part {k} of type {type(part).__name__}; a part is an object "
+                    "such as {'type': 'text', 'text': '...'}"
+                )
+    for k, logprob in enumerate(entries):
+        if not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
+            raise NonFiniteValueError(
+                f"{where} has the sampling logprob {logprob!r} at token {k}; training needs finite "
+                "logprobs: drop this trajectory or sample it again",
+                "logprob",
+                logprob,
+                group,
+                index,
+            )
+
+
+def nonfinite_rewards(groups: Iterable[TrajectoryGroup]) -> list[tuple[int, int, float]]:
+    """(group index, trajectory index, reward) of every NaN or +-inf reward, in order."""
+    return [
+        (g, t, trajectory.reward)
+        for g, group in enumerate(groups)
+        for t, trajectory in enumerate(group.trajectories)
+        if not math.isfinite(trajectory.reward)
+    ]
+
+
+def without_trajectories(
+    groups: list[TrajectoryGroup], drop: Iterable[tuple[int, int]]
+) -> list[TrajectoryGroup]:
+    """Copies of `groups` without the (group index, trajectory index) pairs in `drop`."""
+    dropped = set(drop)
+    return [
+        group.model_copy(
+            update={"trajectories": [x for t, x in enumerate(group.trajectories) if (g, t) not in dropped]}
+        )
+        for g, group in enumerate(groups)
+    ]
 
 
 def describe_exception(exc: BaseException) -> str:

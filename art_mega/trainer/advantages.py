@@ -33,15 +33,38 @@ def group_advantages(rewards: Sequence[float], scale_rewards: bool = True) -> Gr
     Args:
         rewards: the group's rewards, one per trajectory (any scale).
         scale_rewards: divide by the group's standard deviation (ART's default: True).
+
+    Raises:
+        NonFiniteValueError: a reward is NaN or +-inf (quantity "reward", its index as
+            `trajectory`), or the rewards are so large that an advantage overflows
+            (quantity "advantage"). `backend.train` refuses such rewards earlier, naming the group.
     """
+    from art_mega.errors import NonFiniteValueError
+
+    for i, r in enumerate(rewards):
+        if not math.isfinite(r):
+            raise NonFiniteValueError(
+                f"reward {i} of the group is {r}; rewards must be finite numbers", "reward", r, None, i
+            )
     if not rewards:
         return GroupAdvantages((), skipped=True)
-    mean = sum(rewards) / len(rewards)
     if all(r == rewards[0] for r in rewards):
         return GroupAdvantages(tuple(0.0 for _ in rewards), skipped=True)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) * (r - mean) for r in rewards) / len(rewards))
     scale = std + STD_EPSILON if scale_rewards else 1.0
-    return GroupAdvantages(tuple((r - mean) / scale for r in rewards))
+    advantages = tuple((r - mean) / scale for r in rewards)
+    for i, a in enumerate(advantages):
+        if not (math.isfinite(a) and math.isfinite(scale)):  # an infinite std zeroes every advantage
+            raise NonFiniteValueError(
+                f"advantage {i} of the group is not finite: its rewards overflow a float "
+                f"(largest {max(abs(r) for r in rewards):g}); rescale the rewards",
+                "advantage",
+                a,
+                None,
+                i,
+            )
+    return GroupAdvantages(advantages)
 
 
 def token_weight(assistant_tokens: int) -> float:

@@ -1,0 +1,100 @@
+"""Checks of training hyper-parameters, shared by `backend.train`, `TrainConfig`, `SFTConfig` and
+`iterate_dataset`: a value out of range or of the wrong type is refused, never replaced by a default.
+
+Each `*_problem` function returns None for a good value, else the words that follow the value in
+the refusal ("must be a finite number greater than 0, not a str"); `check` raises
+`HyperParameterError` naming where, the parameter, the value and the fix, and `pydantic_check`
+raises the `ValueError` a pydantic validator turns into a `ValidationError`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+from art_mega.errors import HyperParameterError
+
+Problem = Callable[[Any], "str | None"]
+
+
+def _not_a_number(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"a {type(value).__name__}"
+    if not math.isfinite(float(value)):
+        return "not finite"
+    return None
+
+
+def positive_problem(value: Any) -> str | None:
+    """None when `value` is a real number, finite and > 0 (bool and str are not numbers)."""
+    why = _not_a_number(value)
+    if why is None and float(value) <= 0:
+        why = "not above 0"
+    return None if why is None else f"must be a finite number greater than 0 ({why})"
+
+
+def nonnegative_problem(value: Any) -> str | None:
+    """None when `value` is a real number, finite and >= 0."""
+    why = _not_a_number(value)
+    if why is None and float(value) < 0:
+        why = "negative"
+    return None if why is None else f"must be a finite number of at least 0 ({why})"
+
+
+def fraction_problem(value: Any) -> str | None:
+    """None when `value` is a real number in [0, 1]."""
+    why = _not_a_number(value)
+    if why is None and not 0 <= float(value) <= 1:
+        why = "outside [0, 1]"
+    return None if why is None else f"must be a number from 0 to 1 ({why})"
+
+
+def whole_problem(minimum: int) -> Problem:
+    """A check that `value` is an integer (numpy's too; not a bool, not a float) >= `minimum`."""
+
+    def problem(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            why = f"a {type(value).__name__}"
+        elif int(value) < minimum:
+            why = f"below {minimum}"
+        else:
+            return None
+        return f"must be a whole number of at least {minimum} ({why})"
+
+    return problem
+
+
+def bool_problem(value: Any) -> str | None:
+    """None when `value` is True or False (a string such as "false" is not)."""
+    return None if isinstance(value, bool) else f"must be True or False (a {type(value).__name__})"
+
+
+def optional(problem: Problem) -> Problem:
+    """`problem`, with None allowed (the option is off)."""
+    return lambda value: None if value is None else problem(value)
+
+
+def check(where: str, name: str, value: Any, problem: Problem, example: str) -> Any:
+    """Return `value` when `problem(value)` is None.
+
+    Raises:
+        HyperParameterError: "`where`(`name`=`value`) `problem`; pass e.g. `name`=`example`".
+    """
+    why = problem(value)
+    if why is not None:
+        raise HyperParameterError(f"{where}({name}={value!r}) {why}; pass e.g. {name}={example}", name, value)
+    return value
+
+
+def pydantic_check(value: Any, problem: Problem, example: str) -> Any:
+    """Return `value` when `problem(value)` is None; for pydantic `mode="before"` validators.
+
+    Raises:
+        ValueError: "`value` `problem`, e.g. `example`" (pydantic names the model and field).
+    """
+    why = problem(value)
+    if why is not None:
+        raise ValueError(f"{value!r} {why}; use e.g. {example}")
+    return value
