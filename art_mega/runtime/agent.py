@@ -27,7 +27,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from art_mega import __version__
-from art_mega.runtime.auth import Verifier
+from art_mega.runtime.auth import (
+    NONCE_HEADER,
+    REPLY_SIGNATURE_HEADER,
+    AgentIdentity,
+    Verifier,
+    new_incarnation,
+)
 from art_mega.runtime.fs_probe import FsProbeOps
 from art_mega.runtime.lease import DEFAULT_CONTROLLER_LEASE_S, ControllerLease
 from art_mega.runtime.protocol import (
@@ -67,9 +73,12 @@ from art_mega.runtime.protocol import (
 from art_mega.runtime.rollout_worker import STREAM_LIMIT
 from art_mega.runtime.routes import RouteError, SignedRouter, body_error, json_reply
 from art_mega.runtime.supervisor import Child, Supervisor
+from art_mega.runtime.trainer_host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
 
 WORKER_HELLO_TIMEOUT_S = 60.0
 MAX_CACHED_CALLABLES = 1024
+FILES_CHECK_MAX_BODY_BYTES = 16 << 20
+"""Body cap of /v1/files/check: `FILES_PER_CHECK` paths of up to 4 KiB each."""
 """Distinct rollout callables whose worker-protocol form an agent keeps (more are dumped per call)."""
 
 
@@ -144,7 +153,9 @@ class AgentState:
     ) -> None:
         self.launch_id = launch_id
         self.address = address
-        self.verifier = Verifier(secret)
+        self.identity = AgentIdentity(address=address, incarnation=new_incarnation())
+        """Whom a request must be signed for: this address and this process's incarnation."""
+        self.verifier = Verifier(secret, self.identity)
         self.supervisor = Supervisor()
         self.workers: dict[str, _RolloutWorker] = {}
         self.started_at = time.time()
@@ -383,9 +394,14 @@ def create_app(state: AgentState) -> Starlette:
         yield
         await state.close()
 
-    async def health(request: Request) -> Response:
-        await router.verified_body(request)
+    async def health(request: Request, body: bytes) -> Response:
         return json_reply(state.health())
+
+    async def identity(request: Request, body: bytes) -> Response:
+        """Whom to sign for (see `auth`), with a reply signature over the request's nonce."""
+        reply = state.identity.model_dump_json().encode()
+        signature = state.verifier.sign_reply(request.headers[NONCE_HEADER], reply)
+        return Response(reply, media_type="application/json", headers={REPLY_SIGNATURE_HEADER: signature})
 
     callables: dict[CallableRef, dict[str, Any]] = {}
 
@@ -398,8 +414,7 @@ def create_app(state: AgentState) -> Starlette:
                 callables[ref] = dumped
         return dumped
 
-    async def run_rollout(request: Request) -> Response:
-        body = await router.verified_body(request)
+    async def run_rollout(request: Request, body: bytes) -> Response:
         try:
             run = RunRolloutRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -416,8 +431,8 @@ def create_app(state: AgentState) -> Starlette:
             RunRolloutResponse(ok=False, failure=RemoteFailure.model_validate(reply["failure"]))
         )
 
-    router.raw("/health", health, ["GET"])
-    router.raw("/rollouts/run", run_rollout, ["POST"])
+    router.raw("/health", health, ["GET"], max_body_bytes=0)
+    router.raw("/identity", identity, ["GET"], max_body_bytes=0, unbound=True)
 
     @router.post("/lease", LeaseRequest)
     async def lease(body: LeaseRequest) -> HealthResponse:
@@ -426,6 +441,8 @@ def create_app(state: AgentState) -> Starlette:
         else:
             state.lease.release()
         return state.health()
+
+    router.raw("/rollouts/run", run_rollout, ["POST"], max_body_bytes=STREAM_LIMIT)
 
     @router.post("/rollout-workers/start", StartRolloutWorkersRequest)
     async def start_workers(body: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
@@ -446,7 +463,7 @@ def create_app(state: AgentState) -> Starlette:
     async def fs_op(body: FsOpRequest) -> FsOpResponse:
         return await asyncio.to_thread(state.fs_probe.run, body)
 
-    @router.post("/files/check", FilesCheckRequest)
+    @router.post("/files/check", FilesCheckRequest, max_body_bytes=FILES_CHECK_MAX_BODY_BYTES)
     async def files_check(body: FilesCheckRequest) -> FilesCheckResponse:
         def missing() -> tuple[str, ...]:
             return tuple(
@@ -503,14 +520,14 @@ def create_app(state: AgentState) -> Starlette:
 
     register_artifact_file_routes(router)
 
-    @router.post("/trainer/start", TrainerStartRequest)
+    @router.post("/trainer/start", TrainerStartRequest, max_body_bytes=TRAINER_STREAM_LIMIT)
     async def trainer_start(body: TrainerStartRequest) -> TrainerStartResponse:
         try:
             return await state.trainer.start(body)
         except (OSError, RuntimeError) as exc:
             return TrainerStartResponse(error=str(exc))
 
-    @router.post("/trainer/job", TrainerJobRequest)
+    @router.post("/trainer/job", TrainerJobRequest, max_body_bytes=TRAINER_STREAM_LIMIT)
     async def trainer_job(body: TrainerJobRequest) -> TrainerJobResponse:
         return TrainerJobResponse(sent=await state.trainer.send_job(body.job))
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
 
 WRITE_PATH = "/artifacts/write"
 REMOVE_PATH = "/artifacts/remove"
+WRITE_MAX_BODY_BYTES = 1 << 30
+"""Body cap of /v1/artifacts/write (1 GiB of JSON: a file of up to 768 MiB in base64)."""
 
 
 class ArtifactWriteRequest(BaseModel):
@@ -114,7 +116,7 @@ def register_artifact_file_routes(router: SignedRouter) -> None:
     """Add `POST /v1/artifacts/write` and `/v1/artifacts/remove` to the agent's `router`; each runs
     in an agent thread and answers `ArtifactResponse` (failures in it, not as HTTP errors)."""
 
-    @router.post(WRITE_PATH, ArtifactWriteRequest)
+    @router.post(WRITE_PATH, ArtifactWriteRequest, max_body_bytes=WRITE_MAX_BODY_BYTES)
     async def artifacts_write(body: ArtifactWriteRequest) -> ArtifactResponse:
         return await asyncio.to_thread(write_file, body)
 

@@ -1,12 +1,15 @@
 """The controller's signed HTTP client for one agent.
 
-Bodies are the pydantic models of `protocol`; every request is signed with the launch secret.
+Bodies are the pydantic models of `protocol`; every request is signed with the launch secret for
+exactly that agent process: its address and incarnation, which the client learns from the agent
+on first use (`AgentClient.identity`, see `auth`).
 The transport is aiohttp: one keep-alive `ClientSession` for each `AgentClient` (httpx cost
 about 1.6 ms of CPU per request here; see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -14,7 +17,14 @@ import aiohttp
 from pydantic import BaseModel
 
 from art_mega.errors import UserError
-from art_mega.runtime.auth import sign
+from art_mega.runtime.auth import (
+    NONCE_HEADER,
+    REPLY_SIGNATURE_HEADER,
+    UNBOUND,
+    AgentIdentity,
+    reply_is_signed,
+    sign,
+)
 from art_mega.runtime.protocol import (
     API_PREFIX,
     FILES_PER_CHECK,
@@ -117,6 +127,8 @@ class AgentClient:
         self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self._target: AgentIdentity | None = None
+        self._target_lock: asyncio.Lock | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         """The session, made on first use (aiohttp binds it to the running event loop)."""
@@ -151,15 +163,29 @@ class AgentClient:
     ) -> M:
         full = API_PREFIX + path
         content = body.model_dump_json().encode() if body is not None else b""
-        headers = sign(self._secret, method, full, content)
+        seconds = self._timeout_s if timeout_s is ... else timeout_s
+        target = await self._identity(seconds)
+        payload, _ = await self._send(
+            method, full, content, sign(self._secret, method, full, content, target), seconds
+        )
+        return model.model_validate_json(payload)
+
+    async def _send(
+        self, method: str, full: str, content: bytes, headers: dict[str, str], seconds: float | None
+    ) -> tuple[bytes, str | None]:
+        """Send one signed request; its 200 body and reply signature header (if any).
+
+        Raises:
+            AgentError: the agent did not answer, or answered another status (with its detail).
+        """
         headers["content-type"] = "application/json"
-        timeout = self._timeout(self._timeout_s if timeout_s is ... else timeout_s)
         try:
             async with self._http().request(
-                method, self._url + full, data=content, headers=headers, timeout=timeout
+                method, self._url + full, data=content, headers=headers, timeout=self._timeout(seconds)
             ) as response:
                 status = response.status
                 payload = await response.read()
+                reply_signature = response.headers.get(REPLY_SIGNATURE_HEADER)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise AgentError(
                 self.host,
@@ -174,7 +200,37 @@ class AgentClient:
             except (ValueError, AttributeError):
                 pass
             raise AgentError(self.host, self.address, f"HTTP {status}: {detail}")
-        return model.model_validate_json(payload)
+        return payload, reply_signature
+
+    async def _identity(self, seconds: float | None) -> AgentIdentity:
+        if self._target is None:
+            if self._target_lock is None:
+                self._target_lock = asyncio.Lock()
+            async with self._target_lock:
+                if self._target is None:
+                    full = API_PREFIX + "/identity"
+                    headers = sign(self._secret, "GET", full, b"", UNBOUND)
+                    payload, reply_signature = await self._send("GET", full, b"", headers, seconds)
+                    if not reply_is_signed(self._secret, headers[NONCE_HEADER], payload, reply_signature):
+                        raise AgentError(
+                            self.host,
+                            self.address,
+                            "its identity answer is not signed with this launch's secret",
+                        )
+                    self._target = AgentIdentity.model_validate_json(payload)
+        return self._target
+
+    async def identity(self, timeout_s: float | None = None) -> AgentIdentity:
+        """The agent process this client signs every request for (its address and incarnation).
+
+        Learnt once, on first use: `GET /v1/identity`, signed for no agent, answered with the
+        agent's reply signature over that request's nonce. It is never learnt again, so a
+        restarted agent (a new incarnation) refuses every later request of this client.
+
+        Raises:
+            AgentError: the agent did not answer, refused the secret, or its answer is not signed.
+        """
+        return await self._identity(self._timeout_s if timeout_s is None else timeout_s)
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
         """The agent's identity and children. Raises `AgentError` when it does not answer."""

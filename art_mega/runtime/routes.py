@@ -1,10 +1,14 @@
-"""The agent's HTTP routes on plain Starlette: signature check, pydantic body in, pydantic reply out.
+"""The agent's HTTP routes on plain Starlette: signature check, capped body, pydantic in and out.
 
-Every route verifies the request's HMAC signature over the raw body first (see `auth`); a
-refused request gets 401 `{"detail": reason}` and runs nothing. The body is then parsed into the
-route's pydantic model (422 `{"detail": [errors]}` when it is not one), the handler runs, and its
-pydantic reply is the JSON answer. A handler raises `RouteError` for another status
-(`{"detail": ...}`, the shape FastAPI uses and `AgentClient` reads).
+Every route first verifies the request's signed headers (see `auth`): an unsigned, stale,
+replayed request, or one signed for another agent or incarnation, gets 401 `{"detail": reason}`
+before a byte of its body is read, and the connection is closed (uvicorn would otherwise drain
+the body). Every route has a body cap (`DEFAULT_MAX_BODY_BYTES` unless it says otherwise, none
+for GET): a larger declared body gets 413 unread, a larger chunked one 413 once the cap is
+passed. The body is then held to its signed sha256, parsed into the route's pydantic model (422
+`{"detail": [errors]}` when it is not one), the handler runs, and its pydantic reply is the JSON
+answer. A handler raises `RouteError` for another status (`{"detail": ...}`, the shape FastAPI
+uses and `AgentClient` reads).
 
 Why not FastAPI: the agent starts on every host of every launch, and importing FastAPI cost
 ~0.6 s of CPU per agent here (half the agent's start-up); its dependency and validation layers
@@ -29,14 +33,21 @@ from art_mega.runtime.protocol import API_PREFIX
 
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
 
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+"""Body cap of a route that names none (1 MiB: every control body is far smaller)."""
+
 
 class RouteError(Exception):
-    """Answer `status` with `{"detail": detail}` (e.g. 404 for an unknown worker)."""
+    """Answer `status` with `{"detail": detail}` (e.g. 404 for an unknown worker).
 
-    def __init__(self, status: int, detail: Any) -> None:
+    `close`: also close the connection (the request body was not read to its end).
+    """
+
+    def __init__(self, status: int, detail: Any, close: bool = False) -> None:
         super().__init__(str(detail))
         self.status = status
         self.detail = detail
+        self.close = close
 
 
 def json_reply(model: BaseModel) -> Response:
@@ -44,8 +55,11 @@ def json_reply(model: BaseModel) -> Response:
     return Response(content=model.model_dump_json(), media_type="application/json")
 
 
-def _detail(status: int, detail: Any) -> Response:
-    return Response(json.dumps({"detail": detail}, default=str), status, media_type="application/json")
+def _detail(status: int, detail: Any, close: bool = False) -> Response:
+    headers = {"connection": "close"} if close else None
+    return Response(
+        json.dumps({"detail": detail}, default=str), status, headers=headers, media_type="application/json"
+    )
 
 
 def body_error(exc: ValidationError) -> RouteError:
@@ -54,13 +68,44 @@ def body_error(exc: ValidationError) -> RouteError:
     return RouteError(422, errors)
 
 
-class SignedRouter:
-    """The agent's routes, each behind the signature check of `verifier`.
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, read only while it stays within `max_bytes`.
 
-    `post(path, body_model)` / `get(path)` register a handler that takes the parsed body (or
-    nothing) and returns a pydantic model; `raw(path, endpoint, methods)` registers a Starlette
-    endpoint that calls `verified_body` itself (the hot routes, which parse by hand). Paths are
-    relative to `API_PREFIX`. `app(lifespan)` builds the Starlette application.
+    Raises:
+        RouteError: 400 for a malformed Content-Length; 413 (closing the connection) when the
+            declared length, or the bytes received so far, pass `max_bytes`.
+    """
+    where = f"{request.method} {request.url.path}"
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise RouteError(400, f"{where}: Content-Length {declared!r} is not a byte count", close=True)
+    if declared is not None and int(declared) > max_bytes:
+        raise RouteError(
+            413, f"{where} takes at most {max_bytes} bytes of body; this one has {declared}", close=True
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RouteError(
+                413, f"{where} takes at most {max_bytes} bytes of body; this one has more", close=True
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+Endpoint = Callable[[Request, bytes], Awaitable[Response]]
+
+
+class SignedRouter:
+    """The agent's routes, each behind the signature check of `verifier` and a body cap.
+
+    `post(path, body_model, max_body_bytes)` / `get(path)` register a handler that takes the
+    parsed body (or nothing) and returns a pydantic model; `raw(path, endpoint, methods, ...)`
+    registers a Starlette endpoint that gets the request and its verified body (the hot routes,
+    which parse by hand). Paths are relative to `API_PREFIX`. `app(lifespan)` builds the
+    Starlette application.
     """
 
     def __init__(self, verifier: Verifier, on_verified: Callable[[], None] | None = None) -> None:
@@ -69,15 +114,21 @@ class SignedRouter:
         """Called after every verified request (the agent renews its controller lease)."""
         self.routes: list[Route] = []
 
-    async def verified_body(self, request: Request) -> bytes:
-        """The request's raw body once its signature is verified.
+    async def _verified_body(self, request: Request, max_body_bytes: int, unbound: bool) -> bytes:
+        """Check the signed headers, then read the capped body and hold it to its signed hash.
 
         Raises:
-            RouteError: 401 naming why the signature was refused.
+            RouteError: 401 naming why the signature was refused; 400/413 from `read_body`.
         """
-        body = await request.body()
         try:
-            self.verifier.verify(request.method, request.url.path, dict(request.headers), body)
+            body_hash = self.verifier.verify_headers(
+                request.method, request.url.path, request.headers, unbound
+            )
+        except AuthError as exc:
+            raise RouteError(401, str(exc), close=True) from None
+        body = await read_body(request, max_body_bytes)
+        try:
+            self.verifier.check_body(body_hash, body)
         except AuthError as exc:
             raise RouteError(401, str(exc)) from None
         if self.on_verified is not None:
@@ -85,21 +136,29 @@ class SignedRouter:
         return body
 
     def raw(
-        self, path: str, endpoint: Callable[[Request], Awaitable[Response]], methods: Sequence[str]
+        self,
+        path: str,
+        endpoint: Endpoint,
+        methods: Sequence[str],
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        unbound: bool = False,
     ) -> None:
-        """Register `endpoint` as is (it must call `verified_body`); `RouteError` is answered."""
+        """Register `endpoint(request, body)`, called with the verified body only; `RouteError`
+        is answered. `unbound=True` (the identity route only) also accepts a request signed for
+        no agent (see `auth`)."""
 
         async def guarded(request: Request) -> Response:
             try:
-                return await endpoint(request)
+                return await endpoint(request, await self._verified_body(request, max_body_bytes, unbound))
             except RouteError as exc:
-                return _detail(exc.status, exc.detail)
+                return _detail(exc.status, exc.detail, exc.close)
 
         self.routes.append(Route(API_PREFIX + path, guarded, methods=list(methods)))
 
-    def _add(self, method: str, path: str, body_model: type[BaseModel] | None, handler: H) -> H:
-        async def endpoint(request: Request) -> Response:
-            raw = await self.verified_body(request)
+    def _add(
+        self, method: str, path: str, body_model: type[BaseModel] | None, handler: H, max_body_bytes: int
+    ) -> H:
+        async def endpoint(request: Request, raw: bytes) -> Response:
             if body_model is None:
                 return json_reply(await handler())
             try:
@@ -108,17 +167,23 @@ class SignedRouter:
                 raise body_error(exc) from None
             return json_reply(await handler(parsed))
 
-        self.raw(path, endpoint, [method])
+        self.raw(path, endpoint, [method], max_body_bytes)
         return handler
 
-    def post(self, path: str, body_model: type[BaseModel] | None = None) -> Callable[[H], H]:
+    def post(
+        self,
+        path: str,
+        body_model: type[BaseModel] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> Callable[[H], H]:
         """Decorator: `POST path` runs the handler with the body parsed as `body_model` (None:
-        the handler takes no argument and the body is ignored once its signature is checked)."""
-        return lambda handler: self._add("POST", path, body_model, handler)
+        the handler takes no argument and the body is ignored once its signature is checked);
+        a body over `max_body_bytes` is refused with 413."""
+        return lambda handler: self._add("POST", path, body_model, handler, max_body_bytes)
 
     def get(self, path: str) -> Callable[[H], H]:
-        """Decorator: `GET path` runs the handler with no argument."""
-        return lambda handler: self._add("GET", path, None, handler)
+        """Decorator: `GET path` runs the handler with no argument (a GET takes no body)."""
+        return lambda handler: self._add("GET", path, None, handler, 0)
 
     def app(self, lifespan: Callable[[Any], AbstractAsyncContextManager[None]] | None = None) -> Starlette:
         """The Starlette application serving every registered route."""

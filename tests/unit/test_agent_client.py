@@ -6,7 +6,14 @@ import pytest
 from aiohttp import web
 
 from art_mega.errors import UserError
-from art_mega.runtime.auth import AuthError, Verifier
+from art_mega.runtime.auth import (
+    NONCE_HEADER,
+    REPLY_SIGNATURE_HEADER,
+    AgentIdentity,
+    AuthError,
+    Verifier,
+    new_incarnation,
+)
 from art_mega.runtime.client import AgentClient, AgentError, RemoteRolloutError
 from art_mega.runtime.protocol import CallableRef, RunRolloutRequest
 
@@ -28,12 +35,30 @@ class FakeAgent:
     """Verifies every request like the agent does; records bodies and connections."""
 
     def __init__(self) -> None:
-        self.verifier = Verifier(SECRET)
+        self.verifier: Verifier | None = None  # made once the port is known
+        self.identity_calls = 0
+        self.reply_secret = SECRET
         self.bodies: list[bytes] = []
         self.peers: set[object] = set()
         self.delay_s = 0.0
         self.status: int | None = None
         self.error_text = ""
+
+    def restart(self, address: str) -> None:
+        """A fresh incarnation at `address` with the same secret (what a restarted agent is)."""
+        self.verifier = Verifier(SECRET, AgentIdentity(address=address, incarnation=new_incarnation()))
+
+    async def identity(self, request: web.Request) -> web.Response:
+        self.identity_calls += 1
+        try:
+            self.verifier.verify_headers(request.method, request.path, request.headers, unbound=True)
+        except AuthError as exc:
+            return web.json_response({"detail": str(exc)}, status=401)
+        body = self.verifier.identity.model_dump_json().encode()
+        mac = Verifier(self.reply_secret, self.verifier.identity).sign_reply(
+            request.headers[NONCE_HEADER], body
+        )
+        return web.Response(body=body, content_type="application/json", headers={REPLY_SIGNATURE_HEADER: mac})
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -61,6 +86,7 @@ class FakeAgent:
 async def agent():
     fake = FakeAgent()
     app = web.Application()
+    app.router.add_get("/v1/identity", fake.identity)
     app.router.add_get("/v1/health", fake.handle)
     app.router.add_post("/v1/rollouts/run", fake.handle)
     runner = web.AppRunner(app)
@@ -70,6 +96,7 @@ async def agent():
     port = runner.addresses[0][1]
     fake.url = f"http://127.0.0.1:{port}"
     fake.address = f"tcp://127.0.0.1:{port}"
+    fake.restart(fake.address)
     yield fake
     await runner.cleanup()
 
@@ -90,7 +117,7 @@ async def test_signed_calls_parse_replies_and_reuse_one_connection(agent):
             }
     finally:
         await client.aclose()
-    assert agent.bodies[0] == b""
+    assert agent.identity_calls == 1 and agent.bodies[0] == b""
     sent = RunRolloutRequest.model_validate_json(agent.bodies[1])
     assert agent.bodies[1] == sent.model_dump_json().encode()  # signed over these exact bytes
     assert len(agent.peers) == 1  # keep-alive
@@ -166,3 +193,38 @@ async def test_aclose_closes_the_session_and_is_idempotent(agent):
     with pytest.raises(RuntimeError, match="closed"):
         await client.health()
     await AgentClient("h", "a", agent.url, SECRET).aclose()  # never used: nothing to close
+
+
+async def test_the_client_learns_the_agent_identity_once_and_signs_for_it(agent):
+    client = client_for(agent)
+    try:
+        identity = await client.identity()
+        assert identity == agent.verifier.identity and identity.address == agent.address
+        await asyncio.gather(*(client.health() for _ in range(5)))
+        assert agent.identity_calls == 1
+        assert await client.identity() is identity
+    finally:
+        await client.aclose()
+
+
+async def test_a_restarted_agent_refuses_the_client_and_is_not_relearnt(agent):
+    client = client_for(agent)
+    try:
+        await client.health()
+        agent.restart(agent.address)
+        with pytest.raises(AgentError, match="HTTP 401: signed for another incarnation of this agent"):
+            await client.health()
+        assert agent.identity_calls == 1
+    finally:
+        await client.aclose()
+
+
+async def test_an_identity_answer_without_the_launch_reply_signature_is_refused(agent):
+    agent.reply_secret = b"q" * 32
+    client = client_for(agent)
+    try:
+        with pytest.raises(AgentError, match="identity answer is not signed with this launch's secret"):
+            await client.health()
+        assert agent.bodies == []  # nothing was sent to an agent that did not prove the secret
+    finally:
+        await client.aclose()

@@ -89,7 +89,10 @@ async def test_the_agent_routes_write_and_remove_for_signed_requests_only(tmp_pa
 
     async def post(http, path: str, body, secret: bytes = SECRET) -> httpx.Response:
         content = body.model_dump_json().encode()
-        headers = {"content-type": "application/json", **sign(secret, "POST", API_PREFIX + path, content)}
+        headers = {
+            "content-type": "application/json",
+            **sign(secret, "POST", API_PREFIX + path, content, state.identity),
+        }
         return await http.post(API_PREFIX + path, content=content, headers=headers)
 
     data = base64.b64encode(b"batch").decode()
