@@ -17,7 +17,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from art_mega.errors import UserError
+from art_mega.errors import SFTFileError, UserError
 from art_mega.hyperparams import check, nonnegative_problem, pydantic_check, whole_problem
 from art_mega.trajectories import Trajectory
 
@@ -56,8 +56,11 @@ class SFTConfig(BaseModel):
 
 
 def _check_tool_calls(calls: Any, where: str) -> None:
+    """Refuse tool calls the chat template could not render as the OpenAI format means them."""
+    from art_mega.trainer.tokenize import parse_tool_arguments
+
     if not isinstance(calls, list):
-        raise UserError(f"{where}: tool_calls must be a list")
+        raise ValueError(f"{where}.tool_calls is a {type(calls).__name__}; tool_calls must be a list")
     for k, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if (
@@ -65,67 +68,111 @@ def _check_tool_calls(calls: Any, where: str) -> None:
             or not isinstance(function.get("name"), str)
             or not function["name"]
         ):
-            raise UserError(f"{where}: tool_calls[{k}] has no function name")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                json.loads(arguments)
-            except ValueError:
-                raise UserError(f"{where}: tool_calls[{k}].function.arguments is not valid JSON") from None
-        elif not isinstance(arguments, dict):
-            raise UserError(f"{where}: tool_calls[{k}].function.arguments must be a JSON string or object")
+            raise ValueError(f"{where}.tool_calls[{k}] has no function name")
+        parse_tool_arguments(function.get("arguments"), f"{where}.tool_calls[{k}].function.arguments")
 
 
-def parse_sft_row(line: str, where: str) -> Trajectory:
-    """Validate one JSONL row and return it as a Trajectory (reward 0).
+def _check_message(message: Any, k: int) -> None:
+    """Refuse messages[k] unless the chat template can render it (ValueError: the reason)."""
+    where = f"messages[{k}]"
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} is a {type(message).__name__}, not an object")
+    role = message.get("role")
+    if role not in ROLES:
+        raise ValueError(f"{where} has unknown role {role!r}; use one of {sorted(ROLES)}")
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise ValueError(
+                f"{where} is a {role!r} message with tool_calls; only assistant messages carry them"
+            )
+        _check_tool_calls(calls, where)
+    content = message.get("content")
+    if isinstance(content, str) or (content is None and role == "assistant" and calls):
+        return
+    if content is None:
+        raise ValueError(
+            f"{where} has no content; give it a string (only an assistant message with tool_calls may have none)"
+        )
+    hint = "; join its text parts into one string" if isinstance(content, list) else ""
+    shown = json.dumps(content)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ValueError(
+        f"{where}.content is the {type(content).__name__} {shown}, not a string; SFT message content "
+        f"must be a string{hint}"
+    )
+
+
+def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
+    """Validate one JSONL row (line `number` of `path`) and return it as a Trajectory (reward 0).
+
+    A row is an object with a non-empty "messages" list and optionally a "tools" list (other
+    keys are not read, as in ART). Each message has a known role and a string content (None
+    or absent only on an assistant message with tool_calls); tool-call arguments are a JSON
+    object or a string holding one; the last message is the assistant's.
 
     Raises:
-        UserError: `where` (file:line) and the reason: not JSON, no messages, an unknown role,
-            a bad tool call, or a last message that is not the assistant's.
+        SFTFileError: "file:line: reason": not JSON, not an object, no messages, an unknown
+            role, a content that is not a string, a bad tool call, a last message that is not
+            the assistant's, or tools that are not a list of objects.
     """
+    where = f"{path}:{number}"
+
+    def refuse(reason: str) -> SFTFileError:
+        return SFTFileError(f"{where}: {reason}", path, number)
+
     try:
         row = json.loads(line)
     except ValueError as exc:
-        raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
+        raise refuse(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(row, dict):
-        raise UserError(f"{where}: a row must be a JSON object with 'messages'")
+        raise refuse(f"a row must be a JSON object with 'messages', got a {type(row).__name__}")
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: no 'messages' list")
+        raise refuse("no 'messages' list")
     for k, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise UserError(f"{where}: messages[{k}] is not an object")
-        role = message.get("role")
-        if role not in ROLES:
-            raise UserError(f"{where}: messages[{k}] has unknown role {role!r}; use one of {sorted(ROLES)}")
-        if "tool_calls" in message:
-            _check_tool_calls(message["tool_calls"], f"{where}: messages[{k}]")
+        try:
+            _check_message(message, k)
+        except ValueError as exc:
+            raise refuse(str(exc)) from None
     if messages[-1].get("role") != "assistant":
-        raise UserError(
-            f"{where}: the last message must be the assistant's, got {messages[-1].get('role')!r}"
-        )
+        raise refuse(f"the last message must be the assistant's, got {messages[-1].get('role')!r}")
     tools = row.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise UserError(f"{where}: 'tools' must be a list")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise refuse("'tools' must be a list of tool objects")
     return Trajectory(messages_and_choices=messages, tools=tools, reward=0.0)
 
 
 def read_sft_jsonl(path: str | Path) -> list[Trajectory]:
-    """Read and validate every row of `path` (blank lines skipped) before anything trains.
+    """Read and validate every row of `path` (UTF-8, a leading byte-order mark allowed; blank
+    lines skipped) before anything trains.
 
     Raises:
-        UserError: a missing file, an empty file, or the first bad row (file:line and reason).
+        SFTFileError: a missing, unreadable or empty file, a line that is not UTF-8, or the
+            first bad row (file:line and reason, see `parse_sft_row`).
     """
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"SFT file {file} does not exist")
+        raise SFTFileError(f"SFT file {file} does not exist", str(file))
     trajectories = []
-    with open(file) as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                trajectories.append(parse_sft_row(line, f"{file}:{number}"))
+    try:
+        with open(file, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    # Editors on Windows save UTF-8 with a byte-order mark: json.loads refuses it.
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise SFTFileError(
+                        f"{file}:{number}: byte {exc.start + 1} of the line is not UTF-8; save the file as UTF-8",
+                        str(file),
+                        number,
+                    ) from None
+                if line.strip():
+                    trajectories.append(parse_sft_row(line, str(file), number))
+    except OSError as exc:
+        raise SFTFileError(f"SFT file {file} cannot be read ({exc.strerror})", str(file)) from None
     if not trajectories:
-        raise UserError(f"SFT file {file} has no rows")
+        raise SFTFileError(f"SFT file {file} has no rows", str(file))
     return trajectories
 
 

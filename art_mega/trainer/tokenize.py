@@ -129,8 +129,14 @@ def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[
     return list(token_ids), [float(c.logprob) for c in content]
 
 
-def _tool_arguments(arguments: Any, where: str) -> dict[str, Any]:
-    """One tool call's `arguments` as the object a chat template prints (see the module docstring)."""
+def parse_tool_arguments(arguments: Any, where: str) -> dict[str, Any]:
+    """One tool call's `arguments` as the object a chat template prints: a dict as given, a JSON
+    string parsed, None or "" as {} (vLLM's rule for them).
+
+    Raises:
+        ValueError: "`where` is ...": a string that is not JSON or not a JSON object, or
+            another type.
+    """
     if arguments is None or arguments == "":
         return {}
     if isinstance(arguments, str):
@@ -179,7 +185,7 @@ def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
                 turn,
             )
         try:
-            arguments = _tool_arguments(
+            arguments = parse_tool_arguments(
                 function.get("arguments"),
                 f"{where}: messages_and_choices[{turn}].tool_calls[{k}].function.arguments",
             )

@@ -3,12 +3,13 @@ import math
 
 import pytest
 
-from art_mega.errors import UserError
+from art_mega.errors import SFTFileError, UserError
 from art_mega.sft import (
     create_lr_schedule,
     create_sft_dataset_iterator,
     iterate_dataset,
     read_sft_jsonl,
+    train_sft_from_file,
 )
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -67,14 +68,89 @@ def test_valid_rows_become_trajectories(tmp_path):
                     {"role": "assistant", "content": "y"},
                 ]
             },
-            "arguments is not valid JSON",
+            r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not valid JSON",
         ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}]},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            r"arguments is the JSON list \[1, 2\], not an object",
+        ),
+        # a content the chat template cannot render fails here, before any SFT step runs
+        (
+            {"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "y"}]},
+            r"messages\[0\]\.content is the int 42, not a string; SFT message content must be a string",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": {"text": "y"}},
+                ]
+            },
+            r"messages\[1\]\.content is the dict \{\"text\": \"y\"\}, not a string",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            "not a string; SFT message content must be a string; join its text parts into one string",
+        ),
+        (
+            {"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]},
+            r"messages\[0\] has no content; give it a string",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi", "tool_calls": []},
+                    {"role": "assistant", "content": "y"},
+                ]
+            },
+            "is a 'user' message with tool_calls; only assistant messages carry them",
+        ),
+        ({**GOOD, "tools": ["get"]}, "'tools' must be a list of tool objects"),
     ],
 )
 def test_each_bad_row_names_its_line_and_reason(tmp_path, bad, reason):
     path = write(tmp_path, GOOD, bad)
-    with pytest.raises(UserError, match=f"data.jsonl:2: .*{reason}"):
+    with pytest.raises(SFTFileError, match=f"data.jsonl:2: .*{reason}") as caught:
         read_sft_jsonl(path)
+    assert (caught.value.path, caught.value.line) == (str(path), 2)
+
+
+def test_a_file_with_a_utf8_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD) + "\r\n" + json.dumps(TOOL) + "\r\n").encode())
+    rows = read_sft_jsonl(path)
+    assert [r.messages()[0]["content"] for r in rows] == ["hi", "weather?"]
+
+
+def test_bytes_that_are_not_utf8_are_refused_with_their_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(
+        (json.dumps(GOOD) + "\n").encode()
+        + '{"messages": [{"role": "user", "content": "caf\xe9"'.encode("latin-1")
+    )
+    with pytest.raises(
+        SFTFileError, match=r"latin1.jsonl:2: byte 47 of the line is not UTF-8; save the file as UTF-8"
+    ):
+        read_sft_jsonl(path)
+
+
+def test_missing_empty_and_unreadable_files_are_refused(tmp_path):
+    with pytest.raises(SFTFileError, match="does not exist"):
+        read_sft_jsonl(tmp_path / "absent.jsonl")
+    with pytest.raises(SFTFileError, match="does not exist"):
+        read_sft_jsonl(tmp_path)
+    with pytest.raises(SFTFileError, match="has no rows"):
+        read_sft_jsonl(write(tmp_path, "", "  "))
 
 
 def test_lr_schedules_by_hand():
@@ -106,3 +182,18 @@ def test_iterate_dataset():
     batches = list(iterate_dataset(list(range(5)), groups_per_step=2, num_epochs=2, shuffle=False))
     assert [b.items for b in batches] == [[0, 1], [2, 3], [4], [0, 1], [2, 3], [4]]
     assert [b.step for b in iterate_dataset(list(range(5)), 2, 2, initial_step=4)] == [4, 5]
+
+
+async def test_train_sft_from_file_refuses_a_bad_row_before_the_first_step(tmp_path):
+    import art_mega as art
+
+    # an unregistered model: its first SFT step would raise "not registered", so only a check made
+    # while the file loads can name line 4 (today rows 1-3 trained before line 4 failed)
+    model = art.TrainableModel(name="m", project="p", base_model="tiny")
+    with pytest.raises(RuntimeError, match="model 'm' is not registered"):
+        await train_sft_from_file(model, write(tmp_path, GOOD))
+    rows = [GOOD] * 3 + [
+        {"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "y"}]}
+    ]
+    with pytest.raises(SFTFileError, match=r"data.jsonl:4: messages\[0\].content is the int 7, not a string"):
+        await train_sft_from_file(model, write(tmp_path, *rows), batch_size=1)
