@@ -1,19 +1,24 @@
 """The `art-mega` command line: a thin layer that parses options and calls the launch library.
 
-Bad input ends with one sentence and exit code 2 (a traceback only with --debug).
+Bad input ends with one sentence and exit code 2 (a traceback only with --debug), also where
+click/typer refuse an option (an unknown flag, `--port abc`): `main` prints their message as one
+line instead of typer's usage box. Numbers are read in ASCII digits only (`int()` and `float()`
+also take `٣`, `inf` and `nan`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import sys
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 
-from art_mega.errors import UserError
+from art_mega.errors import LoopbackAddressError, UserError
 
 app = typer.Typer(
     name="art-mega",
@@ -30,6 +35,48 @@ ProgramOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
+MAX_STARTUP_TIMEOUT_S = 86400.0
+"""The longest --startup-timeout (one day): larger values overflow socket and timer limits."""
+_INTEGER = re.compile(r"-?[0-9]+")
+_SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def integer(value: str | int) -> int:
+    """An option's integer, written in ASCII digits (`int()` alone also takes '٣' and ' 7 ').
+
+    Raises:
+        ValueError: anything else (typer turns it into a usage error; `main` prints one line, exit 2).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not _INTEGER.fullmatch(str(value)):
+        raise ValueError(f"{value!r} is not an integer written in ASCII digits; give e.g. 22222")
+    return int(str(value))
+
+
+def seconds(value: str | float) -> float:
+    """An option's duration in seconds: a finite number in (0, MAX_STARTUP_TIMEOUT_S], ASCII digits.
+
+    Raises:
+        ValueError: inf, nan, a negative number, 0, a non-ASCII digit, or more than a day.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif _SECONDS.fullmatch(str(value)):
+        number = float(str(value))
+    else:
+        raise ValueError(
+            f"{value!r} is not a number of seconds written in ASCII digits (inf, nan and negative "
+            "numbers are refused); give e.g. 120"
+        )
+    if not 0 < number <= MAX_STARTUP_TIMEOUT_S:
+        raise ValueError(
+            f"{value!r} is outside 0 < seconds <= {MAX_STARTUP_TIMEOUT_S:g} (one day); give e.g. 120"
+        )
+    return number
+
+
 LeaseOpt = Annotated[
     str | None,
     typer.Option(
@@ -81,11 +128,9 @@ def _check_address(option: str, value: str) -> None:
         raise UserError(f"{option} {value!r}: {exc}") from None
 
 
-def _check_launch_id(value: str | None) -> None:
-    import re
-
+def _check_launch_id(value: str | None, what: str = "--launch-id") -> None:
     if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", value):
-        raise UserError(f"--launch-id {value!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        raise UserError(f"{what} {value!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
 
 
 def _check_port(port: int) -> None:
@@ -93,17 +138,41 @@ def _check_port(port: int) -> None:
         raise UserError(f"--port {port} is out of range; use 0 (a free port) to 65535")
 
 
-def _check_timeout(value: float) -> None:
-    if not value > 0:
-        raise UserError(f"--startup-timeout {value} must be a positive number of seconds")
+def _refuse_loopback(hosts: Sequence[tuple[str, str]], option: str, fixes: Sequence[str]) -> None:
+    """Refuse a multi-host launch that would advertise a loopback address for one host's agent.
+
+    `hosts` are (as the user wrote it, worker host) pairs; `fixes[i]` is the fix to suggest for
+    `hosts[i]`.
+
+    Raises:
+        LoopbackAddressError: naming the value, the loopback address and the fix.
+    """
+    from art_mega.runtime.netif import loopback_in_multi_host
+
+    found = loopback_in_multi_host(hosts)
+    if found is None:
+        return
+    label, host, address = found
+    fix = fixes[[h[0] for h in hosts].index(label)]
+    how = "a loopback address" if address == host else f"the loopback address {host} resolves to here"
+    if address == "127.0.1.1":
+        how += " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1)"
+    raise LoopbackAddressError(
+        f"{option} {label!r} would advertise its agent at {address}, {how}, which the other hosts "
+        f"of this {len(hosts)}-host launch cannot reach; give its network address: {fix}",
+        label,
+        address,
+    )
 
 
 @app.command()
 def local(
     program: ProgramOpt,
-    port: Annotated[int, typer.Option(help="Agent port on 127.0.0.1; 0 picks a free port.")] = 0,
+    port: Annotated[
+        int, typer.Option(parser=integer, help="Agent port on 127.0.0.1; 0 picks a free port.")
+    ] = 0,
     startup_timeout: Annotated[
-        float, typer.Option("--startup-timeout", help="Seconds to wait for the agent.")
+        float, typer.Option("--startup-timeout", parser=seconds, help="Seconds to wait for the agent.")
     ] = 60.0,
     controller_lease: LeaseOpt = None,
     debug: DebugOpt = False,
@@ -116,7 +185,6 @@ def local(
         from art_mega.runtime.lease import parse_controller_lease
 
         _check_port(port)
-        _check_timeout(startup_timeout)
         lease_s = parse_controller_lease(controller_lease)
         ref = parse_program(program)
         main = load_program(ref)
@@ -142,9 +210,16 @@ def controller(
         from art_mega.launch.controller import run_attached
         from art_mega.launch.program import load_program, parse_program
         from art_mega.runtime.auth import secret_from_env
+        from art_mega.topology import EndpointSpec
 
         for address in worker:
             _check_address("--worker", address)
+        _refuse_loopback(
+            [(a, EndpointSpec.parse(a).host) for a in worker],
+            "--worker",
+            ["start that agent with art-mega worker --address tcp://ADDRESS:PORT and pass that"]
+            * len(worker),
+        )
         _check_launch_id(launch_id)
         try:
             secret = secret_from_env()
@@ -169,7 +244,7 @@ def ssh(
     python: Annotated[
         str | None, typer.Option("--python", help="Python on every host (default: this interpreter's path).")
     ] = None,
-    port: Annotated[int, typer.Option("--port", help="Agent port on every host.")] = 22222,
+    port: Annotated[int, typer.Option("--port", parser=integer, help="Agent port on every host.")] = 22222,
     ssh_arg: Annotated[
         list[str] | None,
         typer.Option(
@@ -178,7 +253,7 @@ def ssh(
         ),
     ] = None,
     startup_timeout: Annotated[
-        float, typer.Option("--startup-timeout", help="Seconds to wait for every agent.")
+        float, typer.Option("--startup-timeout", parser=seconds, help="Seconds to wait for every agent.")
     ] = 60.0,
     controller_lease: LeaseOpt = None,
     debug: DebugOpt = False,
@@ -190,9 +265,17 @@ def ssh(
         from art_mega.launch.ssh import default_python, plan_hosts, run_ssh
         from art_mega.runtime.lease import parse_controller_lease
 
-        _check_timeout(startup_timeout)
         lease_s = parse_controller_lease(controller_lease)
-        plan_hosts(host, ssh_arg or [], port)
+        planned = plan_hosts(host, ssh_arg or [], port)
+        _refuse_loopback(
+            [(h.target.text, h.endpoint.host) for h in planned],
+            "--host",
+            [
+                f"--host {h.target.user + '@' if h.target.user else ''}{h.target.target}=ADDRESS, the IP "
+                "the other hosts reach it on"
+                for h in planned
+            ],
+        )
         ref = parse_program(program)
         main = load_program(ref)
         chosen = python or default_python()
@@ -207,10 +290,13 @@ def ssh(
 def skypilot(
     program: ProgramOpt,
     port: Annotated[
-        int, typer.Option("--port", help="Agent port on every node; rank 0 also uses PORT+1.")
+        int, typer.Option("--port", parser=integer, help="Agent port on every node; rank 0 also uses PORT+1.")
     ] = 22222,
     startup_timeout: Annotated[
-        float, typer.Option("--startup-timeout", help="Seconds to wait for the agent and for every node.")
+        float,
+        typer.Option(
+            "--startup-timeout", parser=seconds, help="Seconds to wait for the agent and for every node."
+        ),
     ] = 120.0,
     debug: DebugOpt = False,
 ) -> None:
@@ -220,7 +306,6 @@ def skypilot(
         from art_mega.launch.program import load_program, parse_program
         from art_mega.launch.skypilot import prepare, run_skypilot
 
-        _check_timeout(startup_timeout)
         if not 1 <= port <= 65534:
             raise UserError(f"--port {port} is out of range; use 1..65534 (rank 0 also listens on PORT+1)")
         node, secret = prepare(os.environ)
@@ -268,7 +353,10 @@ def worker(
                 message = message.replace("ART_MEGA_SECRET", "the secret line on stdin (--secret-stdin)")
             raise UserError(message) from None
         os.environ.pop("ART_MEGA_SECRET", None)
-        chosen = launch_id or os.environ.get("ART_MEGA_LAUNCH_ID") or secrets.token_hex(8)
+        from_env = os.environ.get("ART_MEGA_LAUNCH_ID")
+        if launch_id is None and from_env:
+            _check_launch_id(from_env, "ART_MEGA_LAUNCH_ID")
+        chosen = launch_id or from_env or secrets.token_hex(8)
         return agent_main(address, chosen, secret, exit_on_stdin_eof, lease_s)
 
     raise typer.Exit(_guarded(debug, body))
@@ -297,6 +385,33 @@ def report(
     raise typer.Exit(_guarded(debug, body))
 
 
-def main() -> None:
-    """Console-script entry point."""
-    app()
+def _click_class(name: str) -> type[Exception]:
+    # typer >= 0.2x vendors click as a private module and older typer uses click itself: take the
+    # base classes from the MRO of typer's public BadParameter, which is right for both.
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Console-script entry point: run the CLI, exit with its code.
+
+    click's own refusals (an unknown option or command, a value its type refuses, a missing
+    option) are printed as one line naming the command and pointing at its --help, exit 2,
+    instead of typer's usage box.
+    """
+    usage_error, click_exception = _click_class("UsageError"), _click_class("ClickException")
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name="art-mega", standalone_mode=False)
+    except typer.Abort:
+        sys.exit(1)
+    except click_exception as exc:
+        message = " ".join(exc.format_message().split()).rstrip(".").replace(": Value error, ", ": ")
+        if not message:  # no arguments at all: typer printed the help
+            sys.exit(getattr(exc, "exit_code", 2))
+        if isinstance(exc, usage_error):
+            ctx = getattr(exc, "ctx", None)
+            where = ctx.command_path if ctx is not None else "art-mega"
+            message = f"{where}: {message}; see '{where} --help'"
+        print(f"art-mega: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(getattr(exc, "exit_code", 2))
+    sys.exit(code if isinstance(code, int) else 0)

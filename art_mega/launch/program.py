@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from art_mega.errors import UserError
+from art_mega.errors import ProgramImportError, UserError
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,34 @@ def parse_program(text: str) -> ProgramRef:
     return ProgramRef(text=text, module=target, function=function)
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    """`text` with line breaks folded into spaces, cut to `limit` characters."""
+    folded = " ".join(text.split()) or "(no message)"
+    return folded if len(folded) <= limit else folded[: limit - 3] + "..."
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`file:line` of the innermost frame outside the import machinery that raised `exc`."""
+    where = "an unknown line"
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith("<frozen ") and "importlib" not in Path(filename).parts:
+            where = f"{filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
 def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
     """Import the program and return its `async def main(launch)`.
 
     Raises:
-        UserError: the module cannot be found, the name clashes with another module, the
-            function is missing, not top level, not async, or does not take one argument.
+        ProgramImportError: the module (or a module it imports) imports a package that is not
+            installed, or its top-level code raises; the message names the module, the missing
+            name or the exception, and the file:line; the original is chained for --debug.
+        UserError: the module cannot be found, does not compile, its name clashes with another
+            module, or the function is missing, not top level, not async, or does not take one
+            argument.
     """
     for entry in reversed(ref.sys_path):
         if entry not in sys.path:
@@ -76,12 +98,27 @@ def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
     except ModuleNotFoundError as exc:
         if exc.name and (ref.module == exc.name or ref.module.startswith(exc.name + ".")):
             raise UserError(f"--program {ref.text!r}: module {ref.module} cannot be found") from None
-        raise
+        missing = exc.name or _one_line(str(exc))
+        raise ProgramImportError(
+            f"--program {ref.text!r}: importing {ref.module} failed at {_raised_at(exc)}: module "
+            f"{missing!r} is not installed in this environment ({sys.executable}); install it or "
+            "remove the import (--debug shows the traceback)",
+            ref.module,
+            type(exc).__name__,
+        ) from exc
     except SyntaxError as exc:
         where = f"{exc.filename}:{exc.lineno}" if exc.filename else ref.module
         raise UserError(f"--program {ref.text!r}: {where}: {exc.msg}; fix the program's syntax") from exc
     except ValueError as exc:  # e.g. null bytes in the source
         raise UserError(f"--program {ref.text!r}: {ref.module} cannot be compiled ({exc})") from exc
+    except Exception as exc:
+        raise ProgramImportError(
+            f"--program {ref.text!r}: importing {ref.module} raised {type(exc).__name__}: "
+            f"{_one_line(str(exc))} at {_raised_at(exc)}; fix the module's top-level code "
+            "(--debug shows the traceback)",
+            ref.module,
+            type(exc).__name__,
+        ) from exc
     if ref.script is not None:
         loaded = Path(getattr(module, "__file__", "") or "").resolve()
         if loaded != ref.script:

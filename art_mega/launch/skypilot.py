@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from art_mega.errors import UserError
+from art_mega.errors import LoopbackAddressError, UserError
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.controller import SignalGuard, report, supervise
 from art_mega.launch.program import ProgramRef
@@ -29,6 +29,7 @@ from art_mega.runtime.auth import SECRET_ENV, load_secret
 from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.listeners import bind_listener, is_address_in_use
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
+from art_mega.runtime.netif import loopback_in_multi_host
 from art_mega.topology import EndpointSpec
 
 SKYPILOT_VARS = ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES")
@@ -51,18 +52,27 @@ def read_skypilot_env(env: Mapping[str, str]) -> SkyPilotNode:
     """Validate SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (newline- or comma-separated), SKYPILOT_NUM_NODES.
 
     Raises:
-        UserError: a missing variable, a non-integer rank or count, a rank out of range, a count
-            that differs from the number of IPs, or a duplicate or invalid IP.
+        UserError: a missing variable, a rank or count not written in ASCII digits (`int()` and
+            `str.isdigit` also take '٣' and '²'), a rank out of range, a count that differs from
+            the number of IPs, or a duplicate or invalid IP.
+        LoopbackAddressError: a loopback IP among two or more nodes that are not all loopback
+            (the other nodes would reach themselves at it).
     """
     for name in SKYPILOT_VARS:
         if not env.get(name, "").strip():
             raise UserError(f"{name} is not set; run art-mega skypilot inside a SkyPilot task's run: section")
     rank_text = env["SKYPILOT_NODE_RANK"].strip()
     count_text = env["SKYPILOT_NUM_NODES"].strip()
-    if not rank_text.isdigit():
-        raise UserError(f"SKYPILOT_NODE_RANK={rank_text!r} is not a non-negative integer")
-    if not count_text.isdigit() or int(count_text) < 1:
-        raise UserError(f"SKYPILOT_NUM_NODES={count_text!r} is not a positive integer")
+    if not _ascii_decimal(rank_text):
+        raise UserError(
+            f"SKYPILOT_NODE_RANK={rank_text!r} is not a non-negative integer in ASCII digits; SkyPilot sets "
+            "it to 0, 1, ...: run inside the task's run: section and do not override it"
+        )
+    if not _ascii_decimal(count_text) or int(count_text) < 1:
+        raise UserError(
+            f"SKYPILOT_NUM_NODES={count_text!r} is not a positive integer in ASCII digits; SkyPilot sets it "
+            "to the task's num_nodes: do not override it"
+        )
     ips = [p.strip() for p in env["SKYPILOT_NODE_IPS"].replace(",", "\n").splitlines() if p.strip()]
     for ip in ips:
         try:
@@ -74,12 +84,24 @@ def read_skypilot_env(env: Mapping[str, str]) -> SkyPilotNode:
         raise UserError(
             f"SKYPILOT_NODE_IPS lists {duplicates[0]} more than once; every node needs its own IP"
         )
+    loopback = loopback_in_multi_host([(ip, ip) for ip in ips])
+    if loopback is not None:
+        raise LoopbackAddressError(
+            f"SKYPILOT_NODE_IPS lists {loopback[0]}, a loopback address, among {len(ips)} nodes; the other "
+            "nodes cannot reach that node at it: list every node's network IP (SkyPilot sets them)",
+            loopback[0],
+            loopback[0],
+        )
     rank, count = int(rank_text), int(count_text)
     if count != len(ips):
         raise UserError(f"SKYPILOT_NUM_NODES={count} but SKYPILOT_NODE_IPS lists {len(ips)} addresses")
     if rank >= count:
         raise UserError(f"SKYPILOT_NODE_RANK={rank} is out of range for {count} nodes (0..{count - 1})")
     return SkyPilotNode(rank=rank, node_ips=tuple(ips))
+
+
+def _ascii_decimal(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def _mac(secret: bytes, *parts: Any) -> str:

@@ -77,6 +77,169 @@ def test_user_errors_inside_the_program(tmp_path):
     assert "EDIT_NOT_REFUSED" not in result.stdout
 
 
+@pytest.mark.parametrize(
+    "source,fragments",
+    [
+        (
+            "import os\nimport no_such_package_xyz\n",
+            [
+                "importing prog_import_err failed at",
+                "prog_import_err.py:2",
+                "'no_such_package_xyz'",
+                "install it",
+            ],
+        ),
+        (
+            "from prog_import_helper import x\n",
+            ["importing prog_import_err failed at", "prog_import_helper.py:1", "'no_such_package_xyz'"],
+        ),
+        (
+            "raise RuntimeError('config file\\nmissing')\n",
+            ["importing prog_import_err raised RuntimeError: config file missing at", "prog_import_err.py:1"],
+        ),
+        ("from os import no_such_name\n", ["raised ImportError: cannot import name 'no_such_name'"]),
+    ],
+)
+def test_program_that_fails_at_import_is_one_sentence(tmp_path, source, fragments):
+    (tmp_path / "prog_import_helper.py").write_text("import no_such_package_xyz.sub\nx = 1\n")
+    script = tmp_path / "prog_import_err.py"
+    script.write_text(source + "\n\nasync def main(launch):\n    pass\n")
+    _one_sentence_error(run_cli("local", "--program", f"{script}:main"), f"{script}:main", *fragments)
+
+
+def test_program_import_failure_with_debug_shows_the_traceback(tmp_path):
+    script = tmp_path / "prog_import_err.py"
+    script.write_text("import no_such_package_xyz\n")
+    result = run_cli("local", "--debug", "--program", f"{script}:main")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    assert "ModuleNotFoundError: No module named 'no_such_package_xyz'" in result.stderr
+
+
+NUMBER_CASES = [
+    ("--startup-timeout", "inf", "'inf' is not a number of seconds"),
+    ("--startup-timeout", "nan", "'nan' is not a number of seconds"),
+    ("--startup-timeout", "-1", "'-1' is not a number of seconds"),
+    ("--startup-timeout", "0", "'0' is outside 0 < seconds <= 86400"),
+    ("--startup-timeout", "1e9", "'1e9' is outside 0 < seconds <= 86400"),
+    ("--startup-timeout", "\u0663", "'\u0663' is not a number of seconds written in ASCII digits"),
+    ("--port", "abc", "'abc' is not an integer written in ASCII digits"),
+    ("--port", "\u0663", "'\u0663' is not an integer written in ASCII digits"),
+    ("--port", "2\u00b2", "'2\u00b2' is not an integer"),
+]
+
+
+@pytest.mark.parametrize(
+    "command,option,value,reason",
+    [
+        *(("local", *case) for case in NUMBER_CASES),
+        # ssh and skypilot share the option types: one case each proves they use them
+        ("ssh", "--startup-timeout", "inf", "'inf' is not a number of seconds"),
+        ("skypilot", "--port", "\u0663", "'\u0663' is not an integer written in ASCII digits"),
+    ],
+)
+def test_numeric_options_take_finite_ascii_numbers(command, option, value, reason):
+    extra = ["--host", "127.0.0.1"] if command == "ssh" else []
+    result = run_cli(command, *extra, option, value, "--program", "examples/multinode/program.py:main")
+    _one_sentence_error(
+        result,
+        f"art-mega {command}: Invalid value for '{option}': {reason}",
+        f"see 'art-mega {command} --help'",
+    )
+
+
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["local", "--bogus"], ["art-mega local: No such option: --bogus", "see 'art-mega local --help'"]),
+        (["local"], ["art-mega local: Missing option '--program'"]),
+        (["launch"], ["art-mega: No such command 'launch'", "see 'art-mega --help'"]),
+        (["ssh", "--program", "x.py:main"], ["Missing option '--host'"]),
+    ],
+)
+def test_usage_errors_are_one_line_not_a_box(args, fragments):
+    _one_sentence_error(run_cli(*args), *fragments)
+
+
+def test_help_still_works():
+    result = run_cli("local", "--help")
+    assert result.returncode == 0 and "--startup-timeout" in result.stdout
+
+
+def test_unicode_digit_skypilot_rank_is_refused():
+    env = cli_env()
+    env.update(
+        SKYPILOT_NODE_RANK="\u00b2",
+        SKYPILOT_NODE_IPS="10.0.0.1,10.0.0.2,10.0.0.3",
+        SKYPILOT_NUM_NODES="3",
+        ART_MEGA_SECRET="s" * 64,
+    )
+    result = run_cli("skypilot", "--program", "examples/multinode/program.py:main", env=env)
+    _one_sentence_error(result, "SKYPILOT_NODE_RANK='\u00b2' is not a non-negative integer in ASCII digits")
+
+
+def test_bad_launch_id_from_the_environment_is_refused():
+    env = cli_env()
+    env.update(ART_MEGA_SECRET="s" * 64, ART_MEGA_LAUNCH_ID="a b")
+    result = run_cli("worker", "--address", "tcp://127.0.0.1:0", env=env)
+    _one_sentence_error(result, "ART_MEGA_LAUNCH_ID 'a b' must be 1-64 characters")
+
+
+@pytest.mark.parametrize(
+    "first,advertised,how",
+    [
+        ("node-a=127.0.1.1", "127.0.1.1", "a loopback address (Debian's /etc/hosts"),
+        ("node-a=127.0.257", "127.0.1.1", "the loopback address 127.0.257 resolves to here"),
+        ("node-a=localhost", "127.0.0.1", "the loopback address localhost resolves to here"),
+    ],
+)
+def test_multi_host_ssh_launch_with_a_loopback_worker_host_is_refused_before_ssh(first, advertised, how):
+    with socket.socket() as sshd:  # stands in for the SSH server: nothing may connect to it
+        sshd.bind(("127.0.0.1", 0))
+        sshd.listen()
+        sshd.setblocking(False)
+        port = sshd.getsockname()[1]
+        result = run_cli(
+            "ssh",
+            "--host",
+            first,
+            "--host",
+            "node-b=10.0.0.2",
+            "--ssh-arg",
+            f"-o HostName=127.0.0.1 -p {port}",
+            "--program",
+            "examples/multinode/program.py:main",
+        )
+        with pytest.raises(BlockingIOError):
+            sshd.accept()
+    _one_sentence_error(
+        result,
+        f"--host '{first}' would advertise its agent at {advertised}, {how}",
+        "other hosts of this 2-host launch cannot reach",
+        "--host node-a=ADDRESS",
+    )
+
+
+def test_attached_controller_with_a_loopback_worker_among_others_is_refused():
+    env = cli_env()
+    env["ART_MEGA_SECRET"] = "t" * 64
+    workers = ["--worker", "tcp://127.0.0.1:9", "--worker", "tcp://10.0.0.2:9"]
+    result = run_cli("controller", *workers, "--program", "examples/multinode/program.py:main", env=env)
+    _one_sentence_error(result, "--worker 'tcp://127.0.0.1:9' would advertise its agent at 127.0.0.1")
+
+
+def test_gloo_exclusion_syntax_is_refused_before_any_rank_starts():
+    env = cli_env()
+    env["GLOO_SOCKET_IFNAME"] = "^lo,docker"
+    result = run_cli("local", "--program", "examples/multinode/program.py:main", env=env)
+    _one_sentence_error(
+        result,
+        "host host0: GLOO_SOCKET_IFNAME='^lo,docker' uses '^', NCCL_SOCKET_IFNAME's syntax, which gloo does not take",
+        "GLOO_SOCKET_IFNAME=eth0",
+    )
+    assert "ART_MULTINODE_SMOKE_PASS" not in result.stdout
+
+
 def test_program_exception_exits_1_with_traceback():
     result = run_cli("local", "--program", f"{PROGRAMS}/prog_raise.py:main")
     assert result.returncode == 1

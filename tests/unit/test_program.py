@@ -1,6 +1,8 @@
+import sys
+
 import pytest
 
-from art_mega.errors import UserError
+from art_mega.errors import ProgramImportError, UserError
 from art_mega.launch.program import load_program, parse_program
 
 GOOD = "async def main(launch):\n    return launch\n"
@@ -79,3 +81,26 @@ def test_scripts_that_do_not_compile(tmp_path, source, message):
 def test_a_directory_is_named(tmp_path):
     with pytest.raises(UserError, match="is a directory"):
         parse_program(f"{tmp_path}:main")
+
+
+@pytest.mark.parametrize(
+    "source,cause,message",
+    [
+        (
+            "import no_such_pkg_q\n",
+            "ModuleNotFoundError",
+            r"failed at .*prog_imp_fail\.py:1: module 'no_such_pkg_q' is not",
+        ),
+        ("x = {}['k']\n", "KeyError", r"raised KeyError: 'k' at .*prog_imp_fail\.py:1; fix the module's"),
+        ("raise SystemError('a\\n\\nb')\n", "SystemError", r"raised SystemError: a b at "),
+    ],
+)
+def test_import_failures_name_the_module_and_the_cause(tmp_path, source, cause, message):
+    script = tmp_path / "prog_imp_fail.py"
+    script.write_text(source)
+    with pytest.raises(ProgramImportError, match=message) as info:
+        load_program(parse_program(f"{script}:main"))
+    assert (info.value.module, info.value.cause) == ("prog_imp_fail", cause)
+    assert type(info.value.__cause__).__name__ == cause
+    assert "\n" not in str(info.value)
+    sys.modules.pop("prog_imp_fail", None)

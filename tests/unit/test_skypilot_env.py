@@ -27,6 +27,19 @@ def test_reads_newline_and_comma_separated_ips():
         ({"SKYPILOT_NODE_IPS": None}, "SKYPILOT_NODE_IPS is not set"),
         ({"SKYPILOT_NUM_NODES": None}, "SKYPILOT_NUM_NODES is not set"),
         ({"SKYPILOT_NODE_RANK": "one"}, "SKYPILOT_NODE_RANK='one' is not a non-negative integer"),
+        (
+            {"SKYPILOT_NODE_RANK": "\u00b2"},
+            "SKYPILOT_NODE_RANK='\u00b2' is not a non-negative integer in ASCII",
+        ),
+        (
+            {"SKYPILOT_NODE_RANK": "\u0661"},
+            "SKYPILOT_NODE_RANK='\u0661' is not a non-negative integer in ASCII",
+        ),
+        ({"SKYPILOT_NUM_NODES": "\u0663"}, "SKYPILOT_NUM_NODES='\u0663' is not a positive integer in ASCII"),
+        (
+            {"SKYPILOT_NODE_IPS": "10.0.0.1,127.0.0.1,10.0.0.3"},
+            "lists 127.0.0.1, a loopback address, among 3",
+        ),
         ({"SKYPILOT_NODE_RANK": "-1"}, "SKYPILOT_NODE_RANK='-1'"),
         ({"SKYPILOT_NODE_RANK": "3"}, "SKYPILOT_NODE_RANK=3 is out of range for 3 nodes"),
         ({"SKYPILOT_NUM_NODES": "x"}, "SKYPILOT_NUM_NODES='x' is not a positive integer"),
@@ -45,6 +58,11 @@ def test_every_rule_has_a_failing_case(change, message):
             env[key] = value
     with pytest.raises(UserError, match=message):
         read_skypilot_env(env)
+
+
+def test_all_loopback_node_ips_are_one_machine_and_accepted():
+    node = read_skypilot_env(dict(GOOD, SKYPILOT_NODE_IPS="127.0.0.1,127.0.0.2,127.0.0.3"))
+    assert node.node_ips == ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
 
 def test_prepare_hides_the_variables_and_requires_the_secret():
