@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from art_mega.errors import NonFiniteStepError
 from art_mega.trainer.batch import TrainBatch
 from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
 from art_mega.trainer.lora import LoraConfig, apply_lora, lora_disabled, lora_parameters
@@ -278,7 +279,15 @@ class TrainerEngine:
         computed) and for GRPO `loss/kl`, `loss/ratio_mean`, `loss/ratio_p95`, `loss/ratio_p99`,
         `loss/clipped_fraction`.
 
-        Raises `ValueError` for an unknown loss.
+        The step is aborted before the optimizer update when the loss or the gradient norm
+        (both the same on every rank: summed over DP, the norm over every rank's shards) is NaN
+        or +-inf: the LoRA weights, the optimizer state and `steps` are then as before the call
+        (the gradient buffers are zeroed by the next step).
+
+        Raises:
+            ValueError: an unknown loss.
+            NonFiniteStepError: the loss (`loss/policy` or `loss/sft`, checked first) or
+                `loss/grad_norm` is not finite (on every rank alike; `step` not set).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -310,11 +319,41 @@ class TrainerEngine:
             micro_batch_size=self.micro_batch_rows,
             forward_only=False,
         )
-        _, grad_norm, _ = self.optimizer.step()
-        self.steps += 1
         metrics.update(self._reduce_metrics(outputs, loss, tokens))
-        metrics["loss/grad_norm"] = float(grad_norm)
+        # Megatron's step() clips with the norm and updates in one call (and only fp16's loss
+        # scaler checks for inf), so the norm is computed here first: `prepare_grads` hands the
+        # gradients to the main parameters (a copy that step() repeats), nothing is updated yet.
+        self.optimizer.prepare_grads()
+        metrics["loss/grad_norm"] = float(self.optimizer.get_grad_norm())
+        for quantity in ("loss/policy" if loss == "grpo" else "loss/sft", "loss/grad_norm"):
+            if not np.isfinite(metrics[quantity]):
+                raise NonFiniteStepError(quantity, metrics[quantity])
+        self.optimizer.step()
+        self.steps += 1
         return metrics
+
+    def first_nonfinite_tensor(self) -> str | None:
+        """The name of this rank's first LoRA parameter or optimizer-state tensor (Adam moments,
+        fp32 main weights) holding NaN or +-inf, None when all are finite. Not collective."""
+        for name, param in lora_parameters(self.ddp.module).items():
+            if not bool(torch.isfinite(param.detach()).all()):
+                return f"LoRA parameter {name}"
+        for k, sub in enumerate(_sub_optimizers(self.optimizer)):
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for g, group in enumerate(inner.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if not bool(torch.isfinite(param.detach()).all()):
+                        return f"optimizer {k} main parameter {i} of group {g}"
+                    for key, value in inner.state.get(param, {}).items():
+                        if (
+                            torch.is_tensor(value)
+                            and value.is_floating_point()
+                            and not bool(torch.isfinite(value).all())
+                        ):
+                            return f"optimizer {k} state {key!r} of parameter {i} of group {g}"
+        return None
 
     def _prepare(
         self, tensors: dict[str, torch.Tensor], loss: str, loss_config: GRPOLossConfig

@@ -135,9 +135,24 @@ def write_checkpoint(
     root): rank 0 commits the one folder. Returns the adapter_ready event on rank 0 (path, step,
     sha256), None on other ranks. With `timings`, adds this rank's `time/adapter_export_s` and
     `time/state_save_s` (seconds).
+
+    Before anything is written every rank checks its LoRA parameters and optimizer state are
+    finite (`TrainerEngine.first_nonfinite_tensor`); the ranks share what they found, so all of
+    them refuse alike and no folder is staged or committed.
+
+    Raises:
+        NonFiniteCheckpointError: a rank holds a NaN or inf tensor (the lowest such rank's first
+            tensor is named).
     """
     import torch.distributed as dist
 
+    from art_mega.errors import NonFiniteCheckpointError
+
+    found: list[str | None] = [None] * state.world_size
+    dist.all_gather_object(found, engine.first_nonfinite_tensor())
+    for rank, tensor in enumerate(found):
+        if tensor is not None:
+            raise NonFiniteCheckpointError(f"rank {rank}'s {tensor}", step)
     final = Path(checkpoint_dir)
     staging = final.parent / f"{STAGING_PREFIX}{final.name}"
     leader = state.rank == 0 if host_of is None else state.rank == host_of.index(host_of[state.rank])
@@ -220,7 +235,12 @@ def run_train_job(
 
     Raises:
         StepOrderError: the job's step is not `last_step + 1` (nothing ran).
+        NonFiniteStepError: the step's loss or gradient norm is not finite (named with the
+            step); aborted before the optimizer update, so the rank's state is unchanged.
+        NonFiniteCheckpointError: the updated LoRA or optimizer state is not finite; nothing was
+            committed, but the rank's state is ahead of the commit (see `rank_main`).
     """
+    from art_mega.errors import NonFiniteStepError
     from art_mega.trainer.batch import TrainBatch
     from art_mega.trainer.loss import GRPOLossConfig
 
@@ -232,12 +252,15 @@ def run_train_job(
     if job["kind"] in ("rl", "sft"):
         batch = TrainBatch.load(Path(job["batch_dir"]) / f"dp{state.dp_rank}.safetensors")
         loaded = time.perf_counter()
-        metrics = engine.train_step(
-            batch,
-            loss="grpo" if job["kind"] == "rl" else "sft",
-            loss_config=GRPOLossConfig(**job.get("loss", {})),
-            learning_rate=job.get("learning_rate"),
-        )
+        try:
+            metrics = engine.train_step(
+                batch,
+                loss="grpo" if job["kind"] == "rl" else "sft",
+                loss_config=GRPOLossConfig(**job.get("loss", {})),
+                learning_rate=job.get("learning_rate"),
+            )
+        except NonFiniteStepError as exc:
+            raise exc.at_step(step) from None
         metrics["time/batch_load_s"] = loaded - started
         metrics["time/megatron_s"] = time.perf_counter() - loaded
     metrics["time/rank_compute_s"] = time.perf_counter() - started

@@ -11,7 +11,9 @@ state ahead of the last commit (the step ran, its save did not). The rank then m
 every later `failed` event carries `dirty: true` and it refuses training jobs, so a retry can never
 apply an update twice; the controller restarts it from the last commit
 (`TrainerService.recover`, which explains why a restart and not an in-place reload). A job refused
-by the step check, or a ping, leaves it clean (`dirty: false`).
+by the step check, a step aborted for a non-finite loss or gradient norm (before the optimizer
+update), or a ping, leaves it clean (`dirty: false`). A `failed` event names the exception's type
+(`error_type`) and its message apart, so the controller can tell the user's refusals from faults.
 """
 
 from __future__ import annotations
@@ -131,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
             result = _run(job, state, engine, config, last_step)
         except Exception as exc:
+            from art_mega.errors import NonFiniteStepError
             from art_mega.trainer.jobs import StepOrderError
 
-            dirty = dirty or (job.get("kind") in TRAIN_KINDS and not isinstance(exc, StepOrderError))
+            # both are raised before the rank's weights or optimizer state change
+            untouched = isinstance(exc, (StepOrderError, NonFiniteStepError))
+            dirty = dirty or (job.get("kind") in TRAIN_KINDS and not untouched)
             channel.send(
                 {
                     "event": "failed",
                     "job": job_id,
                     "error": f"{type(exc).__name__}: {exc}",
+                    "error_type": type(exc).__name__,
+                    "message": str(exc),
                     "traceback": traceback.format_exc(),
                     "dirty": dirty,
                 }

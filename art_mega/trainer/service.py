@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from art_mega.errors import UserError
 from art_mega.runtime.client import AgentClient
 from art_mega.runtime.protocol import TrainerRankLaunch, TrainerStartRequest
 from art_mega.topology import CompiledTopology
@@ -62,6 +63,27 @@ class TrainerJobError(RuntimeError):
         self.host = host
         self.log_path = log_path
         self.clean = clean
+
+
+class RankRefusedStepError(TrainerJobError, UserError):
+    """The ranks refused a step over its numbers: a non-finite loss or gradient norm (aborted
+    before the optimizer update; the ranks stay clean) or a non-finite LoRA/optimizer tensor
+    before the checkpoint commit (the ranks are then restarted from the commit). A user error
+    (exit code 2) whose message is the rank's sentence, naming the step and the quantity.
+
+    Attributes:
+        error_type: the rank's exception, one of `REFUSALS`.
+    """
+
+    def __init__(
+        self, message: str, error_type: str, rank: int, host: str | None, log_path: str | None, clean: bool
+    ):
+        super().__init__(message, rank, host, log_path, clean)
+        self.error_type = error_type
+
+
+REFUSALS = ("NonFiniteStepError", "NonFiniteCheckpointError")
+"""The `art_mega.errors` exceptions of a rank that `RankRefusedStepError` reports."""
 
 
 @dataclass
@@ -209,6 +231,15 @@ class TrainerService:
                 refused = len(failed) == self.world_size and not any(
                     e.get("dirty", True) for e in failed.values()
                 )
+                if event.get("error_type") in REFUSALS:
+                    raise RankRefusedStepError(
+                        f"{event.get('message')} (reported by trainer {self._where(rank)})",
+                        event["error_type"],
+                        rank,
+                        self._host_of.get(rank),
+                        self._log_of.get(rank),
+                        clean=refused,
+                    )
                 raise TrainerJobError(
                     f"trainer {self._where(rank)} failed: {event.get('error')}",
                     rank,
@@ -256,6 +287,8 @@ class TrainerService:
         A failure leaves the service `dirty` unless every rank refused the job untouched.
 
         Raises:
+            RankRefusedStepError: the ranks refused the step over a non-finite number (a
+                `TrainerJobError` and a `UserError`; dirty only when it came after the update).
             TrainerJobError: a rank failed or died (named, with its log), or `timeout_s` passed;
                 or the service is `dirty` from an earlier failure (call `recover` first).
         """
