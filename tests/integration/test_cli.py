@@ -6,10 +6,12 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, cli_env, run_cli, wait_gone
 
 PROGRAMS = "tests/integration/programs"
 
@@ -228,10 +230,25 @@ def test_attached_controller_with_a_loopback_worker_among_others_is_refused():
     _one_sentence_error(result, "--worker 'tcp://127.0.0.1:9' would advertise its agent at 127.0.0.1")
 
 
+def _processes_with(marker: str) -> list[int]:
+    """Pids whose environment holds `marker` (every process the CLI started inherits it)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
 def test_gloo_exclusion_syntax_is_refused_before_any_rank_starts():
+    marker = f"ART_MEGA_TEST_MARK={uuid.uuid4().hex}"
     env = cli_env()
     env["GLOO_SOCKET_IFNAME"] = "^lo,docker"
+    env.update([marker.split("=", 1)])
     result = run_cli("local", "--program", "examples/multinode/program.py:main", env=env)
+    assert wait_gone(_processes_with(marker), 5) == []
     _one_sentence_error(
         result,
         "host host0: GLOO_SOCKET_IFNAME='^lo,docker' uses '^', NCCL_SOCKET_IFNAME's syntax, which gloo does not take",
