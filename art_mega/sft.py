@@ -18,7 +18,14 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from art_mega.errors import SFTFileError, UserError
-from art_mega.hyperparams import check, nonnegative_problem, pydantic_check, whole_problem
+from art_mega.hyperparams import (
+    check,
+    fraction_problem,
+    nonnegative_problem,
+    positive_problem,
+    pydantic_check,
+    whole_problem,
+)
 from art_mega.trajectories import Trajectory
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -124,12 +131,14 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
     try:
         row = json.loads(line)
     except ValueError as exc:
-        raise refuse(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise refuse(
+            f"not valid JSON ({exc.msg} at column {exc.colno}); each line is one JSON object"
+        ) from None
     if not isinstance(row, dict):
         raise refuse(f"a row must be a JSON object with 'messages', got a {type(row).__name__}")
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise refuse("no 'messages' list")
+        raise refuse('no \'messages\' list; a row is {"messages": [{"role": ..., "content": ...}, ...]}')
     for k, message in enumerate(messages):
         try:
             _check_message(message, k)
@@ -139,7 +148,9 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
         raise refuse(f"the last message must be the assistant's, got {messages[-1].get('role')!r}")
     tools = row.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise refuse("'tools' must be a list of tool objects")
+        raise refuse(
+            '\'tools\' must be a list of tool objects such as {"type": "function", "function": {...}}'
+        )
     return Trajectory(messages_and_choices=messages, tools=tools, reward=0.0)
 
 
@@ -245,9 +256,17 @@ def create_sft_dataset_iterator(
     """Batches of `batch_size` trajectories over `epochs`, each with its scheduled learning rate.
 
     Starts at `initial_step` (resume); the schedule spans every step of every epoch.
+
+    Raises:
+        HyperParameterError: `epochs` or `batch_size` is not a whole number >= 1, `initial_step`
+            not one >= 0, `peak_lr` not a finite number > 0, or `warmup_ratio` outside [0, 1].
     """
-    if batch_size < 1 or epochs < 1:
-        raise UserError(f"batch_size={batch_size} and epochs={epochs} must be >= 1")
+    where = "create_sft_dataset_iterator"
+    check(where, "epochs", epochs, whole_problem(1), "1")
+    check(where, "batch_size", batch_size, whole_problem(1), "8")
+    check(where, "initial_step", initial_step, whole_problem(0), "0")
+    check(where, "peak_lr", peak_lr, positive_problem, "1e-4")
+    check(where, "warmup_ratio", warmup_ratio, fraction_problem, "0.1")
     per_epoch = math.ceil(len(trajectories) / batch_size)
     total = per_epoch * epochs
     rates = create_lr_schedule(total, peak_lr, schedule_type, warmup_steps=int(total * warmup_ratio))

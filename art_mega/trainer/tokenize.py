@@ -69,7 +69,11 @@ def _render(
             messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
         )
     except Exception as exc:  # the model's own Jinja template: any error is about this input
-        through = f"through messages[{len(messages) - 1}]" if messages else f"before messages[{turn}]"
+        through = (
+            f"through messages_and_choices[{len(messages) - 1}]"
+            if messages
+            else f"before messages_and_choices[{turn}]"
+        )
         raise TokenizationError(
             f"{where}: the model's chat template could not render the conversation {through} "
             f"({type(exc).__name__}: {exc}); give that message the fields the template reads (a string "

@@ -249,6 +249,6 @@ def test_a_template_that_cannot_render_a_turn_is_named(tiny_tokenizer):
     # the tiny model's ChatML template concatenates message['content']: a tool call without content fails
     call = {**TOOL_CONVERSATION[1], "content": None}
     with pytest.raises(
-        UserError, match="chat template could not render the conversation through messages\\[1\\]"
+        UserError, match="chat template could not render the conversation through messages_and_choices\\[1\\]"
     ):
         tokenize_history(tiny_tokenizer, [USER, call])
