@@ -131,14 +131,12 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
     try:
         row = json.loads(line)
     except ValueError as exc:
-        raise refuse(
-            f"not valid JSON ({exc.msg} at column {exc.colno}); each line is one JSON object"
-        ) from None
+        raise refuse(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(row, dict):
         raise refuse(f"a row must be a JSON object with 'messages', got a {type(row).__name__}")
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise refuse('no \'messages\' list; a row is {"messages": [{"role": ..., "content": ...}, ...]}')
+        raise refuse("no 'messages' list")
     for k, message in enumerate(messages):
         try:
             _check_message(message, k)
@@ -148,9 +146,7 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
         raise refuse(f"the last message must be the assistant's, got {messages[-1].get('role')!r}")
     tools = row.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise refuse(
-            '\'tools\' must be a list of tool objects such as {"type": "function", "function": {...}}'
-        )
+        raise refuse("'tools' must be a list of tool objects")
     return Trajectory(messages_and_choices=messages, tools=tools, reward=0.0)
 
 

@@ -207,3 +207,22 @@ def test_iterate_dataset_refuses_bad_counts(name: str, value: Any, why: str) -> 
 def test_iterate_dataset_takes_numpy_integers() -> None:
     batches = list(iterate_dataset(list(range(5)), groups_per_step=np.int64(2), shuffle=False))
     assert [b.items for b in batches] == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("batch_size", 1.5, "must be a whole number of at least 1 (a float)"),
+        ("epochs", 0, "must be a whole number of at least 1 (below 1)"),
+        ("peak_lr", NAN, "must be a finite number greater than 0 (not finite)"),
+        ("warmup_ratio", 2, "must be a number from 0 to 1 (outside [0, 1])"),
+    ],
+)
+def test_the_sft_dataset_iterator_refuses_bad_counts_and_rates(name: str, value: Any, why: str) -> None:
+    from art_mega.sft import create_sft_dataset_iterator
+
+    with pytest.raises(HyperParameterError) as info:
+        list(create_sft_dataset_iterator([art.Trajectory()] * 3, **{name: value}))
+    assert str(info.value).startswith(
+        f"create_sft_dataset_iterator({name}={value!r}) {why}; pass e.g. {name}="
+    )
