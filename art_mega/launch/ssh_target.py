@@ -119,7 +119,7 @@ def parse_ssh_args(args: list[str]) -> SshOptions:
         elif flag == "-i":
             identities.append(value)
         elif flag == "-p":
-            if not value.isdigit() or not 0 < int(value) < 65536:
+            if not (value.isascii() and value.isdigit()) or not 0 < int(value) < 65536:
                 raise UserError(f"--ssh-arg -p {value!r} is not a port (1..65535)")
             port = int(value)
         elif flag == "-l":
@@ -181,10 +181,10 @@ def resolve(alias: str, user: str | None, options: SshOptions) -> ConnectSpec:
     for key, value in options.options:
         found[key] = value
     hostname = found.get("hostname", alias)
-    try:
-        port = int(options.port or found.get("port", 22))
-    except ValueError:
-        raise UserError(f"ssh config for {alias}: Port {found.get('port')!r} is not a number") from None
+    port_text = str(options.port or found.get("port", 22))
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
+        raise UserError(f"ssh config for {alias}: Port {port_text!r} is not a port (1..65535 in ASCII digits)")
+    port = int(port_text)
     chosen_user = user or options.user or found.get("user") or os.environ.get("USER") or "root"
     identities = list(options.identity_files) + list(found.get("identityfile", []))
     identities = [os.path.expanduser(p) for p in identities]
@@ -195,7 +195,13 @@ def resolve(alias: str, user: str | None, options: SshOptions) -> ConnectSpec:
     extra = found.get("userknownhostsfile")
     if extra:
         known.extend(os.path.expanduser(p) for p in str(extra).split())
-    timeout = float(found.get("connecttimeout", 10))
+    timeout_text = str(found.get("connecttimeout", 10))
+    if not (timeout_text.isascii() and timeout_text.isdigit()) or int(timeout_text) == 0:
+        raise UserError(
+            f"ssh config for {alias}: ConnectTimeout {timeout_text!r} is not a positive whole number of "
+            "seconds in ASCII digits (as OpenSSH takes it); give e.g. ConnectTimeout=10"
+        )
+    timeout = float(timeout_text)
     return ConnectSpec(
         alias=alias,
         hostname=hostname,

@@ -151,6 +151,26 @@ def test_numeric_options_take_finite_ascii_numbers(command, option, value, reaso
 
 
 @pytest.mark.parametrize(
+    "ssh_arg,fragment",
+    [
+        ("-p \u00b2", "--ssh-arg -p '\u00b2' is not a port (1..65535)"),
+        ("-p \u0663", "--ssh-arg -p '\u0663' is not a port"),
+        (
+            "-o Port=\u0663",
+            "ssh config for 127.0.0.1: Port '\u0663' is not a port (1..65535 in ASCII digits)",
+        ),
+        ("-o ConnectTimeout=inf", "ConnectTimeout 'inf' is not a positive whole number of seconds"),
+        ("-o ConnectTimeout=0", "ConnectTimeout '0' is not a positive whole number of seconds"),
+    ],
+)
+def test_numeric_ssh_args_take_ascii_digits(ssh_arg, fragment):
+    result = run_cli(
+        "ssh", "--host", "127.0.0.1", "--ssh-arg", ssh_arg, "--program", "examples/multinode/program.py:main"
+    )
+    _one_sentence_error(result, fragment)
+
+
+@pytest.mark.parametrize(
     "args,fragments",
     [
         (["local", "--bogus"], ["art-mega local: No such option: --bogus", "see 'art-mega local --help'"]),
