@@ -8,38 +8,123 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import shlex
+import socket
 import sys
 import threading
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.launch.ssh_target import ConnectSpec, SshOptions, resolve
+from art_mega.launch.ssh_target import (
+    CERT_AUTHORITY,
+    REVOKED,
+    ConnectSpec,
+    KnownHosts,
+    SshOptions,
+    lookup_name,
+    resolve,
+)
 from art_mega.runtime.protocol import READY_PREFIX
 
+ACCEPT_NEW_KEYS = ("no", "off", "accept-new")
+"""StrictHostKeyChecking values under which an unknown host key is accepted (for this launch
+only: known_hosts is never written)."""
 
-def _policy(strict: str):  # type: ignore[no-untyped-def]
-    import paramiko
 
-    if strict in ("no", "off", "accept-new"):
-        return paramiko.AutoAddPolicy()
-    return paramiko.RejectPolicy()
+class _KnownHostsPolicy:
+    """paramiko's hook for a host key that no known_hosts line lists for the host as a plain key.
+
+    Refuses a key marked `@revoked` (always), accepts it in memory when StrictHostKeyChecking
+    allows new keys, and otherwise refuses it in one sentence (naming the `@cert-authority` line
+    when the host is only trusted through one, which paramiko cannot check).
+    """
+
+    def __init__(self, known: KnownHosts, spec: ConnectSpec, where: str) -> None:
+        self.known = known
+        self.spec = spec
+        self.where = where
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        offered = f"{key.get_name()} {key.fingerprint}"
+        revoked = self.known.revoked(hostname, key.asbytes())
+        if revoked is not None:
+            raise UserError(
+                f"{self.where}: its host key ({offered}) is marked {REVOKED} in {revoked.where}; "
+                "refusing it (the host needs a new key, then a new known_hosts line)"
+            )
+        if self.spec.strict_host_key_checking in ACCEPT_NEW_KEYS:
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            return
+        authorities = self.known.for_host(hostname, CERT_AUTHORITY)
+        if authorities:
+            certificate = client.get_transport().host_key_type.endswith("-cert-v01@openssh.com")
+            offers = "offers only a host certificate and " if certificate else ""
+            port = f"-p {self.spec.port} " if self.spec.port != 22 else ""
+            raise UserError(
+                f"{self.where}: the host {offers}is trusted only through {CERT_AUTHORITY} "
+                f"({authorities[0].where}), which art-mega's SSH client (paramiko) cannot check; "
+                f"add the host's own key to known_hosts (ssh-keyscan {port}{self.spec.hostname})"
+            )
+        raise UserError(
+            f"{self.where}: the host key ({offered}) is not in known_hosts; add it (e.g. ssh-keyscan) "
+            "or set StrictHostKeyChecking"
+        )
+
+
+def _quiet_paramiko() -> None:
+    """paramiko's transport thread logs every failed handshake with a traceback (through the
+    logging last-resort handler when nothing is configured); `connect` says it in one sentence."""
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
+
+
+def _first_line_from(host: str, port: int, timeout_s: float) -> str | None:
+    """What a non-SSH server at HOST:PORT answers to an SSH banner (its first line), or None."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(b"SSH-2.0-art-mega-probe\r\n")
+            data = sock.recv(256)
+    except OSError:
+        return None
+    line = data.decode(errors="replace").splitlines()[0].strip() if data.strip() else ""
+    return line[:80] or None
+
+
+def _not_ssh(spec: ConnectSpec, where: str, direct: bool) -> UserError:
+    answered = (
+        _first_line_from(spec.hostname, spec.port, min(spec.connect_timeout_s, 2.0)) if direct else None
+    )
+    said = f"it answered {answered!r}" if answered else "no SSH banner came back"
+    return UserError(
+        f"{where}: port {spec.port} does not speak SSH ({said}); check the host's SSH port "
+        "(Port in the ssh config or --ssh-arg=-p)"
+    )
 
 
 def connect(spec: ConnectSpec, label: str, depth: int = 0):  # type: ignore[no-untyped-def]
     """Open an authenticated `paramiko.SSHClient` to `spec` (through ProxyJump/ProxyCommand).
 
+    Host keys come from `spec.known_hosts_files` (read with `KnownHosts`, never written): a
+    plain line must match the host's key, a `@revoked` key is refused, `@cert-authority` lines
+    are not checked (paramiko cannot) and are named when they are the host's only trust.
+
     Raises:
-        UserError: one sentence for a refused key, an encrypted key without an agent, an unknown
-            or changed host key, or an unreachable host (art-mega never prompts).
+        UserError: one sentence for a refused key, an encrypted key without an agent, an unknown,
+            changed or revoked host key, a port that does not speak SSH, or an unreachable host
+            (art-mega never prompts).
     """
     import paramiko
 
+    _quiet_paramiko()
     where = f"ssh {label} ({spec.user}@{spec.hostname}:{spec.port})"
     if depth > 4:
         raise UserError(f"{where}: ProxyJump chain is deeper than 4 hops")
+    known = KnownHosts.load(spec.known_hosts_files)
+    name = lookup_name(spec.hostname, spec.port)
     sock: Any = None
     jump_client = None
+    client = paramiko.SSHClient()
     try:
         if spec.proxy_jump:
             jump = spec.proxy_jump.split(",")[0]
@@ -57,14 +142,16 @@ def connect(spec: ConnectSpec, label: str, depth: int = 0):  # type: ignore[no-u
             )
         elif spec.proxy_command:
             sock = paramiko.ProxyCommand(spec.proxy_command)
-        client = paramiko.SSHClient()
-        client.load_system_host_keys()
-        for path in spec.known_hosts_files:
+        host_keys = client.get_host_keys()
+        for line in known.for_host(name):
+            if known.revoked(name, line.key_blob) is not None:
+                continue  # listed and revoked: revoked wins, the policy refuses it if offered
             try:
-                client.load_host_keys(path)
-            except OSError:
-                continue
-        client.set_missing_host_key_policy(_policy(spec.strict_host_key_checking))
+                key = paramiko.PKey.from_type_string(line.key_type, line.key_blob)
+            except (paramiko.SSHException, ValueError):
+                continue  # a key type paramiko cannot use (e.g. sk-ssh-ed25519), as OpenSSH skips unknown ones
+            host_keys.add(name, key.get_name(), key)
+        client.set_missing_host_key_policy(_KnownHostsPolicy(known, spec, where))
         client.connect(
             spec.hostname,
             port=spec.port,
@@ -78,32 +165,43 @@ def connect(spec: ConnectSpec, label: str, depth: int = 0):  # type: ignore[no-u
             sock=sock,
             passphrase=None,
         )
-    except UserError:
-        raise
-    except paramiko.PasswordRequiredException:
-        raise UserError(
-            f"{where}: the private key is encrypted; load it into ssh-agent (art-mega never prompts for a passphrase)"
-        ) from None
-    except paramiko.BadHostKeyException:
-        raise UserError(
-            f"{where}: the host key does not match known_hosts; check the host or fix known_hosts"
-        ) from None
-    except paramiko.AuthenticationException:
-        raise UserError(
-            f"{where}: authentication failed; the key was refused (check IdentityFile, -i or ssh-agent; "
-            "passwords are never prompted for)"
-        ) from None
-    except paramiko.SSHException as exc:
-        if "known_hosts" in str(exc) or "not found in" in str(exc):
-            raise UserError(
-                f"{where}: the host key is not in known_hosts; add it (e.g. ssh-keyscan) or set StrictHostKeyChecking"
-            ) from None
-        raise UserError(f"{where}: {exc}") from None
-    except (TimeoutError, OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise UserError(f"{where}: cannot connect ({reason}); check the host is up and reachable") from None
+    except BaseException as exc:
+        client.close()
+        if jump_client is not None:
+            jump_client.close()
+        raise _user_error(exc, spec, where, direct=sock is None) from None
     client._art_mega_jump = jump_client  # keep the jump connection alive with the client
     return client
+
+
+def _user_error(exc: BaseException, spec: ConnectSpec, where: str, direct: bool) -> BaseException:
+    """The one sentence for a failed connect (`exc` itself when it is not a connection failure)."""
+    import paramiko
+
+    if isinstance(exc, UserError):
+        return exc
+    if isinstance(exc, paramiko.PasswordRequiredException):
+        return UserError(
+            f"{where}: the private key is encrypted; load it into ssh-agent (art-mega never prompts for a passphrase)"
+        )
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return UserError(
+            f"{where}: the host key does not match known_hosts; check the host or fix known_hosts"
+        )
+    if isinstance(exc, paramiko.AuthenticationException):
+        return UserError(
+            f"{where}: authentication failed; the key was refused (check IdentityFile, -i or ssh-agent; "
+            "passwords are never prompted for)"
+        )
+    if isinstance(exc, paramiko.SSHException):
+        text = str(exc)
+        if "protocol banner" in text or "Indecipherable protocol version" in text:
+            return _not_ssh(spec, where, direct)
+        return UserError(f"{where}: {text}")
+    if isinstance(exc, (TimeoutError, OSError, ValueError)):
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        return UserError(f"{where}: cannot connect ({reason}); check the host is up and reachable")
+    return exc
 
 
 class AgentSession:

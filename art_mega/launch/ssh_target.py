@@ -1,12 +1,18 @@
 """`--host` and `--ssh-arg` values for `art-mega ssh`, resolved against the user's ssh config.
 
 Pure parsing and resolution (no network): what to connect to, as whom, with which keys, through
-which proxy, and which host keys to trust. Interactive prompts are never an option.
+which proxy, and which host keys to trust (`KnownHosts`: OpenSSH known_hosts files read, never
+written). Interactive prompts are never an option.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,3 +229,125 @@ def resolve(alias: str, user: str | None, options: SshOptions) -> ConnectSpec:
 def worker_host_for(target: HostTarget, spec: ConnectSpec) -> str:
     """The address the agent binds: `=WORKER_HOST` if given, else the SSH target's host name."""
     return target.worker_host or spec.hostname
+
+
+REVOKED = "@revoked"
+CERT_AUTHORITY = "@cert-authority"
+
+
+@dataclass(frozen=True)
+class KnownHostLine:
+    """One usable line of a known_hosts file.
+
+    `marker` is "" (a host key), `REVOKED` (a key never to accept) or `CERT_AUTHORITY` (a CA
+    whose host certificates are trusted); `patterns` are the comma-separated host patterns
+    (`*`/`?` globs, `!` negations, `[host]:port`, hashed `|1|salt|hash`); `key_blob` is the key's
+    decoded SSH wire form.
+    """
+
+    path: str
+    lineno: int
+    marker: str
+    patterns: tuple[str, ...]
+    key_type: str
+    key_blob: bytes
+
+    @property
+    def where(self) -> str:
+        return f"{self.path} line {self.lineno}"
+
+
+def _glob(pattern: str, name: str) -> bool:
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, name, flags=re.IGNORECASE) is not None
+
+
+def _hashed_match(pattern: str, name: str) -> bool:
+    """`|1|base64(salt)|base64(HMAC-SHA1(salt, name))`, as `ssh-keygen -H` writes it."""
+    _, _, salt_b64, digest_b64 = (pattern.split("|") + ["", "", "", ""])[:4]
+    try:
+        salt, digest = base64.b64decode(salt_b64), base64.b64decode(digest_b64)
+    except binascii.Error:
+        return False
+    return hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), digest)
+
+
+def host_matches(patterns: tuple[str, ...], name: str) -> bool:
+    """OpenSSH's rule: no negated pattern matches `name` and at least one plain pattern does."""
+    matched = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        bare = pattern[1:] if negated else pattern
+        hit = _hashed_match(bare, name) if bare.startswith("|1|") else _glob(bare, name)
+        if hit and negated:
+            return False
+        matched = matched or hit
+    return matched
+
+
+def lookup_name(hostname: str, port: int) -> str:
+    """The name known_hosts lists a host under: `HOST` on port 22, else `[HOST]:PORT`."""
+    return hostname if port == 22 else f"[{hostname}]:{port}"
+
+
+def _parse_line(path: str, lineno: int, text: str) -> KnownHostLine | None:
+    fields = text.split()
+    marker = ""
+    if fields and fields[0].startswith("@"):
+        marker, fields = fields[0], fields[1:]
+        if marker not in (REVOKED, CERT_AUTHORITY):
+            return None
+    if len(fields) < 3:
+        return None
+    try:
+        blob = base64.b64decode(fields[2], validate=True)
+    except binascii.Error:
+        return None
+    return KnownHostLine(path, lineno, marker, tuple(fields[0].split(",")), fields[1], blob)
+
+
+@dataclass(frozen=True)
+class KnownHosts:
+    """The known_hosts lines of some files, read once; nothing here ever writes a file.
+
+    Blank lines, comments and lines OpenSSH would also skip (too few fields, a key that is not
+    base64, an unknown `@` marker) are not kept.
+    """
+
+    lines: tuple[KnownHostLine, ...] = ()
+
+    @classmethod
+    def load(cls, paths: tuple[str, ...]) -> KnownHosts:
+        """Read every file of `paths` that exists (a missing one adds nothing).
+
+        Raises:
+            UserError: a file that exists but cannot be read, or is not UTF-8 text.
+        """
+        lines: list[KnownHostLine] = []
+        for path in paths:
+            try:
+                text = Path(path).read_text()
+            except FileNotFoundError:
+                continue
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "strerror", None) or "not a UTF-8 text file"
+                raise UserError(
+                    f"known_hosts file {path} cannot be read ({reason}); fix or remove it"
+                ) from None
+            for lineno, raw in enumerate(text.splitlines(), 1):
+                stripped = raw.strip()
+                if stripped and not stripped.startswith("#"):
+                    line = _parse_line(path, lineno, stripped)
+                    if line is not None:
+                        lines.append(line)
+        return cls(tuple(lines))
+
+    def for_host(self, name: str, marker: str = "") -> tuple[KnownHostLine, ...]:
+        """The lines with `marker` whose patterns match the host's lookup name `name`."""
+        return tuple(
+            line for line in self.lines if line.marker == marker and host_matches(line.patterns, name)
+        )
+
+    def revoked(self, name: str, key_blob: bytes) -> KnownHostLine | None:
+        """The `@revoked` line that refuses this key for host `name`, if any."""
+        return next((line for line in self.for_host(name, REVOKED) if line.key_blob == key_blob), None)

@@ -187,3 +187,30 @@ def test_wrong_key_unreachable_host_and_bad_python(netns3, tmp_path):
     result = _run(netns3, _ssh(netns3, "--python", "/nonexistent/python3"))
     _one_sentence(result, "--python /nonexistent/python3 does not exist")
     assert _art_mega_pids(netns3) == []
+
+
+def test_known_hosts_markers_never_crash_and_a_revoked_host_key_is_refused(netns3, tmp_path):
+    """A known_hosts with comments, `@cert-authority` and `@revoked` lines (which made every launch
+    crash with paramiko's InvalidHostKey): h1's revoked key is refused in one sentence naming h1 and
+    the file, nothing is left running, and the file is not rewritten."""
+    h0, h1 = netns3.hosts[0], netns3.hosts[1]
+    ca = tmp_path / "ca"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ca)], check=True)
+    known = tmp_path / "known_hosts"
+    known.write_text(
+        "# lab hosts\n"
+        f"@cert-authority *.lab.example {ca.with_suffix('.pub').read_text().strip()}\n"
+        f"{h0.address} {h0.host_public_key}\n"
+        f"{h1.address} {h1.host_public_key}\n"
+        f"@revoked * {h1.host_public_key}\n"
+    )
+    before = known.read_bytes()
+    config = tmp_path / "ssh_config"
+    config.write_text(netns3.ssh_config.read_text().replace(str(netns3.known_hosts), str(known)))
+    argv = _ssh(netns3, hosts=["h0", "h1"])
+    argv[argv.index(f"--ssh-arg=-F {netns3.ssh_config}")] = f"--ssh-arg=-F {config}"
+    _one_sentence(
+        _run(netns3, argv), f"ssh h1 (root@{h1.address}:22)", f"is marked @revoked in {known} line 5"
+    )
+    assert known.read_bytes() == before
+    assert wait_gone(_art_mega_pids(netns3), 10) == []
