@@ -49,6 +49,85 @@ class SFTFileError(UserError):
         self.line = line
 
 
+class ModelSplitError(UserError):
+    """The model's attention heads, KV heads, FFN width or experts do not divide by the trainer's
+    tensor / expert parallel sizes (found from config.json at `register`, before any rank starts).
+
+    Attributes:
+        model_dir: the HF model directory.
+        tp, ep, etp: the sizes asked for.
+    """
+
+    def __init__(self, message: str, model_dir: str, tp: int, ep: int = 1, etp: int = 1):
+        super().__init__(message)
+        self.model_dir = model_dir
+        self.tp = tp
+        self.ep = ep
+        self.etp = etp
+
+
+class AdapterMismatchError(UserError):
+    """A LoRA adapter to start from (a warm-start `base_model`, or the run's committed checkpoint)
+    does not have the backend's LoRA rank, alpha or target modules, or is not a plain LoRA.
+
+    Attributes:
+        adapter_dir: the adapter directory.
+        mismatches: adapter_config.json key -> (the adapter's value, the backend's value).
+    """
+
+    def __init__(self, message: str, adapter_dir: str, mismatches: dict[str, tuple[Any, Any]]):
+        super().__init__(message)
+        self.adapter_dir = adapter_dir
+        self.mismatches = mismatches
+
+
+class RuntimeBusyError(UserError):
+    """`register` found trainer ranks or replicas already running on the runtime's agents (another
+    backend's, not closed): starting a second set would fail or stop them.
+
+    Attributes:
+        host: the first host with such processes; children: their child ids there.
+    """
+
+    def __init__(self, message: str, host: str, children: tuple[str, ...]):
+        super().__init__(message)
+        self.host = host
+        self.children = children
+
+
+class RemoteUserError(UserError):
+    """A user mistake found on another host's rollout worker: its one sentence, and where.
+
+    Attributes:
+        host, worker_id: where it was found; exc_type: the remote exception's class name.
+    """
+
+    def __init__(self, message: str, host: str, worker_id: str = "", exc_type: str = ""):
+        super().__init__(message)
+        self.host = host
+        self.worker_id = worker_id
+        self.exc_type = exc_type
+
+
+class RolloutValueError(UserError):
+    """A rollout argument or result holds a value JSON cannot carry (bytes, a set, an arbitrary
+    object, a numpy array, a complex number, ...), or a result that cannot be rebuilt where it
+    arrives; see `runtime.wire` for what travels and the conversions it makes.
+
+    Attributes:
+        rollout: the rollout's `module:qualname`.
+        host: the host the value came from or was going to.
+        detail: what is wrong, with the key path (e.g. "returned a value that cannot travel:
+            trajectory.metadata['scores'][2] is a set, ...").
+    """
+
+    def __init__(self, message: str, rollout: str, host: str, detail: str):
+        super().__init__(message)
+        self.rollout = rollout
+        self.host = host
+        self.detail = detail
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for item in loc:
@@ -98,56 +177,6 @@ def format_validation_error(exc: Exception, model: str | None = None) -> str:
         sentence = f"{where}={shown} is invalid: {msg}"
     sentence = " ".join(sentence.split())
     return sentence if sentence.endswith(".") else sentence + "."
-
-
-class PreflightError(UserError):
-    """The cluster failed a check before any model was allocated; names the host and the cause."""
-
-
-class HostMismatchError(PreflightError):
-    """A host is not as the launch names it (a GPU named twice or absent, a socket interface it
-    lacks or cannot parse), found by host admission before any rank starts.
-
-    Attributes:
-        host: the host id, e.g. "host1".
-        field: what names the thing, e.g. "gpu_ids" or "GLOO_SOCKET_IFNAME".
-        value: the value as given.
-    """
-
-    def __init__(self, message: str, host: str, field: str, value: object):
-        super().__init__(message)
-        self.host = host
-        self.field = field
-        self.value = value
-
-
-class LoopbackAddressError(UserError):
-    """A multi-host launch would advertise a loopback address for one host's agent (a literal
-    127.x/::1, or a name such as Debian's own hostname that resolves to 127.0.1.1).
-
-    Attributes:
-        host: the host as the user named it (e.g. the `--host` value).
-        address: the loopback address it stands for.
-    """
-
-    def __init__(self, message: str, host: str, address: str):
-        super().__init__(message)
-        self.host = host
-        self.address = address
-
-
-class ProgramImportError(UserError):
-    """Importing the `--program` module failed (a missing package, or its top-level code raised).
-
-    Attributes:
-        module: the program's module name.
-        cause: the exception's type name, e.g. "ModuleNotFoundError".
-    """
-
-    def __init__(self, message: str, module: str, cause: str):
-        super().__init__(message)
-        self.module = module
-        self.cause = cause
 
 
 class TrainInputError(UserError):
@@ -249,3 +278,53 @@ class NonFiniteCheckpointError(UserError):
         )
         self.tensor = tensor
         self.step = step
+
+
+class PreflightError(UserError):
+    """The cluster failed a check before any model was allocated; names the host and the cause."""
+
+
+class HostMismatchError(PreflightError):
+    """A host is not as the launch names it (a GPU named twice or absent, a socket interface it
+    lacks or cannot parse), found by host admission before any rank starts.
+
+    Attributes:
+        host: the host id, e.g. "host1".
+        field: what names the thing, e.g. "gpu_ids" or "GLOO_SOCKET_IFNAME".
+        value: the value as given.
+    """
+
+    def __init__(self, message: str, host: str, field: str, value: object):
+        super().__init__(message)
+        self.host = host
+        self.field = field
+        self.value = value
+
+
+class LoopbackAddressError(UserError):
+    """A multi-host launch would advertise a loopback address for one host's agent (a literal
+    127.x/::1, or a name such as Debian's own hostname that resolves to 127.0.1.1).
+
+    Attributes:
+        host: the host as the user named it (e.g. the `--host` value).
+        address: the loopback address it stands for.
+    """
+
+    def __init__(self, message: str, host: str, address: str):
+        super().__init__(message)
+        self.host = host
+        self.address = address
+
+
+class ProgramImportError(UserError):
+    """Importing the `--program` module failed (a missing package, or its top-level code raised).
+
+    Attributes:
+        module: the program's module name.
+        cause: the exception's type name, e.g. "ModuleNotFoundError".
+    """
+
+    def __init__(self, message: str, module: str, cause: str):
+        super().__init__(message)
+        self.module = module
+        self.cause = cause

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 from pydantic import BaseModel
 
-from art_mega.errors import UserError
+from art_mega.errors import RemoteUserError
 from art_mega.runtime.auth import (
     NONCE_HEADER,
     REPLY_SIGNATURE_HEADER,
@@ -101,9 +101,9 @@ class RemoteRolloutError(Exception):
 
 
 def raise_failure(host: str, failure: RemoteFailure, worker_id: str = "") -> None:
-    """Raise `UserError` for a user-kind failure, `RemoteRolloutError` otherwise."""
+    """Raise `RemoteUserError` (a `UserError`) for a user-kind failure, `RemoteRolloutError` otherwise."""
     if failure.kind == "user":
-        raise UserError(failure.message)
+        raise RemoteUserError(failure.message, host, worker_id, failure.exc_type)
     raise RemoteRolloutError(host, worker_id, failure)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from art_mega.errors import UserError
+from art_mega.errors import RemoteUserError, RolloutValueError, UserError
 from art_mega.runtime import wire
 from art_mega.runtime.client import AgentClient
 from art_mega.runtime.installed import InstalledAsyncCallable
@@ -107,11 +107,15 @@ class RolloutExecutor:
     ) -> Any:
         """Run `await fn(*args, **kwargs)` on `worker` (an index or a `RolloutWorker`).
 
-        Returns the result decoded from JSON (pydantic models come back as their class).
+        Returns the result decoded from JSON (pydantic models come back as their class; what
+        travels and the conversions made are in `runtime.wire`).
 
         Raises:
-            UserError: bad worker, `fn` not a top-level async def, an argument that cannot
-                travel as JSON, or the worker refused `fn` (its source changed).
+            RolloutValueError: an argument or the result holds a value JSON cannot carry (a set,
+                bytes, a numpy array, ...), or the result cannot be rebuilt here; names the key
+                path and the host.
+            UserError: bad worker, `fn` not a top-level async def, or the worker refused `fn`
+                (its source changed).
             RemoteRolloutError: `fn` raised on the worker (message and remote traceback kept).
             AgentError: the worker's agent did not answer.
         """
@@ -119,19 +123,35 @@ class RolloutExecutor:
             raise RuntimeError("this rollout executor is closed")
         target = self._worker(worker)
         ref = self._ref(fn).ref()
+        name, host = f"{ref.module}:{ref.qualname}", target.host_id
+        where = f"host {host} (worker {target.worker_id})"
         try:
-            payload_args = wire.encode(list(args))
-            payload_kwargs = wire.encode(dict(kwargs))
+            payload_args = wire.encode(list(args), "args")
+            payload_kwargs = wire.encode(dict(kwargs), "kwargs")
         except wire.WireError as exc:
-            raise UserError(f"argument to rollout {ref.qualname}: {exc}") from None
+            raise RolloutValueError(
+                f"an argument of rollout {name} cannot travel to {where}: {exc}", name, host, str(exc)
+            ) from None
         self._load[target.index] += 1
         try:
-            result = await self._clients[target.host_id].run_rollout(
+            result = await self._clients[host].run_rollout(
                 target.worker_id, ref, payload_args, payload_kwargs
             )
+        except RemoteUserError as exc:
+            if exc.exc_type != wire.WireError.__name__:
+                raise
+            raise RolloutValueError(f"rollout {name} on {where} {exc}", name, host, str(exc)) from None
         finally:
             self._load[target.index] -= 1
-        return wire.decode(result)
+        try:
+            return wire.decode(result)
+        except wire.WireError as exc:
+            raise RolloutValueError(
+                f"the result of rollout {name} from {where} cannot be rebuilt here: {exc}",
+                name,
+                host,
+                str(exc),
+            ) from None
 
     async def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run on the worker with the fewest calls in flight (ties: lowest index)."""

@@ -1,7 +1,8 @@
 """A rollout worker process: runs the user's async rollout functions for its agent.
 
 It speaks newline-delimited JSON over an inherited socket (`--fd`), runs each request as an
-asyncio task, and answers with the wire-encoded result or a `RemoteFailure`.
+asyncio task, and answers with the wire-encoded result or a `RemoteFailure` (a result `wire`
+refuses is a user-kind failure naming the key path, never a serializer traceback).
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ MAX_CACHED_REFS = 1024
 """Distinct raw callable references whose validated `CallableRef` a worker keeps."""
 
 
+class _ValueRefused(Exception):
+    """A rollout's arguments or result that `wire` cannot carry: the controller raises a
+    `RolloutValueError` naming the rollout, this host and the key path."""
+
+
 def failure_from(exc: BaseException) -> RemoteFailure:
-    """Describe an exception for the controller; `UserError` keeps its one sentence."""
+    """Describe an exception for the controller; `UserError` keeps its one sentence, and so does
+    a value `wire` refused (`exc_type` "WireError", no traceback: the fault is in the value)."""
+    if isinstance(exc, _ValueRefused):
+        return RemoteFailure(kind="user", message=str(exc), exc_type=wire.WireError.__name__)
     if isinstance(exc, UserError):
         return RemoteFailure(kind="user", message=str(exc), exc_type=type(exc).__name__)
     return RemoteFailure(
@@ -72,10 +81,17 @@ class _Worker:
     async def _run(self, request_id: int, message: dict[str, Any]) -> None:
         try:
             fn = self._load(self._ref(message["callable"]))
-            args = wire.decode(message.get("args", []))
-            kwargs = wire.decode(message.get("kwargs", {}))
+            try:
+                args = wire.decode(message.get("args", []), "args")
+                kwargs = wire.decode(message.get("kwargs", {}), "kwargs")
+            except wire.WireError as exc:
+                raise _ValueRefused(f"could not rebuild its arguments on this host: {exc}") from None
             result = await fn(*args, **kwargs)
-            reply = {"id": request_id, "ok": True, "result": wire.encode(result)}
+            try:
+                encoded = wire.encode(result)
+            except wire.WireError as exc:
+                raise _ValueRefused(f"returned a value that cannot travel: {exc}") from None
+            reply = {"id": request_id, "ok": True, "result": encoded}
         except Exception as exc:
             reply = {"id": request_id, "ok": False, "failure": failure_from(exc).model_dump()}
         self._send(reply)

@@ -1,9 +1,19 @@
+import datetime
+import enum
+import json
+import math
+
+import numpy as np
 import pytest
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel
 
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.runtime import wire
+
+
+class Color(enum.Enum):
+    RED = "red"
 
 
 def _choice() -> Choice:
@@ -43,21 +53,115 @@ def test_group_and_nested_containers_round_trip():
     assert back["none"] is None
 
 
-def test_unencodable_values_are_named():
-    with pytest.raises(wire.WireError, match="set cannot travel"):
-        wire.encode({1, 2})
-    with pytest.raises(wire.WireError, match="keys must be str"):
-        wire.encode({1: "a"})
+class Typed(BaseModel):
+    """A model whose fields pydantic restores by their declared types."""
+
+    when: datetime.datetime
+    tags: set[int]
+    color: Color
+    pair: tuple[int, float]
+    untyped: dict = {}
+
+
+def _through_json(value):
+    """`value` encoded, sent as strict JSON (no NaN tokens: the agent re-encodes with pydantic,
+    which writes NaN as null) and decoded."""
+    return wire.decode(json.loads(json.dumps(wire.encode(value), allow_nan=False)))
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (
+            Trajectory(metadata={"scores": [0.5, 1, {3}]}),
+            "trajectory.metadata['scores'][2] is a set, which JSON cannot carry (it would arrive as a list)",
+        ),
+        (Trajectory(metadata={"raw": b"\x00"}), "trajectory.metadata['raw'] is bytes"),
+        (Trajectory(metadata={"o": object()}), "trajectory.metadata['o'] is a builtins.object"),
+        (
+            Trajectory(metadata={"a": np.arange(3)}),
+            "trajectory.metadata['a'] is a numpy array (shape (3,), dtype int64), which JSON cannot "
+            "carry; return array.tolist()",
+        ),
+        (Trajectory(metadata={"z": 1j}), "trajectory.metadata['z'] is the complex number 1j"),
+        (Trajectory(metadata={"z": np.complex64(1j)}), "trajectory.metadata['z'] is the complex number"),
+        (
+            Trajectory(
+                metadata={
+                    "m": Typed(when=datetime.datetime(2026, 1, 1), tags=set(), color=Color.RED, pair=(1, 2))
+                }
+            ),
+            "trajectory.metadata['m'] is a Typed model in a field that does not declare that class",
+        ),
+        ({1: "a"}, "result has the key 1 (int), but JSON object keys are strings"),
+        ({"k": {1, 2}}, "result['k'] is a set"),
+        ([Trajectory(), Trajectory(metadata={"b": bytearray(b"x")})], "result[1].metadata['b'] is bytes"),
+        (
+            TrajectoryGroup([Trajectory(metadata={"s": frozenset()})]),
+            "trajectory_group.trajectories[0].metadata['s'] is a frozenset",
+        ),
+    ],
+)
+def test_values_json_cannot_carry_are_refused_naming_the_key_path(value, message):
+    """Each of these failed with a pydantic serializer traceback, or changed in silence (a set
+    became a list, bytes a str, 1j the string '1j') before."""
+    with pytest.raises(wire.WireError) as caught:
+        wire.encode(value)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_non_finite_floats_and_numpy_scalars_arrive_by_the_documented_rules():
+    """NaN in metadata became None and an inf reward a validation traceback before; numpy scalars
+    in metadata were a serializer traceback."""
+    trajectory = Trajectory(
+        reward=-math.inf,
+        metrics={"ratio": math.nan},
+        metadata={
+            "nan": math.nan,
+            "inf": np.float64("inf"),
+            "f": np.float32(1.5),
+            "i": np.int64(3),
+            "b": np.bool_(True),
+        },
+    )
+    back = _through_json(trajectory)
+    assert back.reward == -math.inf and math.isnan(back.metrics["ratio"])
+    assert math.isnan(back.metadata["nan"]) and back.metadata["inf"] == math.inf
+    assert [(back.metadata[k], type(back.metadata[k])) for k in ("f", "i", "b")] == [
+        (1.5, float),
+        (3, int),
+        (True, bool),
+    ]
+    assert _through_json({"x": [math.nan, 1.0]})["x"][1] == 1.0 and math.isnan(_through_json(math.nan))
+
+
+def test_typed_fields_round_trip_through_pydantic_and_tuples_become_lists_only_untyped():
+    value = Typed(
+        when=datetime.datetime(2026, 1, 2, 3),
+        tags={3, 1},
+        color=Color.RED,
+        pair=(1, math.inf),
+        untyped={"t": (1, 2)},
+    )
+    back = _through_json(value)
+    assert (back.when, back.tags, back.color, back.pair) == (value.when, {1, 3}, Color.RED, (1, math.inf))
+    assert back.untyped == {"t": [1, 2]}  # the documented rule: JSON has no tuple
 
 
 def test_local_model_classes_are_refused():
     class Local(BaseModel):
         x: int
 
-    with pytest.raises(wire.WireError, match="local to a function"):
+    with pytest.raises(wire.WireError, match="local to a function; define it at top level"):
         wire.encode(Local(x=1))
 
 
-def test_tag_naming_a_non_model_is_refused():
-    with pytest.raises(wire.WireError, match="not a pydantic model"):
+def test_received_values_that_cannot_be_rebuilt_are_named():
+    with pytest.raises(wire.WireError, match="result names os:getcwd, which is not a pydantic model class"):
         wire.decode({"__model__": "os:getcwd", "data": {}})
+    with pytest.raises(
+        wire.WireError, match=r"result\[0\] is a no_such_module:X model, which cannot be imported here"
+    ):
+        wire.decode([{"__model__": "no_such_module:X", "data": {}}])
+    with pytest.raises(wire.WireError, match="result does not validate as Trajectory: Trajectory.reward="):
+        wire.decode({"__model__": "art_mega.trajectories:Trajectory", "data": {"reward": None}})
