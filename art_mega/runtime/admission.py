@@ -134,16 +134,36 @@ def resolve_gpu(host_id: str, gpu_id: int | str, facts: HostFacts) -> GpuInfo:
     )
 
 
+def _check_index_order(host_id: str, gpu_ids: tuple[int | str, ...], facts: HostFacts) -> None:
+    """An index means the same GPU to NVML and CUDA only in PCI order: CUDA's default order
+    (CUDA_DEVICE_ORDER=FASTEST_FIRST) puts faster models first, so on a host with two GPU models
+    index 0 can be another device than the one admission checked."""
+    indices = [g for g in gpu_ids if isinstance(g, int)]
+    models = sorted({g.name for g in facts.gpus if g.parent_uuid is None})
+    order = facts.env.get("CUDA_DEVICE_ORDER")
+    if indices and len(models) > 1 and order != "PCI_BUS_ID":
+        raise HostMismatchError(
+            f"host {host_id}: gpu_ids names GPU {indices[0]} by index on a host with {len(models)} GPU models "
+            f"({', '.join(models)}) while CUDA_DEVICE_ORDER is {order!r}, so CUDA may number the GPUs "
+            "differently from NVML; name GPUs by UUID or set CUDA_DEVICE_ORDER=PCI_BUS_ID on that host",
+            host_id,
+            "gpu_ids",
+            gpu_ids,
+        )
+
+
 def check_named_gpus(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -> None:
     """Every GPU the topology names exists on its host, once; no GPU is used whole and as a MIG slice.
 
     Raises:
-        HostMismatchError: an unknown GPU (see `resolve_gpu`), or two spellings (an index and a
-            UUID) of one device, naming the host and both spellings.
+        HostMismatchError: an unknown GPU (see `resolve_gpu`), two spellings (an index and a
+            UUID) of one device, naming the host and both spellings, or an index on a host with
+            two GPU models whose CUDA_DEVICE_ORDER is not PCI_BUS_ID.
         PreflightError: a MIG slice listed together with its whole GPU.
     """
     for host in topology.cluster.hosts:
         f = facts[host.host_id]
+        _check_index_order(host.host_id, host.gpu_ids, f)
         spelled: dict[str, int | str] = {}
         used: list[GpuInfo] = []
         for gpu_id in host.gpu_ids:

@@ -26,12 +26,12 @@ def facts(
     )
 
 
-def gpu(index, uuid, pci, parent=None):
+def gpu(index, uuid, pci, parent=None, name="H200"):
     return GpuInfo(
         index=index,
         uuid=uuid,
         pci_bus_id=pci,
-        name="H200",
+        name=name,
         memory_bytes=1,
         mig_mode=parent is not None,
         parent_uuid=parent,
@@ -150,6 +150,20 @@ def test_one_gpu_named_by_index_and_uuid_is_refused(gpu_ids, first, second):
         "00000000:19:00.0), which would put two ranks on it; list each GPU once"
     )
     assert (info.value.host, info.value.field, info.value.value) == ("host0", "gpu_ids", gpu_ids)
+
+
+def test_an_index_on_a_host_with_two_gpu_models_needs_pci_order():
+    mixed = (gpu(0, "GPU-l4", "00000000:19:00.0", name="L4"), gpu(1, "GPU-h200", "00000000:3B:00.0"))
+    report = {"host0": facts(boot="a", gpus=mixed), "host1": facts(boot="b"), "host2": facts(boot="c")}
+    admit(topology(gpu_ids={0: ("GPU-h200", "GPU-l4")}), report)
+    with pytest.raises(
+        HostMismatchError,
+        match=r"host host0: gpu_ids names GPU 1 by index on a host with 2 GPU models \(H200, L4\) while "
+        r"CUDA_DEVICE_ORDER is None, .*set CUDA_DEVICE_ORDER=PCI_BUS_ID on that host",
+    ):
+        admit(topology(gpu_ids={0: (1,)}), report)
+    report["host0"] = facts(boot="a", gpus=mixed, env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    admit(topology(gpu_ids={0: (1, 0)}), report)
 
 
 def test_distinct_spellings_of_distinct_gpus_and_mig_slices_are_admitted():
