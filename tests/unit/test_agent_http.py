@@ -231,3 +231,16 @@ async def test_refusals_on_the_headers_and_over_the_cap_read_no_body():
         assert status == 413 and pulled == DEFAULT_MAX_BODY_BYTES // len(chunk) + 1
     finally:
         state.fs_probe.close()
+
+
+async def test_only_bound_requests_renew_the_controller_lease(agent):
+    state, http = agent
+    state.lease.hold()
+    state.lease._last_heard -= 5.0  # five seconds without a word from the controller
+    headers = {**JSON, **sign(SECRET, "GET", "/v1/identity", b"", UNBOUND)}
+    assert (await http.get("/v1/identity", headers=headers)).status_code == 200
+    assert state.lease.silent_s() >= 5.0  # a (possibly replayed) identity call is not the controller
+    assert (await http.get("/v1/health")).status_code == 401
+    assert state.lease.silent_s() >= 5.0
+    assert (await http.get("/v1/health", headers=signed(state, "GET", "/v1/health"))).status_code == 200
+    assert state.lease.silent_s() < 5.0
