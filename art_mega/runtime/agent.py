@@ -1,7 +1,8 @@
 """The per-host agent: an authenticated HTTP server (Starlette on uvicorn) that supervises this host's children.
 
 It is the only long-lived art-mega process per host. Every request must carry a valid HMAC
-signature (see `auth`); refused requests execute nothing.
+signature made for this agent process (its address and incarnation, see `auth`); refused
+requests execute nothing.
 """
 
 from __future__ import annotations
@@ -384,8 +385,9 @@ def create_app(state: AgentState) -> Starlette:
     """Build the agent's app over `state`: every route requires a signed request (`routes`).
 
     `/v1/health` and `/v1/rollouts/run`, the calls made per rollout and per heartbeat, parse and
-    answer by hand (one pydantic parse, no per-call model dumps of the callable). A refused
-    request gets 401 `{"detail": reason}` and executes nothing.
+    answer by hand (one pydantic parse, no per-call model dumps of the callable);
+    `/v1/identity` tells a client whom to sign for. A refused request gets 401 `{"detail": reason}`
+    (413 for a body over its route's cap) and executes nothing.
     """
     router = SignedRouter(state.verifier, on_verified=state.lease.renew)
 
