@@ -11,14 +11,22 @@ torch.distributed first (2-4 s of the collective's wall time on a loaded CPU hos
 the config as one JSON line from stdin. Agents start it when the controller begins proving the
 cluster, so the import overlaps admission, the artifact_root probe and etcd. It exits 0 without
 doing anything on EOF or after `WARM_IDLE_S` seconds without a config.
+
+In another environment (a replica's `InferenceSpec.python`, which need not have art-mega
+installed) the agent runs it through `probe_command`: this package is loaded from its own folder
+without adding anything else to that interpreter's path, so the probe proves that
+environment's torch, not the agent's. A torch that cannot be imported, lacks the backend, or
+(rank 0 compares) differs in version between the ranks is the probe's answer, not a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,38 @@ RECORD_BYTES = 512
 WARM_FLAG = "--stdin"
 WARM_IDLE_S = 600.0
 """Seconds a warm probe waits for its config before exiting on its own."""
+MODULE = "art_mega.runtime.preflight_probe"
+FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+"""The agent's own environment variables, dropped for another interpreter (as for its replicas)."""
+_BOOTSTRAP = """\
+import importlib.util, runpy, sys
+folder = sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location(
+    "art_mega", folder + "/__init__.py", submodule_search_locations=[folder])
+package = importlib.util.module_from_spec(spec)
+sys.modules["art_mega"] = package
+spec.loader.exec_module(package)
+runpy.run_module("art_mega.runtime.preflight_probe", run_name="__main__", alter_sys=True)
+"""
+
+
+def probe_command(
+    python: str, args: list[str], environ: Mapping[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that run this probe with `args` under interpreter `python`.
+
+    The agent's own interpreter runs `-m art_mega.runtime.preflight_probe`. Another one (whose
+    environment may lack art-mega) gets this package's folder loaded as `art_mega` by a short
+    bootstrap, and the environment without `FOREIGN_ENV`: nothing of the agent's environment
+    leaks onto its path. The launch secret is never passed on.
+    """
+    env = {k: v for k, v in environ.items() if k != "ART_MEGA_SECRET"}
+    if python == sys.executable:
+        return [python, "-m", MODULE, *args], env
+    for name in FOREIGN_ENV:
+        env.pop(name, None)
+    folder = str(Path(__file__).resolve().parent.parent)
+    return [python, "-c", _BOOTSTRAP, folder, *args], env
 
 
 def check_nccl_log(text: str, expected: str, rank: int, host: str) -> None:
@@ -82,6 +122,7 @@ def _watchdog(config: dict[str, Any]) -> None:
             "rank": config.get("rank"),
             "host": config.get("host_id"),
             "phase": _PHASE["name"],
+            "timed_out": True,
             "error": f"timed out after {config['timeout_s']} s in phase {_PHASE['name']}",
         }
         print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -98,11 +139,18 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = int(config["rank"]), int(config["world_size"])
-    if world > 1:
-        gloo_interface_for(config["master_host"])
     host = config["host_id"]
     timeout = timedelta(seconds=float(config["timeout_s"]))
     backend = config.get("backend", "gloo")
+    available = dist.is_available() and (
+        dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
+    )
+    if not available:
+        raise RuntimeError(f"torch {torch.__version__} of {sys.executable} has no {backend} backend")
+    if world > 1:
+        gloo_interface_for(config["master_host"])
+    if backend == "gloo":
+        _check_gloo_interfaces(os.environ.get("GLOO_SOCKET_IFNAME", ""))
     if backend == "nccl":
         log = Path(config["log_dir"]) / f"nccl-preflight-rank{rank}.log"
         os.environ.update(
@@ -111,14 +159,26 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
             NCCL_DEBUG_SUBSYS="INIT,NET",
             NCCL_DEBUG_FILE=str(log),
         )
-    store = dist.TCPStore(
-        config["master_host"],
-        int(config["master_port"]),
-        world,
-        is_master=rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    try:
+        store = dist.TCPStore(
+            config["master_host"],
+            int(config["master_port"]),
+            world,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except Exception as exc:
+        if rank == 0:
+            raise
+        # rank 0's store never answered: this rank did not arrive (the others name it so)
+        return {
+            "ok": False,
+            "rank": rank,
+            "host": host,
+            "phase": "start",
+            "error": f"the rendezvous store {config['master_host']}:{config['master_port']} did not answer: {exc}",
+        }
     _PHASE["name"] = "rendezvous"
     store.set(f"arrived/{rank}", host)
     keys = [f"arrived/{r}" for r in range(world)]
@@ -153,6 +213,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
             "interface": interface,
             "ip": local_ip,
             "warm": bool(config.get("warm")),
+            "torch": torch.__version__,
         }
         gathered = [torch.zeros(RECORD_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
         dist.all_gather(gathered, _encode(record).to(device))
@@ -169,6 +230,20 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "rank": rank, "host": host, "members": members, "bandwidth_gbps": bandwidth}
     finally:
         dist.destroy_process_group()
+
+
+def _check_gloo_interfaces(value: str) -> None:
+    """Fail before the rendezvous when GLOO_SOCKET_IFNAME names an interface this host lacks
+    (gloo would fail only inside init_process_group, after every rank has arrived)."""
+    if not value:
+        return
+    names = sorted(name for _, name in socket.if_nameindex())
+    missing = [name for name in value.split(",") if name not in names]
+    if missing:
+        raise RuntimeError(
+            f"GLOO_SOCKET_IFNAME={value!r} names {missing[0]!r}, which this host does not have "
+            f"(it has {', '.join(names)})"
+        )
 
 
 def _bandwidth(rank: int, world: int, nbytes: int, device) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -259,8 +334,10 @@ def _read_config_when_warm() -> dict[str, Any] | None:
     """
     import select
 
-    import torch.distributed  # noqa: F401  (the point of the warm form)
-
+    try:
+        import torch.distributed  # noqa: F401  (the point of the warm form)
+    except Exception:  # a broken torch is this rank's answer once its config (rank) is known: `main`
+        pass
     ready, _, _ = select.select([sys.stdin], [], [], WARM_IDLE_S)
     line = sys.stdin.readline() if ready else ""
     return _parse(line) if line.strip() else None
@@ -301,8 +378,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(CONFIG_READ, flush=True)
     _watchdog(config)
-    import torch.distributed  # noqa: F401  (imported before the clock starts)
-
+    try:
+        import torch.distributed  # noqa: F401  (imported before the clock starts)
+    except Exception as exc:  # the environment cannot join any collective: say so, at once
+        result = {
+            "ok": False,
+            "rank": config.get("rank"),
+            "host": config.get("host_id"),
+            "phase": "import",
+            "error": f"cannot import torch.distributed ({type(exc).__name__}: {exc})",
+        }
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        return 1
     started = time.monotonic()
     try:
         result = run(config)

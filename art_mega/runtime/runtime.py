@@ -11,7 +11,7 @@ import asyncio
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from art_mega.errors import UserError
 from art_mega.runtime.client import AgentClient, AgentError
@@ -25,11 +25,24 @@ from art_mega.topology import CompiledTopology, EndpointSpec
 
 @dataclass(frozen=True)
 class PreflightReport:
-    """What the cluster proof measured: seconds per phase, the metadata store's URL if any."""
+    """What the cluster proof measured: seconds per phase, the metadata store's URL if any, and
+    the collective of every proved environment (`collective`: the trainer's, else the first)."""
 
     phases_s: dict[str, float] = field(default_factory=dict)
     metadata_store: str | None = None
     collective: CollectiveReport | None = None
+    collectives: tuple[CollectiveReport, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProofEnvironment:
+    """One Python environment the preflight collective runs in, and the hosts (in node order)."""
+
+    names: tuple[str, ...]
+    """Whose it is: "trainer" and/or inference spec names (one environment can serve several)."""
+    python: str | None
+    """Its interpreter: None for each agent's own (the trainer's), else an `InferenceSpec.python`."""
+    host_ids: tuple[str, ...]
 
 
 class LaunchInfo(Protocol):
@@ -71,6 +84,8 @@ class ArtRuntime:
         self._etcd_endpoint: str | None = None
         self.host_facts: dict[str, HostFacts] = {}
         self.preflight: PreflightReport | None = None
+        self._proved: dict[tuple[Any, ...], CollectiveReport] = {}
+        """Passed collectives by (interpreter, hosts, backend, network, the hosts' facts)."""
 
     @property
     def clients(self) -> dict[str, AgentClient]:
@@ -95,8 +110,7 @@ class ArtRuntime:
         Proof, in order (see `prove`): every agent answers with this launch's id; host admission;
         the artifact_root probe; the metadata store when needed (`metadata_store=None`: when
         artifact_root is host-local on several hosts or an explicit store is configured); the
-        preflight collective when needed (`collective=None`: when trainer ranks or a replica span
-        two or more hosts; True runs it over every host).
+        preflight collective in every environment that needs it (see `proof_environments`).
 
         Raises:
             UserError: the topology's worker addresses are not the launch's (names both).
@@ -194,50 +208,118 @@ class ArtRuntime:
             return True
         return not cluster.shared_artifact_root and len(cluster.hosts) > 1
 
-    def collective_hosts(self, requested: bool | None) -> tuple[str, ...]:
-        """Hosts of the preflight collective, in node order (empty: no collective)."""
-        topology = self.topology
+    def proof_environments(self, requested: bool | None) -> tuple[ProofEnvironment, ...]:
+        """The environments the preflight collective runs in, each on the hosts it will use.
+
+        The trainer's (each agent's own interpreter) on its ranks' hosts, and each inference
+        spec's `python` on the hosts of its replicas. `requested=None`: those that use two or
+        more hosts; True: every one (the trainer's over every host, even without a trainer);
+        False: none. An inference spec without `python` runs under the backend's vLLM
+        interpreter (`MegatronBackend(vllm_python=...)`), which the runtime does not know: a
+        replica of it that spans hosts has the network proved in the agents' environment. An
+        environment whose interpreter and hosts another one covers (same interpreter, a
+        superset of hosts) is proved once, named for both.
+        """
         if requested is False:
             return ()
-        if requested:
-            return topology.cluster.host_ids
-        spanning = {r.host_id for r in topology.trainer_ranks}
-        if len(spanning) < 2:
-            spanning = set()
-        for replica in topology.replicas:
-            if len(replica.host_ids) > 1:
-                spanning.update(replica.host_ids)
-        return tuple(h for h in topology.cluster.host_ids if h in spanning)
+        topology = self.topology
+        order = topology.cluster.host_ids
+        agents_hosts = set(order) if requested else {r.host_id for r in topology.trainer_ranks}
+        if len(agents_hosts) < 2 and not requested:
+            agents_hosts = set()
+        own: list[ProofEnvironment] = []
+        for spec in topology.inference:
+            replicas = [r for r in topology.replicas if r.name == spec.name]
+            hosts = {h for r in replicas for h in r.host_ids}
+            if spec.python is None:
+                agents_hosts.update(h for r in replicas if len(r.host_ids) > 1 for h in r.host_ids)
+            elif hosts and (requested or len(hosts) > 1):
+                own.append(ProofEnvironment((spec.name,), spec.python, tuple(h for h in order if h in hosts)))
+        wanted = own
+        if requested or agents_hosts:
+            trainer = ProofEnvironment(("trainer",), None, tuple(h for h in order if h in agents_hosts))
+            wanted = [trainer, *own]
+        merged: list[ProofEnvironment] = []
+        for environment in wanted:
+            for i, other in enumerate(merged):
+                small, big = sorted((other, environment), key=lambda e: len(e.host_ids))
+                if other.python == environment.python and set(small.host_ids) <= set(big.host_ids):
+                    merged[i] = ProofEnvironment(other.names + environment.names, other.python, big.host_ids)
+                    break
+            else:
+                merged.append(environment)
+        return tuple(merged)
+
+    def _collective_backend(self, host_ids: Sequence[str]) -> tuple[Literal["gloo", "nccl"], str | None]:
+        """(backend, NCCL net) of a collective over `host_ids`: NCCL with the cluster's network
+        when every host has GPUs, there are two or more and an NCCL transport is set; else gloo."""
+        cluster = self.topology.cluster
+        on_gpu = (
+            len(host_ids) > 1
+            and all(cluster.host(h).gpu_ids for h in host_ids)
+            and cluster.nccl_transport is not None
+        )
+        if on_gpu and cluster.nccl_transport is not None:
+            return "nccl", cluster.nccl_transport.net_name
+        return "gloo", None
+
+    def _proof_key(self, environment: ProofEnvironment) -> tuple[Any, ...] | None:
+        """The cache key of `environment`'s collective under the current host facts (None: a
+        host has no facts yet)."""
+        if any(h not in self.host_facts for h in environment.host_ids):
+            return None
+        facts = tuple(self.host_facts[h].model_dump_json() for h in environment.host_ids)
+        return (
+            environment.python,
+            environment.host_ids,
+            self._collective_backend(environment.host_ids),
+            facts,
+        )
 
     async def prove(
         self, metadata_store: bool | None = None, collective: bool | None = None
     ) -> PreflightReport:
-        """Admission, artifact_root probe, metadata store, collective; results in `self.preflight`.
+        """Admission, artifact_root probe, metadata store, collectives; results in `self.preflight`.
 
-        A proof that fails stops the warm preflight probes it started (each holds torch in memory
-        and would otherwise wait `preflight_probe.WARM_IDLE_S` seconds on its agent). Proving
-        again (e.g. after a host was replaced) re-checks the managed etcd this runtime started
-        from every host instead of starting a second one; `close` stops it.
+        The collective runs in every environment of `proof_environments(collective)`, one after
+        the other, the trainer's first; a passed one is kept per (interpreter, hosts, backend and
+        network, the hosts' facts) and not run again by a later proof of this runtime while
+        those stay the same. A proof that fails stops the warm preflight probes it started (each
+        holds torch in memory and would otherwise wait `preflight_probe.WARM_IDLE_S` seconds on
+        its agent). Proving again (e.g. after a host was replaced) re-checks the managed etcd
+        this runtime started from every host instead of starting a second one; `close` stops it.
         """
         self._check_usable()
-        hosts_in_collective = self.collective_hosts(collective)
-        warm_hosts = hosts_in_collective if len(hosts_in_collective) > 1 else ()
+        environments = self.proof_environments(collective)
         # Warm probes import torch while admission, the FS probe and etcd run (a failed prepare
-        # only means that host's probe starts cold).
+        # only means that host's probe starts cold); none for what the last facts say is proved.
+        warm = {
+            (h, e.python) for e in environments if self._proof_key(e) not in self._proved for h in e.host_ids
+        }
         warming = asyncio.gather(
-            *(self._clients[h].preflight_prepare() for h in warm_hosts), return_exceptions=True
+            *(self._clients[h].preflight_prepare(python) for h, python in sorted(warm, key=str)),
+            return_exceptions=True,
         )
+        used: set[tuple[str, str | None]] = set()
         try:
-            return await self._prove(metadata_store, hosts_in_collective, warming)
+            report = await self._prove(metadata_store, environments, warming, used)
         except BaseException:
             await warming  # no probe may start after the discard
             await asyncio.gather(
-                *(self._clients[h].preflight_discard() for h in warm_hosts), return_exceptions=True
+                *(self._clients[h].preflight_discard() for h in {h for h, _ in warm}), return_exceptions=True
             )
             raise
+        # warm probes of environments found proved after all would wait for nothing: stop them
+        idle = {h for h, _ in warm - used}
+        await asyncio.gather(*(self._clients[h].preflight_discard() for h in idle), return_exceptions=True)
+        return report
 
     async def _prove(
-        self, metadata_store: bool | None, hosts_in_collective: tuple[str, ...], warming: asyncio.Future
+        self,
+        metadata_store: bool | None,
+        environments: tuple[ProofEnvironment, ...],
+        warming: asyncio.Future,
+        used: set[tuple[str, str | None]],
     ) -> PreflightReport:
         from art_mega.runtime.admission import admit
         from art_mega.runtime.etcd import check_from_every_host, start_metadata_store
@@ -281,25 +363,39 @@ class ArtRuntime:
                 self._etcd_host, self._etcd_endpoint = controller.host_id, reply.endpoint
                 endpoint = reply.endpoint
             phases["metadata_store"] = loop.time() - started
-        report = None
         await warming
-        if len(hosts_in_collective) > 1:
-            first = cluster.host(hosts_in_collective[0])
-            on_gpu = (
-                all(cluster.host(h).gpu_ids for h in hosts_in_collective)
-                and cluster.nccl_transport is not None
-            )
-            report = await run_collective(
-                self._clients,
-                hosts_in_collective,
-                first.worker_address.host,
-                cluster.startup_timeout_s,
-                backend="nccl" if on_gpu else "gloo",
-                nccl_net=cluster.nccl_transport.net_name if cluster.nccl_transport else None,
-                log_dir=cluster.artifact_root,
-            )
-            phases["collective"] = report.seconds
-        self.preflight = PreflightReport(phases_s=phases, metadata_store=endpoint, collective=report)
+        reports: list[CollectiveReport] = []
+        ran_s = 0.0
+        for environment in environments:
+            key = self._proof_key(environment)
+            report = self._proved.get(key) if key is not None else None
+            if report is None:
+                backend, nccl_net = self._collective_backend(environment.host_ids)
+                used.update((h, environment.python) for h in environment.host_ids)
+                report = await run_collective(
+                    self._clients,
+                    environment.host_ids,
+                    cluster.host(environment.host_ids[0]).worker_address.host,
+                    cluster.startup_timeout_s,
+                    backend=backend,
+                    nccl_net=nccl_net,
+                    python=environment.python,
+                    log_dir=cluster.artifact_root,
+                    environment=", ".join(environment.names),
+                )
+                ran_s += report.seconds
+                if key is not None:
+                    self._proved[key] = report
+            reports.append(report)
+        if environments:
+            phases["collective"] = ran_s
+        trainer = next((r for r, e in zip(reports, environments) if "trainer" in e.names), None)
+        self.preflight = PreflightReport(
+            phases_s=phases,
+            metadata_store=endpoint,
+            collective=trainer or (reports[0] if reports else None),
+            collectives=tuple(reports),
+        )
         return self.preflight
 
     async def _recheck_managed_etcd(self) -> str | None:

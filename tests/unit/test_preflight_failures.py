@@ -14,9 +14,12 @@ import sys
 import pytest
 
 from art_mega.runtime.admission import PreflightError
-from art_mega.runtime.preflight import _raise_for_failures
+from art_mega.runtime.client import AgentError
+from art_mega.runtime.preflight import _raise_for_failures, environment_label, failed_on_its_own
 from art_mega.runtime.preflight_probe import WARM_FLAG
 from art_mega.runtime.protocol import PreflightRunResponse
+
+AGENTS = "the trainer environment (each agent's Python)"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,8 @@ def test_a_killed_probe_is_named_with_its_signal(killed_probe):
     with pytest.raises(PreflightError) as raised:
         _raise_for_failures({"h0": killed_probe}, ["h0"], 8.0)
     assert str(raised.value) == (
-        "preflight collective failed on host h0 (rank 0): the probe was killed by SIGKILL without a result"
+        f"preflight collective in {AGENTS} failed on host h0 (rank 0): the probe was killed by SIGKILL "
+        "without a result"
     )
 
 
@@ -50,8 +54,8 @@ def test_the_rank_the_others_missed_says_why_it_never_arrived(killed_probe):
     with pytest.raises(PreflightError) as raised:
         _raise_for_failures({"h0": waited, "h1": killed_probe}, ["h0", "h1"], 8.0)
     assert str(raised.value) == (
-        "preflight collective: host h1 (rank 1) did not arrive within 8 s; every probe was stopped "
-        "(host h1 (rank 1): the probe was killed by SIGKILL without a result)"
+        f"preflight collective in {AGENTS}: host h1 (rank 1) did not arrive within 8 s; every probe "
+        "was stopped (host h1 (rank 1): the probe was killed by SIGKILL without a result)"
     )
 
 
@@ -65,6 +69,35 @@ def test_a_probe_that_exited_quietly_and_one_that_wrote_a_traceback():
     with pytest.raises(PreflightError) as raised:
         _raise_for_failures({"a": quiet, "b": crashed}, ["a", "b"], 8.0)
     assert str(raised.value) == (
-        "preflight collective failed on host a (rank 0): the probe exited with code 0 without a result; "
-        "host b (rank 1): the probe exited with code 1 without a result; its stderr ends: ImportError: no torch"
+        f"preflight collective in {AGENTS} failed on host a (rank 0): the probe exited with code 0 "
+        "without a result; host b (rank 1): the probe exited with code 1 without a result; its stderr "
+        "ends: ImportError: no torch"
+    )
+
+
+def test_which_replies_end_the_collective_at_once(killed_probe):
+    """A rank that failed on its own stops the others; the timeouts every rank sees alike do not."""
+    failed = PreflightRunResponse(exit_code=1, result={"ok": False, "error": "RuntimeError: bad"})
+    waited = PreflightRunResponse(exit_code=1, result={"ok": False, "missing_ranks": [1]})
+    watchdog = PreflightRunResponse(
+        exit_code=1, result={"ok": False, "timed_out": True, "phase": "collectives"}
+    )
+    unreached = PreflightRunResponse(exit_code=1, result={"ok": False, "phase": "start", "error": "no store"})
+    ok = PreflightRunResponse(exit_code=0, result={"ok": True})
+    assert [failed_on_its_own(r) for r in (failed, killed_probe, AgentError("h", "a", "down"))] == [True] * 3
+    assert [failed_on_its_own(r) for r in (waited, watchdog, unreached, ok)] == [False] * 4
+    assert not failed_on_its_own(PreflightRunResponse(exit_code=None, timed_out=True))
+
+
+def test_a_rank_that_failed_first_is_named_and_the_stopped_ones_are_not():
+    failed = PreflightRunResponse(
+        exit_code=1, result={"ok": False, "error": "cannot import torch.distributed (ImportError: x)"}
+    )
+    with pytest.raises(PreflightError) as raised:
+        _raise_for_failures(
+            {"h0": failed}, ["h0", "h1"], 60.0, stopped={"h1"}, label=environment_label("vllm", "/v/python")
+        )
+    assert str(raised.value) == (
+        "preflight collective in the vllm environment (/v/python) failed on host h0 (rank 0): cannot import "
+        "torch.distributed (ImportError: x); the other ranks' probes were stopped"
     )
