@@ -183,6 +183,9 @@ def test_comments_markers_hashed_and_unknown_lines_are_read_and_the_file_is_neve
         _run_true(_spec(sshd.port, patterned, keys))
     patterned.write_text(f"[127.0.0.?]:{sshd.port},other {sshd.host_key_line}\n")
     assert _run_true(_spec(sshd.port, patterned, keys)) == 0
+    patterned.write_text(f"[127.0.0.1]:{sshd.port} {keys.unrelated_line}\n")
+    with pytest.raises(UserError, match="the host key does not match known_hosts"):  # a changed key
+        _run_true(_spec(sshd.port, patterned, keys, strict="no"))
 
 
 def test_a_revoked_host_key_is_refused_naming_the_host_and_the_file(sshd, keys, tmp_path):
