@@ -1,7 +1,9 @@
 """The packed training batch one DP rank consumes, and its file form (safetensors).
 
-Shapes: B packed rows of S tokens. Several documents (one trajectory's sequence each) share a
-row; `segment_ids` tells them apart so no token attends across documents. Token t of a row is
+Shapes: B packed rows of S tokens. Several documents share a row; `segment_ids` tells them
+apart so no token attends across documents. A document is one token sequence of a trajectory
+(see `trainer.tokenize`: one per history, more where a turn is trained in its own context); all
+documents of one trajectory carry its advantage and weight. Token t of a row is
 predicted from tokens < t of its own document; the per-token fields below describe token t.
 """
 
@@ -79,7 +81,11 @@ class TrainBatch:
 
 @dataclass(frozen=True)
 class Document:
-    """One sequence to pack: its tokens and, per token, the training fields (length L each)."""
+    """One sequence to pack: its tokens and, per token, the training fields (length L each).
+
+    `old_logprobs[t]` is the sampling logprob of `input_ids[t]` (0.0 where `loss_mask[t]` is 0
+    or the token was not sampled); `advantage` and `weight` are its trajectory's.
+    """
 
     input_ids: list[int]
     loss_mask: list[float]
