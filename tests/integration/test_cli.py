@@ -262,18 +262,24 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-def test_gloo_exclusion_syntax_is_refused_before_any_rank_starts():
+@pytest.mark.parametrize(
+    "value,fragments",
+    [
+        (
+            "^lo,docker",
+            ["uses '^', NCCL_SOCKET_IFNAME's syntax, which gloo does not take", "GLOO_SOCKET_IFNAME=eth0"],
+        ),
+        ("nosuch0", ["names interface 'nosuch0', which this host does not have (it has ", "lo"]),
+    ],
+)
+def test_gloo_interface_that_cannot_work_is_refused_before_any_rank_starts(value, fragments):
     marker = f"ART_MEGA_TEST_MARK={uuid.uuid4().hex}"
     env = cli_env()
-    env["GLOO_SOCKET_IFNAME"] = "^lo,docker"
+    env["GLOO_SOCKET_IFNAME"] = value
     env.update([marker.split("=", 1)])
     result = run_cli("local", "--program", "examples/multinode/program.py:main", env=env)
     assert wait_gone(_processes_with(marker), 5) == []
-    _one_sentence_error(
-        result,
-        "host host0: GLOO_SOCKET_IFNAME='^lo,docker' uses '^', NCCL_SOCKET_IFNAME's syntax, which gloo does not take",
-        "GLOO_SOCKET_IFNAME=eth0",
-    )
+    _one_sentence_error(result, f"host host0: GLOO_SOCKET_IFNAME={value!r} ", *fragments)
     assert "ART_MULTINODE_SMOKE_PASS" not in result.stdout
 
 
