@@ -163,6 +163,8 @@ class AgentState:
         self.boot_id = boot_id()
         self.shutdown_requested = asyncio.Event()
         self.lease = ControllerLease(controller_lease_s)
+        self.closing = False
+        """Set once `close` began: requests in flight may then lose their children and sockets."""
         self._worker_ids = itertools.count()
         self._warm_probes: dict[str, Child] = {}
         self.fs_probe = FsProbeOps()
@@ -334,7 +336,10 @@ class AgentState:
                 writer.write(json.dumps(hello).encode() + b"\n")
                 await writer.drain()
             for worker in started:
-                line = await asyncio.wait_for(worker.reader.readline(), WORKER_HELLO_TIMEOUT_S)
+                try:
+                    line = await asyncio.wait_for(worker.reader.readline(), WORKER_HELLO_TIMEOUT_S)
+                except ConnectionError:  # it died (or was stopped by a shutdown) before its hello
+                    line = b""
                 if not line:
                     code = await worker.child.process.wait()
                     raise _WorkerStartError(
@@ -366,6 +371,7 @@ class AgentState:
         return ShutdownResponse(stopped=await self.supervisor.stop(ids))
 
     async def close(self) -> ShutdownResponse:
+        self.closing = True
         for worker in self.workers.values():
             worker.writer.close()
         self.workers.clear()
@@ -565,6 +571,25 @@ def _watch_stdin_eof(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> N
     threading.Thread(target=read, name="art-mega-stdin-eof", daemon=True).start()
 
 
+def _quiet_while_closing(app: Any, state: AgentState) -> Any:
+    """`app`, except that a request which fails once the agent is closing logs no traceback.
+
+    A shutdown (or an expired lease) stops the children and sockets that requests in flight
+    wait on, e.g. a rollout worker still starting when the controller got SIGTERM: those
+    requests fail by design, and one traceback per request and host would flood the terminal
+    the launcher forwards agent output to. Their caller has already stopped listening.
+    """
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            if not state.closing:
+                raise
+
+    return guarded
+
+
 async def serve(
     sock: socket.socket, state: AgentState, on_ready: Any = None, exit_on_stdin_eof: bool = False
 ) -> None:
@@ -576,7 +601,7 @@ async def serve(
     """
     import uvicorn
 
-    app = create_app(state)
+    app = _quiet_while_closing(create_app(state), state)
     config = uvicorn.Config(
         app,
         log_level="warning",

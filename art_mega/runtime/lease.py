@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import time
 from collections.abc import Mapping
 
@@ -20,6 +21,8 @@ from art_mega.errors import UserError
 LEASE_ENV = "ART_MEGA_CONTROLLER_LEASE"
 DEFAULT_CONTROLLER_LEASE_S = 20.0
 """Seconds without a word from the controller before an agent stops its children and exits."""
+_SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+"""A non-negative decimal number in ASCII digits (`float()` alone also takes '٣', 'inf', 'nan')."""
 
 
 def parse_controller_lease(
@@ -36,10 +39,8 @@ def parse_controller_lease(
         value, option = env[LEASE_ENV].strip(), LEASE_ENV
     if value is None:
         return DEFAULT_CONTROLLER_LEASE_S
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
+    text = str(value).strip()
+    seconds = float(text) if _SECONDS.fullmatch(text) else math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise UserError(
             f"{option} {value!r} is not a finite positive number of seconds; "

@@ -1,0 +1,172 @@
+"""No agent outlives its controller: the lease, a stopped host, and a signal during start-up.
+
+Namespace hosts (tests/integration/netns.py) with short leases; the launcher runs inside h0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, cli_env, wait_gone
+from tests.integration.netns import NetnsCluster
+from tests.integration.test_ssh_launch import _art_mega_pids, _listeners, _read_pids
+
+HOLD = "tests/integration/programs/prog_hold_workers.py:main"
+SMOKE = "examples/multinode/program.py:main"
+LEASE_S = 4.0
+PORT = 22600
+
+
+def _ssh_argv(cluster: NetnsCluster, program: str, port: int = PORT, lease_s: float = LEASE_S) -> list[str]:
+    argv = [sys.executable, "-m", "art_mega", "ssh", "--program", program, "--port", str(port)]
+    for host in cluster.hosts:
+        argv += ["--host", host.ssh_alias]
+    return [
+        *argv,
+        f"--ssh-arg=-F {cluster.ssh_config}",
+        "--startup-timeout",
+        "60",
+        "--controller-lease",
+        str(lease_s),
+    ]
+
+
+def _launch(cluster: NetnsCluster, program: str = HOLD, **kw) -> subprocess.Popen[str]:
+    return cluster.hosts[0].exec(
+        _ssh_argv(cluster, program, **kw),
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _gone_within(cluster: NetnsCluster, seconds: float) -> tuple[float, list[int]]:
+    """(seconds it took, art-mega pids still alive) once no host runs one, or after `seconds`."""
+    started = time.monotonic()
+    left = _art_mega_pids(cluster)
+    while left and time.monotonic() - started < seconds:
+        time.sleep(0.1)
+        left = _art_mega_pids(cluster)
+    return time.monotonic() - started, left
+
+
+@pytest.fixture(scope="module")
+def hosts() -> NetnsCluster:
+    from tests.integration.conftest import require_netns
+
+    require_netns()
+    with NetnsCluster(3) as cluster:
+        yield cluster
+
+
+def test_agents_of_a_vanished_controller_exit_within_the_lease_and_free_their_ports(hosts):
+    """h0 (the controller's host) is cut off without a FIN, then its controller is SIGKILLed:
+    the agents on h1 and h2 hear nothing more, stop their children and exit within the lease."""
+    process = _launch(hosts)
+    pids = _read_pids(process)
+    assert len(pids["agents"]) == 3 and len(pids["workers"]) == 6
+    hosts.hosts[0].set_link(False)
+    cut_at = time.monotonic()
+    try:
+        process.kill()
+        process.wait(10)
+        _, left = _gone_within(hosts, LEASE_S + 3 - (time.monotonic() - cut_at))
+        assert left == [], f"still running {time.monotonic() - cut_at:.1f} s after the cut: {left}"
+        print(f"every art-mega process gone {time.monotonic() - cut_at:.1f} s after the cut")
+    finally:
+        hosts.hosts[0].set_link(True)
+    assert not any(_listeners(hosts, PORT).values())
+    relaunch = _launch(hosts, SMOKE)
+    out, err = relaunch.communicate(timeout=120)
+    assert relaunch.returncode == 0, err
+    assert "ART_MULTINODE_SMOKE_PASS hosts=3" in out
+
+
+def test_a_stopped_host_is_named_within_the_lease_and_nothing_is_left(hosts):
+    """h1's agent is SIGSTOPped (alive, silent): the controller names h1 once the lease has
+    passed, cancels the program and exits; every process on every host is gone."""
+    process = _launch(hosts)
+    pids = _read_pids(process)
+    frozen = pids["agents"][1]
+    os.kill(frozen, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        _, err = process.communicate(timeout=60)
+        exited_after = time.monotonic() - stopped_at
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the launcher SIGKILLs it over SSH
+            os.kill(frozen, signal.SIGCONT)
+    assert process.returncode == 1, err
+    lost = [line for line in err.splitlines() if "was lost" in line]
+    assert lost and "host h1" in lost[0] and f"for {LEASE_S:g} s" in lost[0], err
+    assert "Traceback" not in err, err
+    assert LEASE_S <= exited_after < LEASE_S + 10, (exited_after, err)
+    assert wait_gone(pids["agents"] + pids["workers"], 5) == []
+    assert _art_mega_pids(hosts) == []
+
+
+def test_sigterm_with_a_stopped_host_cleans_every_other_host_within_15_s(hosts):
+    process = _launch(hosts)
+    pids = _read_pids(process)
+    frozen = pids["agents"][1]
+    others = [p for p in pids["agents"] if p != frozen] + pids["workers"][:2] + pids["workers"][4:]
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        time.sleep(1.0)  # heartbeats to h1 are now unanswered
+        process.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        assert wait_gone(others, 15) == [], (
+            f"other hosts not clean {time.monotonic() - signalled_at:.1f} s after SIGTERM"
+        )
+        _, err = process.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the launcher SIGKILLs it over SSH
+            os.kill(frozen, signal.SIGCONT)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    assert wait_gone(pids["agents"] + pids["workers"], 5) == []
+    assert _art_mega_pids(hosts) == []
+
+
+def _has_process(cluster: NetnsCluster, fragment: bytes) -> bool:
+    for pid in _art_mega_pids(cluster):
+        with contextlib.suppress(OSError):
+            if fragment in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" "):
+                return True
+    return False
+
+
+def _sigterm_once(cluster: NetnsCluster, process: subprocess.Popen[str], fragment: bytes) -> str:
+    """SIGTERM the launcher as soon as a host runs a process whose command line has `fragment`;
+    check it exits 128+SIGTERM leaving no process anywhere; its stderr."""
+    deadline = time.monotonic() + 60
+    while not _has_process(cluster, fragment):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    signalled_at = time.monotonic()
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    _, left = _gone_within(cluster, 15 - (time.monotonic() - signalled_at))
+    assert left == [], left
+    return err
+
+
+def test_sigterm_while_agents_and_their_workers_start_prints_no_tracebacks(hosts):
+    """Two moments of start-up: the agents themselves starting (importing, binding), and every
+    agent starting rollout workers (they take a minute to import the program's module). Either
+    way the terminal gets the launcher's line, not one traceback per request and host."""
+    err = _sigterm_once(hosts, _launch(hosts, SMOKE, port=PORT + 1), b"art_mega worker")
+    assert "Traceback" not in err and len(err.splitlines()) <= 3, err
+    program = "tests/integration/programs/prog_slow_workers.py:main"
+    err = _sigterm_once(hosts, _launch(hosts, program, port=PORT + 1), b"art_mega.runtime.rollout_worker")
+    assert "Traceback" not in err and len(err.splitlines()) <= 3, err
