@@ -167,6 +167,51 @@ def test_a_preflight_rank_that_never_arrives_is_named_and_bounded(netns3, tmp_pa
         assert _probes(netns3) == []
 
 
+def _fails_at_once_naming_only_host1(result, started: float, *fragments: str) -> str:
+    """A failed proof that named host1 alone and did not wait out its 90 s startup timeout."""
+    elapsed = time.monotonic() - started
+    error = _fails(result, "host1", *fragments)
+    assert "host0" not in error and "host2" not in error, error
+    assert elapsed < 45, f"{elapsed:.1f} s: the proof waited for its timeout ({error})"
+    return error
+
+
+def test_a_rank_whose_torch_cannot_be_imported_fails_the_proof_at_once(netns3, tmp_path):
+    """The probe on host1 dies at once (its torch is broken there: admission sees the same package
+    versions); the ranks on host0 and host2, waiting at the rendezvous, are stopped and not blamed."""
+    pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
+    shadow = tmp_path / "site" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        'raise ImportError("libtorch_cpu.so: cannot open shared object file")\n'
+    )
+    env_for = lambda i: {"PYTHONPATH": str(shadow.parent)} if i == 1 else {}  # noqa: E731
+    with agents(netns3, env_for=env_for):
+        started = time.monotonic()
+        result = controller(
+            netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_TIMEOUT="90", PREFLIGHT_ROOT=str(tmp_path / "a")
+        )
+        _fails_at_once_naming_only_host1(
+            result,
+            started,
+            "failed on host host1 (rank 1): cannot import torch.distributed (ImportError: libtorch_cpu.so",
+            "the other ranks' probes were stopped",
+        )
+        assert _probes(netns3) == []
+
+
+def test_a_bad_interface_on_one_host_fails_the_proof_at_once(netns3, tmp_path):
+    pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
+    env_for = lambda i: {"GLOO_SOCKET_IFNAME": "bad0"} if i == 1 else {}  # noqa: E731
+    with agents(netns3, env_for=env_for):
+        started = time.monotonic()
+        result = controller(
+            netns3, PREFLIGHT_COLLECTIVE="1", PREFLIGHT_TIMEOUT="90", PREFLIGHT_ROOT=str(tmp_path / "a")
+        )
+        _fails_at_once_naming_only_host1(result, started, "GLOO_SOCKET_IFNAME", "bad0")
+        assert _probes(netns3) == []
+
+
 def test_different_art_mega_files_on_one_host(netns3, tmp_path):
     import art_mega
 

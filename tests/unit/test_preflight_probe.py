@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from art_mega.runtime.ports import free_port
-from art_mega.runtime.preflight_probe import CONFIG_READ, RESULT_PREFIX, WARM_FLAG, check_config, main
+from art_mega.runtime.preflight_probe import (
+    CONFIG_READ,
+    RESULT_PREFIX,
+    WARM_FLAG,
+    check_config,
+    main,
+    probe_command,
+)
 
 pytest.importorskip("torch", reason="the probe runs in the trainer's environment (torch)")
 
@@ -124,3 +131,34 @@ def test_a_config_that_is_not_one_object_is_reported_not_raised(argv, message, c
     result = _result(capsys.readouterr().out)
     assert result["ok"] is False and message in result["error"], result
     assert check_config(dict(GOOD)) == GOOD
+
+
+def test_a_gloo_interface_this_host_lacks_fails_before_the_rendezvous():
+    import os
+
+    config = {**solo_config(), "world_size": 2}  # rank 1 never comes: the probe must not wait for it
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo,bad0"}
+    probe = subprocess.run(
+        [sys.executable, "-m", "art_mega.runtime.preflight_probe", json.dumps(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    (line,) = [x for x in probe.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    result = json.loads(line[len(RESULT_PREFIX) :])
+    assert probe.returncode == 1 and not result["ok"]
+    assert result["error"].startswith(
+        "RuntimeError: GLOO_SOCKET_IFNAME='lo,bad0' names 'bad0', which this host does not have (it has "
+    )
+
+
+def test_another_interpreter_gets_none_of_the_agents_environment():
+    environ = {"PYTHONPATH": "/agent/site", "VIRTUAL_ENV": "/agent", "ART_MEGA_SECRET": "s", "HOME": "/root"}
+    argv, env = probe_command("/opt/vllm/bin/python", ["CONFIG"], environ)
+    assert argv[0] == "/opt/vllm/bin/python" and argv[1] == "-c" and argv[-1] == "CONFIG"
+    assert argv[-2].endswith("/art_mega")  # the package folder the bootstrap loads, nothing else
+    assert env == {"HOME": "/root"}
+    own_argv, own_env = probe_command(sys.executable, ["CONFIG"], environ)
+    assert own_argv == [sys.executable, "-m", "art_mega.runtime.preflight_probe", "CONFIG"]
+    assert "ART_MEGA_SECRET" not in own_env and own_env["PYTHONPATH"] == "/agent/site"
