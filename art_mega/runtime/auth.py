@@ -21,6 +21,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
@@ -148,7 +149,9 @@ class Verifier:
         self._lock = threading.Lock()
         self._last_sweep = time.monotonic()
 
-    def verify_headers(self, method: str, path: str, headers: dict[str, str], unbound: bool = False) -> str:
+    def verify_headers(
+        self, method: str, path: str, headers: Mapping[str, str], unbound: bool = False
+    ) -> str:
         """Accept the request on its headers alone and consume its nonce; return the signed
         body sha256 (hex) that the body must then match (`check_body`).
 
@@ -205,7 +208,7 @@ class Verifier:
         if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), body_hash):
             raise AuthError("bad signature: the body is not the one signed")
 
-    def verify(self, method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+    def verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> None:
         """`verify_headers`, then `check_body` on `body` (for callers that hold the whole body)."""
         self.check_body(self.verify_headers(method, path, headers), body)
 
