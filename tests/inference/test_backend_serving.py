@@ -230,3 +230,80 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
     assert sequence(old)[1] == before[1]
     assert max(abs(a - b) for a, b in zip(sequence(old)[2], before[2])) < 1e-5
     assert after[0] == before[0]
+
+
+def with_rewards(groups: list[Any], rewards: list[list[float]]) -> list[Any]:
+    """Deep copies of `groups` whose trajectories carry `rewards` (one list per group)."""
+    copies = [group.model_copy(deep=True) for group in groups]
+    for group, values in zip(copies, rewards, strict=True):
+        for trajectory, reward in zip(group.trajectories, values, strict=True):
+            trajectory.reward = reward
+    return copies
+
+
+def rank_state(checkpoint: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(checkpoint / "rank00000.pt", weights_only=False)
+
+
+async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Setup) -> None:
+    """A NaN reward is refused at the edge, and a step whose gradient norm overflows is aborted in
+    the rank before the optimizer update (the checkpoint guard for non-finite weights is tested
+    on a real engine in tests/trainer/test_nonfinite_step.py). After each, LATEST and the served
+    step stay put, and the next good step trains from the last good weights."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from art_mega.errors import NonFiniteValueError
+    from art_mega.trainer.service import RankRefusedStepError
+
+    backend, model = setup.backend, setup.model
+    step = await model.get_step()
+    checkpoints = backend._run_dir / "checkpoints"
+
+    def assert_nothing_moved() -> None:
+        assert (checkpoints / "LATEST").read_text().strip() == str(step)
+        assert not (checkpoints / f"{step + 1:04d}").exists()
+        assert model.get_inference_name() == f"agent@{step}" and backend._router.served_step == step
+
+    groups = await rollout_groups(model)  # 2 groups of 4, on-policy for `step`
+    good_rewards = [[0.1, 0.5, 0.9, 0.3], [0.2, 0.8, 0.6, 0.4]]  # every trajectory trained
+    nan_rewards = [good_rewards[0], [0.2, 0.8, math.nan, 0.4]]
+    with pytest.raises(NonFiniteValueError) as refused:
+        await backend.train(model, with_rewards(groups, nan_rewards), learning_rate=1e-3)
+    print(f"\n{refused.value}")
+    assert "trajectory 2 of group 1 has the reward nan" in str(refused.value)
+    assert_nothing_moved()
+
+    # Unscaled advantages of +-1e37 pass the edge (finite), but the step's loss or gradient norm
+    # overflows: the rank aborts before the optimizer update and stays clean.
+    huge = with_rewards(groups, [[1e37, -1e37, 1e37, -1e37]] * 2)
+    with pytest.raises(RankRefusedStepError) as aborted:
+        await backend.train(model, huge, learning_rate=1e-3, scale_rewards=False)
+    print(aborted.value)
+    assert str(aborted.value).startswith(
+        f"training step {step + 1} was aborted before the optimizer update because loss/"
+    )
+    assert aborted.value.exit_code == 2 and aborted.value.clean and not backend._service.dirty
+    assert_nothing_moved()
+
+    # The next good step (the NaN trajectory dropped, by explicit choice) trains from `step`'s
+    # weights: the aborted step left the rank's weights and optimizer state as committed.
+    result = await backend.train(
+        model, with_rewards(groups, nan_rewards), learning_rate=1e-3, drop_nonfinite_rewards=True
+    )
+    assert result.step == step + 1 and result.metrics["data/trajectories_dropped_nonfinite_reward"] == 1.0
+    assert result.metrics["data/trajectories_used"] == 7.0
+    assert (checkpoints / "LATEST").read_text().strip() == str(step + 1)
+    assert model.get_inference_name() == f"agent@{step + 1}"
+    good, new = checkpoints / f"{step:04d}", checkpoints / f"{step + 1:04d}"
+    assert rank_state(new)["steps"] == rank_state(good)["steps"] + 1  # one update after the commit
+    before, after = (
+        load_file(good / "adapter" / "adapter_model.safetensors"),
+        load_file(new / "adapter" / "adapter_model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    moved = max(float((after[k] - before[k]).abs().max()) for k in before)
+    assert all(bool(after[k].isfinite().all()) for k in after) and 0.0 < moved < 0.05, moved
