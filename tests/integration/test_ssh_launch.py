@@ -19,6 +19,7 @@ from tests.integration.netns import NetnsCluster
 
 SMOKE = "examples/multinode/program.py:main"
 HOLD = "tests/integration/programs/prog_hold_workers.py:main"
+REPLAY = "tests/integration/programs/prog_replay_to_sibling.py:main"
 PORT = 22222
 
 
@@ -213,4 +214,22 @@ def test_known_hosts_markers_never_crash_and_a_revoked_host_key_is_refused(netns
         _run(netns3, argv), f"ssh h1 (root@{h1.address}:22)", f"is marked @revoked in {known} line 5"
     )
     assert known.read_bytes() == before
+    assert wait_gone(_art_mega_pids(netns3), 10) == []
+
+
+def test_a_shutdown_replayed_to_a_sibling_host_and_an_unsigned_body_are_refused(netns3):
+    """Over two namespace hosts: a signed /v1/shutdown made for h0's agent, sent to h1's agent, is
+    refused and runs nothing (h1's agent and worker live on, the program ends normally); an unsigned
+    300 MB upload to h1's agent is refused on its headers and the agent's RSS does not grow."""
+    result = _run(netns3, _ssh(netns3, hosts=["h0", "h1"], program=REPLAY))
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("REPLAY "))
+    replay = json.loads(line[len("REPLAY ") :])
+    assert replay["status"] == 401, replay
+    assert replay["detail"] == f"signed for the agent at {replay['host0']}, not this one"
+    assert replay["host0"] == f"tcp://{netns3.hosts[0].address}:{PORT}"
+    assert replay["children_before"] == replay["children_after"] == 1 and replay["same_pid"]
+    assert replay["echo_after"] == "after"
+    assert replay["upload_status"] == "HTTP/1.1 401 Unauthorized" and replay["upload_sent"] < 64 << 20
+    assert replay["rss_grown_kib"] < 2 * 1024, replay
     assert wait_gone(_art_mega_pids(netns3), 10) == []
