@@ -128,6 +128,38 @@ def _check_address(option: str, value: str) -> None:
         raise UserError(f"{option} {value!r}: {exc}") from None
 
 
+def _refuse_loopback_bind(address: str) -> None:
+    """Refuse an agent started over SSH from another machine that would listen on loopback.
+
+    Its worker host (a name such as this machine's own hostname, which Debian's /etc/hosts maps
+    to 127.0.1.1) resolving to a loopback address here means the controller and the other hosts,
+    which reach it from outside, cannot connect.
+
+    Raises:
+        LoopbackAddressError: naming the address, what it resolves to, and the `--host` fix.
+    """
+    from art_mega.runtime.netif import loopback_ip, ssh_client_elsewhere
+    from art_mega.topology import EndpointSpec
+
+    elsewhere = ssh_client_elsewhere(os.environ.get("SSH_CONNECTION"))
+    host = EndpointSpec.parse(address).host
+    loopback = loopback_ip(host) if elsewhere is not None else None
+    if elsewhere is None or loopback is None:
+        return
+    client, server = elsewhere
+    notes = [] if loopback == host else [f"{host} resolves to it here"]
+    if loopback == "127.0.1.1":
+        notes.append("Debian's /etc/hosts maps a machine's own name to 127.0.1.1")
+    how = f" ({'; '.join(notes)})" if notes else ""
+    raise LoopbackAddressError(
+        f"--address {address}: this agent would listen on {loopback}{how}, a loopback address the controller "
+        f"at {client} and the other hosts cannot reach; give this host's network address as its worker host, "
+        f"e.g. --host SSH_TARGET={server} (the address SSH reached it on)",
+        host,
+        loopback,
+    )
+
+
 def _check_launch_id(value: str | None, what: str = "--launch-id") -> None:
     if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", value):
         raise UserError(f"{what} {value!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
@@ -342,6 +374,7 @@ def worker(
         from art_mega.runtime.lease import parse_controller_lease
 
         _check_address("--address", address)
+        _refuse_loopback_bind(address)
         _check_launch_id(launch_id)
         lease_s = parse_controller_lease(controller_lease)
         raw = sys.stdin.readline() if secret_stdin else os.environ.get("ART_MEGA_SECRET")

@@ -127,7 +127,8 @@ async def _start_host(
                     f"{where}: --python {python} does not exist or cannot run there (exit {code}: {tail})"
                 )
             if code == 2:
-                raise UserError(f"{where}: the agent refused to start: {tail}")
+                reason = tail.removeprefix("art-mega: error: ")  # the agent's own one-sentence refusal
+                raise UserError(f"{where}: the agent refused to start: {reason}")
             raise UserError(f"{where}: the agent exited with code {code} before it was ready: {tail}")
         raise UserError(f"{where}: the agent was not ready after {timeout_s:g} s (--startup-timeout)")
     if ready.get("launch_id") != launch_id or not ready.get("holds_listener"):

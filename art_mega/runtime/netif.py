@@ -155,3 +155,24 @@ def loopback_in_multi_host(hosts: Sequence[tuple[str, str]]) -> tuple[str, str, 
         if ip is not None:
             return label, host, ip
     return None
+
+
+def ssh_client_elsewhere(ssh_connection: str | None) -> tuple[str, str] | None:
+    """(client IP, this host's IP) from `SSH_CONNECTION` when the SSH client is another machine.
+
+    sshd sets `SSH_CONNECTION="CLIENT_IP CLIENT_PORT SERVER_IP SERVER_PORT"` in every session. The
+    client is on this machine when its IP is loopback or equals the server's; None then, and
+    when the variable is unset or malformed (not started over SSH).
+    """
+    parts = (ssh_connection or "").split()
+    if len(parts) != 4:
+        return None
+    client, server = parts[0], parts[2]
+    try:
+        ipaddress.ip_address(client.split("%", 1)[0])
+        ipaddress.ip_address(server.split("%", 1)[0])
+    except ValueError:
+        return None
+    if is_loopback_ip(client) or client == server:
+        return None
+    return client, server

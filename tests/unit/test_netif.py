@@ -9,6 +9,7 @@ from art_mega.runtime.netif import (
     loopback_in_multi_host,
     loopback_ip,
     nccl_ifname_problem,
+    ssh_client_elsewhere,
 )
 
 HOST = ("docker0", "eth0", "eth1", "lo")
@@ -86,3 +87,19 @@ def test_loopback_counts_only_among_hosts_that_are_not_all_loopback():
     assert loopback_in_multi_host([("a", "127.0.0.2"), ("b", "127.0.0.3")]) is None
     assert loopback_in_multi_host([("a", "10.0.0.1"), ("b", "127.0.257")]) == ("b", "127.0.257", "127.0.1.1")
     assert loopback_in_multi_host([("a", "10.0.0.1"), ("b", "10.0.0.2")]) is None
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("10.0.0.1 50000 10.0.0.2 22", ("10.0.0.1", "10.0.0.2")),
+        ("fd00::1 50000 fd00::2 22", ("fd00::1", "fd00::2")),
+        ("127.0.0.1 50000 127.0.0.1 22", None),  # ssh to this machine
+        ("10.0.0.2 50000 10.0.0.2 22", None),  # this machine through its own address
+        (None, None),  # not started over SSH
+        ("garbage", None),
+        ("host-a 1 host-b 22", None),
+    ],
+)
+def test_ssh_client_elsewhere(value, expected):
+    assert ssh_client_elsewhere(value) == expected
