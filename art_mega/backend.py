@@ -192,6 +192,32 @@ def unreadable_model_error(host: str, lost: Sequence[str], folders: Mapping[Path
     )
 
 
+async def check_runtime_idle(runtime: Any) -> None:
+    """Refuse to start trainer ranks or replicas on agents that already run some.
+
+    An agent runs one set of trainer ranks, and replica names are the topology's: a second
+    backend on the same runtime would fail half-way or stop the first one's processes. One
+    signed health call per host, in parallel.
+
+    Raises:
+        RuntimeBusyError: names the first such host and its running children.
+    """
+    from art_mega.errors import RuntimeBusyError
+
+    health = await runtime.health()
+    for host, reply in health.items():
+        busy = tuple(
+            c.child_id for c in reply.children if c.role in ("trainer", "inference") and c.returncode is None
+        )
+        if busy:
+            raise RuntimeBusyError(
+                f"host {host} already runs {', '.join(busy)} of another registration on this runtime; "
+                "close the backend that started them (await backend.close()) before registering again",
+                host,
+                busy,
+            )
+
+
 def _utf8(path: Path) -> bool:
     """True when `path` is valid UTF-8 (a name that is not cannot travel in JSON; no loader reads it)."""
     try:
@@ -472,19 +498,27 @@ class MegatronBackend:
         checkpoint, or warm-starting from an adapter), starts the replicas, and publishes the
         current step's adapter so `model.get_inference_name()` serves it.
 
+        Everything that can be known without a trainer rank is checked before any rank or
+        replica starts: the topology, the artifact root, the model against the trainer's
+        parallel sizes (config.json only), the warm-start adapter (or the committed
+        checkpoint's) against the backend's LoRA, that every host reads the model, and that no
+        other backend's ranks or replicas run on the runtime. A register that fails after the
+        starts began stops every rank and replica it started and forgets the model, so
+        `register` works again on this backend (after `close()` too) or on another one.
+
         Raises:
             UserError: a second model, an unresolvable base model, a topology without trainer or
-                inference.
+                inference, an unknown LoRA target.
+            ModelSplitError: the heads, KV heads, FFN or experts do not divide by the
+                TrainerSpec's tp / ep / etp.
+            AdapterMismatchError: the warm-start adapter or the committed checkpoint has another
+                LoRA rank, alpha or target modules than this backend.
+            RuntimeBusyError: trainer ranks or replicas already run on the runtime's agents.
+            TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
+                (named); nothing this call started is left running.
         """
         from art_mega.inference.adapter_transport import adapter_transport_for
-        from art_mega.inference.adapters import AdapterPublisher
-        from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
-        from art_mega.inference.recovery import ReplicaRecovery
-        from art_mega.inference.remote import start_replicas
-        from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
-        from art_mega.inference.sleep import SharedGpuReplicas
         from art_mega.models.resolve import resolve_base_model
-        from art_mega.trainer.service import TrainerService
 
         if self._model is not None:
             raise UserError(
@@ -502,12 +536,70 @@ class MegatronBackend:
         transport = adapter_transport_for(self._runtime)  # UserError, also before any start
         cluster = topology.cluster
         resolved = resolve_base_model(model.base_model, cluster.cache_root)
-        await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
-        self._model, self._model_dir = model, resolved.model_dir
         run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
+        committed = read_commit(run_dir / "checkpoints")
+        self._check_model_and_adapter(topology.trainer, resolved, run_dir, committed)
+        await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
+        await check_runtime_idle(self._runtime)
+        try:
+            await self._start_serving(model, resolved, run_dir, committed, transport)
+        except BaseException:
+            await self._stop_serving()  # a half-started register leaves no rank or replica behind
+            raise
+        return run_dir
+
+    def _check_model_and_adapter(
+        self, trainer: Any, resolved: Any, run_dir: Path, committed: int | None
+    ) -> None:
+        """Refuse (without torch, from JSON files only) a model the trainer's tp / ep / etp cannot
+        split, unknown LoRA targets, and an adapter the ranks would load that does not have this
+        backend's LoRA: the committed checkpoint's when there is one (a resume), else the
+        warm-start adapter.
+
+        Raises:
+            ModelSplitError, AdapterMismatchError, UserError: see `register`.
+        """
+        from art_mega.trainer.lora_targets import DEFAULT_TARGETS, hf_target_modules, normalise_targets
+        from art_mega.trainer.model_builder import check_model_fits
+        from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
+
+        check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp)
+        targets = normalise_targets(tuple(self.lora["targets"]) or DEFAULT_TARGETS)
+        lora = {
+            "rank": self.lora["rank"],
+            "alpha": self.lora["alpha"],
+            "target_modules": hf_target_modules(targets),
+        }
+        if committed is not None:
+            adapter = run_dir / "checkpoints" / f"{committed:04d}" / "adapter"
+            check_adapter_config(
+                read_adapter_config(adapter),
+                adapter,
+                **lora,
+                what=f"the adapter of this run's committed step {committed} at",
+                otherwise="or give the model another name to start a new run",
+            )
+        elif resolved.warm_start is not None:
+            check_adapter_config(read_adapter_config(resolved.warm_start), resolved.warm_start, **lora)
+
+    async def _start_serving(
+        self, model: Any, resolved: Any, run_dir: Path, committed: int | None, transport: Any
+    ) -> None:
+        """Start the trainer ranks and replicas of a checked registration, commit step 0 when
+        nothing is committed, publish the served step and start replica recovery. The caller
+        stops what was started when this raises (`_stop_serving`)."""
+        from art_mega.inference.adapters import AdapterPublisher
+        from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
+        from art_mega.inference.recovery import ReplicaRecovery
+        from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
+        from art_mega.inference.sleep import SharedGpuReplicas
+        from art_mega.trainer.service import TrainerService
+
+        topology = self._runtime.topology
+        cluster = topology.cluster
+        self._model, self._model_dir = model, resolved.model_dir
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._run_dir = run_dir
-        committed = read_commit(run_dir / "checkpoints")
         on_gpu = any(r.gpu_id is not None for r in topology.trainer_ranks)
         config: dict[str, Any] = {
             "model_dir": str(resolved.model_dir),
@@ -521,7 +613,6 @@ class MegatronBackend:
             config["resume_dir"] = str(run_dir / "checkpoints" / f"{committed:04d}")
         elif resolved.warm_start is not None:
             config["warm_start"] = str(resolved.warm_start)
-        self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
         inference_python = topology.inference[0].python if topology.inference else None
         launch = ReplicaLaunch(
             model=str(resolved.model_dir),
@@ -534,15 +625,8 @@ class MegatronBackend:
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
-        start_trainer = self._service.start(config, timeout_s=self.startup_timeout_s)
-        if shared:
-            # vLLM sizes its memory from what is free when it starts: let the trainer settle first
-            await start_trainer
-            await start_replicas(self._runtime.clients, topology.replicas, launch)
-        else:
-            await asyncio.gather(
-                start_trainer, start_replicas(self._runtime.clients, topology.replicas, launch)
-            )
+        self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
+        await self._start_processes(config, launch, shared_gpus=bool(shared))
         self._router = PolicyRouter(model.name, [ReplicaEndpoint.from_spec(r) for r in topology.replicas])
         router = self._router
         self._shared = SharedGpuReplicas(
@@ -568,7 +652,68 @@ class MegatronBackend:
             before_restart=self._shared.wait_awake,
         )
         self._recovery.start()
-        return run_dir
+
+    async def _start_processes(self, config: dict[str, Any], launch: Any, shared_gpus: bool) -> None:
+        """Start the trainer ranks and the replicas and wait until all are ready.
+
+        Dedicated GPUs (or CPU): both start at once; when one fails, what already runs is
+        stopped at once, so that the other start fails fast rather than finishing (a vLLM start
+        takes minutes on a big model), and the first failure is raised. Shared GPUs: the ranks
+        first, as vLLM sizes its memory from what is free when it starts.
+
+        Raises:
+            TrainerJobError, ReplicaStartError, AgentError: the first start that failed.
+        """
+        from art_mega.inference.remote import start_replicas
+
+        clients, replicas = self._runtime.clients, self._runtime.topology.replicas
+        if shared_gpus:
+            await self._service.start(config, timeout_s=self.startup_timeout_s)
+            await start_replicas(clients, replicas, launch)
+            return
+        starts = [
+            asyncio.ensure_future(self._service.start(config, timeout_s=self.startup_timeout_s)),
+            asyncio.ensure_future(start_replicas(clients, replicas, launch)),
+        ]
+        try:
+            await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # cancelled: so are the starts; register's cleanup stops what began
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
+        failed = [s.exception() for s in starts if s.done() and not s.cancelled() and s.exception()]
+        if failed:
+            await self._stop_processes()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise failed[0]
+
+    async def _stop_processes(self) -> None:
+        """Stop the topology's trainer ranks and replicas through their agents, whether or not
+        their starts finished (idempotent; an agent that does not answer is skipped: its own
+        shutdown stops its children)."""
+        from art_mega.inference.remote import stop_replicas
+
+        clients, topology = self._runtime.clients, self._runtime.topology
+        hosts = sorted({r.host_id for r in topology.trainer_ranks})
+        await asyncio.gather(
+            *(clients[h].trainer_stop() for h in hosts),
+            stop_replicas(clients, topology.replicas),
+            return_exceptions=True,
+        )
+
+    async def _stop_serving(self) -> None:
+        """Stop this backend's replica recovery, adapter publisher, trainer ranks and replicas (if
+        it started any) and forget the registered model, so that `register` can run again."""
+        if self._recovery is not None:
+            await self._recovery.stop()  # before the replicas stop, or it would restart them
+        if self._publisher is not None:
+            await self._publisher.aclose()
+        if self._service is not None and self._runtime is not None:
+            await self._stop_processes()
+        self._model = self._model_dir = self._run_dir = self._tokenizer = None
+        self._service = self._router = self._publisher = self._recovery = self._shared = None
+        self._step = 0
 
     def _checkpoint(self, step: int) -> Path:
         assert self._run_dir is not None
@@ -873,19 +1018,13 @@ class MegatronBackend:
         )
 
     async def close(self) -> None:
-        """Stop the replicas and trainer ranks; close the runtime when this backend owns it."""
-        from art_mega.inference.remote import stop_replicas
-
-        if self._recovery is not None:
-            await self._recovery.stop()  # before the replicas stop, or it would restart them
-        if self._publisher is not None:
-            await self._publisher.aclose()
-        if self._service is not None:
-            await self._service.stop()
-        if self._runtime is not None:
-            await stop_replicas(self._runtime.clients, self._runtime.topology.replicas)
-            if self._owns_runtime:
-                await self._runtime.close()
+        """Stop the replicas and trainer ranks this backend started and forget its model (a later
+        `register` starts them again); close the runtime when this backend owns it (a later
+        `register` starts a new one). Idempotent."""
+        await self._stop_serving()
+        if self._owns_runtime and self._runtime is not None:
+            runtime, self._runtime = self._runtime, None
+            await runtime.close()
 
     async def __aenter__(self) -> MegatronBackend:
         return self

@@ -6,7 +6,6 @@ in turn and the adapter is loaded into the trainer before the first step.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,8 @@ def resolve_base_model(base_model: str, cache_root: str | Path, depth: int = 0) 
     "tiny-qwen3" are built there (test models).
 
     Raises:
-        UserError: nothing matches (names what was tried), or an adapter's base cannot be found.
+        UserError: nothing matches (names what was tried), an adapter's adapter_config.json is
+            not a JSON object naming its base model, or that base cannot be found.
     """
     if depth > 3:
         raise UserError(f"base_model {base_model!r}: adapters nest more than 3 levels")
@@ -40,9 +40,14 @@ def resolve_base_model(base_model: str, cache_root: str | Path, depth: int = 0) 
     if path.is_dir() and (path / "config.json").is_file():
         return ResolvedModel(path.resolve())
     if path.is_dir() and (path / "adapter_config.json").is_file():
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base:
-            raise UserError(f"base_model {base_model}: adapter_config.json names no base_model_name_or_path")
+        from art_mega.trainer.peft_config import read_adapter_config
+
+        base = read_adapter_config(path).get("base_model_name_or_path")
+        if not base or not isinstance(base, str):
+            raise UserError(
+                f"base_model {base_model}: its adapter_config.json names no base_model_name_or_path; "
+                "set it to the base model's directory or name"
+            )
         return ResolvedModel(resolve_base_model(base, cache_root, depth + 1).model_dir, path.resolve())
     cached = Path(cache_root) / "models" / base_model
     if (cached / "config.json").is_file():

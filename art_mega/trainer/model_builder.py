@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from art_mega.errors import ModelSplitError, UserError
 from art_mega.trainer.hf_checkpoint import SafetensorsReader, read_hf_config
 from art_mega.trainer.models import family_for
 
@@ -44,21 +45,31 @@ def te_available() -> bool:
 
 
 def check_model_fits(model_dir: str | os.PathLike[str], tp: int, *, ep: int = 1, etp: int = 1) -> None:
-    """Raise `UserError` when the HF model in `model_dir` cannot be split `tp` ways (and, for an
-    MoE model, its experts `ep` ways and their FFN `etp` ways; a dense model ignores ep/etp).
+    """Refuse an HF model in `model_dir` that cannot be split `tp` ways (and, for an MoE model,
+    its experts `ep` ways and their FFN `etp` ways; a dense model ignores ep/etp).
 
-    Reads only config.json (no torch): the controller can call it before allocating ranks.
+    Reads only config.json (no torch): `MegatronBackend.register` calls it before any rank starts.
+
+    Raises:
+        ModelSplitError: a size does not divide the model (one sentence naming the valid sizes).
+        UserError: config.json is missing or invalid, or its model_type is not supported.
     """
     config = read_hf_config(model_dir)
     family = family_for(config)
-    _check_parallel(family, family.model_args(config), tp, ep, etp)
+    _check_parallel(family, family.model_args(config), tp, ep, etp, model_dir)
 
 
-def _check_parallel(family: ModuleType, args: Any, tp: int, ep: int, etp: int) -> None:
-    if getattr(family, "EXPERT_PARALLEL", False):
-        family.check_parallel(args, tp, ep=ep, etp=etp)
-    else:
-        family.check_parallel(args, tp)
+def _check_parallel(
+    family: ModuleType, args: Any, tp: int, ep: int, etp: int, model_dir: str | os.PathLike[str]
+) -> None:
+    """The family's size check, its sentence raised as a `ModelSplitError`."""
+    try:
+        if getattr(family, "EXPERT_PARALLEL", False):
+            family.check_parallel(args, tp, ep=ep, etp=etp)
+        else:
+            family.check_parallel(args, tp)
+    except UserError as exc:
+        raise ModelSplitError(str(exc), str(model_dir), tp, ep, etp) from None
 
 
 def _expert_layout() -> dict[str, int]:
@@ -90,8 +101,8 @@ def build_megatron_model(
     megatron-core's expert groups) before anything is allocated; each rank loads only its
     own experts.
 
-    Raises `UserError` for an unsupported or unsplittable model (one sentence naming the valid
-    TP sizes), and `RuntimeError` when parallel state is not initialised or the converted
+    Raises `UserError` for an unsupported model, `ModelSplitError` for an unsplittable one (one
+    sentence naming the valid sizes), and `RuntimeError` when parallel state is not initialised or the converted
     weights do not cover the model's parameters exactly.
     """
     from megatron.core import parallel_state as mpu
@@ -105,7 +116,7 @@ def build_megatron_model(
     family = family_for(config)
     args = family.model_args(config)
     experts = _expert_layout() if getattr(family, "EXPERT_PARALLEL", False) else {}
-    _check_parallel(family, args, tp_size, experts.get("ep", 1), experts.get("etp", 1))
+    _check_parallel(family, args, tp_size, experts.get("ep", 1), experts.get("etp", 1), model_dir)
     on_cuda = device.startswith("cuda")
     if use_te is None:
         use_te = on_cuda and te_available()

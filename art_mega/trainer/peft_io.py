@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from art_mega.errors import UserError
-from art_mega.trainer.lora import HF_TARGETS, LoraConfig, LoraLinear, lora_layers
+from art_mega.trainer.lora import LoraConfig, LoraLinear, lora_layers
+from art_mega.trainer.lora_targets import HF_TARGETS
 from art_mega.trainer.models.layout import fc1_shard, fuse_qkv, shard, split_qkv, unfuse_fc1
+from art_mega.trainer.peft_config import ADAPTER_CONFIG, check_adapter_config, read_adapter_config
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 HF_LAYER_PREFIX = "base_model.model.model.layers"
 """PEFT's key prefix for a causal LM's decoder layers (PeftModel -> LoraModel -> *ForCausalLM.model)."""
@@ -249,36 +250,12 @@ def read_adapter(adapter_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], d
     from safetensors.torch import load_file
 
     directory = Path(adapter_dir)
+    config = read_adapter_config(directory)
     try:
-        config = json.loads((directory / ADAPTER_CONFIG).read_text())
         tensors = load_file(directory / ADAPTER_WEIGHTS)
     except FileNotFoundError as exc:
         raise UserError(f"{directory} is not a PEFT adapter directory ({exc.filename} is missing).") from None
-    except ValueError as exc:
-        raise UserError(f"{directory / ADAPTER_CONFIG} is not valid JSON ({exc}).") from None
     return config, tensors
-
-
-def _check_compatible(found: dict[str, Any], config: LoraConfig, directory: Path) -> None:
-    problems = []
-    if found.get("peft_type", "LORA") != "LORA":
-        problems.append(f"peft_type={found.get('peft_type')!r} (expected 'LORA')")
-    if found.get("r") != config.rank:
-        problems.append(f"r={found.get('r')} (the trainer's LoRA rank is {config.rank})")
-    if float(found.get("lora_alpha", float("nan"))) != float(config.alpha):
-        problems.append(f"lora_alpha={found.get('lora_alpha')} (the trainer's is {config.alpha})")
-    targets = found.get("target_modules")
-    if not isinstance(targets, list) or sorted(targets) != config.hf_target_modules():
-        problems.append(f"target_modules={targets} (the trainer's are {config.hf_target_modules()})")
-    for key in ("use_dora", "use_rslora"):
-        if found.get(key):
-            problems.append(f"{key}=true")
-    if found.get("rank_pattern") or found.get("alpha_pattern"):
-        problems.append("per-module rank_pattern/alpha_pattern")
-    if problems:
-        raise UserError(
-            f"the adapter in {directory} does not match the trainer's LoRA: {'; '.join(problems)}."
-        )
 
 
 @torch.no_grad()
@@ -293,13 +270,15 @@ def import_adapter(
     """Load a PEFT LoRA adapter into `module`'s LoRA parameters (this rank's shards), in place.
 
     Every rank reads the files itself (no communication). The adapter must have the trainer's
-    rank, alpha and target modules (`UserError` naming each difference otherwise), and equal
+    rank, alpha and target modules (`AdapterMismatchError` naming each difference otherwise), and equal
     lora_A for the HF modules of a fused layer (see `hf_to_megatron`). Call the optimizer's
     `reload_model_params` afterwards where it keeps separate main parameters.
     """
     directory = Path(adapter_dir)
     found, tensors = read_adapter(directory)
-    _check_compatible(found, config, directory)
+    check_adapter_config(
+        found, directory, rank=config.rank, alpha=config.alpha, target_modules=config.hf_target_modules()
+    )
     for name, layer in lora_layers(module).items():
         a, b = hf_to_megatron(name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank)
         for param, value in ((layer.lora_A, a), (layer.lora_B, b)):

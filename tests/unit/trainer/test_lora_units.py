@@ -12,7 +12,8 @@ from art_mega.trainer.engine import _document_layout, _token_ratios  # noqa: E40
 from art_mega.trainer.logprobs import _mask_padded_vocab, _shift_to_token, packed_attention_mask  # noqa: E402
 from art_mega.trainer.lora import LoraConfig, init_lora_a  # noqa: E402
 from art_mega.trainer.models.layout import fc1_shard, fuse_qkv, shard  # noqa: E402
-from art_mega.trainer.peft_io import _check_compatible, adapter_config, hf_to_megatron, megatron_to_hf  # noqa: E402
+from art_mega.trainer.peft_config import check_adapter_config  # noqa: E402
+from art_mega.trainer.peft_io import adapter_config, hf_to_megatron, megatron_to_hf  # noqa: E402
 
 
 def test_targets_accept_megatron_and_hf_names() -> None:
@@ -179,12 +180,14 @@ def test_adapter_config_and_compatibility_check(tmp_path) -> None:
     written = adapter_config(config, "/models/tiny")
     assert (written["r"], written["lora_alpha"], written["base_model_name_or_path"]) == (4, 8, "/models/tiny")
     assert written["peft_type"] == "LORA" and written["lora_dropout"] == 0.0
-    _check_compatible(written, config, tmp_path)
+    lora = {"rank": config.rank, "alpha": config.alpha, "target_modules": config.hf_target_modules()}
+    check_adapter_config(written, tmp_path, **lora)
     other = {**written, "r": 8, "target_modules": ["q_proj"]}
     with pytest.raises(UserError) as caught:
-        _check_compatible(other, config, tmp_path)
+        check_adapter_config(other, tmp_path, **lora)
     assert str(caught.value) == (
-        f"the adapter in {tmp_path} does not match the trainer's LoRA: r=8 (the trainer's LoRA rank is 4); "
-        "target_modules=['q_proj'] (the trainer's are ['down_proj', 'gate_proj', 'k_proj', 'o_proj', "
-        "'q_proj', 'up_proj', 'v_proj'])."
+        f"the warm-start adapter {tmp_path} does not match this backend's LoRA: it has r=8 where the "
+        "backend's lora_rank=4, and target_modules=['q_proj'] where the backend's LoRA covers "
+        "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']; warm-start "
+        "from an adapter trained with the backend's settings"
     )

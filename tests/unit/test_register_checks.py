@@ -1,0 +1,128 @@
+"""The checks `register` makes from JSON files alone, before any trainer rank starts: the model's
+heads / KV heads / experts against tp / ep (config.json), a warm-start adapter's LoRA settings
+against the backend's (adapter_config.json); no torch in either."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from art_mega.errors import AdapterMismatchError, ModelSplitError, UserError
+from art_mega.trainer.model_builder import check_model_fits
+from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
+
+ALL = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+LORA = {"rank": 8, "alpha": 16.0, "target_modules": ALL}
+
+
+def _config(tmp_path, **fields):
+    base = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "vocab_size": 768,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**base, **fields}))
+    return tmp_path
+
+
+def test_heads_that_do_not_divide_by_tp_are_one_sentence(tmp_path):
+    model = _config(tmp_path)
+    check_model_fits(model, 2)
+    with pytest.raises(ModelSplitError) as caught:
+        check_model_fits(model, 3)
+    assert str(caught.value) == (
+        "tp=3 cannot split this llama model (4 attention heads, 2 KV heads, FFN size 256); use tp in {1, 2, 4}."
+    )
+    assert (caught.value.tp, caught.value.model_dir) == (3, str(model))
+    assert isinstance(caught.value, UserError)  # exit code 2 through the CLI
+
+
+def test_experts_that_do_not_divide_by_ep_are_one_sentence(tmp_path):
+    model = _config(
+        tmp_path,
+        model_type="qwen3_moe",
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    )
+    check_model_fits(model, 1, ep=2)
+    with pytest.raises(
+        ModelSplitError, match=r"ep=3 cannot split this qwen3_moe model's 4 experts; use ep in \{1, 2, 4\}"
+    ):
+        check_model_fits(model, 1, ep=3)
+
+
+def test_the_checks_import_no_torch(tmp_path):
+    model = _config(tmp_path)
+    code = (
+        "import sys\n"
+        "from art_mega.trainer.model_builder import check_model_fits\n"
+        "from art_mega.trainer.peft_config import check_adapter_config\n"
+        "import art_mega.backend\n"
+        f"check_model_fits({str(model)!r}, 2)\n"
+        "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "found,sentence",
+    [
+        (
+            {"r": 16},
+            "the warm-start adapter /a does not match this backend's LoRA: it has r=16 where the backend's "
+            "lora_rank=8; pass MegatronBackend(lora_rank=16) to train it, or warm-start from an adapter "
+            "trained with the backend's settings",
+        ),
+        (
+            {"target_modules": ["q_proj", "v_proj"]},
+            "the warm-start adapter /a does not match this backend's LoRA: it has target_modules=['q_proj', "
+            f"'v_proj'] where the backend's LoRA covers {ALL}; warm-start from an adapter trained with "
+            "the backend's settings",
+        ),
+        (
+            {"target_modules": ["o_proj", "q_proj", "k_proj", "v_proj"], "lora_alpha": 32},
+            "the warm-start adapter /a does not match this backend's LoRA: it has lora_alpha=32 where the "
+            "backend's lora_alpha=16.0, and target_modules=['o_proj', 'q_proj', 'k_proj', 'v_proj'] where "
+            f"the backend's LoRA covers {ALL}; pass MegatronBackend(lora_alpha=32, lora_targets=('k_proj', "
+            "'o_proj', 'q_proj', 'v_proj')) to train it, or warm-start from an adapter trained with the "
+            "backend's settings",
+        ),
+        (
+            {"use_dora": True},
+            "the warm-start adapter /a has use_dora=True, but art-mega trains plain LoRA adapters only; "
+            "convert it to a plain LoRA adapter (peft_type 'LORA', no DoRA, rsLoRA or per-module "
+            "patterns) or warm-start from an adapter trained with the backend's settings",
+        ),
+        ({"r": "8"}, "the warm-start adapter /a does not match this backend's LoRA: it has r='8' where"),
+    ],
+)
+def test_a_warm_start_adapter_unlike_the_backends_lora_is_one_sentence(found, sentence):
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ALL, **found}
+    with pytest.raises(AdapterMismatchError) as caught:
+        check_adapter_config(config, "/a", **LORA)
+    assert str(caught.value).startswith(sentence), str(caught.value)
+
+
+def test_a_matching_adapter_passes_and_unreadable_configs_are_named(tmp_path):
+    check_adapter_config(
+        {"r": 8, "lora_alpha": 16.0, "target_modules": list(reversed(ALL))}, tmp_path, **LORA
+    )
+    with pytest.raises(UserError, match="is not a PEFT adapter directory"):
+        read_adapter_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(UserError, match="adapter_config.json is not valid JSON"):
+        read_adapter_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    with pytest.raises(UserError, match="holds a JSON list, not an object"):
+        read_adapter_config(tmp_path)
