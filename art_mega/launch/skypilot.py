@@ -10,6 +10,7 @@ variables are read once, validated, and removed: the program sees only `ArtLaunc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -157,6 +158,9 @@ async def _peer(node: SkyPilotNode, agent: LocalAgent, secret: bytes, port: int,
     if outcome is None:
         report("error: rank 0 disconnected before telling the outcome")
         return 1
+    if "refused" in outcome:  # unsigned: rank 0 cannot sign for a secret it does not share
+        report(f"error: rank 0 refused this rank: {str(outcome['refused'])[:200]}")
+        return 2
     code = int(outcome.get("code", 1))
     if not hmac.compare_digest(str(outcome.get("mac", "")), _mac(secret, "outcome", code, nonce)):
         report("error: rank 0's outcome message is not signed with this launch's secret")
@@ -169,8 +173,13 @@ async def _peer(node: SkyPilotNode, agent: LocalAgent, secret: bytes, port: int,
 async def _gather_peers(
     node: SkyPilotNode, secret: bytes, port: int, timeout_s: float
 ) -> tuple[asyncio.base_events.Server, dict[int, tuple[int, str, asyncio.StreamWriter]]]:
-    """Listen on PORT+1 until every other rank has said hello (bounded by `timeout_s`)."""
+    """Listen on PORT+1 until every other rank has said hello (bounded by `timeout_s`).
+
+    A hello from a rank's own IP whose signature does not verify (that node has another
+    ART_MEGA_SECRET) fails the launch at once, naming the rank; from elsewhere it is ignored.
+    """
     peers: dict[int, tuple[int, str, asyncio.StreamWriter]] = {}
+    refused: dict[int, str] = {}
     complete = asyncio.Event()
     expected = node.num_nodes - 1
 
@@ -182,6 +191,15 @@ async def _gather_peers(
             writer.close()
             return
         valid = hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, "hello", rank, pid, nonce))
+        if not valid and 0 < rank < node.num_nodes and _from_ip(writer, node.node_ips[rank]):
+            refused[rank] = (
+                f"its hello is not signed with this launch's secret; give every node the same {SECRET_ENV}"
+            )
+            with contextlib.suppress(OSError):
+                await _send(writer, {"refused": refused[rank]})
+            writer.close()
+            complete.set()
+            return
         if not valid or not 0 < rank < node.num_nodes or rank in peers:
             writer.close()
             return
@@ -210,7 +228,22 @@ async def _gather_peers(
             raise UserError(
                 f"{', '.join(missing)} did not arrive within {timeout_s:g} s (--startup-timeout)"
             ) from None
+        if refused:
+            for _, _, writer in peers.values():
+                writer.close()
+            server.close()
+            rank = min(refused)
+            raise UserError(f"rank {rank} ({node.node_ips[rank]}) was refused: {refused[rank]}")
     return server, peers
+
+
+def _from_ip(writer: asyncio.StreamWriter, ip: str) -> bool:
+    """Whether the connection behind `writer` comes from `ip`."""
+    peer = writer.get_extra_info("peername")
+    try:
+        return peer is not None and ipaddress.ip_address(peer[0]) == ipaddress.ip_address(ip)
+    except ValueError:
+        return False
 
 
 async def run_skypilot(
