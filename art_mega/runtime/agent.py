@@ -167,6 +167,8 @@ class AgentState:
         """Set once `close` began: requests in flight may then lose their children and sockets."""
         self._worker_ids = itertools.count()
         self._warm_probes: dict[str, Child] = {}
+        self._preflight_discards = 0
+        """How often `discard_preflight` ran: a probe it killed is not replaced by a cold one."""
         self.fs_probe = FsProbeOps()
         from art_mega.runtime.trainer_host import TrainerRanks
 
@@ -201,11 +203,11 @@ class AgentState:
             version=etcd.version,
         )
 
-    async def _spawn_probe(self, argv: list[str], warm: bool) -> Child:
+    async def _spawn_probe(self, python: str, args: list[str], warm: bool) -> Child:
+        from art_mega.runtime.preflight_probe import probe_command
         from art_mega.runtime.supervisor import spawn_child
 
-        env = dict(os.environ)
-        env.pop("ART_MEGA_SECRET", None)
+        argv, env = probe_command(python, args, os.environ)
         process = await spawn_child(
             argv,
             env=env,
@@ -225,8 +227,7 @@ class AgentState:
         waiting = self._warm_probes.get(python)
         if waiting is not None and waiting.process.returncode is None:
             return PreflightPrepareResponse(started=False)
-        argv = [python, "-m", "art_mega.runtime.preflight_probe", WARM_FLAG]
-        self._warm_probes[python] = await self._spawn_probe(argv, warm=True)
+        self._warm_probes[python] = await self._spawn_probe(python, [WARM_FLAG], warm=True)
         return PreflightPrepareResponse(started=True)
 
     async def run_preflight(self, request: PreflightRunRequest) -> PreflightRunResponse:
@@ -234,16 +235,18 @@ class AgentState:
 
         Uses the warm probe `prepare_preflight` started for this Python when it is still alive
         (the config goes to its stdin), else starts a cold one with the config in argv. A warm
-        probe that ended before it read the config (killed, idle exit) is replaced by a cold one.
+        probe that ended before it read the config (killed, idle exit) is replaced by a cold one,
+        unless `discard_preflight` killed it.
         """
         python = request.python or sys.executable
         config = json.dumps(request.config)
+        discards = self._preflight_discards
         warm = self._warm_probes.pop(python, None)
         if warm is not None and warm.process.returncode is None:
             reply, took_config = await self._finish_probe(warm, config.encode() + b"\n", request.timeout_s)
-            if took_config or reply.timed_out:
+            if took_config or reply.timed_out or self._preflight_discards != discards:
                 return reply
-        cold = await self._spawn_probe([python, "-m", "art_mega.runtime.preflight_probe", config], warm=False)
+        cold = await self._spawn_probe(python, [config], warm=False)
         reply, _ = await self._finish_probe(cold, None, request.timeout_s)
         return reply
 
@@ -279,9 +282,13 @@ class AgentState:
         return reply, CONFIG_READ in lines
 
     async def discard_preflight(self) -> None:
-        """Stop the warm probes still waiting for a config (the proof ended before its collective)."""
-        probes, self._warm_probes = list(self._warm_probes.values()), {}
-        await self.supervisor.stop([c.child_id for c in probes], 2.0)
+        """Stop every preflight probe here: warm ones still waiting for a config (the proof ended
+        before its collective) and running ones (another rank failed: this one would wait out
+        its rendezvous timeout)."""
+        self._warm_probes = {}
+        self._preflight_discards += 1
+        probes = [c.child_id for c in self.supervisor.children() if c.role == "preflight"]
+        await self.supervisor.stop(probes, 2.0)
 
     async def stop_etcd(self) -> None:
         if self.etcd is not None:
