@@ -334,25 +334,28 @@ class TrainerEngine:
 
     def first_nonfinite_tensor(self) -> str | None:
         """The name of this rank's first LoRA parameter or optimizer-state tensor (Adam moments,
-        fp32 main weights) holding NaN or +-inf, None when all are finite. Not collective."""
-        for name, param in lora_parameters(self.ddp.module).items():
+        fp32 main weights) holding NaN or +-inf, None when all are finite. Not collective.
+
+        An optimizer tensor is named by its LoRA parameter where the optimizer holds that
+        parameter itself (fp32 without the distributed optimizer), else by its index."""
+        lora = lora_parameters(self.ddp.module)
+        for name, param in lora.items():
             if not bool(torch.isfinite(param.detach()).all()):
                 return f"LoRA parameter {name}"
+        names = {id(param): name for name, param in lora.items()}
         for k, sub in enumerate(_sub_optimizers(self.optimizer)):
             inner = getattr(sub, "optimizer", None)
             if inner is None:
                 continue
             for g, group in enumerate(inner.param_groups):
                 for i, param in enumerate(group["params"]):
+                    label = names.get(id(param), f"main parameter {i} of optimizer {k} group {g}")
                     if not bool(torch.isfinite(param.detach()).all()):
-                        return f"optimizer {k} main parameter {i} of group {g}"
+                        return label
                     for key, value in inner.state.get(param, {}).items():
-                        if (
-                            torch.is_tensor(value)
-                            and value.is_floating_point()
-                            and not bool(torch.isfinite(value).all())
-                        ):
-                            return f"optimizer {k} state {key!r} of parameter {i} of group {g}"
+                        if torch.is_tensor(value) and value.is_floating_point():
+                            if not bool(torch.isfinite(value).all()):
+                                return f"optimizer state {key!r} of {label}"
         return None
 
     def _prepare(

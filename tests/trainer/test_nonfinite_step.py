@@ -156,15 +156,19 @@ def test_a_checkpoint_with_a_nonfinite_tensor_is_never_staged(
         if where == "lora":
             name, param = next(iter(lora_parameters(engine.ddp.module).items()))
             param.view(-1)[0] = float("nan")
-        else:
-            state = next(iter(_sub_optimizers(engine.optimizer)[0].optimizer.state.values()))
+        else:  # the fp32 optimizer holds the LoRA parameters themselves: named by them
+            names = {id(p): n for n, p in lora_parameters(engine.ddp.module).items()}
+            param, state = next(iter(_sub_optimizers(engine.optimizer)[0].optimizer.state.items()))
+            name = names[id(param)]
             state["exp_avg_sq"].view(-1)[-1] = float("inf")
     with pytest.raises(NonFiniteCheckpointError) as info:
         write_checkpoint(engine, megatron_world, 2, str(tmp_path / "0002"))
     print(f"\n{info.value}")
     expected = (
-        f"rank 0's LoRA parameter {name}" if where == "lora" else "rank 0's optimizer 0 state 'exp_avg_sq'"
+        f"rank 0's LoRA parameter {name}"
+        if where == "lora"
+        else f"rank 0's optimizer state 'exp_avg_sq' of {name}"
     )
-    assert info.value.tensor.startswith(expected) and info.value.step == 2
+    assert info.value.tensor == expected and info.value.step == 2
     assert str(info.value).startswith(f"the checkpoint of step 2 was not committed because {expected}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0001"]
