@@ -126,3 +126,32 @@ def test_a_matching_adapter_passes_and_unreadable_configs_are_named(tmp_path):
     (tmp_path / "adapter_config.json").write_text("[1]")
     with pytest.raises(UserError, match="holds a JSON list, not an object"):
         read_adapter_config(tmp_path)
+
+
+def test_resuming_a_run_with_another_lora_is_refused_naming_the_committed_step(tmp_path):
+    """The committed checkpoint's adapter is what the ranks load on a resume (the warm start is
+    ignored then); a backend with another LoRA rank failed inside the ranks before."""
+    from art_mega.backend import MegatronBackend
+    from art_mega.models.resolve import ResolvedModel
+    from art_mega.topology import TrainerSpec
+
+    (tmp_path / "model").mkdir()
+    model = _config(tmp_path / "model")
+    adapter = tmp_path / "run" / "checkpoints" / "0003" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 16, "target_modules": ALL})
+    )
+    backend = MegatronBackend(lora_rank=8)
+    with pytest.raises(AdapterMismatchError) as caught:
+        backend._check_model_and_adapter(TrainerSpec(), ResolvedModel(model), tmp_path / "run", 3)
+    assert str(caught.value) == (
+        f"the adapter of this run's committed step 3 at {adapter} does not match this backend's LoRA: "
+        "it has r=4 where the backend's lora_rank=8; pass MegatronBackend(lora_rank=4) to train it, "
+        "or give the model another name to start a new run"
+    )
+    MegatronBackend(lora_rank=4)._check_model_and_adapter(
+        TrainerSpec(), ResolvedModel(model), tmp_path / "run", 3
+    )
+    with pytest.raises(ModelSplitError):
+        backend._check_model_and_adapter(TrainerSpec(tp=3), ResolvedModel(model), tmp_path / "run", None)
