@@ -121,8 +121,10 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
     Raises:
         SFTFileError: "file:line: reason": not JSON, not an object, no messages, an unknown
             role, a content that is not a string, a bad tool call, a last message that is not
-            the assistant's, or tools that are not a list of objects.
+            the assistant's, or tools that are not a list of function tools.
     """
+    from art_mega.trainer.tokenize import template_tools
+
     where = f"{path}:{number}"
 
     def refuse(reason: str) -> SFTFileError:
@@ -131,12 +133,14 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
     try:
         row = json.loads(line)
     except ValueError as exc:
-        raise refuse(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise refuse(
+            f"not valid JSON ({exc.msg} at column {exc.colno}); each line is one JSON object"
+        ) from None
     if not isinstance(row, dict):
         raise refuse(f"a row must be a JSON object with 'messages', got a {type(row).__name__}")
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise refuse("no 'messages' list")
+        raise refuse('no \'messages\' list; a row is {"messages": [{"role": ..., "content": ...}, ...]}')
     for k, message in enumerate(messages):
         try:
             _check_message(message, k)
@@ -145,8 +149,10 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
     if messages[-1].get("role") != "assistant":
         raise refuse(f"the last message must be the assistant's, got {messages[-1].get('role')!r}")
     tools = row.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise refuse("'tools' must be a list of tool objects")
+    try:
+        template_tools(tools, "'tools'")
+    except UserError as exc:
+        raise refuse(str(exc).removeprefix("'tools': ")) from None
     return Trajectory(messages_and_choices=messages, tools=tools, reward=0.0)
 
 

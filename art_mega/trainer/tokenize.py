@@ -16,6 +16,8 @@ new sequence: each turn is then trained in its own history, as ART's `additional
 - Tool-call `arguments` given as a JSON string (OpenAI's wire format) are parsed once before
   rendering, as vLLM does, so templates that print them as an object (Qwen2.5's `| tojson`)
   never render a double-escaped string; missing or empty arguments render as `{}` (vLLM's rule).
+- Tools reach the template in the form vLLM gives them (`template_tools`): the same key order,
+  a missing description as null, so the tools block renders as it did at sampling.
 - `additional_histories` become more sequences; all of a trajectory's sequences share its
   advantage and its weight (1 / its trained tokens).
 """
@@ -164,6 +166,60 @@ def parse_tool_arguments(arguments: Any, where: str) -> dict[str, Any]:
     )
 
 
+def template_tools(tools: Any, where: str) -> list[dict[str, Any]] | None:
+    """`tools` as vLLM hands a chat request's tools to the chat template, so the tools block
+    renders here as it did when the model sampled: {"type": "function", "function": {"name",
+    "description", "parameters"}} in that order, a missing description or parameters as None,
+    `strict` and `defer_loading` only where set, other keys dropped. A bare function schema
+    ({"name": ..., "parameters": ...}, as ART also accepts) is wrapped first.
+
+    Raises:
+        TokenizationError: `tools` is not a list, or a tool is not a function tool with a name.
+    """
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise TokenizationError(
+            f"{where}: tools is a {type(tools).__name__}; give the list of tools the request was sent with",
+            where,
+            None,
+        )
+    rendered = []
+    for k, tool in enumerate(tools):
+        if isinstance(tool, Mapping) and "function" not in tool and "name" in tool:
+            tool = {"type": "function", "function": tool}
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if (
+            not isinstance(function, Mapping)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+        ):
+            raise TokenizationError(
+                f"{where}: tools[{k}] is not a function tool; give tools as the request did: "
+                "{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}}",
+                where,
+                None,
+            )
+        defer = function.get("defer_loading", tool.get("defer_loading"))
+        schema = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        schema.update(
+            {
+                key: value
+                for key, value in (("strict", function.get("strict")), ("defer_loading", defer))
+                if value is not None
+            }
+        )
+        entry: dict[str, Any] = {"type": "function", "function": schema}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        rendered.append(entry)
+    return rendered
+
+
 def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
     """`item` (a message dict or a Choice) as the message dict the template renders: a copy,
     with every tool call's arguments parsed to an object."""
@@ -226,20 +282,23 @@ def tokenize_history(
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         messages_and_choices: message dicts and sampled openai `Choice` objects, in order.
-        tools: the tool schemas the conversation was sampled with (passed to the template).
+        tools: the tool schemas the conversation was sampled with (passed to the template in
+            vLLM's form, see `template_tools`).
         where: how errors name the conversation, e.g. "trajectory 3 of group 0".
 
     Returns:
         the sequences in turn order; each assistant turn is trained in exactly one of them.
 
     Raises:
-        TokenizationError: names `where` and the message index: a Choice without token ids or
+        TokenizationError: names `where` and the message index: tools that are not function
+            tools (see `template_tools`), a Choice without token ids or
             with a logprob count that does not match them, or with an id outside the
             vocabulary; a tool call whose arguments are not a JSON object; a chat template that
             fails on the conversation; a plain assistant message whose render does not continue
             the generation prompt before it (templates that strip `<think>` blocks do this).
     """
     items = list(messages_and_choices)
+    tools = template_tools(tools, where)
     messages = [_chat_message(item, where, turn) for turn, item in enumerate(items)]
     turns = [t for t, item in enumerate(items) if _is_choice(item) or messages[t].get("role") == "assistant"]
     if assistant_turns == "last":

@@ -115,7 +115,11 @@ def test_valid_rows_become_trajectories(tmp_path):
             },
             "is a 'user' message with tool_calls; only assistant messages carry them",
         ),
-        ({**GOOD, "tools": ["get"]}, "'tools' must be a list of tool objects"),
+        ({**GOOD, "tools": ["get"]}, r"tools\[0\] is not a function tool; give tools as the request did"),
+        (
+            {**GOOD, "tools": {"name": "get"}},
+            "tools is a dict; give the list of tools the request was sent with",
+        ),
     ],
 )
 def test_each_bad_row_names_its_line_and_reason(tmp_path, bad, reason):

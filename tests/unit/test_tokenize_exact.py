@@ -241,6 +241,12 @@ def weather_conversation(arguments):
     ]
 
 
+# vLLM 0.32 hands the template `ChatCompletionToolsParam.model_dump()`: type, then function with
+# name, description (null when absent) and parameters, in that order; other keys dropped.
+WEATHER_AS_VLLM_RENDERS_IT = (
+    '{"type": "function", "function": {"name": "get_weather", "description": null, '
+    '"parameters": {"type": "object"}}}'
+)
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris"}}\n</tool_call>'
 
 
@@ -268,7 +274,7 @@ def test_a_sampled_tool_call_is_rendered_parsed_in_the_next_turns_context(qwen25
     (seq,) = tokenize_history(tok, conversation, tools=[WEATHER])
     tools_block = (
         "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n<tools>\n"
-        + json.dumps(WEATHER)
+        + WEATHER_AS_VLLM_RENDERS_IT
         + "\n</tools><|im_end|>\n"
     )
     prompt = tools_block + "<|im_start|>user\nweather in paris?<|im_end|>\n<|im_start|>assistant\n"
@@ -281,6 +287,30 @@ def test_a_sampled_tool_call_is_rendered_parsed_in_the_next_turns_context(qwen25
     assert [lp for lp, m in zip(seq.old_logprobs, seq.loss_mask) if m] == [-0.1] * len(call_ids) + [
         -0.2
     ] * len(answer_ids)
+
+
+def test_tools_render_as_vllm_renders_them(qwen25_tokenizer):
+    # key order, a missing description and an extra key as a user may write them: rendered as
+    # given, the tools block would differ from the prompt the model sampled after
+    tools = [
+        {
+            "function": {"parameters": {"type": "object"}, "name": "get_weather", "x-note": "mine"},
+            "type": "function",
+        }
+    ]
+    bare = [{"name": "get_weather", "parameters": {"type": "object"}}]  # ART's bare schema
+    for given in (tools, bare, [WEATHER]):
+        (seq,) = tokenize_history(qwen25_tokenizer, weather_conversation({"city": "paris"}), tools=given)
+        assert f"<tools>\n{WEATHER_AS_VLLM_RENDERS_IT}\n</tools>" in qwen25_tokenizer.decode(seq.input_ids)
+    strict = [
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}, "strict": True}}
+    ]
+    (seq,) = tokenize_history(qwen25_tokenizer, [USER, {"role": "assistant", "content": "ok"}], tools=strict)
+    assert '{"name": "f", "description": "d", "parameters": {}, "strict": true}' in qwen25_tokenizer.decode(
+        seq.input_ids
+    )
+    with pytest.raises(TokenizationError, match=r"^the conversation: tools\[0\] is not a function tool"):
+        tokenize_history(qwen25_tokenizer, [USER], tools=[{"type": "retrieval"}])
 
 
 @pytest.mark.parametrize(
