@@ -133,7 +133,9 @@ def _refuse_loopback_bind(address: str) -> None:
 
     Its worker host (a name such as this machine's own hostname, which Debian's /etc/hosts maps
     to 127.0.1.1) resolving to a loopback address here means the controller and the other hosts,
-    which reach it from outside, cannot connect.
+    which reach it from outside, cannot connect. Called only for agents `art-mega ssh` starts
+    (`--exit-on-stdin-eof`): their SSH_CONNECTION is the launch's own session, where an agent
+    started from a user's SSH login (`art-mega local` there) merely inherits the login's.
 
     Raises:
         LoopbackAddressError: naming the address, what it resolves to, and the `--host` fix.
@@ -374,7 +376,8 @@ def worker(
         from art_mega.runtime.lease import parse_controller_lease
 
         _check_address("--address", address)
-        _refuse_loopback_bind(address)
+        if exit_on_stdin_eof:
+            _refuse_loopback_bind(address)
         _check_launch_id(launch_id)
         lease_s = parse_controller_lease(controller_lease)
         raw = sys.stdin.readline() if secret_stdin else os.environ.get("ART_MEGA_SECRET")

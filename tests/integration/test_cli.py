@@ -242,6 +242,40 @@ def test_multi_host_ssh_launch_with_a_loopback_worker_host_is_refused_before_ssh
     )
 
 
+def test_loopback_agent_is_refused_only_when_started_over_ssh_from_elsewhere():
+    env = cli_env()
+    env.update(SSH_CONNECTION="10.0.0.1 50000 10.0.0.2 22", ART_MEGA_SECRET="s" * 64)
+    over_ssh = subprocess.run(
+        [sys.executable, "-m", "art_mega", "worker", "--address", "tcp://127.0.0.1:0"]
+        + ["--secret-stdin", "--exit-on-stdin-eof"],
+        input="s" * 64 + "\n",
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    _one_sentence_error(
+        over_ssh,
+        "this agent would listen on 127.0.0.1",
+        "the controller at 10.0.0.1",
+        "--host SSH_TARGET=10.0.0.2",
+    )
+    # An agent started from a user's SSH login (art-mega local there) only inherits SSH_CONNECTION.
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "art_mega", "worker", "--address", "tcp://127.0.0.1:0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert agent.stdout.readline().startswith("ART_MEGA_READY ")
+    finally:
+        agent.terminate()
+        agent.wait(10)
+
+
 def test_attached_controller_with_a_loopback_worker_among_others_is_refused():
     env = cli_env()
     env["ART_MEGA_SECRET"] = "t" * 64
