@@ -29,3 +29,12 @@ def test_homogeneous_cluster_validates():
         launch.homogeneous_cluster(cpu_slots=0)
     with pytest.raises(ValidationError, match="artifact_root"):
         launch.homogeneous_cluster(artifact_root="relative/path")
+
+
+def test_one_gpu_spelled_alike_twice_is_refused_by_the_spec():
+    # The spec sees spellings only: 0 and "0" are one spelling; an index and a UUID of one GPU
+    # are told apart by host admission, which knows the host's GPUs (tests/unit/test_admission.py).
+    launch = ArtLaunchContext(worker_addresses=("tcp://127.0.0.1:1",), launch_id="x")
+    with pytest.raises(ValidationError, match="gpu_ids lists GPU 0 twice"):
+        launch.homogeneous_cluster(gpu_ids=(0, "0"))
+    assert launch.homogeneous_cluster(gpu_ids=(0, "GPU-a")).hosts[0].gpu_ids == (0, "GPU-a")
