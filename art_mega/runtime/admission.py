@@ -192,8 +192,9 @@ def check_socket_interfaces(topology: CompiledTopology, facts: Mapping[str, Host
     """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (host env or the spec's `socket_ifname`) name
     interfaces each host has, in the syntax each library takes.
 
-    gloo takes a comma-separated list of exact names; NCCL also takes `^` (exclude) and `=`
-    (exact) prefixes. The spec's `nccl_transport.socket_ifname` replaces the host's
+    gloo takes a comma-separated list of exact names and runs on every host; NCCL also takes `^`
+    (exclude) and `=` (exact) prefixes and runs only on hosts with GPUs, so only those are
+    checked for it. The spec's `nccl_transport.socket_ifname` replaces the host's
     NCCL_SOCKET_IFNAME in every GPU process, so it is what is checked where it is set.
 
     Raises:
@@ -201,22 +202,18 @@ def check_socket_interfaces(topology: CompiledTopology, facts: Mapping[str, Host
     """
     transport = topology.cluster.nccl_transport
     spec_nccl = transport.socket_ifname if transport is not None else None
+    gpu_hosts = {h.host_id for h in topology.cluster.hosts if h.gpu_ids}
     for host_id, f in facts.items():
         checks = []
         if "GLOO_SOCKET_IFNAME" in f.env:
             value = f.env["GLOO_SOCKET_IFNAME"]
             checks.append(("GLOO_SOCKET_IFNAME", value, gloo_ifname_problem(value, f.interfaces)))
-        if spec_nccl is not None:
-            checks.append(
-                (
-                    "ClusterSpec.nccl_transport.socket_ifname (NCCL_SOCKET_IFNAME)",
-                    spec_nccl,
-                    nccl_ifname_problem(spec_nccl, f.interfaces),
-                )
-            )
-        elif f.env.get("NCCL_SOCKET_IFNAME"):
-            value = f.env["NCCL_SOCKET_IFNAME"]
-            checks.append(("NCCL_SOCKET_IFNAME", value, nccl_ifname_problem(value, f.interfaces)))
+        nccl_value = spec_nccl if spec_nccl is not None else f.env.get("NCCL_SOCKET_IFNAME")
+        if host_id in gpu_hosts and nccl_value:
+            name = "NCCL_SOCKET_IFNAME"
+            if spec_nccl is not None:
+                name = "ClusterSpec.nccl_transport.socket_ifname (NCCL_SOCKET_IFNAME)"
+            checks.append((name, nccl_value, nccl_ifname_problem(nccl_value, f.interfaces)))
         for name, value, problem in checks:
             if problem is not None:
                 raise HostMismatchError(f"host {host_id}: {name}={value!r} {problem}", host_id, name, value)

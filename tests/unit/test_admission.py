@@ -230,19 +230,25 @@ def test_gloo_socket_ifname_naming_present_interfaces_is_admitted():
     admit(topology(), report)
 
 
-def test_nccl_socket_ifname_follows_nccl_syntax():
-    ib = {"NCCL_NET": "IB"}
-    ok = {f"host{i}": facts(boot=f"b{i}", env=dict(ib, NCCL_SOCKET_IFNAME="^lo")) for i in range(3)}
-    admit(topology(nccl="IB"), ok)
-    admit(topology(nccl="IB", nccl_ifname="eth"), ok)
-    admit(topology(nccl="IB", nccl_ifname="=eth0"), ok)
+def test_nccl_socket_ifname_follows_nccl_syntax_on_gpu_hosts():
+    def host(i, ifname):
+        env = {"NCCL_NET": "IB", "NCCL_SOCKET_IFNAME": ifname}
+        return facts(boot=f"b{i}", env=env, gpus=(gpu(0, f"GPU-{i}", "00000000:19:00.0"),))
+
+    on_gpus = {0: (0,), 1: (0,), 2: (0,)}
+    ok = {f"host{i}": host(i, "^lo") for i in range(3)}
+    admit(topology(nccl="IB", gpu_ids=on_gpus), ok)
+    admit(topology(nccl="IB", nccl_ifname="eth", gpu_ids=on_gpus), ok)
+    admit(topology(nccl="IB", nccl_ifname="=eth0", gpu_ids=on_gpus), ok)
     with pytest.raises(
         HostMismatchError, match=r"host host0: ClusterSpec.nccl_transport.socket_ifname .*'ib' selects none"
     ):
-        admit(topology(nccl="IB", nccl_ifname="ib"), ok)
-    bad = dict(ok, host2=facts(boot="b2", env=dict(ib, NCCL_SOCKET_IFNAME="^eth0,lo")))
+        admit(topology(nccl="IB", nccl_ifname="ib", gpu_ids=on_gpus), ok)
+    bad = dict(ok, host2=host(2, "^eth0,lo"))
     with pytest.raises(HostMismatchError, match=r"host host2: NCCL_SOCKET_IFNAME='\^eth0,lo' selects none"):
-        admit(topology(nccl="IB"), bad)
+        admit(topology(nccl="IB", gpu_ids=on_gpus), bad)
+    # NCCL does not run on a CPU-only host: its NCCL_SOCKET_IFNAME is not checked
+    admit(topology(nccl="IB", gpu_ids={0: (0,), 1: (0,)}), bad)
 
 
 def test_host_facts_collect_without_a_gpu():
