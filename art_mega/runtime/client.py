@@ -203,6 +203,7 @@ class AgentClient:
         return payload, reply_signature
 
     async def _identity(self, seconds: float | None) -> AgentIdentity:
+        """`identity`, asked within `seconds` (a control call: the client's timeout when None)."""
         if self._target is None:
             if self._target_lock is None:
                 self._target_lock = asyncio.Lock()
@@ -210,7 +211,9 @@ class AgentClient:
                 if self._target is None:
                     full = API_PREFIX + "/identity"
                     headers = sign(self._secret, "GET", full, b"", UNBOUND)
-                    payload, reply_signature = await self._send("GET", full, b"", headers, seconds)
+                    payload, reply_signature = await self._send(
+                        "GET", full, b"", headers, self._timeout_s if seconds is None else seconds
+                    )
                     if not reply_is_signed(self._secret, headers[NONCE_HEADER], payload, reply_signature):
                         raise AgentError(
                             self.host,
