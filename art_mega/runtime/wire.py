@@ -144,8 +144,19 @@ def _refusal(value: Any, numpy: Any) -> str:
 
 
 def _model_data(model: BaseModel, path: str) -> dict[str, Any]:
-    """A model's fields (and extra fields) encoded by their declared types, keyed by field name."""
+    """A model's fields (and extra fields) encoded by their declared types, keyed by field name.
+
+    A model whose every field is typed (`_fully_typed`) and that holds no extra fields is dumped
+    by pydantic in one call (only its non-finite floats are then tagged): a sampled `Choice`
+    has one such model per token. A value pydantic would not serialize as its declared type (an
+    unvalidated assignment) falls back to the field-by-field walk, which names its key path.
+    """
     cls = type(model)
+    if not model.model_extra and _fully_typed(cls):
+        try:
+            return _tag_floats(model.model_dump(mode="json", warnings="error"))
+        except Exception:  # pydantic's serialization errors have no common base class
+            pass
     data = {}
     for name, info in cls.model_fields.items():
         if info.exclude:
@@ -154,6 +165,34 @@ def _model_data(model: BaseModel, path: str) -> dict[str, Any]:
     for name, value in (model.model_extra or {}).items():
         data[name] = _encode(value, _UNTYPED, f"{path}.{name}", in_model=True)
     return data
+
+
+def _tag_floats(value: Any) -> Any:
+    """JSON-mode data with its non-finite floats tagged (the inverse of `_floats`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, list):
+        return [_tag_floats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _tag_floats(v) for k, v in value.items()}
+    return value
+
+
+@functools.lru_cache(maxsize=512)
+def _fully_typed(cls: type[BaseModel]) -> bool:
+    """True when pydantic's JSON mode dumps every field of `cls` losslessly by its declared type:
+    no untyped (`Any`) part, every nested model fully typed too, no computed fields."""
+    if cls.model_computed_fields or cls in _CHECKING:
+        return False  # a model that contains itself is walked (no recursion without end)
+    _CHECKING.add(cls)
+    try:
+        return all(info.exclude or _typed(info.annotation, models=True) for info in cls.model_fields.values())
+    finally:
+        _CHECKING.discard(cls)
+
+
+_CHECKING: set[type] = set()
+"""The model classes `_fully_typed` is looking into right now."""
 
 
 def _members(declared: Any) -> tuple[Any, ...]:
@@ -207,24 +246,25 @@ def _typed_cached(declared: Any) -> bool:
     return _typed(declared)
 
 
-def _typed(declared: Any) -> bool:
-    """True when `declared` names a type pydantic serializes and validates back (no `Any`, no
-    `object`, no model: models are walked field by field)."""
+def _typed(declared: Any, models: bool = False) -> bool:
+    """True when `declared` names a type pydantic serializes and validates back: no `Any`, no
+    `object`, no bare container; a model class counts only with `models` and when it is
+    `_fully_typed` (otherwise models are walked field by field)."""
     if declared is Any or declared is object:
         return False
     if isinstance(declared, type) and issubclass(declared, BaseModel):
-        return False
+        return models and _fully_typed(declared)
     origin = typing.get_origin(declared)
     args = typing.get_args(declared)
     if origin is Annotated:
-        return _typed(args[0])
+        return _typed(args[0], models)
     if origin is typing.Literal:
         return True
     if origin is not None and not args:
         return False
     if origin is None and declared in (list, dict, tuple, set, frozenset):
         return False  # a bare container holds untyped items
-    return all(_typed(arg) for arg in args if arg is not Ellipsis)
+    return all(_typed(arg, models) for arg in args if arg is not Ellipsis)
 
 
 def _adapter(declared: Any) -> TypeAdapter[Any]:

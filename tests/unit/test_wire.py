@@ -165,3 +165,29 @@ def test_received_values_that_cannot_be_rebuilt_are_named():
         wire.decode([{"__model__": "no_such_module:X", "data": {}}])
     with pytest.raises(wire.WireError, match="result does not validate as Trajectory: Trajectory.reward="):
         wire.decode({"__model__": "art_mega.trajectories:Trajectory", "data": {"reward": None}})
+
+
+class Inner(BaseModel):
+    x: float
+    tags: set[int]
+
+
+class Outer(BaseModel):
+    inner: Inner
+    items: list[Inner] = []
+
+
+class Node(BaseModel):
+    value: float
+    children: list["Node"] = []
+
+
+def test_fully_typed_models_are_dumped_by_pydantic_and_a_bad_assignment_is_named():
+    outer = Outer(inner=Inner(x=math.nan, tags={2, 1}), items=[Inner(x=-math.inf, tags=set())])
+    back = _through_json(outer)
+    assert math.isnan(back.inner.x) and back.inner.tags == {1, 2} and back.items[0].x == -math.inf
+    outer.inner.tags = {b"x"}  # pydantic does not validate assignments by default
+    with pytest.raises(wire.WireError, match=r"outer\.inner\.tags does not serialize as its declared type"):
+        wire.encode(outer)
+    tree = Node(value=1.0, children=[Node(value=math.inf)])
+    assert _through_json(tree).children[0].value == math.inf  # a model that contains itself
