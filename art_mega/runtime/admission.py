@@ -205,7 +205,7 @@ def check_socket_interfaces(topology: CompiledTopology, facts: Mapping[str, Host
     gpu_hosts = {h.host_id for h in topology.cluster.hosts if h.gpu_ids}
     for host_id, f in facts.items():
         checks = []
-        if "GLOO_SOCKET_IFNAME" in f.env:
+        if f.env.get("GLOO_SOCKET_IFNAME"):  # empty is unset to torch and to netif
             value = f.env["GLOO_SOCKET_IFNAME"]
             checks.append(("GLOO_SOCKET_IFNAME", value, gloo_ifname_problem(value, f.interfaces)))
         nccl_value = spec_nccl if spec_nccl is not None else f.env.get("NCCL_SOCKET_IFNAME")

@@ -225,8 +225,9 @@ def test_gloo_socket_ifname_that_cannot_work_is_refused_naming_the_host(value, r
     assert (info.value.host, info.value.field, info.value.value) == ("host1", "GLOO_SOCKET_IFNAME", value)
 
 
-def test_gloo_socket_ifname_naming_present_interfaces_is_admitted():
-    report = {f"host{i}": facts(boot=f"b{i}", env={"GLOO_SOCKET_IFNAME": "eth0,lo"}) for i in range(3)}
+@pytest.mark.parametrize("value", ["eth0,lo", ""])
+def test_gloo_socket_ifname_naming_present_interfaces_or_empty_is_admitted(value):
+    report = {f"host{i}": facts(boot=f"b{i}", env={"GLOO_SOCKET_IFNAME": value}) for i in range(3)}
     admit(topology(), report)
 
 
