@@ -5,6 +5,7 @@ that is never written, and a port that does not speak SSH (one sentence, no para
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import socket
 import subprocess
@@ -271,6 +272,11 @@ def test_a_port_that_does_not_speak_ssh_is_one_sentence(keys, http_port, tmp_pat
         UserError, match=r"does not speak SSH \(it answered '220 mail\.example\.com ESMTP ready'\)"
     ):
         _run_true(_spec(smtp, known, keys))
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never says a word
+    spec = dataclasses.replace(_spec(silent.getsockname()[1], known, keys), connect_timeout_s=1.0)
+    with pytest.raises(UserError, match=r"does not speak SSH \(no SSH banner came back\)"):
+        _run_true(spec)
+    silent.close()
     assert not [r for r in caplog.records if r.name.startswith("paramiko.transport")]
 
 
