@@ -287,7 +287,8 @@ def _dump_typed(declared: Any, value: Any, path: str) -> Any:
     except Exception as exc:  # pydantic's serialization errors have no common base class
         raise WireError(
             path,
-            f"does not serialize as its declared type {declared!r} ({exc}); give it a value of that type",
+            f"does not serialize as its declared type {declared!r} ({' '.join(str(exc).split())}); "
+            "give it a value of that type",
         ) from None
 
 

@@ -187,7 +187,9 @@ def test_fully_typed_models_are_dumped_by_pydantic_and_a_bad_assignment_is_named
     back = _through_json(outer)
     assert math.isnan(back.inner.x) and back.inner.tags == {1, 2} and back.items[0].x == -math.inf
     outer.inner.tags = {b"x"}  # pydantic does not validate assignments by default
-    with pytest.raises(wire.WireError, match=r"outer\.inner\.tags does not serialize as its declared type"):
+    with pytest.raises(
+        wire.WireError, match=r"^outer\.inner\.tags does not serialize as its declared type [^\n]*$"
+    ):
         wire.encode(outer)
     tree = Node(value=1.0, children=[Node(value=math.inf)])
     assert _through_json(tree).children[0].value == math.inf  # a model that contains itself
