@@ -41,3 +41,12 @@ def test_the_cache_is_bounded():
     for i in range(MAX_CACHED_REFS + 5):
         assert worker._ref({**RAW, "qualname": f"f{i}"}).qualname == f"f{i}"
     assert len(worker._refs) == MAX_CACHED_REFS
+
+
+def test_a_refused_value_is_a_user_failure_without_a_traceback():
+    from art_mega.runtime.rollout_worker import _ValueRefused, failure_from
+
+    failure = failure_from(_ValueRefused("returned a value that cannot travel: result is bytes, ..."))
+    assert (failure.kind, failure.exc_type, failure.traceback) == ("user", "WireError", "")
+    assert failure.message == "returned a value that cannot travel: result is bytes, ..."
+    assert failure_from(ValueError("boom")).kind == "error"
