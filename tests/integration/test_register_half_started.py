@@ -1,0 +1,71 @@
+"""A register whose replica cannot start (its interpreter exits at once) stops the trainer rank it
+started beside it, and leaves the backend free for the next register.
+
+Before: the trainer rank went on loading the model and stayed up after `register` raised, and a
+second `register` on the backend said "this backend already trains model 'agent'"."""
+
+import asyncio
+
+import pytest
+
+from art_mega.backend import MegatronBackend
+from art_mega.inference.replica import ReplicaStartError
+from art_mega.runtime.ports import free_port
+from art_mega.runtime.runtime import ArtRuntime
+from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
+from tests.conftest import pid_alive
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _running(runtime) -> dict[str, int]:
+    health = await runtime.health()
+    return {
+        c.child_id: c.pid
+        for reply in health.values()
+        for c in reply.children
+        if c.role in ("trainer", "inference") and c.returncode is None
+    }
+
+
+async def _watch(runtime, seen: dict[str, int]) -> None:
+    while True:
+        seen.update(await _running(runtime))
+        await asyncio.sleep(0.2)
+
+
+async def test_a_replica_that_cannot_start_stops_the_trainer_rank_and_frees_the_backend(
+    tiny_llama_dir, tmp_path
+):
+    import art_mega as art
+
+    cluster = ClusterSpec(
+        hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
+        controller_host_id="local",
+        artifact_root=str(tmp_path / "artifacts"),
+        cache_root=str(tmp_path / "cache"),
+    )
+    topology = compile_topology(
+        cluster,
+        trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=free_port()),
+        inference=InferenceSpec(replicas=1, api_port=free_port()),  # the backend's vllm_python runs it
+    )
+    runtime = await ArtRuntime.start_local(topology)
+    backend = MegatronBackend(runtime, vllm_python="/bin/false", startup_timeout_s=300)
+    model = art.TrainableModel(name="agent", project="p", base_model=str(tiny_llama_dir))
+    logs = tmp_path / "artifacts" / "p" / "models" / "agent" / "logs"
+    try:
+        for attempt in range(2):  # the second register is not refused as "already trains"
+            seen: dict[str, int] = {}
+            watcher = asyncio.create_task(_watch(runtime, seen))
+            try:
+                with pytest.raises(ReplicaStartError, match="vllm-0"):
+                    await model.register(backend)
+            finally:
+                watcher.cancel()
+            assert (logs / "trainer-rank0.log").is_file(), attempt  # the rank had been started
+            assert await _running(runtime) == {}
+            assert [pid for pid in seen.values() if pid_alive(pid)] == []
+    finally:
+        await backend.close()
+        await runtime.close()
