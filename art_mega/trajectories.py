@@ -168,8 +168,9 @@ def off_policy(
     return found
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-"""The message roles training accepts (OpenAI's chat roles; "function" is its legacy tool role)."""
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+"""The message roles training accepts: OpenAI's chat roles ("function" is its legacy tool role)
+and "ipython", the tool-result role of Llama 3.1 chat templates."""
 
 
 def check_train_groups(value: Any, where: str = "backend.train") -> list[TrajectoryGroup]:

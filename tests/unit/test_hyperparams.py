@@ -226,3 +226,19 @@ def test_the_sft_dataset_iterator_refuses_bad_counts_and_rates(name: str, value:
     assert str(info.value).startswith(
         f"create_sft_dataset_iterator({name}={value!r}) {why}; pass e.g. {name}="
     )
+
+
+def test_model_train_takes_a_train_config_only() -> None:
+    from art_mega.errors import TrainInputError
+
+    backend = MegatronBackend()
+    model = art.TrainableModel(name="m", project="p", base_model="tiny")
+    backend._model, model._backend = model, backend
+    with pytest.raises(
+        HyperParameterError,
+        match=r"model.train\(config=\{'learning_rate': 0.001\}\) must be an art_mega.TrainConfig",
+    ):
+        asyncio.run(model.train([], config={"learning_rate": 1e-3}))
+    # a good config passes the option checks and reaches the check of the (empty) groups
+    with pytest.raises(TrainInputError, match="got an empty list"):
+        asyncio.run(model.train([], config=art.TrainConfig(learning_rate=1e-4, beta=0.1)))

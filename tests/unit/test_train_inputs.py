@@ -112,7 +112,7 @@ def test_an_unknown_role_is_refused_naming_group_trajectory_and_message(backend:
         train(backend, [group(1, 0), art.TrajectoryGroup([trajectory(1.0), robot])])
     assert str(info.value) == (
         "backend.train(trajectory_groups): trajectory 1 of group 1: messages_and_choices[1] has the "
-        "unknown role 'robot'; use one of 'system', 'developer', 'user', 'assistant', 'tool', 'function'"
+        "unknown role 'robot'; use one of 'system', 'developer', 'user', 'assistant', 'tool', 'function', 'ipython'"
     )
     assert (info.value.group, info.value.trajectory) == (1, 1)
     nameless = trajectory(0.0, {"content": "who?"})
