@@ -34,10 +34,15 @@ def served_step(router: PolicyRouter, served_model: str) -> int | None:
 def tag_choices(router: PolicyRouter, reply: Any) -> Any:
     """Set `policy_step` (see `art_mega.trajectories.POLICY_STEP_FIELD`) on every choice of a
     (non-streamed) completion reply from the reply's own `model` field: the server's word on
-    which adapter produced it, not the router's guess. Returns `reply`."""
+    which adapter produced it, not the router's guess. Where the reply has the prompt's token
+    ids (`return_token_ids`), each choice also keeps them as `prompt_token_ids`: training then
+    trains the choice after exactly the prompt vLLM tokenized (`trainer.tokenize`). Returns `reply`."""
     step = served_step(router, str(getattr(reply, "model", "")))
+    prompt = getattr(reply, "prompt_token_ids", None)
     for choice in getattr(reply, "choices", None) or ():
         setattr(choice, POLICY_STEP_FIELD, step)
+        if prompt is not None:
+            choice.prompt_token_ids = list(prompt)
     return reply
 
 

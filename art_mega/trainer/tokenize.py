@@ -1,8 +1,10 @@
 """Trajectories -> token sequences with trained-token masks and sampling logprobs -> Documents.
 
 Every trained assistant turn is trained on exactly its own tokens, after exactly the context the
-model saw when it produced that turn: the chat template's render of the conversation before it
-with the generation prompt, tokenized whole (as vLLM tokenizes a chat request). Where the
+model saw when it produced that turn: for a Choice from `model.openai_client()`, the prompt ids
+vLLM tokenized for it (`prompt_token_ids`, recorded on the choice, so vLLM's own message
+handling, `chat_template_kwargs` included, is what trains); otherwise the chat template's render
+of the conversation before it with the generation prompt, tokenized whole as vLLM does. Where the
 conversation so far is not a prefix of that context (templates such as Qwen3's re-render earlier
 turns without their `<think>` block; a sampled turn re-tokenizes differently), the turn starts a
 new sequence: each turn is then trained in its own history, as ART's `additional_histories` do.
@@ -102,6 +104,34 @@ def _is_choice(item: Any) -> bool:
     return hasattr(item, "message") and hasattr(item, "finish_reason")
 
 
+def _check_ids(tokenizer: Any, ids: Any, name: str, where: str, turn: int) -> list[int]:
+    """`ids` (a Choice's `name` field) checked to be token ids of the tokenizer's vocabulary."""
+    vocabulary = len(tokenizer)
+    if not isinstance(ids, list):
+        raise TokenizationError(
+            f"{where}: messages_and_choices[{turn}].{name} is a {type(ids).__name__}, not a list of "
+            "token ids; train choices as the server returned them",
+            where,
+            turn,
+        )
+    for k, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocabulary:
+            raise TokenizationError(
+                f"{where}: messages_and_choices[{turn}] has {name}[{k}]={token!r}, not a token id "
+                f"of this model's {vocabulary}-token vocabulary; train choices sampled from this model",
+                where,
+                turn,
+            )
+    return list(ids)
+
+
+def _choice_prompt(tokenizer: Any, choice: Any, where: str, turn: int) -> list[int] | None:
+    """The prompt ids the server tokenized for `choice` (`prompt_token_ids`, which
+    `model.openai_client()` records on each choice), or None where the choice has none."""
+    prompt = (getattr(choice, "model_extra", None) or {}).get("prompt_token_ids")
+    return None if prompt is None else _check_ids(tokenizer, prompt, "prompt_token_ids", where, turn)
+
+
 def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[list[int], list[float]]:
     """The sampled token ids of `choice` and their logprobs, checked to pair up one to one."""
     token_ids = getattr(choice, "token_ids", None)
@@ -115,15 +145,7 @@ def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[
             where,
             turn,
         )
-    vocabulary = len(tokenizer)
-    for k, token in enumerate(token_ids):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocabulary:
-            raise TokenizationError(
-                f"{where}: messages_and_choices[{turn}] has token_ids[{k}]={token!r}, not a token id "
-                f"of this model's {vocabulary}-token vocabulary; train choices sampled from this model",
-                where,
-                turn,
-            )
+    token_ids = _check_ids(tokenizer, token_ids, "token_ids", where, turn)
     content = getattr(getattr(choice, "logprobs", None), "content", None)
     if not content or len(content) != len(token_ids):
         raise TokenizationError(
@@ -132,7 +154,7 @@ def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[
             where,
             turn,
         )
-    return list(token_ids), [float(c.logprob) for c in content]
+    return token_ids, [float(c.logprob) for c in content]
 
 
 def parse_tool_arguments(arguments: Any, where: str) -> dict[str, Any]:
@@ -291,9 +313,8 @@ def tokenize_history(
 
     Raises:
         TokenizationError: names `where` and the message index: tools that are not function
-            tools (see `template_tools`), a Choice without token ids or
-            with a logprob count that does not match them, or with an id outside the
-            vocabulary; a tool call whose arguments are not a JSON object; a chat template that
+            tools (see `template_tools`), a Choice without token ids or with a logprob count
+            that does not match them, or with a token or prompt id outside the vocabulary; a tool call whose arguments are not a JSON object; a chat template that
             fails on the conversation; a plain assistant message whose render does not continue
             the generation prompt before it (templates that strip `<think>` blocks do this).
     """
@@ -306,13 +327,16 @@ def tokenize_history(
     sequences: list[TokenizedSequence] = []
     sequence = TokenizedSequence()
     for turn in turns:
-        prompt_text = _render(tokenizer, messages[:turn], tools, True, where, turn)
-        prompt = _encode(tokenizer, prompt_text)
+        sampled = _is_choice(items[turn])
+        prompt = _choice_prompt(tokenizer, items[turn], where, turn) if sampled else None
+        if prompt is None:
+            prompt_text = _render(tokenizer, messages[:turn], tools, True, where, turn)
+            prompt = _encode(tokenizer, prompt_text)
         if not sequences or prompt[: len(sequence.input_ids)] != sequence.input_ids:
             sequence = TokenizedSequence()
             sequences.append(sequence)
         sequence.extend(prompt[len(sequence.input_ids) :], trained=False)
-        if _is_choice(items[turn]):
+        if sampled:
             ids, logprobs = _choice_tokens(tokenizer, items[turn], where, turn)
             sequence.extend(ids, trained=True, logprobs=logprobs)
             continue

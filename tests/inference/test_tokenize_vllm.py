@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from art_mega.inference import PolicyRouter, ReplicaEndpoint
+from art_mega.inference.policy_client import policy_client
 from art_mega.trainer.tokenize import tokenize_history
 from tests.inference.conftest import MODEL_NAME, Served
 
@@ -13,48 +15,58 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900
 QUESTIONS = ["What is two plus three?", "And four plus five?", "Say it again"]
 
 
+def trained_turns(sequences) -> list[tuple[list[int], list[int], list[float]]]:
+    """(context, ids, logprobs) of every run of trained tokens, in order."""
+    turns = []
+    for seq in sequences:
+        k = 0
+        while k < len(seq.loss_mask):
+            if not seq.loss_mask[k]:
+                k += 1
+                continue
+            end = k
+            while end < len(seq.loss_mask) and seq.loss_mask[end]:
+                end += 1
+            turns.append((seq.input_ids[:k], seq.input_ids[k:end], seq.old_logprobs[k:end]))
+            k = end
+    return turns
+
+
 async def test_each_sampled_turn_trains_after_the_prompt_vllm_saw(served: Served) -> None:
-    from openai import AsyncOpenAI
     from transformers import AutoTokenizer
 
+    client = policy_client(PolicyRouter(MODEL_NAME, [ReplicaEndpoint.from_spec(served.spec)]), max_retries=0)
     conversation: list = []
     sampled = []  # per turn: (prompt ids vLLM tokenized, sampled ids, their logprobs)
-    async with AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0) as client:
+    async with client:
         for question in QUESTIONS:
             conversation.append({"role": "user", "content": question})
             messages = [
                 c.message.model_dump(exclude_none=True) if hasattr(c, "message") else c for c in conversation
             ]
             reply = await client.chat.completions.create(
-                model=MODEL_NAME,
-                messages=messages,
-                max_tokens=6,
-                temperature=1.0,
-                seed=len(conversation),
-                logprobs=True,
-                extra_body={"return_token_ids": True},
+                model=MODEL_NAME, messages=messages, max_tokens=6, temperature=1.0, seed=len(conversation)
             )
             (choice,) = reply.choices
-            ids = list(choice.token_ids)
-            sampled.append((list(reply.prompt_token_ids), ids, [e.logprob for e in choice.logprobs.content]))
+            assert choice.prompt_token_ids == reply.prompt_token_ids  # recorded by tag_choices
+            sampled.append(
+                (
+                    list(reply.prompt_token_ids),
+                    list(choice.token_ids),
+                    [e.logprob for e in choice.logprobs.content],
+                )
+            )
             conversation.append(choice)
     tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
-    sequences = tokenize_history(tokenizer, conversation)
-    # every sampled turn is trained exactly once, after exactly vLLM's prompt for it
-    turns = []
-    for seq in sequences:
-        k = 0
-        while k < len(seq.loss_mask):
-            if seq.loss_mask[k]:
-                end = k
-                while end < len(seq.loss_mask) and seq.loss_mask[end]:
-                    end += 1
-                turns.append((seq.input_ids[:k], seq.input_ids[k:end], seq.old_logprobs[k:end]))
-                k = end
-            else:
-                k += 1
-    assert len(turns) == len(QUESTIONS)
-    for (context, ids, logprobs), (prompt, sampled_ids, sampled_logprobs) in zip(turns, sampled):
-        assert context == prompt
-        assert ids == sampled_ids
-        assert logprobs == pytest.approx(sampled_logprobs)
+    recorded = trained_turns(tokenize_history(tokenizer, conversation))
+    # without the recorded prompt ids (an ART-style client): the re-rendered contexts are vLLM's too
+    for item in conversation:
+        if hasattr(item, "message"):
+            del item.model_extra["prompt_token_ids"]
+    rendered = trained_turns(tokenize_history(tokenizer, conversation))
+    for turns in (recorded, rendered):
+        assert len(turns) == len(QUESTIONS)
+        for (context, ids, logprobs), (prompt, sampled_ids, sampled_logprobs) in zip(turns, sampled):
+            assert context == prompt
+            assert ids == sampled_ids
+            assert logprobs == pytest.approx(sampled_logprobs)

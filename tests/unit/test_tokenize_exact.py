@@ -155,6 +155,42 @@ def test_sampled_choices_train_their_ids_exactly_after_the_context_they_were_sam
     assert batch.old_logprobs[0, mask].tolist() == pytest.approx([logprob for _, logprob in expected])
 
 
+def test_a_choice_trains_after_the_prompt_ids_vllm_recorded_on_it(qwen3_tokenizer):
+    # sampled with chat_template_kwargs={"enable_thinking": False}: vLLM's prompt ends with an
+    # empty think block this tokenizer's default render does not have
+    tok = qwen3_tokenizer
+    first_prompt = encode(tok, FIRST_CONTEXT + "<think>\n\n</think>\n\n")
+    first_ids = encode(tok, "4" + EOT)
+    first = choice(first_ids, [-0.1] * len(first_ids), "4")
+    first.prompt_token_ids = first_prompt  # what model.openai_client() records (tag_choices)
+    second_prompt = (
+        first_prompt
+        + first_ids
+        + encode(tok, "\n<|im_start|>user\n3 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+    )
+    second_ids = encode(tok, "6" + EOT)
+    second = choice(second_ids, [-0.2] * len(second_ids), "6")
+    second.prompt_token_ids = second_prompt
+    returned = Trajectory.model_validate_json(
+        Trajectory(messages_and_choices=thinking_conversation(first, second)).model_dump_json()
+    )
+    (seq,) = tokenize_history(tok, returned.messages_and_choices)  # one sequence: prompt 2 extends it
+    assert seq.input_ids == second_prompt + second_ids
+    assert trained(seq) == first_ids + second_ids
+    assert [lp for lp, m in zip(seq.old_logprobs, seq.loss_mask) if m] == [-0.1] * len(first_ids) + [
+        -0.2
+    ] * len(second_ids)
+    # without the recorded ids the default render would have been the context
+    del first.model_extra["prompt_token_ids"]
+    (alone,) = tokenize_history(tok, [thinking_conversation(first, None)[0], first])
+    assert alone.input_ids == encode(tok, FIRST_CONTEXT) + first_ids
+    second.prompt_token_ids = [0, len(tok)]
+    with pytest.raises(
+        TokenizationError, match=rf"messages_and_choices\[3\] has prompt_token_ids\[1\]={len(tok)}"
+    ):
+        tokenize_history(tok, thinking_conversation(first, second))
+
+
 def test_choice_token_ids_outside_the_vocabulary_or_unpaired_logprobs_are_refused(tiny_tokenizer):
     vocabulary = len(tiny_tokenizer)
     bad = Trajectory(messages_and_choices=[USER, choice([5, vocabulary], [-0.1, -0.2], "x")], reward=1.0)
