@@ -510,7 +510,7 @@ class MegatronBackend:
             UserError: a second model, an unresolvable base model, a topology without trainer or
                 inference, an unknown LoRA target.
             ModelSplitError: the heads, KV heads, FFN or experts do not divide by the
-                TrainerSpec's tp / ep / etp.
+                TrainerSpec's tp / ep / etp, or the heads or FFN by the InferenceSpec's tp.
             AdapterMismatchError: the warm-start adapter or the committed checkpoint has another
                 LoRA rank, alpha or target modules than this backend.
             RuntimeBusyError: trainer ranks or replicas already run on the runtime's agents.
@@ -538,7 +538,7 @@ class MegatronBackend:
         resolved = resolve_base_model(model.base_model, cluster.cache_root)
         run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
         committed = read_commit(run_dir / "checkpoints")
-        self._check_model_and_adapter(topology.trainer, resolved, run_dir, committed)
+        self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
         await check_runtime_idle(self._runtime)
         try:
@@ -549,10 +549,10 @@ class MegatronBackend:
         return run_dir
 
     def _check_model_and_adapter(
-        self, trainer: Any, resolved: Any, run_dir: Path, committed: int | None
+        self, trainer: Any, replicas: Any, resolved: Any, run_dir: Path, committed: int | None
     ) -> None:
-        """Refuse (without torch, from JSON files only) a model the trainer's tp / ep / etp cannot
-        split, unknown LoRA targets, and an adapter the ranks would load that does not have this
+        """Refuse (without torch, from JSON files only) a model the trainer's tp / ep / etp or a
+        replica's tp cannot split (`replicas`: the topology's `ReplicaSpec`s), unknown LoRA targets, and an adapter the ranks would load that does not have this
         backend's LoRA: the committed checkpoint's when there is one (a resume), else the
         warm-start adapter.
 
@@ -563,7 +563,9 @@ class MegatronBackend:
         from art_mega.trainer.model_builder import check_model_fits
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
-        check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp)
+        check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, spec="TrainerSpec")
+        for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
+            check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
         targets = normalise_targets(tuple(self.lora["targets"]) or DEFAULT_TARGETS)
         lora = {
             "rank": self.lora["rank"],

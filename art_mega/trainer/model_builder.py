@@ -44,11 +44,15 @@ def te_available() -> bool:
     return True
 
 
-def check_model_fits(model_dir: str | os.PathLike[str], tp: int, *, ep: int = 1, etp: int = 1) -> None:
+def check_model_fits(
+    model_dir: str | os.PathLike[str], tp: int, *, ep: int = 1, etp: int = 1, spec: str | None = None
+) -> None:
     """Refuse an HF model in `model_dir` that cannot be split `tp` ways (and, for an MoE model,
     its experts `ep` ways and their FFN `etp` ways; a dense model ignores ep/etp).
 
-    Reads only config.json (no torch): `MegatronBackend.register` calls it before any rank starts.
+    Reads only config.json (no torch): `MegatronBackend.register` calls it before any rank or
+    replica starts. `spec` ("TrainerSpec", "InferenceSpec") names the sizes' owner in the
+    sentence ("TrainerSpec.tp=3 cannot split ...").
 
     Raises:
         ModelSplitError: a size does not divide the model (one sentence naming the valid sizes).
@@ -56,7 +60,12 @@ def check_model_fits(model_dir: str | os.PathLike[str], tp: int, *, ep: int = 1,
     """
     config = read_hf_config(model_dir)
     family = family_for(config)
-    _check_parallel(family, family.model_args(config), tp, ep, etp, model_dir)
+    try:
+        _check_parallel(family, family.model_args(config), tp, ep, etp, model_dir)
+    except ModelSplitError as exc:
+        if spec is None:
+            raise
+        raise ModelSplitError(f"{spec}.{exc}", exc.model_dir, tp, ep, etp) from None
 
 
 def _check_parallel(

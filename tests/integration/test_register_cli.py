@@ -13,7 +13,7 @@ def test_heads_that_tp_cannot_split_are_refused_at_register_with_exit_2(tiny_lla
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [
-        "art-mega: error: tp=3 cannot split this llama model (4 attention heads, 2 KV heads, FFN size "
+        "art-mega: error: TrainerSpec.tp=3 cannot split this llama model (4 attention heads, 2 KV heads, FFN size "
         "256); use tp in {1, 2, 4}."
     ], result.stderr
     assert not list((tmp_path / "artifacts").rglob("*.log"))  # no rank or replica wrote a log

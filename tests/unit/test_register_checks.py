@@ -133,25 +133,71 @@ def test_resuming_a_run_with_another_lora_is_refused_naming_the_committed_step(t
     ignored then); a backend with another LoRA rank failed inside the ranks before."""
     from art_mega.backend import MegatronBackend
     from art_mega.models.resolve import ResolvedModel
-    from art_mega.topology import TrainerSpec
 
     (tmp_path / "model").mkdir()
-    model = _config(tmp_path / "model")
+    model = ResolvedModel(_config(tmp_path / "model"))
     adapter = tmp_path / "run" / "checkpoints" / "0003" / "adapter"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text(
         json.dumps({"r": 4, "lora_alpha": 16, "target_modules": ALL})
     )
-    backend = MegatronBackend(lora_rank=8)
+    topology = _topology()
     with pytest.raises(AdapterMismatchError) as caught:
-        backend._check_model_and_adapter(TrainerSpec(), ResolvedModel(model), tmp_path / "run", 3)
+        MegatronBackend(lora_rank=8)._check_model_and_adapter(
+            topology.trainer, topology.replicas, model, tmp_path / "run", 3
+        )
     assert str(caught.value) == (
         f"the adapter of this run's committed step 3 at {adapter} does not match this backend's LoRA: "
         "it has r=4 where the backend's lora_rank=8; pass MegatronBackend(lora_rank=4) to train it, "
         "or give the model another name to start a new run"
     )
     MegatronBackend(lora_rank=4)._check_model_and_adapter(
-        TrainerSpec(), ResolvedModel(model), tmp_path / "run", 3
+        topology.trainer, topology.replicas, model, tmp_path / "run", 3
     )
-    with pytest.raises(ModelSplitError):
-        backend._check_model_and_adapter(TrainerSpec(tp=3), ResolvedModel(model), tmp_path / "run", None)
+
+
+@pytest.mark.parametrize(
+    "trainer_tp,replica_tp,sentence",
+    [
+        (
+            3,
+            1,
+            "TrainerSpec.tp=3 cannot split this llama model (4 attention heads, 2 KV heads, FFN size 256)",
+        ),
+        (
+            1,
+            3,
+            "InferenceSpec.tp=3 cannot split this llama model (4 attention heads, 2 KV heads, FFN size 256)",
+        ),
+    ],
+)
+def test_register_names_which_spec_cannot_split_the_model(tmp_path, trainer_tp, replica_tp, sentence):
+    """A vLLM replica with tp=3 failed after minutes of start-up before, the trainer ranks inside
+    megatron-core."""
+    from art_mega.backend import MegatronBackend
+    from art_mega.models.resolve import ResolvedModel
+
+    topology = _topology(trainer_tp, replica_tp)
+    with pytest.raises(ModelSplitError) as caught:
+        MegatronBackend()._check_model_and_adapter(
+            topology.trainer, topology.replicas, ResolvedModel(_config(tmp_path)), tmp_path / "run", None
+        )
+    assert str(caught.value) == f"{sentence}; use tp in {{1, 2, 4}}."
+
+
+def _topology(trainer_tp: int = 1, replica_tp: int = 1):
+    """A one-host topology with 3 GPUs the trainer (tp `trainer_tp`) and one replica (tp
+    `replica_tp`) share; compiled only, nothing starts."""
+    from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
+
+    host = HostSpec(
+        host_id="h", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2, gpu_ids=(0, 1, 2)
+    )
+    cluster = ClusterSpec(
+        hosts=(host,), controller_host_id="h", artifact_root="/tmp/unused", cache_root="/tmp/unused"
+    )
+    return compile_topology(
+        cluster,
+        trainer=TrainerSpec(tp=trainer_tp, master_port=29999),
+        inference=InferenceSpec(replicas=1, tp=replica_tp, api_port=30001, shared_gpus=True),
+    )
