@@ -552,9 +552,9 @@ class MegatronBackend:
         self, trainer: Any, replicas: Any, resolved: Any, run_dir: Path, committed: int | None
     ) -> None:
         """Refuse (without torch, from JSON files only) a model the trainer's tp / ep / etp or a
-        replica's tp cannot split (`replicas`: the topology's `ReplicaSpec`s), unknown LoRA targets, and an adapter the ranks would load that does not have this
-        backend's LoRA: the committed checkpoint's when there is one (a resume), else the
-        warm-start adapter.
+        replica's tp cannot split (`replicas`: the topology's `ReplicaSpec`s), unknown LoRA
+        targets, and an adapter the ranks would load that does not have this backend's LoRA: the
+        committed checkpoint's when there is one (a resume), else the warm-start adapter.
 
         Raises:
             ModelSplitError, AdapterMismatchError, UserError: see `register`.

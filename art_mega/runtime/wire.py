@@ -6,7 +6,7 @@ naming the key path, e.g. `trajectory.metadata['scores'][2]`, never changed in s
 - None, bool, int, str, finite floats, lists, and dicts with str keys, as they are.
 - Tuples arrive as lists (JSON has no tuple); a field typed `tuple[...]` is a tuple again.
 - NaN and +-inf travel as {"__float__": "nan" | "inf" | "-inf"} and arrive as the same float.
-- numpy scalars (np.bool_, integers, floats) arrive as Python bool / int / float.
+- numpy scalars (np.bool_, integers, floats, np.str_) arrive as Python bool / int / float / str.
 - A pydantic model travels as {"__model__": "module:qualname", "data": ...}; the receiver
   re-imports the class, accepts it only if it is a `pydantic.BaseModel` subclass, and validates
   the data. Its fields are encoded by their declared types: typed values pydantic restores
@@ -74,14 +74,12 @@ def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
     """`value` at a position of declared type `declared` (`_UNTYPED` where nothing declares
     one); `in_model`: inside a model's data, where nested models are plain dicts that the
     declared type validates back, not tagged."""
-    if value is None or isinstance(value, (bool, int, str)):
+    if value is None or type(value) in (bool, int, str):  # exactly: an Enum member is not its value
         return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return float(value)
-        return {FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if type(value) is float:
+        return _tag_floats(value)
     numpy = sys.modules.get("numpy")  # only a process that imported numpy can hold its values
-    if numpy is not None and isinstance(value, (numpy.bool_, numpy.integer, numpy.floating)):
+    if numpy is not None and isinstance(value, (numpy.bool_, numpy.integer, numpy.floating, numpy.str_)):
         return _encode(value.item(), declared, path, in_model)
     if isinstance(value, BaseModel):
         cls = type(value)
