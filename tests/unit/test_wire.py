@@ -93,7 +93,10 @@ def _through_json(value):
             ),
             "trajectory.metadata['m'] is a Typed model in a field that does not declare that class",
         ),
-        (Trajectory(metadata={"e": Color.RED}), "trajectory.metadata['e'] is a tests.unit.test_wire.Color"),
+        (
+            Trajectory(metadata={"e": Color.RED}),
+            f"trajectory.metadata['e'] is a {__name__}.Color, which JSON",
+        ),
         ({1: "a"}, "result has the key 1 (int), but JSON object keys are strings"),
         ({"k": {1, 2}}, "result['k'] is a set"),
         ([Trajectory(), Trajectory(metadata={"b": bytearray(b"x")})], "result[1].metadata['b'] is bytes"),
