@@ -308,6 +308,36 @@ def test_etcd_unreachable_from_one_host_fails_and_cleans_up(netns3):
     assert os.path.exists("/tmp")
 
 
+def test_an_explicit_metadata_store_that_is_not_etcd_is_named_in_one_sentence(netns3, tmp_path):
+    """NixlTransportSpec.metadata_store pointing at a plain HTTP server on host0: every host's
+    check says what it is, in one sentence (was `Etcd3Exception: Not Found`)."""
+    store = netns3.hosts[0].exec(
+        [sys.executable, "-m", "http.server", "--bind", netns3.hosts[0].address, "22499"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    connect = (
+        f"import socket; socket.create_connection(({netns3.hosts[0].address!r}, 22499), timeout=1).close()"
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while netns3.hosts[0].run([sys.executable, "-I", "-S", "-c", connect]).returncode != 0:
+            assert time.monotonic() < deadline, "the HTTP server did not start"
+            time.sleep(0.1)
+        with agents(netns3):
+            url = f"http://{netns3.hosts[0].address}:22499"
+            result = controller(netns3, PREFLIGHT_STORE=f"tcp://{netns3.hosts[0].address}:22499")
+        error = _fails(result)
+        assert error == (
+            f"art-mega: error: the metadata store {url} is not usable from hosts host0, host1, host2: it is "
+            "not etcd: GET /version answered HTTP 404 File not found"
+        )
+    finally:
+        store.kill()
+        store.wait(5)
+
+
 def test_a_proof_refused_in_admission_stops_its_warm_probes(netns3, tmp_path):
     pytest.importorskip("torch", reason="the preflight collective runs in the trainer's environment (torch)")
     with agents(netns3):

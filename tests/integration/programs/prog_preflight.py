@@ -3,7 +3,8 @@
 PREFLIGHT_GPU_HOST1: GPU ids for host1 (comma-separated); PREFLIGHT_NCCL_NET: nccl net_name;
 PREFLIGHT_LOCAL_ROOT=1: host-local artifact_root; PREFLIGHT_ROOT: artifact_root; PREFLIGHT_ETCD=1:
 require the metadata store; PREFLIGHT_ETCD_BIN: etcd binary; PREFLIGHT_PROVE_AGAIN=1: prove a
-second time and report its metadata store as "again"; PREFLIGHT_REGISTER=1: a trainer rank on
+second time and report its metadata store as "again"; PREFLIGHT_STORE: an explicit metadata
+store (NixlTransportSpec.metadata_store, tcp://HOST:PORT); PREFLIGHT_REGISTER=1: a trainer rank on
 host1 and a replica on host0, then register tiny-qwen3 from PREFLIGHT_CACHE (cache_root). Prints
 PREFLIGHT_OK {json}.
 """
@@ -18,6 +19,7 @@ from art_mega import (
     HostSpec,
     InferenceSpec,
     NcclTransportSpec,
+    NixlTransportSpec,
     TrainerSpec,
     compile_topology,
 )
@@ -31,6 +33,9 @@ async def main(launch):
         shared_artifact_root=os.environ.get("PREFLIGHT_LOCAL_ROOT") != "1",
         nccl_transport=NcclTransportSpec(net_name=os.environ["PREFLIGHT_NCCL_NET"])
         if os.environ.get("PREFLIGHT_NCCL_NET")
+        else None,
+        nixl_transport=NixlTransportSpec(metadata_store=os.environ["PREFLIGHT_STORE"])
+        if os.environ.get("PREFLIGHT_STORE")
         else None,
     )
     gpus = os.environ.get("PREFLIGHT_GPU_HOST1")
