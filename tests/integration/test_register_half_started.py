@@ -1,8 +1,10 @@
-"""A register whose replica cannot start (its interpreter exits at once) stops the trainer rank it
-started beside it, and leaves the backend free for the next register.
+"""A failed `register` without vLLM (cheap): a replica that cannot start (its interpreter exits at
+once) stops the trainer rank started beside it and leaves the backend free for the next register;
+`close()` after a refused register closes an owned runtime, and the next register starts anew.
 
-Before: the trainer rank went on loading the model and stayed up after `register` raised, and a
-second `register` on the backend said "this backend already trains model 'agent'"."""
+Before: the trainer rank went on loading the model and stayed up after `register` raised, a
+second `register` on the backend said "this backend already trains model 'agent'", and a register
+after `close()` reused the closed runtime."""
 
 import asyncio
 
@@ -69,3 +71,33 @@ async def test_a_replica_that_cannot_start_stops_the_trainer_rank_and_frees_the_
     finally:
         await backend.close()
         await runtime.close()
+
+
+async def test_close_after_a_failed_register_closes_an_owned_runtime_and_register_starts_anew(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """`MegatronBackend()` owns its local runtime: `close()` after a refused register closes it,
+    and the next register starts a new one (it reused the closed one before)."""
+    import json
+
+    import art_mega as art
+    from art_mega.errors import AdapterMismatchError
+
+    monkeypatch.chdir(tmp_path)  # the default artifact_root is <cwd>/.art-mega/artifacts
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj"]}
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": str(tiny_llama_dir)})
+    )
+    backend = MegatronBackend(vllm_python="/bin/false")
+    model = art.TrainableModel(name="agent", project="p", base_model=str(adapter))
+    runtimes = []
+    for _ in range(2):
+        with pytest.raises(AdapterMismatchError, match="it has r=4 where the backend's lora_rank=8"):
+            await model.register(backend)
+        runtimes.append(backend._runtime)
+        await backend.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await runtimes[-1].health()
+    assert runtimes[0] is not runtimes[1]
