@@ -31,8 +31,9 @@ CLEANUP_TIMEOUT_S = 30.0
 ABORT_CLEANUP_S = 5.0
 """Bound on closing the program's runtimes after a signal or a lost host: a stopped or cut-off
 host must not hold up the others (their agents then stop every child they still have)."""
-UNRESPONSIVE_AFTER_S = 2.0
-"""An agent silent this long at cleanup time is stopped without waiting for its answers."""
+UNRESPONSIVE_AFTER_S = 1.0
+"""After a signal or a lost host, an agent whose heartbeats have gone unanswered this long (two
+beats) is cut off: the program's calls to it fail at once, and its launcher kills it at once."""
 
 
 def report(message: str) -> None:
@@ -43,12 +44,14 @@ def report(message: str) -> None:
 class SignalGuard:
     """Turns the first SIGTERM/SIGHUP/SIGINT into a cancellation of `target`; later ones are noted.
 
-    Cleanup that follows is never interrupted by another signal.
+    Cleanup that follows is never interrupted by another signal. `on_signal`, when set, is
+    called first (from the event loop).
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.target: asyncio.Task[Any] | None = None
+        self.on_signal: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def install(self) -> None:
@@ -67,6 +70,8 @@ class SignalGuard:
             return
         self.received = sig
         report(f"received {signal.Signals(sig).name}; stopping every host")
+        if self.on_signal is not None:
+            self.on_signal()
         if self.target is not None:
             self.target.cancel()
 
@@ -106,11 +111,19 @@ async def supervise(
     main_task = asyncio.create_task(main(launch), name="art-mega-program")
     guard.target = main_task
     lost: list[HostLostError] = []
+    cutting: list[asyncio.Task[None]] = []
+
+    def start_cutting() -> None:
+        if not cutting:
+            cutting.append(asyncio.create_task(_cut_off_unresponsive(launch, monitor)))
 
     def on_lost(exc: HostLostError) -> None:
         lost.append(exc)
         report(f"error: {exc}; cancelling the program")
+        start_cutting()
         main_task.cancel()
+
+    guard.on_signal = start_cutting
 
     owned = monitor is None
     if monitor is None:
@@ -156,9 +169,30 @@ async def supervise(
         await asyncio.gather(*watching, return_exceptions=True)
         aborted = bool(lost) or guard.received is not None
         await _close_runtimes(launch, ABORT_CLEANUP_S if aborted else CLEANUP_TIMEOUT_S)
+        guard.on_signal = None
+        for task in cutting:
+            task.cancel()
+        await asyncio.gather(*cutting, return_exceptions=True)
         if owned:
             await monitor.stop()
     return code
+
+
+async def _cut_off_unresponsive(launch: ArtLaunchContext, monitor: AgentMonitor) -> None:
+    """Until cancelled, close the program's clients of every host that is lost or stops
+    answering: its calls (the program's own cleanup included) then fail at once instead of
+    waiting out their timeouts, which a stopped host would make every step of cleanup do."""
+    cut: set[str] = set()
+    while True:
+        for silent in monitor.unresponsive(UNRESPONSIVE_AFTER_S):
+            if silent.address in cut:
+                continue
+            cut.add(silent.address)
+            for runtime in launch._runtimes:
+                for client in runtime.clients.values():
+                    if client.address == silent.address:
+                        await client.aclose()
+        await asyncio.sleep(0.1)
 
 
 def _ignore_loss(exc: HostLostError) -> None:

@@ -565,11 +565,15 @@ def create_app(state: AgentState) -> Starlette:
 
 
 def _watch_stdin_eof(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
-    """Set `event` when stdin reaches end of file (the launcher's SSH channel closed)."""
+    """Set `event` when stdin reaches end of file (the launcher's SSH channel closed).
+
+    The thread reads the file descriptor, not `sys.stdin`: at exit the interpreter would wait
+    (a second, then abort) for the buffered reader's lock that a blocked `read1` holds.
+    """
 
     def read() -> None:
         try:
-            while sys.stdin.buffer.read1(65536):
+            while os.read(sys.stdin.fileno(), 65536):
                 pass
         except (OSError, ValueError):
             pass
@@ -632,20 +636,26 @@ async def serve(
             file=sys.stderr,
             flush=True,
         )
-        await state.close()  # children first: the server's graceful stop may wait on dead peers
+        await state.close()
         state.shutdown_requested.set()
 
-    watcher = asyncio.create_task(watch_shutdown())
-    lease_watcher = asyncio.create_task(watch_lease())
+    async def watch_stdin(closed: asyncio.Event) -> None:
+        await closed.wait()
+        await state.close()  # the launcher is gone: stop the children before the server
+        state.shutdown_requested.set()
+
+    watchers = [asyncio.create_task(watch_shutdown()), asyncio.create_task(watch_lease())]
     if exit_on_stdin_eof:
-        _watch_stdin_eof(asyncio.get_running_loop(), state.shutdown_requested)
+        stdin_closed = asyncio.Event()
+        _watch_stdin_eof(asyncio.get_running_loop(), stdin_closed)
+        watchers.append(asyncio.create_task(watch_stdin(stdin_closed)))
     if on_ready is not None:
         on_ready()
     try:
         await server.serve(sockets=[sock])
     finally:
-        watcher.cancel()
-        lease_watcher.cancel()
+        for task in watchers:
+            task.cancel()
         await state.close()
 
 
