@@ -13,7 +13,7 @@ new sequence: each turn is then trained in its own history, as ART's `additional
   them (request `logprobs=True` and `extra_body={"return_token_ids": True}`): never re-tokenized.
 - A plain assistant message is the text the template adds for it (its render through the turn
   minus the render before it with the generation prompt), tokenized on its own as the model
-  would emit it, through the first end-of-turn token. A template whose render of the turn does
+  would emit it, through the first end-of-turn token (`end_of_turn_ids`: where vLLM stops). A template whose render of the turn does
   not continue its generation prompt is refused, naming the message.
 - Tool-call `arguments` given as a JSON string (OpenAI's wire format) are parsed once before
   rendering, as vLLM does, so templates that print them as an object (Qwen2.5's `| tojson`)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from art_mega.errors import TokenizationError
@@ -277,10 +278,32 @@ def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
     return {**message, "tool_calls": parsed}
 
 
-def _assistant_span(tokenizer: Any, ids: list[int]) -> int:
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """The token ids that end a sampled turn, as vLLM stops on them: the tokenizer's eos token
+    and the `eos_token_id` (an int or a list) of `generation_config.json` in the tokenizer's
+    model directory, where there is one (SmolLM2's converted tokenizer names `<|im_start|>` its
+    eos token while its generation config ends turns with `<|im_end|>`).
+
+    Raises:
+        TokenizationError: `generation_config.json` is there but is not JSON.
+    """
+    found = {tokenizer.eos_token_id} - {None}
+    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text()).get("eos_token_id")
+        except ValueError as exc:
+            raise TokenizationError(
+                f"{config} is not valid JSON ({exc}); fix or remove the model's generation config",
+                str(config),
+                None,
+            ) from None
+        found |= {int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)}
+    return found
+
+
+def _assistant_span(eos_ids: set[int], ids: list[int]) -> int:
     """How many tokens of an assistant turn to train: through the first end-of-turn token."""
-    eos = tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
     for i, token in enumerate(ids):
         if token in eos_ids:
             return i + 1
@@ -326,6 +349,7 @@ def tokenize_history(
         turns = turns[-1:]
     sequences: list[TokenizedSequence] = []
     sequence = TokenizedSequence()
+    eos_ids: set[int] | None = None  # read once, at the first plain assistant message
     for turn in turns:
         sampled = _is_choice(items[turn])
         prompt = _choice_prompt(tokenizer, items[turn], where, turn) if sampled else None
@@ -353,7 +377,8 @@ def tokenize_history(
                 turn,
             )
         ids = _encode(tokenizer, full_text[len(prompt_text) :])
-        sequence.extend(ids[: _assistant_span(tokenizer, ids)], trained=True)
+        eos_ids = end_of_turn_ids(tokenizer) if eos_ids is None else eos_ids
+        sequence.extend(ids[: _assistant_span(eos_ids, ids)], trained=True)
     return sequences
 
 

@@ -91,6 +91,25 @@ def test_leading_newlines_of_an_assistant_message_are_all_trained(newline_tokeni
     assert tok.decode(whole[len(prompt) :]).startswith("\nHello world")  # the old slice
 
 
+def test_a_plain_turn_ends_where_vllm_stops_not_at_a_misnamed_eos(tiny_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    # as SmolLM2's converted tokenizer: eos_token is <|im_start|>, the generation config ends
+    # turns with <|im_end|> (id 2), and vLLM stops on both
+    tiny_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    tok = AutoTokenizer.from_pretrained(tmp_path, eos_token="<|im_start|>")
+    assert tok.eos_token_id == 1
+    (seq,) = tokenize_history(tok, [USER, {"role": "assistant", "content": "hello"}])
+    # through <|im_end|>; the newline after it (trained before: the eos alone never matched) is not
+    assert trained(seq) == encode(tok, "hello" + EOT)
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(TokenizationError, match="generation_config.json is not valid JSON"):
+        tokenize_history(
+            AutoTokenizer.from_pretrained(tmp_path), [USER, {"role": "assistant", "content": "x"}]
+        )
+
+
 def test_a_turn_whose_context_retokenizes_is_trained_in_its_own_sequence(newline_tokenizer):
     tok = newline_tokenizer
     conversation = [
