@@ -4,7 +4,6 @@ that is never written, and a port that does not speak SSH (one sentence, no para
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 import socket
@@ -299,27 +298,3 @@ def test_the_cli_prints_one_sentence_for_a_non_ssh_port(keys, http_port, tmp_pat
         len(lines) == 1
         and f"port {http_port} does not speak SSH (it answered 'HTTP/1.1 400 Bad Request')" in lines[0]
     ), lines
-
-
-def test_known_hosts_lines_read_back(tmp_path):
-    from art_mega.launch.ssh_target import KnownHosts, host_matches
-
-    blob = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519").decode()
-    path = tmp_path / "kh"
-    path.write_text(f"a,b ssh-ed25519 {blob}\n@revoked c ssh-ed25519 {blob}\n@other d ssh-ed25519 {blob}\n")
-    known = KnownHosts.load((str(path), str(tmp_path / "absent")))
-    assert [(line.marker, line.patterns, line.lineno) for line in known.lines] == [
-        ("", ("a", "b"), 1),
-        ("@revoked", ("c",), 2),
-    ]
-    assert known.revoked("c", base64.b64decode(blob)) is known.lines[1]
-    assert known.revoked("a", base64.b64decode(blob)) is None
-    assert host_matches(("*.Example.com",), "gpu.example.COM") and not host_matches(
-        ("*.example.com",), "example.com"
-    )
-    assert not host_matches(("10.0.0.*", "!10.0.0.5"), "10.0.0.5") and host_matches(("10.0.0.*",), "10.0.0.5")
-    path.write_bytes(b"\xff\xfe")
-    with pytest.raises(
-        UserError, match=f"known_hosts file {path} cannot be read \\(not a UTF-8 text file\\)"
-    ):
-        KnownHosts.load((str(path),))

@@ -1,8 +1,18 @@
+import base64
+
+import paramiko
 import pytest
 
 from art_mega.errors import UserError
 from art_mega.launch.ssh import plan_hosts
-from art_mega.launch.ssh_target import parse_host, parse_ssh_args, resolve
+from art_mega.launch.ssh_target import (
+    KnownHosts,
+    host_matches,
+    lookup_name,
+    parse_host,
+    parse_ssh_args,
+    resolve,
+)
 
 
 def test_parse_host_forms():
@@ -95,3 +105,28 @@ def test_unhonoured_ssh_options_are_refused_before_connecting():
     with pytest.raises(UserError, match="-o ForwardAgent is not honoured"):
         parse_ssh_args(["-o ForwardAgent=yes"])
     assert parse_ssh_args(["-o", "ConnectTimeout=3"]).options == (("connecttimeout", "3"),)
+
+
+def test_known_hosts_lines_read_back(tmp_path):
+    assert (lookup_name("gpu-a", 22), lookup_name("10.0.0.5", 2222)) == ("gpu-a", "[10.0.0.5]:2222")
+    blob = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519").decode()
+    path = tmp_path / "kh"
+    path.write_text(f"a,b ssh-ed25519 {blob}\n@revoked c ssh-ed25519 {blob}\n@other d ssh-ed25519 {blob}\n")
+    known = KnownHosts.load((str(path), str(tmp_path / "absent")))
+    assert [(line.marker, line.patterns, line.lineno) for line in known.lines] == [
+        ("", ("a", "b"), 1),
+        ("@revoked", ("c",), 2),
+    ]
+    assert known.revoked("c", base64.b64decode(blob)) is known.lines[1]
+    assert known.revoked("a", base64.b64decode(blob)) is None
+    assert host_matches(("*.Example.com",), "gpu.example.COM") and not host_matches(
+        ("*.example.com",), "example.com"
+    )
+    assert not host_matches(("10.0.0.*", "!10.0.0.5"), "10.0.0.5") and host_matches(("10.0.0.*",), "10.0.0.5")
+    hashed = paramiko.HostKeys.hash_host("[gpu-a]:2222")  # as `ssh-keygen -H` writes a name
+    assert host_matches((hashed,), "[gpu-a]:2222") and not host_matches((hashed,), "gpu-a")
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(
+        UserError, match=f"known_hosts file {path} cannot be read \\(not a UTF-8 text file\\)"
+    ):
+        KnownHosts.load((str(path),))
