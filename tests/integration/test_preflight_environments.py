@@ -53,6 +53,15 @@ async def test_a_replica_interpreter_without_torch_distributed_is_named_before_a
     assert "Traceback" not in error and "did not arrive" not in error
 
 
+async def test_a_replica_interpreter_that_does_not_exist_is_named(tmp_path):
+    python = tmp_path / "no-venv" / "bin" / "python"
+    with pytest.raises(PreflightError) as raised:
+        await ArtRuntime.start_local(replicas_on_two_hosts(str(python), tmp_path))
+    error = str(raised.value)  # both hosts, or the first and "the other ranks' probes were stopped"
+    assert error.startswith(f"preflight collective in the vllm environment ({python}) failed on host host")
+    assert f": cannot run the interpreter {python}: No such file or directory" in error
+
+
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is not installed (ART_MEGA_WITH_VLLM=1)")
 async def test_the_vllm_environment_is_proved_named_and_not_proved_twice(tmp_path):
     runtime = await ArtRuntime.start_local(replicas_on_two_hosts(str(VLLM_PYTHON), tmp_path))
