@@ -189,7 +189,9 @@ def resolve(alias: str, user: str | None, options: SshOptions) -> ConnectSpec:
     hostname = found.get("hostname", alias)
     port_text = str(options.port or found.get("port", 22))
     if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
-        raise UserError(f"ssh config for {alias}: Port {port_text!r} is not a port (1..65535 in ASCII digits)")
+        raise UserError(
+            f"ssh config for {alias}: Port {port_text!r} is not a port (1..65535 in ASCII digits)"
+        )
     port = int(port_text)
     chosen_user = user or options.user or found.get("user") or os.environ.get("USER") or "root"
     identities = list(options.identity_files) + list(found.get("identityfile", []))
