@@ -214,6 +214,13 @@ def check_train_groups(value: Any, where: str = "backend.train") -> list[Traject
                 "trajectory_groups",
                 g,
             )
+        if isinstance(group, Trajectory):
+            raise TrainInputError(
+                f"{argument}: group {g} is a Trajectory, not an art.TrajectoryGroup; group the "
+                "trajectories of one prompt: [art.TrajectoryGroup([t1, t2, ...]), ...]",
+                "trajectory_groups",
+                g,
+            )
         if not isinstance(group, TrajectoryGroup):
             raise TrainInputError(
                 f"{argument}: group {g} is a {type(group).__name__}, not an art.TrajectoryGroup; "

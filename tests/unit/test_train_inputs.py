@@ -71,6 +71,11 @@ def train(backend: MegatronBackend, groups: Any, **options: Any) -> Any:
         ),
         ([], "backend.train(trajectory_groups) got an empty list; pass at least one TrajectoryGroup"),
         (
+            [trajectory(), trajectory()],
+            "backend.train(trajectory_groups): group 0 is a Trajectory, not an art.TrajectoryGroup; group "
+            "the trajectories of one prompt: [art.TrajectoryGroup([t1, t2, ...]), ...]",
+        ),
+        (
             [group(1, 0), art.TrajectoryGroup([])],
             "backend.train(trajectory_groups): group 1 has no trajectories; leave it out or fill it",
         ),
