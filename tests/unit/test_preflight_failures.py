@@ -101,3 +101,37 @@ def test_a_rank_that_failed_first_is_named_and_the_stopped_ones_are_not():
         "preflight collective in the vllm environment (/v/python) failed on host h0 (rank 0): cannot import "
         "torch.distributed (ImportError: x); the other ranks' probes were stopped"
     )
+
+
+class _Answers:
+    """An agent client that answers the collective's two calls with a canned reply: hosts with
+    two torch builds cannot be made on one machine, so the replies stand for them."""
+
+    def __init__(self, host: str, rank: int, members: list[dict]) -> None:
+        self.host, self.rank, self.members = host, rank, members
+
+    async def free_port(self, host: str) -> int:
+        return 29500
+
+    async def preflight_run(self, request) -> PreflightRunResponse:
+        return PreflightRunResponse(
+            exit_code=0,
+            result={"ok": True, "rank": self.rank, "host": self.host, "members": self.members},
+        )
+
+
+async def test_ranks_with_different_torch_versions_are_named_with_their_hosts():
+    from art_mega.runtime.preflight import run_collective
+
+    members = [
+        {"host": "h0", "rank": 0, "backend": "gloo", "torch": "2.13.0+cpu"},
+        {"host": "h1", "rank": 1, "backend": "gloo", "torch": "2.12.1+cpu"},
+    ]
+    clients = {h: _Answers(h, r, members) for r, h in enumerate(("h0", "h1"))}
+    with pytest.raises(PreflightError) as raised:
+        await run_collective(clients, ["h0", "h1"], "10.0.0.1", 30.0, python="/v/python", environment="vllm")
+    assert str(raised.value) == (
+        "preflight collective in the vllm environment (/v/python): the ranks' torch versions differ (host h0 "
+        "has torch 2.13.0+cpu, host h1 has torch 2.12.1+cpu); install one torch version in that environment "
+        "on every host"
+    )
