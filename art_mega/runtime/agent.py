@@ -227,7 +227,10 @@ class AgentState:
         waiting = self._warm_probes.get(python)
         if waiting is not None and waiting.process.returncode is None:
             return PreflightPrepareResponse(started=False)
-        self._warm_probes[python] = await self._spawn_probe(python, [WARM_FLAG], warm=True)
+        try:
+            self._warm_probes[python] = await self._spawn_probe(python, [WARM_FLAG], warm=True)
+        except OSError:  # no such interpreter: `run_preflight` answers that, naming the rank
+            return PreflightPrepareResponse(started=False)
         return PreflightPrepareResponse(started=True)
 
     async def run_preflight(self, request: PreflightRunRequest) -> PreflightRunResponse:
@@ -246,7 +249,13 @@ class AgentState:
             reply, took_config = await self._finish_probe(warm, config.encode() + b"\n", request.timeout_s)
             if took_config or reply.timed_out or self._preflight_discards != discards:
                 return reply
-        cold = await self._spawn_probe(python, [config], warm=False)
+        try:
+            cold = await self._spawn_probe(python, [config], warm=False)
+        except OSError as exc:
+            error = f"cannot run the interpreter {python}: {exc.strerror or exc}"
+            return PreflightRunResponse(
+                exit_code=None, result={"ok": False, "phase": "spawn", "error": error}
+            )
         reply, _ = await self._finish_probe(cold, None, request.timeout_s)
         return reply
 
