@@ -384,6 +384,11 @@ class AgentClient:
             "POST", "/shutdown", None, ShutdownResponse, timeout_s if timeout_s is not None else ...
         )
 
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose` was called (every later call raises RuntimeError)."""
+        return self._closed
+
     async def aclose(self) -> None:
         """Close the session and its connections (idempotent); later calls raise RuntimeError."""
         self._closed = True

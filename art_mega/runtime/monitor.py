@@ -124,6 +124,9 @@ class AgentMonitor:
     async def _watch(self, client: AgentClient) -> None:
         try:
             await self._beat(client)
+        except RuntimeError:
+            if not client.closed:
+                raise
         except HostLostError as exc:
             if self.lost is None:
                 self.lost = exc
