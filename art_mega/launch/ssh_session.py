@@ -166,16 +166,26 @@ def connect(spec: ConnectSpec, label: str, depth: int = 0):  # type: ignore[no-u
             passphrase=None,
         )
     except BaseException as exc:
+        transport = client.get_transport()
+        # connected, but no "SSH-" banner came back: whatever paramiko raised next (a banner
+        # error, "No existing session" when its threads race), the port does not speak SSH
+        no_banner = transport is not None and not transport.remote_version
         client.close()
         if jump_client is not None:
             jump_client.close()
-        raise _user_error(exc, spec, where, direct=sock is None) from None
+        raise _user_error(exc, spec, where, direct=sock is None, no_banner=no_banner) from None
     client._art_mega_jump = jump_client  # keep the jump connection alive with the client
     return client
 
 
-def _user_error(exc: BaseException, spec: ConnectSpec, where: str, direct: bool) -> BaseException:
-    """The one sentence for a failed connect (`exc` itself when it is not a connection failure)."""
+def _user_error(
+    exc: BaseException, spec: ConnectSpec, where: str, direct: bool, no_banner: bool
+) -> BaseException:
+    """The one sentence for a failed connect (`exc` itself when it is not a connection failure).
+
+    `direct`: no proxy between us and the host; `no_banner`: the TCP connection was made but the
+    host never sent an SSH banner.
+    """
     import paramiko
 
     if isinstance(exc, UserError):
@@ -195,7 +205,7 @@ def _user_error(exc: BaseException, spec: ConnectSpec, where: str, direct: bool)
         )
     if isinstance(exc, paramiko.SSHException):
         text = str(exc)
-        if "protocol banner" in text or "Indecipherable protocol version" in text:
+        if no_banner or "protocol banner" in text or "Indecipherable protocol version" in text:
             return _not_ssh(spec, where, direct)
         return UserError(f"{where}: {text}")
     if isinstance(exc, (TimeoutError, OSError, ValueError)):
