@@ -124,4 +124,10 @@ async def served(
         yield Served(spec, tiny_model, run_dir, agent.client, answer, time.monotonic() - started)
     finally:
         await stop_replicas(agent.clients, [spec])
-    assert answer.pid is not None and process_group(answer.pid) == []
+    assert answer.pid is not None
+    # The replica's leader is gone when stop_replicas returns; vLLM's engine child may still be
+    # exiting on a loaded machine, so the group gets a bound to empty rather than none.
+    deadline = time.monotonic() + 20.0
+    while process_group(answer.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_group(answer.pid) == []
