@@ -149,12 +149,25 @@ async def _peer(node: SkyPilotNode, agent: LocalAgent, secret: bytes, port: int,
             "mac": _mac(secret, "hello", node.rank, agent.pid, nonce),
         },
     )
+    receiving = asyncio.ensure_future(_receive(reader))
+    agent_exit = asyncio.ensure_future(agent.process.wait())
     try:
-        outcome = await _receive(reader)
+        # No FIN comes from a rank 0 whose host was cut off: this node's agent, whose lease on
+        # rank 0 then runs out, is what ends the wait.
+        await asyncio.wait({receiving, agent_exit}, return_when=asyncio.FIRST_COMPLETED)
+        outcome = receiving.result() if receiving.done() else None
     except (OSError, ValueError):
         outcome = None
     finally:
+        receiving.cancel()
+        agent_exit.cancel()
         writer.close()
+    if outcome is None and agent.process.returncode is not None:
+        report(
+            f"error: this node's agent exited with code {agent.process.returncode} before rank 0 told "
+            "the outcome (code 1: rank 0 was not heard from for the agent's --controller-lease)"
+        )
+        return 1
     if outcome is None:
         report("error: rank 0 disconnected before telling the outcome")
         return 1

@@ -109,6 +109,42 @@ def test_agents_of_a_vanished_controller_exit_within_the_lease_and_free_their_po
     assert "ART_MULTINODE_SMOKE_PASS hosts=2" in out
 
 
+def test_skypilot_nodes_of_a_vanished_rank_0_exit_within_the_lease(hosts):
+    """The same cut and SIGKILL of rank 0 in a (simulated) SkyPilot task: node 1's agent lets
+    its lease run out, and node 1's own `art-mega skypilot`, which no FIN will ever reach, ends
+    with it instead of waiting for rank 0's outcome forever."""
+    env = dict(
+        cli_env(),
+        ART_MEGA_SECRET="z" * 64,
+        ART_MEGA_CONTROLLER_LEASE=str(LEASE_S),
+        SKYPILOT_NODE_IPS="\n".join(h.address for h in hosts.hosts),
+        SKYPILOT_NUM_NODES=str(len(hosts.hosts)),
+    )
+    argv = [sys.executable, "-m", "art_mega", "skypilot", "--program", HOLD, "--port", str(PORT + 2)]
+    nodes = [
+        host.exec(
+            argv,
+            cwd=REPO,
+            env=dict(env, SKYPILOT_NODE_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, host in enumerate(hosts.hosts)
+    ]
+    _read_pids(nodes[0])
+    hosts.hosts[0].set_link(False)
+    try:
+        nodes[0].kill()
+        _, err = nodes[1].communicate(timeout=LEASE_S + 10)
+        _, left = _gone_within(hosts, 5)
+    finally:
+        hosts.hosts[0].set_link(True)
+    assert nodes[1].returncode == 1, err
+    assert "rank 0 was not heard from" in err and "Traceback" not in err, err
+    assert left == [], left
+
+
 def test_a_stopped_host_is_named_within_the_lease_and_nothing_is_left(hosts):
     """h1's agent is SIGSTOPped (alive, silent): the controller names h1 once the lease has
     passed, cancels the program and exits; every process on every host is gone."""
