@@ -196,13 +196,13 @@ def _raise_for_failures(
     label: str = "the trainer environment (each agent's Python)",
 ) -> None:
     missing: set[int] = set()
-    failures = []
+    failures: list[tuple[int, str]] = []
     for rank, host in enumerate(host_ids):
         if host in stopped:
             continue
         reply = by_host[host]
         if isinstance(reply, BaseException):
-            failures.append(f"host {host} (rank {rank}): {reply}")
+            failures.append((rank, f"host {host} (rank {rank}): {reply}"))
             continue
         result = reply.result or {}
         if reply.timed_out or result.get("phase") == "start":
@@ -210,11 +210,13 @@ def _raise_for_failures(
         elif result.get("missing_ranks"):
             missing.update(int(r) for r in result["missing_ranks"])
         elif not result.get("ok"):
-            failures.append(f"host {host} (rank {rank}): {_why_failed(reply)}")
-    if missing and not stopped:
+            failures.append((rank, f"host {host} (rank {rank}): {_why_failed(reply)}"))
+    if missing:
         names = ", ".join(f"host {host_ids[r]} (rank {r})" for r in sorted(missing))
-        # a rank that failed at once (killed, bad config) is reported missing by the others
-        why = f" ({'; '.join(f.splitlines()[0] for f in failures)})" if failures else ""
+        # a rank that failed at once (killed, bad config) is reported missing by the others; what
+        # the waiting ranks saw (rank 0's store gone after its timeout) explains nothing
+        own = [f.splitlines()[0] for r, f in failures if r in missing]
+        why = f" ({'; '.join(own)})" if own else ""
         raise PreflightError(
             f"preflight collective in {label}: {names} did not arrive within {timeout_s:g} s; "
             f"every probe was stopped{why}"
@@ -222,7 +224,9 @@ def _raise_for_failures(
     if failures:
         # a rank stuck after rendezvous blames its whole group: name where each one was stuck
         rest = "; the other ranks' probes were stopped" if stopped else ""
-        raise PreflightError(f"preflight collective in {label} failed on " + "; ".join(failures) + rest)
+        raise PreflightError(
+            f"preflight collective in {label} failed on " + "; ".join(f for _, f in failures) + rest
+        )
 
 
 def _why_failed(reply: PreflightRunResponse) -> str:

@@ -184,15 +184,13 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     keys = [f"arrived/{r}" for r in range(world)]
     try:
         store.wait(keys, timeout)
-    except Exception:  # a timeout: name who is missing
-        missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
-        return {
-            "ok": False,
-            "rank": rank,
-            "host": host,
-            "missing_ranks": missing,
-            "error": "rendezvous timed out",
-        }
+    except Exception:  # a timeout, or rank 0's store gone after its own: name who is missing
+        waited = {"ok": False, "rank": rank, "host": host, "phase": "rendezvous", "timed_out": True}
+        try:
+            missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
+        except Exception as exc:  # waiting for others is never this rank's own failure
+            return {**waited, "error": f"the rendezvous store went away while this rank waited ({exc})"}
+        return {**waited, "missing_ranks": missing, "error": "rendezvous timed out"}
     _PHASE["name"] = "init_process_group"
     dist.init_process_group(
         backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout

@@ -135,3 +135,27 @@ async def test_ranks_with_different_torch_versions_are_named_with_their_hosts():
         "has torch 2.13.0+cpu, host h1 has torch 2.12.1+cpu); install one torch version in that environment "
         "on every host"
     )
+
+
+def test_what_the_waiting_ranks_saw_does_not_blame_them():
+    """Rank 2 never reached rank 0's store; when rank 0 gave up, rank 1 lost the store under it."""
+    waited = PreflightRunResponse(
+        exit_code=1,
+        result={"ok": False, "phase": "rendezvous", "timed_out": True, "missing_ranks": [2], "error": "x"},
+    )
+    store_gone = PreflightRunResponse(
+        exit_code=1,
+        result={
+            "ok": False,
+            "phase": "rendezvous",
+            "timed_out": True,
+            "error": "the rendezvous store went away",
+        },
+    )
+    unreached = PreflightRunResponse(exit_code=1, result={"ok": False, "phase": "start", "error": "no store"})
+    assert not failed_on_its_own(store_gone)
+    with pytest.raises(PreflightError) as raised:
+        _raise_for_failures({"h0": waited, "h1": store_gone, "h2": unreached}, ["h0", "h1", "h2"], 8.0)
+    assert str(raised.value) == (
+        f"preflight collective in {AGENTS}: host h2 (rank 2) did not arrive within 8 s; every probe was stopped"
+    )
