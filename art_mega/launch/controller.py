@@ -108,6 +108,8 @@ async def supervise(
     None: one over `clients` and `expected`, stopped on return. After a signal or a lost host
     the program's runtimes get `ABORT_CLEANUP_S` seconds to close.
     """
+    owned = monitor is None
+    watched = AgentMonitor(clients, expected, _ignore_loss) if monitor is None else monitor
     main_task = asyncio.create_task(main(launch), name="art-mega-program")
     guard.target = main_task
     lost: list[HostLostError] = []
@@ -115,7 +117,7 @@ async def supervise(
 
     def start_cutting() -> None:
         if not cutting:
-            cutting.append(asyncio.create_task(_cut_off_unresponsive(launch, monitor)))
+            cutting.append(asyncio.create_task(_cut_off_unresponsive(launch, watched)))
 
     def on_lost(exc: HostLostError) -> None:
         lost.append(exc)
@@ -124,15 +126,11 @@ async def supervise(
         main_task.cancel()
 
     guard.on_signal = start_cutting
-
-    owned = monitor is None
-    if monitor is None:
-        monitor = AgentMonitor(clients, expected, on_lost)
-        monitor.start()
-    else:
-        monitor.on_lost = on_lost
-        if monitor.lost is not None:
-            on_lost(monitor.lost)
+    watched.on_lost = on_lost
+    if owned:
+        watched.start()
+    elif watched.lost is not None:
+        on_lost(watched.lost)
 
     def watcher_done(task: asyncio.Task[None]) -> None:
         if not task.cancelled() and isinstance(task.exception(), HostLostError) and not lost:
@@ -163,7 +161,7 @@ async def supervise(
             code, message = describe_failure(exc, debug)
             report(message)
     finally:
-        monitor.on_lost = _ignore_loss  # agents stopped from here on are not "lost"
+        watched.on_lost = _ignore_loss  # agents stopped from here on are not "lost"
         for task in watching:
             task.cancel()
         await asyncio.gather(*watching, return_exceptions=True)
@@ -174,7 +172,7 @@ async def supervise(
             task.cancel()
         await asyncio.gather(*cutting, return_exceptions=True)
         if owned:
-            await monitor.stop()
+            await watched.stop()
     return code
 
 
