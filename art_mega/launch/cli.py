@@ -81,6 +81,7 @@ LeaseOpt = Annotated[
     str | None,
     typer.Option(
         "--controller-lease",
+        metavar="SECONDS",
         help="Seconds an agent waits for a word from its controller before it stops its children and "
         "exits, freeing its port (default: $ART_MEGA_CONTROLLER_LEASE or 20).",
     ),
