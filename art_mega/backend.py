@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.errors import UserError
+from art_mega.hyperparams import fraction_problem
 from art_mega.runtime.ports import free_port
 
 COMMIT_FILE = "LATEST"
@@ -356,9 +357,12 @@ def check_grpo_options(
     return float(learning_rate), loss
 
 
-def checked_groups(trajectory_groups: Any, drop_nonfinite_rewards: bool) -> tuple[list[Any], int]:
+def checked_groups(
+    trajectory_groups: Any, drop_nonfinite_rewards: bool, scale_rewards: bool = True
+) -> tuple[list[Any], int]:
     """`backend.train`'s groups after the input and reward checks, and how many trajectories
-    with a NaN or inf reward were left out (only with `drop_nonfinite_rewards`).
+    with a NaN or inf reward were left out (only with `drop_nonfinite_rewards`); advantages are
+    checked as the step computes them (`scale_rewards`).
 
     Raises:
         TrainInputError: see `trajectories.check_train_groups`.
@@ -386,7 +390,7 @@ def checked_groups(trajectory_groups: Any, drop_nonfinite_rewards: bool) -> tupl
         groups = without_trajectories(groups, [(g, t) for g, t, _ in bad])
     for g, group in enumerate(groups):
         try:
-            group_advantages([t.reward for t in group.trajectories])
+            group_advantages([t.reward for t in group.trajectories], scale_rewards)
         except NonFiniteValueError as exc:
             raise NonFiniteValueError(
                 f"backend.train(trajectory_groups): group {g}: {exc}",
@@ -396,6 +400,77 @@ def checked_groups(trajectory_groups: Any, drop_nonfinite_rewards: bool) -> tupl
                 exc.trajectory,
             ) from None
     return groups, len(bad)
+
+
+BACKEND_WHOLE_NUMBERS = {
+    "lora_rank": (1, "8"),
+    "seq_len": (2, "1024"),
+    "max_model_len": (2, "1024"),
+    "keep_adapters": (1, "2"),
+}
+"""`MegatronBackend`'s integer arguments: (minimum, example). A row of one token trains nothing
+(the loss predicts each token from the ones before it); the served step stays loaded, so at
+least one adapter is kept."""
+
+
+def check_backend_options(
+    *,
+    lora_rank: Any,
+    lora_alpha: Any,
+    lora_targets: Any,
+    seq_len: Any,
+    max_model_len: Any,
+    keep_adapters: Any,
+    startup_timeout_s: Any,
+    vllm_python: Any,
+) -> None:
+    """Refuse `MegatronBackend`'s arguments before anything starts (see `BACKEND_WHOLE_NUMBERS`;
+    lora_rank at most vLLM's largest slot; lora_alpha and startup_timeout_s: finite > 0; lora_targets: None or a list or tuple of known
+    target names, not one string; vllm_python: None or a non-empty path string).
+
+    Raises:
+        HyperParameterError: a number of the wrong type or out of range (named, with an example).
+        UserError: lora_targets or vllm_python of the wrong type, or an unknown LoRA target.
+    """
+    from art_mega.errors import HyperParameterError
+    from art_mega.hyperparams import check, positive_problem, whole_problem
+    from art_mega.inference.protocol import VLLM_LORA_RANKS
+    from art_mega.trainer.lora_targets import normalise_targets
+
+    where = "MegatronBackend"
+    values = {
+        "lora_rank": lora_rank,
+        "seq_len": seq_len,
+        "max_model_len": max_model_len,
+        "keep_adapters": keep_adapters,
+    }
+    for name, (minimum, example) in BACKEND_WHOLE_NUMBERS.items():
+        check(where, name, values[name], whole_problem(minimum), example)
+    if lora_rank > VLLM_LORA_RANKS[-1]:
+        raise HyperParameterError(
+            f"{where}(lora_rank={lora_rank!r}) is above {VLLM_LORA_RANKS[-1]}, the largest LoRA rank "
+            "vLLM serves; pass e.g. lora_rank=8",
+            "lora_rank",
+            lora_rank,
+        )
+    check(where, "lora_alpha", lora_alpha, positive_problem, "16.0")
+    check(where, "startup_timeout_s", startup_timeout_s, positive_problem, "900.0")
+    if lora_targets is not None:
+        if (
+            not isinstance(lora_targets, (list, tuple))
+            or not lora_targets
+            or not all(isinstance(t, str) for t in lora_targets)
+        ):
+            raise UserError(
+                f"{where}(lora_targets={lora_targets!r}) must be a non-empty list or tuple of module names, "
+                "e.g. lora_targets=('q_proj', 'k_proj', 'v_proj', 'o_proj'), or None for the default"
+            )
+        normalise_targets(tuple(lora_targets))
+    if vllm_python is not None and (not isinstance(vllm_python, (str, os.PathLike)) or not str(vllm_python)):
+        raise UserError(
+            f"{where}(vllm_python={vllm_python!r}) must be the path of a Python interpreter with vLLM, "
+            "e.g. vllm_python='/opt/venv-vllm/bin/python', or None for the default"
+        )
 
 
 class MegatronBackend:
@@ -422,6 +497,11 @@ class MegatronBackend:
             size); the step's rows are accumulated over microbatches, so this trades memory
             for speed, not results. On one H200 4 rows ran 2.5x the tokens/s of 1 row (the
             step is bound by kernel launches at 1 row); the default 1 suits CPU and big models.
+
+    Raises:
+        UserError (HyperParameterError for the numbers): an argument of the wrong type (a bool or
+            float where a whole number goes, a string where a number goes), not finite, out of
+            range, or an unknown LoRA target, named in one sentence before anything starts.
     """
 
     def __init__(
@@ -453,20 +533,38 @@ class MegatronBackend:
                 f"MegatronBackend(micro_batch_rows={micro_batch_rows!r}) counts packed rows per microbatch; "
                 "use a whole number of at least 1, e.g. 1 on CPU or 4 on a GPU with memory to spare"
             )
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        check_backend_options(
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_targets=lora_targets,
+            seq_len=seq_len,
+            max_model_len=max_model_len,
+            keep_adapters=keep_adapters,
+            startup_timeout_s=startup_timeout_s,
+            vllm_python=vllm_python,
+        )
+        if gpu_memory_utilization is not None and (
+            fraction_problem(gpu_memory_utilization) is not None or gpu_memory_utilization == 0
+        ):
             raise UserError(
                 f"MegatronBackend(gpu_memory_utilization={gpu_memory_utilization!r}) is a fraction of "
                 "each GPU's memory; use a value in (0, 1], e.g. 0.5, or None for vLLM's default"
             )
         self._runtime = runtime
         self._owns_runtime = runtime is None
-        self.lora = {"rank": lora_rank, "alpha": lora_alpha, "targets": list(lora_targets or [])}
-        self.seq_len = seq_len
-        self.max_model_len = max_model_len
-        self.keep_adapters = keep_adapters
-        self.startup_timeout_s = startup_timeout_s
-        self._vllm_python = vllm_python
-        self.gpu_memory_utilization = gpu_memory_utilization
+        self.lora = {
+            "rank": int(lora_rank),
+            "alpha": float(lora_alpha),
+            "targets": list(lora_targets or []),
+        }
+        self.seq_len = int(seq_len)
+        self.max_model_len = int(max_model_len)
+        self.keep_adapters = int(keep_adapters)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self._vllm_python = None if vllm_python is None else str(vllm_python)
+        self.gpu_memory_utilization = (
+            None if gpu_memory_utilization is None else float(gpu_memory_utilization)
+        )
         self.dtype = dtype
         self.micro_batch_rows = int(micro_batch_rows)
         self._shared: Any = None
@@ -820,7 +918,7 @@ class MegatronBackend:
             drop_nonfinite_rewards=drop_nonfinite_rewards,
             unknown=unknown,
         )
-        groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards)
+        groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
         async with self._lock:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import math
+import numbers
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +88,7 @@ def current_progress() -> GatherProgress | None:
 
 
 def _limit(max_exceptions: int | float, total: int) -> float:
-    if isinstance(max_exceptions, float) and max_exceptions < 1:
+    if not isinstance(max_exceptions, numbers.Integral) and 0 < max_exceptions < 1:  # numpy's too
         return max_exceptions * total
     return float(max_exceptions)
 
@@ -105,16 +107,20 @@ async def gather_trajectory_groups(
         groups: `TrajectoryGroup(rollout(...) for _ in range(n))` awaitables (or built groups).
         pbar_desc: progress bar label; None hides the bar.
         max_exceptions: how many rollouts may raise before this raises: an int count, or a
-            float in (0, 1) as a fraction of all rollouts.
+            float in (0, 1) as a fraction of all rollouts (a float >= 1 is a count and inf no
+            limit, as in ART).
         after_each: called with each finished group (sync or async); may return a group, a
             list of groups, or None to drop it.
         pbar_total_completion_tokens: accepted for ART compatibility; ignored.
 
     Raises:
+        HyperParameterError: `max_exceptions` is a bool, a string, NaN or negative, `pbar_desc`
+            not a string or None, or `after_each` not callable (before any rollout runs).
         RolloutExceptionsExceeded: more rollouts raised than `max_exceptions` allows (chained
             to the first exception).
     """
     del pbar_total_completion_tokens
+    check_gather_options(max_exceptions, pbar_desc, after_each)
     pending = list(groups)
     total = sum(_count(g) for g in pending)
     progress = GatherProgress(total=total, description=pbar_desc)
@@ -145,6 +151,41 @@ async def gather_trajectory_groups(
             f"first: {type(first).__name__}: {first}"
         ) from first
     return [g for batch in finished for g in batch]
+
+
+def check_gather_options(max_exceptions: Any, pbar_desc: Any, after_each: Any) -> None:
+    """Refuse `gather_trajectory_groups` options that would mean something else than written: a
+    negative count raised even when nothing failed, NaN always raised, True counted as 1.
+
+    Raises:
+        HyperParameterError: the option, its value and the fix.
+    """
+    from art_mega.errors import HyperParameterError
+    from art_mega.hyperparams import check
+
+    def count_problem(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            why = f"a {type(value).__name__}"
+        elif math.isnan(value) or value < 0:
+            why = "NaN" if math.isnan(value) else "negative"
+        else:
+            return None
+        return f"must be a count of at least 0 or a fraction in (0, 1) of all rollouts ({why})"
+
+    where = "gather_trajectory_groups"
+    check(where, "max_exceptions", max_exceptions, count_problem, "3 or max_exceptions=0.1")
+    if pbar_desc is not None and not isinstance(pbar_desc, str):
+        raise HyperParameterError(
+            f"{where}(pbar_desc={pbar_desc!r}) must be a label string, or None to hide the bar",
+            "pbar_desc",
+            pbar_desc,
+        )
+    if after_each is not None and not callable(after_each):
+        raise HyperParameterError(
+            f"{where}(after_each={after_each!r}) must be a function taking each finished group, or None",
+            "after_each",
+            after_each,
+        )
 
 
 def _count(group: Any) -> int:

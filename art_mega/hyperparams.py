@@ -19,24 +19,37 @@ from art_mega.errors import HyperParameterError
 Problem = Callable[[Any], "str | None"]
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: the trainer computes in float32 (bfloat16 has the same range), so a
+larger value becomes inf there (Adam: "value cannot be converted to type float without overflow")."""
+
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32: a positive value below it is a subnormal or 0 to the trainer."""
+
+
 def _not_a_number(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return f"a {type(value).__name__}"
     if not math.isfinite(float(value)):
         return "not finite"
+    if abs(float(value)) > FLOAT32_MAX:
+        return f"above {FLOAT32_MAX:.4g}, the largest float32 the trainer computes in"
     return None
 
 
 def positive_problem(value: Any) -> str | None:
-    """None when `value` is a real number, finite and > 0 (bool and str are not numbers)."""
+    """None when `value` is a real number, finite and > 0 (bool and str are not numbers), that
+    float32 holds: from `FLOAT32_TINY` to `FLOAT32_MAX`."""
     why = _not_a_number(value)
     if why is None and float(value) <= 0:
         why = "not above 0"
+    elif why is None and float(value) < FLOAT32_TINY:
+        why = f"below {FLOAT32_TINY:.4g}, which the trainer's float32 rounds towards 0"
     return None if why is None else f"must be a finite number greater than 0 ({why})"
 
 
 def nonnegative_problem(value: Any) -> str | None:
-    """None when `value` is a real number, finite and >= 0."""
+    """None when `value` is a real number, finite, >= 0 and at most `FLOAT32_MAX`."""
     why = _not_a_number(value)
     if why is None and float(value) < 0:
         why = "negative"

@@ -119,19 +119,31 @@ class TrainableModel(Model):
     async def log(
         self,
         trajectory_groups: Any = None,
+        split: str = "train",
+        *,
         metrics: dict[str, float] | None = None,
         step: int | None = None,
-        split: str = "train",
     ) -> dict[str, Any]:
         """Append a history.jsonl row for these groups (and W&B when WANDB_API_KEY is set).
 
-        Returns the row written (see `art_mega.metrics.history_row` for the names).
+        `trajectory_groups`: None, a list of TrajectoryGroup, or a list of Trajectory (and
+        exceptions) logged as one group, as in ART (whose argument order this follows: split
+        second, metrics and step by name). `metrics`: names -> finite numbers (a NaN would be
+        left out of the row, so it is refused). Returns the row written (see
+        `art_mega.metrics.history_row` for the names).
+
+        Raises:
+            HyperParameterError: a split that is not a non-empty name, a step that is not a
+                whole number >= 0, metrics that are not a dict of finite numbers, or groups that
+                are not one of the forms above (named, one sentence).
         """
         from art_mega.metrics import WandbMirror, append_history, history_row
 
+        groups = _log_groups(trajectory_groups)
+        _check_log_options(split, metrics, step)
         if step is None:
             step = await self.get_step() if self._backend is not None else 0
-        row = history_row(trajectory_groups or [], split=split, step=step, metrics=metrics)
+        row = history_row(groups, split=split, step=step, metrics=metrics)
         append_history(self.output_dir / "history.jsonl", row)
         if self._wandb is None:
             self._wandb = WandbMirror(self.project, self.run_name or self.name, self.config)
@@ -176,3 +188,96 @@ class TrainableModel(Model):
         if not value.strip():
             raise ValueError("base_model must name an HF directory, a cached model or a PEFT adapter")
         return value
+
+
+def _log_groups(value: Any) -> list[Any]:
+    """`model.log`'s groups: a list of TrajectoryGroup as given; Trajectory items (and
+    exceptions, counted as such) as one group, as ART does."""
+    from art_mega.trajectories import Trajectory, TrajectoryGroup, describe_exception
+
+    if value is None:
+        return []
+    if isinstance(value, TrajectoryGroup):
+        return [value]
+    items = None if isinstance(value, (str, bytes, dict)) else _as_list(value)
+    if items is not None and all(isinstance(i, TrajectoryGroup) for i in items):
+        return items
+    if items is not None and all(isinstance(i, (Trajectory, BaseException)) for i in items):
+        group = TrajectoryGroup([i for i in items if isinstance(i, Trajectory)])
+        group.exceptions.extend(describe_exception(i) for i in items if isinstance(i, BaseException))
+        return [group]
+    raise HyperParameterError(
+        f"model.log(trajectory_groups) got {_shown(value)}; pass a list of art.TrajectoryGroup, a "
+        "list of art.Trajectory, or None to log only metrics",
+        "trajectory_groups",
+        None,
+    )
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(kinds)}"
+    return f"a {type(value).__name__}"
+
+
+def _check_log_options(split: Any, metrics: Any, step: Any) -> None:
+    """Refuse `model.log`'s split, metrics and step unless they are what the row needs.
+
+    Raises:
+        HyperParameterError: the argument (and metric name), its value and the fix.
+    """
+    from art_mega.hyperparams import check, optional, whole_problem
+
+    if not isinstance(split, str) or not split or "/" in split or split != split.strip():
+        raise HyperParameterError(
+            f"model.log(split={split!r}) must be a name without '/' such as 'train' or 'val'",
+            "split",
+            split,
+        )
+    check("model.log", "step", step, optional(whole_problem(0)), "3")
+    if metrics is None:
+        return
+    if not isinstance(metrics, dict):
+        raise HyperParameterError(
+            f"model.log(metrics={metrics!r}) must be a dict of names to numbers, e.g. "
+            "metrics={'loss/policy': 0.1}",
+            "metrics",
+            metrics,
+        )
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise HyperParameterError(
+                f"model.log(metrics=...) has the key {name!r}; metric names are non-empty strings",
+                "metrics",
+                name,
+            )
+        why = _metric_problem(value)
+        if why is not None:
+            raise HyperParameterError(
+                f"model.log(metrics=...) has {name!r}: {value!r}, {why}; "
+                "log finite numbers (leave the metric out when it has no value)",
+                name,
+                value,
+            )
+
+
+def _metric_problem(value: Any) -> str | None:
+    """None for a finite real number (a bool counts as 0 or 1), else why it is not one."""
+    import math
+    import numbers
+
+    if not isinstance(value, numbers.Real) and not (
+        type(value).__module__ == "numpy" and type(value).__name__ == "bool"
+    ):
+        return f"a {type(value).__name__}, not a number"
+    if not math.isfinite(float(value)):
+        return "which is not finite"
+    return None

@@ -17,7 +17,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from art_mega.errors import SFTFileError, UserError
+from art_mega.errors import HyperParameterError, SFTFileError, UserError
 from art_mega.hyperparams import (
     check,
     fraction_problem,
@@ -192,8 +192,17 @@ def read_sft_jsonl(path: str | Path) -> list[Trajectory]:
 def iterate_file(
     path: str | Path, epochs: int = 1, shuffle: bool = True, seed: int = 0
 ) -> Iterator[Trajectory]:
-    """Every validated row of `path`, `epochs` times, shuffled per epoch with `seed`."""
-    rows = read_sft_jsonl(path)
+    """Every validated row of `path`, `epochs` times, shuffled per epoch with `seed`.
+
+    Raises:
+        SFTFileError: see `read_sft_jsonl` (when called: every row is read first).
+        HyperParameterError: `epochs` is not a whole number >= 1.
+    """
+    check("iterate_file", "epochs", epochs, whole_problem(1), "1")
+    return _file_rows(read_sft_jsonl(path), epochs, shuffle, seed)
+
+
+def _file_rows(rows: list[Trajectory], epochs: int, shuffle: bool, seed: int) -> Iterator[Trajectory]:
     rng = random.Random(seed)
     for _ in range(epochs):
         order = list(rows)
@@ -261,7 +270,9 @@ def create_sft_dataset_iterator(
 
     Raises:
         HyperParameterError: `epochs` or `batch_size` is not a whole number >= 1, `initial_step`
-            not one >= 0, `peak_lr` not a finite number > 0, or `warmup_ratio` outside [0, 1].
+            not one >= 0, `peak_lr` not a finite number > 0, `warmup_ratio` outside [0, 1], or
+            `assistant_turns` not "all" or "last" (when called, before the first batch).
+        UserError: `schedule_type` is not "constant", "linear" or "cosine".
     """
     where = "create_sft_dataset_iterator"
     check(where, "epochs", epochs, whole_problem(1), "1")
@@ -269,9 +280,30 @@ def create_sft_dataset_iterator(
     check(where, "initial_step", initial_step, whole_problem(0), "0")
     check(where, "peak_lr", peak_lr, positive_problem, "1e-4")
     check(where, "warmup_ratio", warmup_ratio, fraction_problem, "0.1")
+    if assistant_turns not in ("all", "last"):
+        raise HyperParameterError(
+            f"{where}(assistant_turns={assistant_turns!r}) must be 'all' or 'last'",
+            "assistant_turns",
+            assistant_turns,
+        )
     per_epoch = math.ceil(len(trajectories) / batch_size)
     total = per_epoch * epochs
     rates = create_lr_schedule(total, peak_lr, schedule_type, warmup_steps=int(total * warmup_ratio))
+    # checked here, when called, not at the first next() of a generator
+    return _sft_chunks(trajectories, epochs, batch_size, rates, initial_step, shuffle, seed, assistant_turns)
+
+
+def _sft_chunks(
+    trajectories: Sequence[Trajectory],
+    epochs: int,
+    batch_size: int,
+    rates: list[float],
+    initial_step: int,
+    shuffle: bool,
+    seed: int,
+    assistant_turns: Literal["all", "last"],
+) -> Iterator[SFTDatasetChunk]:
+    per_epoch = math.ceil(len(trajectories) / batch_size)
     rng = random.Random(seed)
     step = 0
     for epoch in range(epochs):
@@ -316,6 +348,13 @@ def iterate_dataset(
     check(where, "groups_per_step", groups_per_step, whole_problem(1), "4")
     check(where, "num_epochs", num_epochs, whole_problem(1), "1")
     check(where, "initial_step", initial_step, whole_problem(0), "await model.get_step()")
+    # checked here, when called, not at the first next() of a generator
+    return _dataset_batches(dataset, groups_per_step, num_epochs, initial_step, shuffle, seed)
+
+
+def _dataset_batches(
+    dataset: Sequence[T], groups_per_step: int, num_epochs: int, initial_step: int, shuffle: bool, seed: int
+) -> Iterator[DatasetBatch[T]]:
     per_epoch = math.ceil(len(dataset) / groups_per_step)
     rng = random.Random(seed)
     step = 0

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Annotated, Any, Union
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 MetricValue = Union[float, int, bool]
 
@@ -28,6 +29,24 @@ def _message_kind(value: Any) -> str:
     if isinstance(value, dict) and "message" in value and "finish_reason" in value and "index" in value:
         return "choice"
     return "message"
+
+
+def _check_metrics(value: Any) -> Any:
+    """A `metrics` dict as given, when every value is a number (a bool counts as 0 or 1; numpy
+    scalars too); NaN and inf are kept (see `metrics.history_row`). ValueError otherwise: one
+    sentence naming the key (pydantic names the field)."""
+    if isinstance(value, dict):
+        for key, metric in value.items():
+            if not isinstance(metric, (bool, numbers.Real)) and not _numpy_bool(metric):
+                raise ValueError(
+                    f"metric {key!r} is {metric!r} (a {type(metric).__name__}); metrics are numbers "
+                    "(float, int or bool), e.g. {'correct': 1.0}: keep other values in metadata"
+                )
+    return value
+
+
+def _numpy_bool(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ == "bool"
 
 
 MessageOrChoice = Annotated[
@@ -59,6 +78,23 @@ class Trajectory(BaseModel):
     metrics: dict[str, MetricValue] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward(cls, value: Any) -> Any:
+        # pydantic turns "1.0" and True into 1.0 in silence; a reward is a number (NaN and inf are
+        # kept here: backend.train refuses them, or drops them with drop_nonfinite_rewards=True)
+        if isinstance(value, bool) or _numpy_bool(value) or not isinstance(value, numbers.Real):
+            raise ValueError(
+                f"reward {value!r} is a {type(value).__name__}, not a number; score the rollout "
+                "with a float, e.g. reward=1.0"
+            )
+        return float(value)
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics(cls, value: Any) -> Any:
+        return _check_metrics(value)
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as plain chat messages (choices turned into assistant messages)."""
@@ -112,6 +148,11 @@ class TrajectoryGroup(BaseModel):
     metrics: dict[str, MetricValue] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     exceptions: list[str] = Field(default_factory=list)
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _metrics(cls, value: Any) -> Any:
+        return _check_metrics(value)
 
     def __new__(cls, trajectories: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         items = None if trajectories is None else list(trajectories)
@@ -295,6 +336,7 @@ def check_conversation(
 
 def _check_item(item: Any, where: str, argument: str, group: int | None, index: int) -> None:
     from art_mega.errors import NonFiniteValueError, TrainInputError
+    from art_mega.hyperparams import FLOAT32_MAX
 
     def refuse(reason: str) -> TrainInputError:
         return TrainInputError(f"{where} {reason}", argument, group, index)
@@ -330,10 +372,15 @@ def _check_item(item: Any, where: str, argument: str, group: int | None, index: 
                     "such as {'type': 'text', 'text': '...'}"
                 )
     for k, logprob in enumerate(entries):
-        if not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
+        if (
+            isinstance(logprob, bool)
+            or not isinstance(logprob, (int, float))
+            or not math.isfinite(logprob)
+            or abs(logprob) > FLOAT32_MAX  # -inf in the batch's float32
+        ):
             raise NonFiniteValueError(
                 f"{where} has the sampling logprob {logprob!r} at token {k}; training needs finite "
-                "logprobs: drop this trajectory or sample it again",
+                "logprobs (float32: beyond -3.4e38 is -inf): drop this trajectory or sample it again",
                 "logprob",
                 logprob,
                 group,

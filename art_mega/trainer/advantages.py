@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from art_mega.hyperparams import FLOAT32_MAX
+
 STD_EPSILON = 1e-6
 
 
@@ -37,7 +39,7 @@ def group_advantages(rewards: Sequence[float], scale_rewards: bool = True) -> Gr
     Raises:
         NonFiniteValueError: a reward is NaN or +-inf (quantity "reward", its index as
             `trajectory`), or the rewards are so large that an advantage overflows
-            (quantity "advantage"). `backend.train` refuses such rewards earlier, naming the group.
+            (quantity "advantage"), in float64 or in the batch's float32. `backend.train` refuses such rewards earlier, naming the group.
     """
     from art_mega.errors import NonFiniteValueError
 
@@ -55,10 +57,11 @@ def group_advantages(rewards: Sequence[float], scale_rewards: bool = True) -> Gr
     scale = std + STD_EPSILON if scale_rewards else 1.0
     advantages = tuple((r - mean) / scale for r in rewards)
     for i, a in enumerate(advantages):
-        if not (math.isfinite(a) and math.isfinite(scale)):  # an infinite std zeroes every advantage
+        # an infinite std zeroes every advantage; the batch holds advantages as float32
+        if not (math.isfinite(a) and math.isfinite(scale)) or abs(a) > FLOAT32_MAX:
             raise NonFiniteValueError(
-                f"advantage {i} of the group is not finite: its rewards overflow a float "
-                f"(largest {max(abs(r) for r in rewards):g}); rescale the rewards",
+                f"advantage {i} of the group is not finite: its rewards overflow the trainer's "
+                f"float32 (largest {max(abs(r) for r in rewards):g}); rescale the rewards",
                 "advantage",
                 a,
                 None,

@@ -167,7 +167,9 @@ def test_received_values_that_cannot_be_rebuilt_are_named():
         wire.WireError, match=r"result\[0\] is a no_such_module:X model, which cannot be imported here"
     ):
         wire.decode([{"__model__": "no_such_module:X", "data": {}}])
-    with pytest.raises(wire.WireError, match="result does not validate as Trajectory: Trajectory.reward="):
+    with pytest.raises(
+        wire.WireError, match="result does not validate as Trajectory: Trajectory.reward: reward None is"
+    ):
         wire.decode({"__model__": "art_mega.trajectories:Trajectory", "data": {"reward": None}})
 
 

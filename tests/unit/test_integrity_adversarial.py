@@ -1,0 +1,302 @@
+"""Issue 13, re-checked with inputs the first tests did not try: numbers the trainer's float32
+cannot hold, constructor and keyword arguments of the wrong type or range, rewards and metrics
+that pydantic would coerce in silence, and ART's call forms of `model.log` and
+`gather_trajectory_groups`. Each is refused in one sentence naming the argument (and group and
+trajectory), or accepted with the value checked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from openai.types.chat.chat_completion import Choice
+from pydantic import ValidationError
+
+import art_mega as art
+from art_mega.backend import MegatronBackend
+from art_mega.errors import HyperParameterError, NonFiniteValueError, UserError
+from art_mega.gather import RolloutExceptionsExceeded, gather_trajectory_groups
+from art_mega.sft import SFTConfig, create_sft_dataset_iterator, iterate_dataset, iterate_file
+from art_mega.trainer.advantages import group_advantages
+
+
+def trajectory(reward: Any = 1.0, *items: Any, **fields: Any) -> art.Trajectory:
+    messages = items or ({"role": "assistant", "content": "ok"},)
+    return art.Trajectory(
+        messages_and_choices=[{"role": "user", "content": "hi"}, *messages], reward=reward, **fields
+    )
+
+
+@pytest.fixture
+def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
+    """A backend with the tiny model registered in name only (its tokenizer loads, nothing
+    starts); `_step_with` returns what would be trained instead of training it."""
+    backend = MegatronBackend()
+    backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
+    backend._model_dir = tiny_llama_dir
+
+    async def step_with(documents, metrics, kind, learning_rate, loss, started):  # noqa: ANN001
+        return {"documents": documents, "learning_rate": learning_rate, "loss": loss}
+
+    backend._step_with = step_with  # type: ignore[method-assign]
+    return backend
+
+
+def train(backend: MegatronBackend, groups: Any, **options: Any) -> Any:
+    return asyncio.run(backend.train(backend._model, groups, **options))
+
+
+GOOD = [art.TrajectoryGroup([trajectory(1.0), trajectory(0.0)])]
+
+
+# ------------------------------------------------------------- float32 range of hyper-parameters
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("learning_rate", 1e39, "above 3.403e+38, the largest float32 the trainer computes in"),
+        ("learning_rate", np.float64(1e300), "above 3.403e+38"),
+        ("learning_rate", 1e-45, "below 1.175e-38, which the trainer's float32 rounds towards 0"),
+        ("learning_rate", 5e-324, "below 1.175e-38"),
+        ("epsilon", 1e39, "above 3.403e+38"),
+        ("epsilon_high", 1e39, "above 3.403e+38"),
+        ("kl_beta", 1e39, "above 3.403e+38"),
+        ("tis_cap", 1e39, "above 3.403e+38"),
+    ],
+)
+def test_options_float32_cannot_hold_are_refused_at_the_edge(
+    backend: MegatronBackend, name: str, value: float, why: str
+) -> None:
+    """learning_rate=1e39 passed the edge and crashed inside Adam ("value cannot be converted to
+    type float without overflow") as a TrainerJobError; 1e-45 trained with a learning rate of 0."""
+    with pytest.raises(HyperParameterError, match=rf"backend.train\({name}=") as caught:
+        train(backend, GOOD, **{name: value})
+    assert why in str(caught.value) and caught.value.name == name
+
+
+def test_float32_bounds_themselves_and_numpy_rates_train(backend: MegatronBackend) -> None:
+    job = train(backend, GOOD, learning_rate=np.float32(3e-5), kl_beta=3.4e38)
+    assert job["learning_rate"] == pytest.approx(3e-5) and job["loss"]["kl_beta"] == 3.4e38
+    assert type(job["learning_rate"]) is float
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: art.TrainConfig(learning_rate=1e39), "learning_rate"),
+        (lambda: art.TrainConfig(beta=1e39), "beta"),
+        (lambda: SFTConfig(learning_rate=1e39), "learning_rate"),
+    ],
+)
+def test_configs_refuse_values_above_float32(build: Any, field: str) -> None:
+    with pytest.raises(ValidationError, match=rf"{field}[\s\S]*above 3.403e\+38"):
+        build()
+
+
+def test_sft_iterator_options_are_refused_when_called_not_at_the_first_batch() -> None:
+    """create_sft_dataset_iterator and iterate_dataset were generators: nothing was checked until
+    the first next(), after the caller had set up its run."""
+    with pytest.raises(HyperParameterError, match=r"peak_lr=1e\+39\) .*above 3.403e\+38"):
+        create_sft_dataset_iterator([trajectory()], peak_lr=1e39)
+    with pytest.raises(HyperParameterError, match=r"assistant_turns='first'\) must be 'all' or 'last'"):
+        create_sft_dataset_iterator([trajectory()], assistant_turns="first")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match=r"schedule_type='step' must be"):
+        create_sft_dataset_iterator([trajectory()], schedule_type="step")  # type: ignore[arg-type]
+    with pytest.raises(HyperParameterError, match=r"iterate_dataset\(groups_per_step=1.5\)"):
+        iterate_dataset([1, 2, 3], groups_per_step=1.5)  # type: ignore[arg-type]
+    with pytest.raises(HyperParameterError, match=r"iterate_file\(epochs=0\)"):
+        iterate_file("/nonexistent.jsonl", epochs=0)
+    chunks = list(
+        create_sft_dataset_iterator([trajectory(), trajectory()], peak_lr=1e-4, schedule_type="constant")
+    )
+    assert [c.config.learning_rate for c in chunks] == [1e-4, 1e-4]
+
+
+def test_unscaled_rewards_whose_advantages_overflow_float32_are_refused(backend: MegatronBackend) -> None:
+    """With scale_rewards=False the advantage is r - mean: 3e38 - (-1.5e38) is finite in float64
+    but inf in the batch's float32 (the step would only abort inside the ranks)."""
+    rewards = (3e38, -3e38, -3e38, -3e38)
+    groups = [GOOD[0], art.TrajectoryGroup([trajectory(r) for r in rewards])]
+    with pytest.raises(NonFiniteValueError, match=r"group 1: advantage 0 of the group is not finite"):
+        train(backend, groups, scale_rewards=False)
+    assert group_advantages([3e38, -3e38]).advantages == pytest.approx((1.0, -1.0))  # scaled: fine
+
+
+def test_a_logprob_float32_turns_into_minus_inf_is_refused(backend: MegatronBackend) -> None:
+    sampled = Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "ok"},
+            "logprobs": {"content": [{"token": "ok", "logprob": -1e39, "bytes": None, "top_logprobs": []}]},
+        }
+    )
+    groups = [GOOD[0], art.TrajectoryGroup([trajectory(1.0), trajectory(0.0, sampled)])]
+    with pytest.raises(NonFiniteValueError, match=r"trajectory 1 of group 1: .*logprob -1e\+39 at token 0"):
+        train(backend, groups)
+
+
+# ------------------------------------------------------------------ MegatronBackend's arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seq_len": True}, r"seq_len=True\) must be a whole number of at least 2 \(a bool\)"),
+        ({"seq_len": "1024"}, r"seq_len='1024'\) must be a whole number .*\(a str\)"),
+        ({"seq_len": 1024.0}, r"seq_len=1024.0\) must be a whole number .*\(a float\)"),
+        ({"seq_len": 1}, r"seq_len=1\) must be a whole number of at least 2"),
+        ({"max_model_len": -1}, r"max_model_len=-1\) must be a whole number of at least 2"),
+        ({"lora_rank": 0}, r"lora_rank=0\) must be a whole number of at least 1"),
+        ({"lora_rank": 8.0}, r"lora_rank=8.0\) must be a whole number .*\(a float\)"),
+        ({"lora_rank": 1024}, r"lora_rank=1024\) is above 512, the largest LoRA rank vLLM serves"),
+        ({"lora_alpha": math.nan}, r"lora_alpha=nan\) must be a finite number greater than 0"),
+        ({"lora_alpha": "16"}, r"lora_alpha='16'\) must be a finite number .*\(a str\)"),
+        ({"lora_alpha": True}, r"lora_alpha=True\) must be a finite number .*\(a bool\)"),
+        ({"lora_alpha": 1e39}, r"lora_alpha=1e\+39\) .*above 3.403e\+38"),
+        ({"lora_targets": "q_proj"}, r"lora_targets='q_proj'\) must be a non-empty list or tuple"),
+        ({"lora_targets": []}, r"lora_targets=\[\]\) must be a non-empty list or tuple"),
+        ({"lora_targets": ["qq_proj"]}, r"LoRA target 'qq_proj' is not known"),
+        ({"keep_adapters": 0}, r"keep_adapters=0\) must be a whole number of at least 1"),
+        ({"startup_timeout_s": math.inf}, r"startup_timeout_s=inf\) must be a finite number"),
+        ({"startup_timeout_s": 0}, r"startup_timeout_s=0\) must be a finite number greater than 0"),
+        ({"vllm_python": 5}, r"vllm_python=5\) must be the path of a Python interpreter"),
+        ({"vllm_python": ""}, r"vllm_python=''\) must be the path of a Python interpreter"),
+        ({"gpu_memory_utilization": True}, r"gpu_memory_utilization=True\) is a fraction"),
+        ({"gpu_memory_utilization": "0.5"}, r"gpu_memory_utilization='0.5'\) is a fraction"),
+        ({"gpu_memory_utilization": math.nan}, r"gpu_memory_utilization=nan\) is a fraction"),
+    ],
+)
+def test_backend_arguments_are_checked_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Each of these was stored as given: a str seq_len failed at the first pack, lora_rank=1024
+    after the trainer ranks started, lora_targets='q_proj' became the targets q, _, p, r, o, j."""
+    with pytest.raises(UserError, match=rf"^MegatronBackend\({message}|^{message}"):
+        MegatronBackend(**kwargs)
+
+
+def test_backend_arguments_of_numpy_types_are_kept_as_python_numbers() -> None:
+    backend = MegatronBackend(
+        lora_rank=np.int32(16),
+        lora_alpha=np.float32(32),
+        seq_len=np.int64(2048),
+        gpu_memory_utilization=np.float32(0.5),
+    )
+    assert backend.lora["rank"] == 16 and type(backend.lora["rank"]) is int
+    assert backend.lora["alpha"] == 32.0 and backend.seq_len == 2048 and type(backend.seq_len) is int
+    assert backend.gpu_memory_utilization == 0.5 and type(backend.gpu_memory_utilization) is float
+    json.dumps(backend.lora)  # the trainer config travels as JSON
+
+
+# --------------------------------------------------------------------- Trajectory's fields
+
+
+@pytest.mark.parametrize("reward", ["1.0", True, np.bool_(True), None, [1.0]])
+def test_a_reward_that_is_not_a_number_is_refused(reward: Any) -> None:
+    """pydantic turned "1.0" and True into 1.0 in silence."""
+    with pytest.raises(ValidationError, match=r"reward .* is a \w+, not a number; score the rollout"):
+        trajectory(reward)
+
+
+def test_numpy_and_negative_zero_rewards_are_taken_as_floats(backend: MegatronBackend) -> None:
+    assert trajectory(np.float32(0.25)).reward == 0.25 and type(trajectory(np.int64(3)).reward) is float
+    # -0.0 == 0.0: a group of them carries no signal and trains nothing
+    assert train(backend, [art.TrajectoryGroup([trajectory(-0.0), trajectory(0.0)])])["documents"] == []
+
+
+def test_a_numpy_nan_reward_is_refused_naming_group_and_trajectory(backend: MegatronBackend) -> None:
+    groups = [GOOD[0], art.TrajectoryGroup([trajectory(1.0), trajectory(np.float32("nan"))])]
+    with pytest.raises(NonFiniteValueError, match=r"trajectory 1 of group 1 has the reward nan"):
+        train(backend, groups)
+
+
+@pytest.mark.parametrize("value", ["yes", None, [1.0], {"a": 1}])
+def test_a_metric_that_is_not_a_number_is_refused_in_one_sentence(value: Any) -> None:
+    with pytest.raises(ValidationError, match=r"metric 'correct' is .* metrics are numbers") as caught:
+        trajectory(1.0, metrics={"correct": value})
+    assert caught.value.error_count() == 1  # was one error per member of the union
+    with pytest.raises(ValidationError, match=r"metric 'size' is"):
+        art.TrajectoryGroup([trajectory()], metrics={"size": "3"})
+
+
+# ------------------------------------------------------------------------------ model.log
+
+
+def test_model_log_takes_arts_call_forms(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """ART's order is log(trajectories, split, *, metrics, step); a list of trajectories is one group."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    model = art.TrainableModel(name="m", project="p", base_model="tiny")
+    row = asyncio.run(model.log([trajectory(1.0), trajectory(0.0), ValueError("x")], "val"))
+    assert row["val/reward"] == 0.5 and row["val/num_groups"] == 1.0
+    assert row["val/exception_rate"] == pytest.approx(1 / 3)
+    row = asyncio.run(model.log(metrics={"loss/policy": np.float32(0.5), "flag": True}, step=2))
+    assert (row["step"], row["loss/policy"], row["train/flag"]) == (2, 0.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"metrics": {"loss": math.nan}}, r"model.log\(metrics=...\) has 'loss': nan, which is not finite"),
+        ({"metrics": {"loss": "0.5"}}, r"has 'loss': '0.5', a str, not a number"),
+        ({"metrics": [("loss", 1.0)]}, r"model.log\(metrics=\[\('loss', 1.0\)\]\) must be a dict"),
+        ({"metrics": {1: 1.0}}, r"has the key 1; metric names are non-empty strings"),
+        ({"step": -1}, r"model.log\(step=-1\) must be a whole number of at least 0"),
+        ({"step": 1.5}, r"model.log\(step=1.5\) must be a whole number"),
+        ({"split": ""}, r"model.log\(split=''\) must be a name"),
+        ({"split": {"loss": 1.0}}, r"model.log\(split=\{'loss': 1.0\}\) must be a name"),
+        ({"trajectory_groups": "groups"}, r"model.log\(trajectory_groups\) got a str"),
+        ({"trajectory_groups": [1, 2]}, r"model.log\(trajectory_groups\) got a list of int"),
+    ],
+)
+def test_model_log_refuses_what_the_row_cannot_hold(tmp_path, monkeypatch, call, message) -> None:  # noqa: ANN001
+    """A NaN metric was left out of the row in silence, "0.5" logged as 0.5, a str split crashed
+    inside history_row; nothing is written when refused."""
+    monkeypatch.chdir(tmp_path)
+    model = art.TrainableModel(name="m", project="p", base_model="tiny")
+    with pytest.raises(HyperParameterError, match=message):
+        asyncio.run(model.log(**call))
+    assert not (model.output_dir / "history.jsonl").exists()
+
+
+# ------------------------------------------------------------------- gather_trajectory_groups
+
+
+async def ok() -> art.Trajectory:
+    return trajectory(1.0)
+
+
+async def fails() -> art.Trajectory:
+    raise ValueError("no")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(-1, "negative"), (-0.5, "negative"), (math.nan, "NaN"), (True, "a bool"), ("2", "a str")],
+)
+def test_gather_refuses_max_exceptions_that_mean_something_else(value: Any, why: str) -> None:
+    """-1 raised 'rollouts raised' when none did; True counted as 1; NaN always raised."""
+    with pytest.raises(HyperParameterError, match=rf"gather_trajectory_groups\(max_exceptions=.*\({why}\)"):
+        asyncio.run(
+            gather_trajectory_groups([art.TrajectoryGroup(ok() for _ in range(2))], max_exceptions=value)
+        )
+
+
+def test_gather_takes_numpy_fractions_counts_and_no_limit() -> None:
+    def groups() -> list[Any]:
+        return [art.TrajectoryGroup([ok(), ok(), ok(), fails()])]
+
+    # np.float32(0.3) is a fraction (was a count of 0.3: one failure raised)
+    assert (
+        len(asyncio.run(gather_trajectory_groups(groups(), pbar_desc=None, max_exceptions=np.float32(0.3))))
+        == 1
+    )
+    assert len(asyncio.run(gather_trajectory_groups(groups(), pbar_desc=None, max_exceptions=math.inf))) == 1
+    with pytest.raises(RolloutExceptionsExceeded):
+        asyncio.run(gather_trajectory_groups(groups(), pbar_desc=None, max_exceptions=np.float32(0.2)))
+    with pytest.raises(HyperParameterError, match=r"after_each=3\) must be a function"):
+        asyncio.run(gather_trajectory_groups([], after_each=3))  # type: ignore[arg-type]
