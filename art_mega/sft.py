@@ -26,9 +26,11 @@ from art_mega.hyperparams import (
     pydantic_check,
     whole_problem,
 )
-from art_mega.trajectories import Trajectory
+from art_mega.trajectories import CHAT_ROLES, Trajectory
 
-ROLES = {"system", "user", "assistant", "tool", "developer"}
+ROLES = set(CHAT_ROLES)
+"""The roles an SFT message may have: those RL training takes (a chat template that cannot
+render one is refused at tokenization, naming the row)."""
 ScheduleType = Literal["constant", "linear", "cosine"]
 T = TypeVar("T")
 
@@ -132,9 +134,15 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
 
     try:
         row = json.loads(line)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise refuse(
             f"not valid JSON ({exc.msg} at column {exc.colno}); each line is one JSON object"
+        ) from None
+    except ValueError as exc:  # an integer literal past Python's 4300-digit limit
+        raise refuse(f"not a JSON row this loader reads ({exc}); each line is one JSON object") from None
+    except RecursionError:
+        raise refuse(
+            "nests JSON arrays or objects too deeply to load; each line is one JSON object"
         ) from None
     if not isinstance(row, dict):
         raise refuse(f"a row must be a JSON object with 'messages', got a {type(row).__name__}")

@@ -79,6 +79,21 @@ class Trajectory(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
 
+    @field_validator("messages_and_choices", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        # a ChatCompletionMessage (choice.message) is a pydantic object, not a message dict: its
+        # union error listed every member; appending choice.message also drops the sampled tokens
+        if isinstance(value, list):
+            for m, item in enumerate(value):
+                if isinstance(item, BaseModel) and not isinstance(item, Choice):
+                    raise ValueError(
+                        f"messages_and_choices[{m}] is a {type(item).__name__} object, not a chat "
+                        "message dict or an openai Choice; append the Choice itself (its sampled "
+                        "tokens train as sampled) or item.model_dump(exclude_none=True)"
+                    )
+        return value
+
     @field_validator("reward", mode="before")
     @classmethod
     def _reward(cls, value: Any) -> Any:

@@ -6,7 +6,8 @@ naming the key path, e.g. `trajectory.metadata['scores'][2]`, never changed in s
 - None, bool, int, str, finite floats, lists, and dicts with str keys, as they are.
 - Tuples arrive as lists (JSON has no tuple); a field typed `tuple[...]` is a tuple again.
 - NaN and +-inf travel as {"__float__": "nan" | "inf" | "-inf"} and arrive as the same float.
-- numpy scalars (np.bool_, integers, floats, np.str_) arrive as Python bool / int / float / str.
+- numpy scalars (np.bool_, integers, floats, np.str_) arrive as Python bool / int / float / str
+  (an np.longdouble only where float64 holds its value exactly).
 - A pydantic model travels as {"__model__": "module:qualname", "data": ...}; the receiver
   re-imports the class, accepts it only if it is a `pydantic.BaseModel` subclass, and validates
   the data. Its fields are encoded by their declared types: typed values pydantic restores
@@ -15,7 +16,8 @@ naming the key path, e.g. `trajectory.metadata['scores'][2]`, never changed in s
   arrive as a plain dict).
 
 Refused: bytes, sets, complex numbers, numpy arrays and any other object where no declared
-type restores it. Nothing is pickled.
+type restores it, and a dict shaped like a tag ({"__float__": ...} or {"__model__": ..., "data":
+...} alone), which would arrive as the tagged value. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -80,7 +82,16 @@ def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
         return _tag_floats(value)
     numpy = sys.modules.get("numpy")  # only a process that imported numpy can hold its values
     if numpy is not None and isinstance(value, (numpy.bool_, numpy.integer, numpy.floating, numpy.str_)):
-        return _encode(value.item(), declared, path, in_model)
+        item = value.item()
+        if type(item).__module__ == "numpy":  # np.longdouble's item() is itself
+            item = float(value)
+            if item != value and not math.isnan(item):
+                raise WireError(
+                    path,
+                    f"is the {type(value).__name__} {value!r}, which a JSON float (float64) cannot hold; "
+                    "return float(value) if that precision is enough",
+                )
+        return _encode(item, declared, path, in_model)
     if isinstance(value, BaseModel):
         cls = type(value)
         if not in_model:
@@ -98,6 +109,12 @@ def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
             f"as a plain dict; store its .model_dump() or declare the field as {cls.__name__}",
         )
     if isinstance(value, dict):
+        if _looks_tagged(value):
+            raise WireError(
+                path,
+                f"is a dict with only the keys {sorted(value)}, the form the wire uses for tagged "
+                "values, so it would arrive as something else; rename the keys",
+            )
         item_type = _item_type(declared)
         out = {}
         for key, item in value.items():
@@ -116,6 +133,12 @@ def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
     if in_model and _is_typed(declared):
         return _encode(_dump_typed(declared, value, path), _UNTYPED, path, in_model)
     raise WireError(path, _refusal(value, numpy))
+
+
+def _looks_tagged(value: dict[Any, Any]) -> bool:
+    """True for a dict `decode` would read as a tagged float or model (see `decode`)."""
+    keys = set(value)
+    return keys == {FLOAT_TAG} or keys == {MODEL_TAG, "data"}
 
 
 def _refusal(value: Any, numpy: Any) -> str:

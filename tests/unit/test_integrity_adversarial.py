@@ -281,9 +281,7 @@ async def fails() -> art.Trajectory:
 def test_gather_refuses_max_exceptions_that_mean_something_else(value: Any, why: str) -> None:
     """-1 raised 'rollouts raised' when none did; True counted as 1; NaN always raised."""
     with pytest.raises(HyperParameterError, match=rf"gather_trajectory_groups\(max_exceptions=.*\({why}\)"):
-        asyncio.run(
-            gather_trajectory_groups([art.TrajectoryGroup(ok() for _ in range(2))], max_exceptions=value)
-        )
+        asyncio.run(gather_trajectory_groups([], max_exceptions=value))
 
 
 def test_gather_takes_numpy_fractions_counts_and_no_limit() -> None:
@@ -300,3 +298,102 @@ def test_gather_takes_numpy_fractions_counts_and_no_limit() -> None:
         asyncio.run(gather_trajectory_groups(groups(), pbar_desc=None, max_exceptions=np.float32(0.2)))
     with pytest.raises(HyperParameterError, match=r"after_each=3\) must be a function"):
         asyncio.run(gather_trajectory_groups([], after_each=3))  # type: ignore[arg-type]
+
+
+def test_a_chat_completion_message_object_is_refused_naming_its_index() -> None:
+    """`messages.append(choice.message)` gave a pydantic error per member of the union; it also
+    drops the sampled tokens the Choice carries."""
+    sampled = Choice.model_validate(
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}
+    )
+    with pytest.raises(
+        ValidationError, match=r"messages_and_choices\[1\] is a ChatCompletionMessage object"
+    ) as caught:
+        art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, sampled.message])
+    assert caught.value.error_count() == 1
+    assert isinstance(art.Trajectory(messages_and_choices=[sampled]).messages_and_choices[0], Choice)
+
+
+# ---------------------------------------------------------------------------- SFT files
+
+
+def sft_file(tmp_path, data: bytes) -> str:  # noqa: ANN001
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(data)
+    return str(path)
+
+
+ROW = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]'
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        # an int literal past Python's 4300-digit limit: AttributeError ('ValueError' has no msg)
+        (
+            ROW + b', "n": ' + b"9" * 5000 + b"}\n",
+            r"data.jsonl:1: not a JSON row this loader reads \(Exceeds the limit",
+        ),
+        # RecursionError traceback
+        (
+            ROW + b', "n": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
+            r"data.jsonl:1: nests JSON arrays or objects too deeply",
+        ),
+        (b"[" + ROW + b"}]\n", r"data.jsonl:1: a row must be a JSON object with 'messages', got a list"),
+        (b"", r"SFT file .*data.jsonl has no rows"),
+        (
+            ROW + b"}\n" + b"\xef\xbb\xbf" + ROW + b"}\n",
+            r"data.jsonl:2: not valid JSON \(Unexpected UTF-8 BOM",
+        ),
+    ],
+)
+def test_sft_files_that_do_not_load_are_named_with_file_and_line(tmp_path, data: bytes, message: str) -> None:  # noqa: ANN001
+    from art_mega.errors import SFTFileError
+    from art_mega.sft import read_sft_jsonl
+
+    with pytest.raises(SFTFileError, match=message):
+        read_sft_jsonl(sft_file(tmp_path, data))
+
+
+def test_sft_rows_with_crlf_extra_keys_and_rl_roles_load_as_written(tmp_path) -> None:  # noqa: ANN001
+    """CRLF lines and keys other than messages/tools load (ART reads only those); 'ipython', a role
+    RL training takes, was refused in SFT files only."""
+    from art_mega.sft import read_sft_jsonl
+
+    ipython = (
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "ipython", "content": "42"}, '
+        b'{"role": "assistant", "content": "yo"}]}'
+    )
+    rows = read_sft_jsonl(sft_file(tmp_path, ROW + b', "id": 7}\r\n' + ipython + b"\r\n"))
+    assert [m["content"] for m in rows[0].messages_and_choices] == ["hi", "yo"]
+    assert [m["role"] for m in rows[1].messages_and_choices] == ["user", "ipython", "assistant"]
+
+
+# ---------------------------------------------------------------------------------- wire
+
+
+def test_wire_refuses_dicts_shaped_like_its_tags_and_lossy_long_doubles() -> None:
+    """{"__float__": "nan"} in metadata arrived as the float nan, {"__model__": ..., "data": ...}
+    as an import error; an np.longdouble recursed until RecursionError."""
+    from art_mega.runtime import wire
+
+    with pytest.raises(
+        wire.WireError, match=r"trajectory.metadata\['x'\] is a dict with only the keys \['__float__'\]"
+    ):
+        wire.encode(art.Trajectory(metadata={"x": {"__float__": "nan"}}))
+    with pytest.raises(
+        wire.WireError, match=r"result\[0\] is a dict with only the keys \['__model__', 'data'\]"
+    ):
+        wire.encode([{"__model__": "x:Y", "data": {}}])
+    with pytest.raises(
+        wire.WireError, match=r"result\['a'\] is the longdouble .*JSON float \(float64\) cannot hold"
+    ):
+        wire.encode({"a": np.longdouble(1) / 3})
+    back = wire.decode(
+        json.loads(json.dumps(wire.encode({"a": np.longdouble(2.5), "b": {"__float__": 1, "c": 2}})))
+    )
+    assert back == {"a": 2.5, "b": {"__float__": 1, "c": 2}} and type(back["a"]) is float
+    nested = wire.decode(
+        json.loads(json.dumps(wire.encode(art.Trajectory(metadata={"a": [{"b": math.nan}]}))))
+    )
+    assert math.isnan(nested.metadata["a"][0]["b"])
