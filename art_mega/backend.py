@@ -639,6 +639,9 @@ class MegatronBackend:
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
         await check_runtime_idle(self._runtime)
+        # the interpreter the replicas will run under joins a collective before any start (cached)
+        replica_python = topology.inference[0].python or self._vllm_python or default_vllm_python()
+        await self._runtime.prove_replicas(replica_python)
         try:
             await self._start_serving(model, resolved, run_dir, committed, transport)
         except BaseException:

@@ -212,13 +212,16 @@ class ArtRuntime:
         """The environments the preflight collective runs in, each on the hosts it will use.
 
         The trainer's (each agent's own interpreter) on its ranks' hosts, and each inference
-        spec's `python` on the hosts of its replicas. `requested=None`: those that use two or
-        more hosts; True: every one (the trainer's over every host, even without a trainer);
-        False: none. An inference spec without `python` runs under the backend's vLLM
-        interpreter (`MegatronBackend(vllm_python=...)`), which the runtime does not know: a
-        replica of it that spans hosts has the network proved in the agents' environment. An
-        environment whose interpreter and hosts another one covers (same interpreter, a
-        superset of hosts) is proved once, named for both.
+        spec's `python` on the hosts of its replicas. `requested=None`: the trainer's when it
+        uses two or more hosts (the agents already run its interpreter) and every replica
+        environment, on one host too (a world-size-1 probe: the interpreter imports
+        torch.distributed and forms a group); True: every one (the trainer's over every host,
+        even without a trainer); False: none. An inference spec without `python` runs under the
+        backend's vLLM interpreter (`MegatronBackend(vllm_python=...)`), which the runtime does
+        not know at start: a replica of it that spans hosts has the network proved in the
+        agents' environment, and the backend proves its interpreter with `prove_replicas`
+        before it starts any replica. An environment whose interpreter and hosts another one
+        covers (same interpreter, a superset of hosts) is proved once, named for both.
         """
         if requested is False:
             return ()
@@ -233,7 +236,7 @@ class ArtRuntime:
             hosts = {h for r in replicas for h in r.host_ids}
             if spec.python is None:
                 agents_hosts.update(h for r in replicas if len(r.host_ids) > 1 for h in r.host_ids)
-            elif hosts and (requested or len(hosts) > 1):
+            elif hosts:
                 own.append(ProofEnvironment((spec.name,), spec.python, tuple(h for h in order if h in hosts)))
         wanted = own
         if requested or agents_hosts:
@@ -397,6 +400,53 @@ class ArtRuntime:
             collectives=tuple(reports),
         )
         return self.preflight
+
+    async def prove_replicas(self, python: str) -> CollectiveReport | None:
+        """Prove `python`, the interpreter replicas will run under, on every replica host.
+
+        For the backend, before it starts any replica: an `InferenceSpec` without `python` runs
+        under the backend's vLLM interpreter, which `prove` did not know. One collective over
+        the replicas' hosts (node order, world size 1 on one host), named for the inference
+        specs; cached like `prove`'s, so an interpreter `prove` already proved on those hosts
+        costs nothing. None when the topology has no replicas; `prove` must have run.
+
+        Raises:
+            PreflightError: the interpreter cannot be run, cannot import torch.distributed or
+                cannot join (names the host and the interpreter); nothing is left running.
+            RuntimeError: the runtime is closed, or was never proved.
+            HostLostError: a host was lost.
+        """
+        from art_mega.runtime.preflight import run_collective
+
+        self._check_usable()
+        if not self.host_facts:
+            raise RuntimeError("prove_replicas needs a proved runtime (ArtRuntime.start or prove first)")
+        topology = self.topology
+        hosts = {h for r in topology.replicas for h in r.host_ids}
+        if not hosts:
+            return None
+        names = tuple(dict.fromkeys(r.name for r in topology.replicas))
+        host_ids = tuple(h for h in topology.cluster.host_ids if h in hosts)
+        environment = ProofEnvironment(names, python, host_ids)
+        key = self._proof_key(environment)
+        if key in self._proved:
+            return self._proved[key]
+        backend, nccl_net = self._collective_backend(host_ids)
+        cluster = topology.cluster
+        report = await run_collective(
+            self._clients,
+            host_ids,
+            cluster.host(host_ids[0]).worker_address.host,
+            cluster.startup_timeout_s,
+            backend=backend,
+            nccl_net=nccl_net,
+            python=python,
+            log_dir=cluster.artifact_root,
+            environment=", ".join(names),
+        )
+        if key is not None:
+            self._proved[key] = report
+        return report
 
     async def _recheck_managed_etcd(self) -> str | None:
         """On a proof again: this runtime's managed etcd, checked from every host, or None when

@@ -1,12 +1,14 @@
-"""A failed `register` without vLLM (cheap): a replica that cannot start (its interpreter exits at
-once) stops the trainer rank started beside it and leaves the backend free for the next register;
-`close()` after a refused register closes an owned runtime, and the next register starts anew.
+"""A failed `register` without vLLM (cheap): a replica that cannot start (its interpreter, this
+one, passes the preflight but has no vLLM, so the replica exits at once) stops the trainer rank
+started beside it and leaves the backend free for the next register; `close()` after a refused
+register closes an owned runtime, and the next register starts anew.
 
 Before: the trainer rank went on loading the model and stayed up after `register` raised, a
 second `register` on the backend said "this backend already trains model 'agent'", and a register
 after `close()` reused the closed runtime."""
 
 import asyncio
+import sys
 
 import pytest
 
@@ -53,7 +55,7 @@ async def test_a_replica_that_cannot_start_stops_the_trainer_rank_and_frees_the_
         inference=InferenceSpec(replicas=1, api_port=free_port()),  # the backend's vllm_python runs it
     )
     runtime = await ArtRuntime.start_local(topology)
-    backend = MegatronBackend(runtime, vllm_python="/bin/false", startup_timeout_s=300)
+    backend = MegatronBackend(runtime, vllm_python=sys.executable, startup_timeout_s=300)
     model = art.TrainableModel(name="agent", project="p", base_model=str(tiny_llama_dir))
     logs = tmp_path / "artifacts" / "p" / "models" / "agent" / "logs"
     try:
@@ -90,7 +92,7 @@ async def test_close_after_a_failed_register_closes_an_owned_runtime_and_registe
     (adapter / "adapter_config.json").write_text(
         json.dumps({**config, "base_model_name_or_path": str(tiny_llama_dir)})
     )
-    backend = MegatronBackend(vllm_python="/bin/false")
+    backend = MegatronBackend(vllm_python=sys.executable)
     model = art.TrainableModel(name="agent", project="p", base_model=str(adapter))
     runtimes = []
     for _ in range(2):

@@ -29,9 +29,10 @@ def test_each_environment_on_the_hosts_it_uses():
     )
 
 
-def test_one_host_needs_no_collective_unless_asked():
+def test_one_host_proves_only_the_replica_environment_unless_asked():
+    # the agents run the trainer's interpreter already; the replicas' one must import torch.distributed
     spec = InferenceSpec(replicas=1, python=VLLM)
-    assert environments(1, None, ("host0",), spec) == ()
+    assert environments(1, None, ("host0",), spec) == (ProofEnvironment(("vllm",), VLLM, ("host0",)),)
     assert environments(1, True, ("host0",), spec) == (
         ProofEnvironment(("trainer",), None, ("host0",)),
         ProofEnvironment(("vllm",), VLLM, ("host0",)),
