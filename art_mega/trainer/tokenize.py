@@ -18,6 +18,9 @@ new sequence: each turn is then trained in its own history, as ART's `additional
 - Tool-call `arguments` given as a JSON string (OpenAI's wire format) are parsed once before
   rendering, as vLLM does, so templates that print them as an object (Qwen2.5's `| tojson`)
   never render a double-escaped string; missing or empty arguments render as `{}` (vLLM's rule).
+- A list `content` (content parts) reaches the template as vLLM hands it over
+  (`content_format`): its text parts joined with newlines, or the parts themselves for a
+  template that iterates over them; an image, audio or other part is refused (text only).
 - Tools reach the template in the form vLLM gives them (`template_tools`): the same key order,
   a missing description as null, so the tools block renders as it did at sampling.
 - `additional_histories` become more sequences; all of a trajectory's sequences share its
@@ -278,6 +281,63 @@ def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
     return {**message, "tool_calls": parsed}
 
 
+_PROBE_TEXT = "art-mega content probe"
+
+
+def content_format(tokenizer: Any) -> Literal["string", "openai"]:
+    """How vLLM hands a list of content parts to this tokenizer's chat template: "openai" (the
+    list of parts) when the template iterates over a message's content, else "string" (the text
+    parts joined with newlines). vLLM decides from the template's syntax tree; here a one-message
+    render with a list content tells: a template that does not iterate over the parts fails on it
+    or prints the list itself."""
+    probe = [{"role": "user", "content": [{"type": "text", "text": _PROBE_TEXT}]}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    except Exception:  # the template cannot take a list: vLLM's "string" format is what it gets
+        return "string"
+    if not isinstance(text, str) or _PROBE_TEXT not in text or "'type'" in text or '"type"' in text:
+        return "string"
+    return "openai"
+
+
+def _text_contents(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """`messages` with list contents (content parts) as vLLM renders them for this template (see
+    `content_format`): joined text for "string" templates, the parts for "openai" ones.
+
+    Raises:
+        TokenizationError: a part that is not a text part with a string `text` (an image or audio
+            part: the trainer takes text only), naming the message and the part.
+    """
+    if not any(isinstance(m.get("content"), list) for m in messages):
+        return messages
+    form = content_format(tokenizer)
+    out = []
+    for turn, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                shown = (
+                    f"a part of type {kind!r}"
+                    if kind not in (None, "text")
+                    else "not a text part with a string 'text'"
+                )
+                raise TokenizationError(
+                    f"{where}: messages_and_choices[{turn}].content[{k}] is {shown}; art-mega trains "
+                    "text only: give the content as a string or as {'type': 'text', 'text': '...'} parts",
+                    where,
+                    turn,
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts) if form == "string" else [{"type": "text", "text": t} for t in texts]
+        out.append({**message, "content": content})
+    return out
+
+
 def end_of_turn_ids(tokenizer: Any) -> set[int]:
     """The token ids that end a sampled turn, as vLLM stops on them: the tokenizer's eos token
     and the `eos_token_id` (an int or a list) of `generation_config.json` in the tokenizer's
@@ -343,7 +403,9 @@ def tokenize_history(
     """
     items = list(messages_and_choices)
     tools = template_tools(tools, where)
-    messages = [_chat_message(item, where, turn) for turn, item in enumerate(items)]
+    messages = _text_contents(
+        tokenizer, [_chat_message(item, where, turn) for turn, item in enumerate(items)], where
+    )
     turns = [t for t, item in enumerate(items) if _is_choice(item) or messages[t].get("role") == "assistant"]
     if assistant_turns == "last":
         turns = turns[-1:]
