@@ -278,6 +278,10 @@ def _metric_problem(value: Any) -> str | None:
         type(value).__module__ == "numpy" and type(value).__name__ == "bool"
     ):
         return f"a {type(value).__name__}, not a number"
-    if not math.isfinite(float(value)):
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range
+        finite = False
+    if not finite:
         return "which is not finite"
     return None

@@ -31,6 +31,10 @@ def _message_kind(value: Any) -> str:
     return "message"
 
 
+HISTORY_KEYS = {"messages_and_choices", "tools"}
+"""The keys of one `Trajectory.additional_histories` entry (ART's History model)."""
+
+
 def _check_metrics(value: Any) -> Any:
     """A `metrics` dict as given, when every value is a number (a bool counts as 0 or 1; numpy
     scalars too); NaN and inf are kept (see `metrics.history_row`). ValueError otherwise: one
@@ -42,7 +46,16 @@ def _check_metrics(value: Any) -> Any:
                     f"metric {key!r} is {metric!r} (a {type(metric).__name__}); metrics are numbers "
                     "(float, int or bool), e.g. {'correct': 1.0}: keep other values in metadata"
                 )
+            try:
+                float(metric)
+            except OverflowError:
+                raise ValueError(f"metric {key!r} is {_magnitude(metric)}, too large for a float") from None
     return value
+
+
+def _magnitude(value: int) -> str:
+    """An int beyond float range, shown by its size (its repr may have thousands of digits)."""
+    return f"{'-' if value < 0 else ''}~10**{int(math.log10(abs(value)))}"
 
 
 def _numpy_bool(value: Any) -> bool:
@@ -104,7 +117,32 @@ class Trajectory(BaseModel):
                 f"reward {value!r} is a {type(value).__name__}, not a number; score the rollout "
                 "with a float, e.g. reward=1.0"
             )
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float range (10**400)
+            raise ValueError(
+                f"reward {_magnitude(value)} is too large for a float; rescale the reward"
+            ) from None
+
+    @field_validator("additional_histories", mode="before")
+    @classmethod
+    def _histories(cls, value: Any) -> Any:
+        # ART's History model: messages_and_choices (required) and tools; a history without
+        # them (e.g. {"messages": [...]}) trained nothing here, in silence
+        if isinstance(value, list):
+            for h, history in enumerate(value):
+                keys = set(history) if isinstance(history, dict) else None
+                if keys is None or "messages_and_choices" not in keys or keys - HISTORY_KEYS:
+                    shown = (
+                        f"has the keys {sorted(keys, key=str)}"
+                        if keys is not None
+                        else f"is a {type(history).__name__}"
+                    )
+                    raise ValueError(
+                        f"additional_histories[{h}] {shown}; a history is "
+                        "{'messages_and_choices': [...], 'tools': [...] (optional)}"
+                    )
+        return value
 
     @field_validator("metrics", mode="before")
     @classmethod

@@ -397,3 +397,27 @@ def test_wire_refuses_dicts_shaped_like_its_tags_and_lossy_long_doubles() -> Non
         json.loads(json.dumps(wire.encode(art.Trajectory(metadata={"a": [{"b": math.nan}]}))))
     )
     assert math.isnan(nested.metadata["a"][0]["b"])
+
+
+def test_numbers_beyond_float_range_and_history_typos_are_refused_in_one_sentence() -> None:
+    """reward=10**400 raised a bare OverflowError; {"messages": [...]} as a history trained
+    nothing, in silence (ART's History model requires messages_and_choices)."""
+    with pytest.raises(ValidationError, match=r"reward ~10\*\*400 is too large for a float"):
+        trajectory(10**400)
+    with pytest.raises(ValidationError, match=r"metric 'n' is -~10\*\*400, too large for a float"):
+        trajectory(1.0, metrics={"n": -(10**400)})
+    with pytest.raises(
+        ValidationError, match=r"additional_histories\[0\] has the keys \['messages'\]; a history is"
+    ):
+        trajectory(1.0, additional_histories=[{"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(ValidationError, match=r"additional_histories\[0\] is a list; a history is"):
+        trajectory(1.0, additional_histories=[[{"role": "user", "content": "x"}]])
+    history = {"messages_and_choices": [{"role": "user", "content": "x"}], "tools": None}
+    assert trajectory(1.0, additional_histories=[history]).additional_histories == [history]
+
+
+def test_model_log_refuses_a_metric_beyond_float_range(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    model = art.TrainableModel(name="m", project="p", base_model="tiny")
+    with pytest.raises(HyperParameterError, match=r"has 'n': 1000.*, which is not finite"):
+        asyncio.run(model.log(metrics={"n": 10**400}))
