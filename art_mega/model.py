@@ -128,13 +128,13 @@ class TrainableModel(Model):
 
         `trajectory_groups`: None, a list of TrajectoryGroup, or a list of Trajectory (and
         exceptions) logged as one group, as in ART (whose argument order this follows: split
-        second, metrics and step by name). `metrics`: names -> finite numbers (a NaN would be
-        left out of the row, so it is refused). Returns the row written (see
+        second, metrics and step by name). `metrics`: names -> numbers (a NaN would be left out
+        of the row, so it is refused; +-inf is logged as is). Returns the row written (see
         `art_mega.metrics.history_row` for the names).
 
         Raises:
             HyperParameterError: a split that is not a non-empty name, a step that is not a
-                whole number >= 0, metrics that are not a dict of finite numbers, or groups that
+                whole number >= 0, metrics that are not a dict of numbers or hold a NaN, or groups that
                 are not one of the forms above (named, one sentence).
         """
         from art_mega.metrics import WandbMirror, append_history, history_row
@@ -263,14 +263,14 @@ def _check_log_options(split: Any, metrics: Any, step: Any) -> None:
         if why is not None:
             raise HyperParameterError(
                 f"model.log(metrics=...) has {name!r}: {value!r}, {why}; "
-                "log finite numbers (leave the metric out when it has no value)",
+                "log numbers (leave the metric out when it has no value)",
                 name,
                 value,
             )
 
 
 def _metric_problem(value: Any) -> str | None:
-    """None for a finite real number (a bool counts as 0 or 1), else why it is not one."""
+    """None for a real number other than NaN (a bool counts as 0 or 1), else why it is not one."""
     import math
     import numbers
 
@@ -279,9 +279,8 @@ def _metric_problem(value: Any) -> str | None:
     ):
         return f"a {type(value).__name__}, not a number"
     try:
-        finite = math.isfinite(float(value))
+        number = float(value)
     except OverflowError:  # an int beyond float range
-        finite = False
-    if not finite:
-        return "which is not finite"
-    return None
+        return "an int too large for a float"
+    # history_row leaves NaN out of the row; +-inf is written as is (a ratio that overflowed)
+    return "which the history row cannot hold" if math.isnan(number) else None

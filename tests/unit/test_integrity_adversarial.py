@@ -236,12 +236,17 @@ def test_model_log_takes_arts_call_forms(tmp_path, monkeypatch) -> None:  # noqa
     assert row["val/exception_rate"] == pytest.approx(1 / 3)
     row = asyncio.run(model.log(metrics={"loss/policy": np.float32(0.5), "flag": True}, step=2))
     assert (row["step"], row["loss/policy"], row["train/flag"]) == (2, 0.5, 1.0)
+    # an overflowed ratio from backend.train is logged as is (model.log(metrics=result.metrics))
+    assert asyncio.run(model.log(metrics={"loss/ratio_mean": math.inf}))["loss/ratio_mean"] == math.inf
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        ({"metrics": {"loss": math.nan}}, r"model.log\(metrics=...\) has 'loss': nan, which is not finite"),
+        (
+            {"metrics": {"loss": math.nan}},
+            r"model.log\(metrics=...\) has 'loss': nan, which the history row cannot hold",
+        ),
         ({"metrics": {"loss": "0.5"}}, r"has 'loss': '0.5', a str, not a number"),
         ({"metrics": [("loss", 1.0)]}, r"model.log\(metrics=\[\('loss', 1.0\)\]\) must be a dict"),
         ({"metrics": {1: 1.0}}, r"has the key 1; metric names are non-empty strings"),
@@ -419,5 +424,5 @@ def test_numbers_beyond_float_range_and_history_typos_are_refused_in_one_sentenc
 def test_model_log_refuses_a_metric_beyond_float_range(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.chdir(tmp_path)
     model = art.TrainableModel(name="m", project="p", base_model="tiny")
-    with pytest.raises(HyperParameterError, match=r"has 'n': 1000.*, which is not finite"):
+    with pytest.raises(HyperParameterError, match=r"has 'n': 1000.*, an int too large for a float"):
         asyncio.run(model.log(metrics={"n": 10**400}))
