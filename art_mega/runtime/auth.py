@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -37,6 +39,10 @@ MAX_SKEW_S = 30.0
 """Requests whose timestamp differs from the receiver's clock by more than this are refused."""
 
 MIN_SECRET_BYTES = 16
+
+_HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (32, 64)}
+"""`sign`'s header shapes: nonce and incarnation 32 lowercase hex digits, body hash and
+signature 64; anything else is refused before the HMAC, so a remembered nonce is 32 bytes."""
 
 
 class AuthError(Exception):
@@ -176,10 +182,19 @@ class Verifier:
             or incarnation is None
         ):
             raise AuthError("unsigned request")
+        for name, value, digits in (
+            (NONCE_HEADER, nonce, 32),
+            (BODY_HASH_HEADER, body_hash, 64),
+            (SIGNATURE_HEADER, signature, 64),
+        ):
+            if not _HEX[digits].fullmatch(value):
+                raise AuthError(f"malformed {name}: expected {digits} lowercase hex digits")
         try:
-            sent_at = float(timestamp)
+            sent_at = float(timestamp) if len(timestamp) <= 32 else math.nan
         except ValueError:
-            raise AuthError("malformed timestamp") from None
+            sent_at = math.nan
+        if not math.isfinite(sent_at):  # nan would pass any skew comparison
+            raise AuthError("malformed timestamp: expected seconds since the epoch, e.g. 1767225600.000000")
         if abs(time.time() - sent_at) > self._max_skew_s:
             raise AuthError("stale timestamp")
         target = AgentIdentity(address=address, incarnation=incarnation)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -35,6 +35,51 @@ H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """Body cap of a route that names none (1 MiB: every control body is far smaller)."""
+MAX_HEAD_BYTES = 64 << 10
+"""Cap on a request's line and headers (bytes received before the headers end): a signed
+request's headers are under 1 KiB; httptools alone buffers any amount."""
+
+
+def capped_head_protocol() -> type | str:
+    """The uvicorn HTTP protocol for the agent: httptools' with the request line and headers
+    held to `MAX_HEAD_BYTES` (431 and the connection closed past it, before any route or
+    signature check runs), or "h11" when httptools is not installed (h11 caps them at 16 KiB)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "h11"
+
+    class CappedHeadProtocol(HttpToolsProtocol):
+        _in_head = True
+        _head_bytes = 0
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                message = (
+                    f"the request line and headers take at most {MAX_HEAD_BYTES} bytes; "
+                    f"this request sent {self._head_bytes} without ending them"
+                ).encode()
+                self.transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                    b"content-length: "
+                    + str(len(message)).encode()
+                    + b"\r\nconnection: close\r\n\r\n"
+                    + message
+                )
+                self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head, self._head_bytes = True, 0  # the next request on this connection
+
+    return CappedHeadProtocol
 
 
 class RouteError(Exception):
@@ -72,12 +117,13 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request's body, read only while it stays within `max_bytes`.
 
     Raises:
-        RouteError: 400 for a malformed Content-Length; 413 (closing the connection) when the
-            declared length, or the bytes received so far, pass `max_bytes`.
+        RouteError: 400 for a malformed Content-Length or a client that disconnected before the
+            body ended; 413 (closing the connection) when the declared length, or the bytes
+            received so far, pass `max_bytes`.
     """
     where = f"{request.method} {request.url.path}"
     declared = request.headers.get("content-length")
-    if declared is not None and not declared.isdigit():
+    if declared is not None and not (declared.isascii() and declared.isdigit()):
         raise RouteError(400, f"{where}: Content-Length {declared!r} is not a byte count", close=True)
     if declared is not None and int(declared) > max_bytes:
         raise RouteError(
@@ -85,13 +131,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise RouteError(
-                413, f"{where} takes at most {max_bytes} bytes of body; this one has more", close=True
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise RouteError(
+                    413, f"{where} takes at most {max_bytes} bytes of body; this one has more", close=True
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # the sender left mid-body (or its Content-Length lied): nothing runs
+        raise RouteError(
+            400, f"{where}: the client disconnected after {size} bytes of body", close=True
+        ) from None
     return b"".join(chunks)
 
 
