@@ -72,7 +72,7 @@ from art_mega.runtime.protocol import (
     TrainerStartResponse,
 )
 from art_mega.runtime.rollout_worker import STREAM_LIMIT
-from art_mega.runtime.routes import RouteError, SignedRouter, body_error, json_reply
+from art_mega.runtime.routes import RouteError, SignedRouter, body_error, capped_head_protocol, json_reply
 from art_mega.runtime.supervisor import Child, Supervisor
 from art_mega.runtime.trainer_host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
 
@@ -627,6 +627,7 @@ async def serve(
         log_level="warning",
         access_log=False,
         proxy_headers=False,  # no proxy in front of an agent: skip X-Forwarded-* parsing per request
+        http=capped_head_protocol(),  # an unsigned request's headers are not buffered without bound
         timeout_graceful_shutdown=2,
         lifespan="on",
     )
