@@ -19,8 +19,20 @@ from art_mega.trainer.lora_targets import hf_target_modules, normalise_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 
-_UNSUPPORTED = ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern")
-"""adapter_config.json keys art-mega's LoRA has no counterpart for (when set / non-empty)."""
+_UNSUPPORTED = (
+    "use_dora",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+    "layers_to_transform",
+    "layer_replication",
+    "lora_bias",
+    "trainable_token_indices",
+)
+"""adapter_config.json keys art-mega's LoRA has no counterpart for (when set / non-empty): the
+weights they add (full copies of `modules_to_save`, LoRA biases, token rows) or the layers they
+leave out would be dropped or trained where the adapter has none."""
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -59,11 +71,14 @@ def check_adapter_config(
 
     Raises:
         AdapterMismatchError: one sentence naming each differing value of the adapter, the
-            backend's value and the fix; for a non-LoRA adapter or DoRA / rsLoRA / per-module
-            patterns, that art-mega trains plain LoRA only.
+            backend's value and the fix; for a non-LoRA adapter, DoRA / rsLoRA / per-module
+            patterns, trained biases, `modules_to_save` or a subset of layers, that art-mega
+            trains plain LoRA only.
     """
     directory = str(Path(adapter_dir))
     unsupported = {key: found[key] for key in _UNSUPPORTED if found.get(key)}
+    if found.get("bias", "none") not in (None, "none"):  # PEFT trains the layers' biases too
+        unsupported["bias"] = found["bias"]
     if found.get("peft_type", "LORA") != "LORA":
         unsupported = {"peft_type": found.get("peft_type"), **unsupported}
     if unsupported:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -426,3 +427,38 @@ def test_model_log_refuses_a_metric_beyond_float_range(tmp_path, monkeypatch) ->
     model = art.TrainableModel(name="m", project="p", base_model="tiny")
     with pytest.raises(HyperParameterError, match=r"has 'n': 1000.*, an int too large for a float"):
         asyncio.run(model.log(metrics={"n": 10**400}))
+
+
+# ------------------------------------------------------------------ warm-start adapters
+
+
+@pytest.mark.parametrize(
+    ("extra", "listed"),
+    [
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
+        ({"bias": "lora_only"}, "bias='lora_only'"),
+        ({"layers_to_transform": [0]}, "layers_to_transform=[0]"),
+        ({"lora_bias": True}, "lora_bias=True"),
+        ({"trainable_token_indices": [5]}, "trainable_token_indices=[5]"),
+        ({"layer_replication": [[0, 2]]}, "layer_replication=[[0, 2]]"),
+    ],
+)
+def test_adapters_with_weights_or_layers_plain_lora_lacks_are_refused(
+    extra: dict[str, Any], listed: str
+) -> None:
+    """These passed the register check: a full lm_head copy or LoRA biases would be dropped at
+    load, an adapter on layer 0 only would train every layer."""
+    from art_mega.errors import AdapterMismatchError
+    from art_mega.trainer.peft_config import check_adapter_config
+
+    targets = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    plain = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": targets, "bias": "none"}
+    lora = {"rank": 8, "alpha": 16.0, "target_modules": targets}
+    check_adapter_config(
+        {**plain, "modules_to_save": None, "lora_bias": False}, "/a", **lora
+    )  # PEFT's defaults
+    with pytest.raises(
+        AdapterMismatchError,
+        match="^" + re.escape(f"the warm-start adapter /a has {listed}, but art-mega trains plain LoRA"),
+    ):
+        check_adapter_config({**plain, **extra}, "/a", **lora)
