@@ -132,6 +132,14 @@ def connect(spec: ConnectSpec, label: str, depth: int = 0):  # type: ignore[no-u
             jump_port = None
             if ":" in jump_host and not jump_host.startswith("["):
                 jump_host, _, jump_port_text = jump_host.partition(":")
+                if (
+                    not (jump_port_text.isascii() and jump_port_text.isdigit())
+                    or not 0 < int(jump_port_text) < 65536
+                ):
+                    raise UserError(
+                        f"{where}: ProxyJump {jump!r} has port {jump_port_text!r}, not a port (1..65535 in "
+                        "ASCII digits); write it as [user@]host[:port], e.g. bastion:22"
+                    )
                 jump_port = int(jump_port_text)
             jump_spec = resolve(
                 jump_host, jump_user or None, SshOptions(config_file=spec.options.config_file, port=jump_port)
@@ -148,8 +156,8 @@ def connect(spec: ConnectSpec, label: str, depth: int = 0):  # type: ignore[no-u
                 continue  # listed and revoked: revoked wins, the policy refuses it if offered
             try:
                 key = paramiko.PKey.from_type_string(line.key_type, line.key_blob)
-            except (paramiko.SSHException, ValueError):
-                continue  # a key type paramiko cannot use (e.g. sk-ssh-ed25519), as OpenSSH skips unknown ones
+            except (paramiko.SSHException, paramiko.pkey.UnknownKeyType, ValueError):
+                continue  # a key type paramiko cannot use (ssh-dss, sk-ssh-ed25519), as OpenSSH skips unknown ones
             host_keys.add(name, key.get_name(), key)
         client.set_missing_host_key_policy(_KnownHostsPolicy(known, spec, where))
         client.connect(
