@@ -56,16 +56,69 @@ def check_model_fits(
 
     Raises:
         ModelSplitError: a size does not divide the model (one sentence naming the valid sizes).
-        UserError: config.json is missing or invalid, or its model_type is not supported.
+        UserError: config.json is missing or invalid (see `_model_args`), or its model_type is
+            not supported.
     """
     config = read_hf_config(model_dir)
+    args = _model_args(config, model_dir)
     family = family_for(config)
     try:
-        _check_parallel(family, family.model_args(config), tp, ep, etp, model_dir)
+        _check_parallel(family, args, tp, ep, etp, model_dir)
     except ModelSplitError as exc:
         if spec is None:
             raise
         raise ModelSplitError(f"{spec}.{exc}", exc.model_dir, tp, ep, etp) from None
+
+
+CONFIG_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+"""config.json sizes every family reads: whole numbers >= 1."""
+
+OPTIONAL_CONFIG_SIZES = ("num_key_value_heads", "intermediate_size", "head_dim", "moe_intermediate_size")
+"""config.json sizes a family may read: absent, null where the family has a default, else whole numbers >= 1."""
+
+
+def _model_args(config: Any, model_dir: str | os.PathLike[str]) -> Any:
+    """The family's architecture arguments of a config.json, after its sizes were checked: a
+    broken config was a KeyError or TypeError traceback at `register`.
+
+    Raises:
+        UserError: config.json is not an object, has no supported model_type, a size that is not
+            a whole number >= 1 (a string, 0, a float), KV heads that do not divide the heads,
+            or a field its family cannot read (named with the file).
+    """
+    path = os.path.join(str(model_dir), "config.json")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UserError(
+            f"{path} is not a model config (an object with a model_type string); use the model's own config.json."
+        )
+    for name in (*CONFIG_SIZES, *OPTIONAL_CONFIG_SIZES):
+        value = config.get(name)
+        if value is None and name in OPTIONAL_CONFIG_SIZES:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            shown = "missing" if name not in config else f"{value!r}"
+            raise UserError(
+                f"{path}: {name} is {shown}, not a whole number of at least 1; use the model's own config.json."
+            )
+    heads, kv = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads") or config["num_attention_heads"],
+    )
+    if heads % kv:
+        raise UserError(
+            f"{path}: num_key_value_heads={kv} does not divide num_attention_heads={heads} (each KV head "
+            "serves a whole group of query heads); use the model's own config.json."
+        )
+    family = family_for(config)
+    try:
+        return family.model_args(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        shown = (
+            f"has no {exc}"
+            if isinstance(exc, KeyError)
+            else f"has a field its {config['model_type']} loader cannot read ({exc})"
+        )
+        raise UserError(f"{path} {shown}; use the model's own config.json.") from None
 
 
 def _check_parallel(

@@ -462,3 +462,40 @@ def test_adapters_with_weights_or_layers_plain_lora_lacks_are_refused(
         match="^" + re.escape(f"the warm-start adapter /a has {listed}, but art-mega trains plain LoRA"),
     ):
         check_adapter_config({**plain, **extra}, "/a", **lora)
+
+
+# --------------------------------------------------------------------- model config.json
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_attention_heads": "4"}, r"num_attention_heads is '4', not a whole number of at least 1"),
+        ({"num_attention_heads": 0}, r"num_attention_heads is 0, not a whole number"),
+        ({"num_attention_heads": 4.0}, r"num_attention_heads is 4.0, not a whole number"),
+        (
+            {"num_attention_heads": None},
+            r"num_attention_heads is None, not a whole number",
+        ),  # was a TypeError
+        ({"num_hidden_layers": 0}, r"num_hidden_layers is 0, not a whole number"),
+        ({"num_key_value_heads": 3}, r"num_key_value_heads=3 does not divide num_attention_heads=4"),
+        ({"num_key_value_heads": 8}, r"num_key_value_heads=8 does not divide num_attention_heads=4"),
+        (
+            {"model_type": ["llama"]},
+            r"is not a model config \(an object with a model_type string\)",
+        ),  # TypeError
+    ],
+)
+def test_a_broken_config_json_is_one_sentence_at_register(tmp_path, tiny_llama_dir, changes, message) -> None:  # noqa: ANN001
+    """check_model_fits (register, before any start) accepted these or raised KeyError/TypeError."""
+    from art_mega.trainer.model_builder import check_model_fits
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(UserError, match=rf"config.json:? .*{message}.*; use the model's own config.json"):
+        check_model_fits(tmp_path, 1, spec="TrainerSpec")
+    del config["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"num_attention_heads is missing"):  # was KeyError
+        check_model_fits(tmp_path, 1)
+    check_model_fits(tiny_llama_dir, 2)
