@@ -371,7 +371,8 @@ def check_conversation(
 ) -> None:
     """Refuse a conversation (main history or `additional_histories`) training cannot take: a
     message whose role is not one of `CHAT_ROLES`, whose `content` is neither a string, a list of
-    content parts (objects) nor None/absent, or a sampled Choice with a NaN or inf logprob.
+    content parts (objects) nor None/absent, or a sampled Choice with a NaN, inf (also in
+    float32) or positive logprob.
 
     Raises:
         TrainInputError: names `where` (argument, group, trajectory), the history and the message.
@@ -438,6 +439,11 @@ def _check_item(item: Any, where: str, argument: str, group: int | None, index: 
                 logprob,
                 group,
                 index,
+            )
+        if logprob > 0:  # log_softmax is <= 0 exactly in floating point: no server returns this
+            raise refuse(
+                f"has the sampling logprob {logprob!r} at token {k}, above 0, which no "
+                "log-probability is; train choices as the server returned them"
             )
 
 

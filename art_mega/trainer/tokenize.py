@@ -133,7 +133,16 @@ def _choice_prompt(tokenizer: Any, choice: Any, where: str, turn: int) -> list[i
     """The prompt ids the server tokenized for `choice` (`prompt_token_ids`, which
     `model.openai_client()` records on each choice), or None where the choice has none."""
     prompt = (getattr(choice, "model_extra", None) or {}).get("prompt_token_ids")
-    return None if prompt is None else _check_ids(tokenizer, prompt, "prompt_token_ids", where, turn)
+    if prompt is None:
+        return None
+    if prompt == []:  # a server prompt always has tokens: the turn would train without context
+        raise TokenizationError(
+            f"{where}: messages_and_choices[{turn}].prompt_token_ids is empty; train choices as the "
+            "server returned them (or remove prompt_token_ids to train after the rendered conversation)",
+            where,
+            turn,
+        )
+    return _check_ids(tokenizer, prompt, "prompt_token_ids", where, turn)
 
 
 def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[list[int], list[float]]:

@@ -499,3 +499,46 @@ def test_a_broken_config_json_is_one_sentence_at_register(tmp_path, tiny_llama_d
     with pytest.raises(UserError, match=r"num_attention_heads is missing"):  # was KeyError
         check_model_fits(tmp_path, 1)
     check_model_fits(tiny_llama_dir, 2)
+
+
+# --------------------------------------------------------------------- sampled choices
+
+
+def sampled_choice(token_ids: list[int], logprobs: list[float], **extra: Any) -> Choice:
+    return Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "x"},
+            "token_ids": token_ids,
+            "logprobs": {
+                "content": [
+                    {"token": "t", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in logprobs
+                ]
+            },
+            **extra,
+        }
+    )
+
+
+def test_a_positive_sampling_logprob_is_refused_naming_the_token(backend: MegatronBackend) -> None:
+    """log_softmax is <= 0 in floating point: 5.0 came from no server, and trained a ratio of e^-5."""
+    from art_mega.errors import TrainInputError
+
+    bad = sampled_choice([5, 6], [-0.5, 5.0])
+    groups = [GOOD[0], art.TrajectoryGroup([trajectory(1.0), trajectory(0.0, bad)])]
+    with pytest.raises(TrainInputError, match=r"trajectory 1 of group 1: .*logprob 5.0 at token 1, above 0"):
+        train(backend, groups)
+    zero = sampled_choice([5, 6], [-0.0, 0.0])  # a certain token: kept, trained with its logprob
+    job = train(backend, [art.TrajectoryGroup([trajectory(1.0, zero), trajectory(0.0)])])
+    assert job["documents"]
+
+
+def test_an_empty_prompt_token_ids_is_refused(tiny_tokenizer) -> None:  # noqa: ANN001
+    """The turn trained its tokens with no context at all."""
+    from art_mega.errors import TokenizationError
+    from art_mega.trainer.tokenize import tokenize_history
+
+    items = [{"role": "user", "content": "hi"}, sampled_choice([5, 6], [-0.5, -0.5], prompt_token_ids=[])]
+    with pytest.raises(TokenizationError, match=r"t: messages_and_choices\[1\].prompt_token_ids is empty"):
+        tokenize_history(tiny_tokenizer, items, where="t")
