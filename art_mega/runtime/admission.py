@@ -102,8 +102,8 @@ def resolve_gpu(host_id: str, gpu_id: int | str, facts: HostFacts) -> GpuInfo:
     string a MIG slice's, matched exactly as NVML reports them.
 
     Raises:
-        HostMismatchError: an index out of range, or a UUID the host does not have (the message
-            lists what it has).
+        HostMismatchError: an index out of range, a UUID the host does not have (the message
+            lists what it has), or one it has written in another case.
     """
     have = _inventory(facts)
     wholes = [g for g in facts.gpus if g.parent_uuid is None]
@@ -125,6 +125,15 @@ def resolve_gpu(host_id: str, gpu_id: int | str, facts: HostFacts) -> GpuInfo:
     for gpu in facts.gpus:
         if gpu.uuid == gpu_id:
             return gpu
+    for gpu in facts.gpus:  # CUDA_VISIBLE_DEVICES matches UUIDs as NVML writes them
+        if gpu.uuid.lower() == gpu_id.lower():
+            raise HostMismatchError(
+                f"host {host_id}: GPU {gpu_id!r} in gpu_ids is written in another case than the host "
+                f"reports it ({gpu.uuid!r}); write it as NVML does (nvidia-smi -L)",
+                host_id,
+                "gpu_ids",
+                gpu_id,
+            )
     raise HostMismatchError(
         f"host {host_id}: GPU {gpu_id} in gpu_ids is not present (the host has {have}); use one of its "
         "indices or UUIDs",
@@ -157,8 +166,8 @@ def check_named_gpus(topology: CompiledTopology, facts: Mapping[str, HostFacts])
 
     Raises:
         HostMismatchError: an unknown GPU (see `resolve_gpu`), two spellings (an index and a
-            UUID) of one device, naming the host and both spellings, or an index on a host with
-            two GPU models whose CUDA_DEVICE_ORDER is not PCI_BUS_ID.
+            UUID) of one device, naming the host and both spellings, a whole GPU in MIG mode, or
+            an index on a host with two GPU models whose CUDA_DEVICE_ORDER is not PCI_BUS_ID.
         PreflightError: a MIG slice listed together with its whole GPU.
     """
     for host in topology.cluster.hosts:
@@ -176,6 +185,16 @@ def check_named_gpus(topology: CompiledTopology, facts: Mapping[str, HostFacts])
                     host.host_id,
                     "gpu_ids",
                     host.gpu_ids,
+                )
+            if gpu.parent_uuid is None and gpu.mig_mode:
+                slices = [g.uuid for g in f.gpus if g.parent_uuid == gpu.uuid]
+                raise HostMismatchError(
+                    f"host {host.host_id}: GPU {gpu_id!r} in gpu_ids is in MIG mode, so CUDA runs nothing on "
+                    f"it whole; name its MIG slices ({', '.join(slices) or 'none are configured'}) or "
+                    f"disable MIG on it (nvidia-smi -i {gpu.index} -mig 0)",
+                    host.host_id,
+                    "gpu_ids",
+                    gpu_id,
                 )
             spelled[gpu.uuid] = gpu_id
             used.append(gpu)
