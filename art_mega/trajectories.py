@@ -315,6 +315,14 @@ def check_train_groups(value: Any, where: str = "backend.train") -> list[Traject
                 "trajectory_groups",
                 g,
             )
+        if not isinstance(group, TrajectoryGroup) and type(group).__name__ == "TrajectoryGroup":
+            raise TrainInputError(
+                f"{argument}: group {g} is a {type(group).__module__}.TrajectoryGroup, not "
+                "art_mega's; build the groups with art_mega (import art_mega as art) rather than "
+                "another package's classes",
+                "trajectory_groups",
+                g,
+            )
         if not isinstance(group, TrajectoryGroup):
             raise TrainInputError(
                 f"{argument}: group {g} is a {type(group).__name__}, not an art.TrajectoryGroup; "

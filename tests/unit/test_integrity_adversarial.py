@@ -542,3 +542,14 @@ def test_an_empty_prompt_token_ids_is_refused(tiny_tokenizer) -> None:  # noqa: 
     items = [{"role": "user", "content": "hi"}, sampled_choice([5, 6], [-0.5, -0.5], prompt_token_ids=[])]
     with pytest.raises(TokenizationError, match=r"t: messages_and_choices\[1\].prompt_token_ids is empty"):
         tokenize_history(tiny_tokenizer, items, where="t")
+
+
+def test_another_packages_trajectory_group_is_named_by_its_module(backend: MegatronBackend) -> None:
+    """openpipe-art's own TrajectoryGroup was 'a TrajectoryGroup, not an art.TrajectoryGroup'."""
+    from art_mega.errors import TrainInputError
+
+    foreign = type("TrajectoryGroup", (), {"__module__": "art.trajectories"})()
+    with pytest.raises(
+        TrainInputError, match=r"group 1 is a art.trajectories.TrajectoryGroup, not art_mega's"
+    ):
+        train(backend, [GOOD[0], foreign])
