@@ -110,9 +110,12 @@ class Trajectory(BaseModel):
     @field_validator("reward", mode="before")
     @classmethod
     def _reward(cls, value: Any) -> Any:
-        # pydantic turns "1.0" and True into 1.0 in silence; a reward is a number (NaN and inf are
-        # kept here: backend.train refuses them, or drops them with drop_nonfinite_rewards=True)
-        if isinstance(value, bool) or _numpy_bool(value) or not isinstance(value, numbers.Real):
+        # pydantic turns "1.0" into 1.0 in silence; a reward is a number (a bool, e.g. reward=
+        # correct, is 0.0 or 1.0 as in ART and as in metrics; NaN and inf are kept here:
+        # backend.train refuses them, or drops them with drop_nonfinite_rewards=True)
+        if _numpy_bool(value):
+            return float(value)
+        if not isinstance(value, numbers.Real):
             raise ValueError(
                 f"reward {value!r} is a {type(value).__name__}, not a number; score the rollout "
                 "with a float, e.g. reward=1.0"
