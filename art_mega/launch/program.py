@@ -84,8 +84,9 @@ def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
 
     Raises:
         ProgramImportError: the module (or a module it imports) imports a package that is not
-            installed, or its top-level code raises; the message names the module, the missing
-            name or the exception, and the file:line; the original is chained for --debug.
+            installed, or its top-level code raises or calls sys.exit; the message names the
+            module, the missing name or the exception, and the file:line; the original is
+            chained for --debug.
         UserError: the module cannot be found, does not compile, its name clashes with another
             module, or the function is missing, not top level, not async, or does not take one
             argument.
@@ -111,6 +112,14 @@ def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
         raise UserError(f"--program {ref.text!r}: {where}: {exc.msg}; fix the program's syntax") from exc
     except ValueError as exc:  # e.g. null bytes in the source
         raise UserError(f"--program {ref.text!r}: {ref.module} cannot be compiled ({exc})") from exc
+    except SystemExit as exc:  # the launch would end with the module's code, main never run
+        raise ProgramImportError(
+            f"--program {ref.text!r}: importing {ref.module} called sys.exit({exc.code!r}) at "
+            f"{_raised_at(exc)}, so main would never run; move that code into main or under "
+            "if __name__ == '__main__': (--debug shows the traceback)",
+            ref.module,
+            "SystemExit",
+        ) from exc
     except Exception as exc:
         raise ProgramImportError(
             f"--program {ref.text!r}: importing {ref.module} raised {type(exc).__name__}: "

@@ -105,3 +105,54 @@ def test_a_clock_skew_inside_the_bound_is_accepted_and_outside_refused(seconds):
     late = auth.sign(secret, "GET", "/v1/health", b"", me, now=now + 2 * seconds + (1 if seconds > 0 else -1))
     with pytest.raises(auth.AuthError, match="stale timestamp"):
         verifier.verify_headers("GET", "/v1/health", late)
+
+
+PROGRAMS = {
+    "exits_zero": (
+        "import sys\nsys.exit(0)\n\n\nasync def main(launch):\n    pass\n",
+        "called sys.exit(0) at {path}:2",
+    ),
+    "exits_message": ("import sys\nsys.exit('bye')\n", "called sys.exit('bye') at {path}:2"),
+    "exits_none": ("raise SystemExit\n", "called sys.exit(None) at {path}:1"),
+}
+
+
+@pytest.mark.parametrize("stem", sorted(PROGRAMS))
+def test_a_program_that_exits_at_import_is_one_sentence_exit_2(stem, tmp_path, capsys):
+    from art_mega.launch.cli import main
+
+    source, said = PROGRAMS[stem]
+    path = tmp_path / f"{stem}.py"
+    path.write_text(source)
+    with pytest.raises(SystemExit) as exited:
+        main(["local", "--program", f"{path}:main"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err == (
+        f"art-mega: error: --program '{path}:main': importing {stem} {said.format(path=path)}, so main would "
+        "never run; move that code into main or under if __name__ == '__main__': (--debug shows the traceback)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "stem,source,said",
+    [
+        ("absent", None, "script {path} does not exist"),
+        ("bad_syntax", "def main(:\n", "{path}:1: invalid syntax; fix the program's syntax"),
+        ("not_async", "def main(launch):\n    pass\n", "main must be declared 'async def main(launch)'"),
+        ("no_main", "x = 1\n", "no_main has no function 'main'"),
+        ("main_int", "main = 5\n", "main must be a top-level function"),
+    ],
+)
+def test_program_mistakes_are_one_sentence_exit_2(stem, source, said, tmp_path, capsys):
+    from art_mega.launch.cli import main
+
+    path = tmp_path / f"{stem}.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(SystemExit) as exited:
+        main(["local", "--program", f"{path}:main"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err == f"art-mega: error: --program '{path}:main': {said.format(path=path)}\n"
