@@ -533,6 +533,11 @@ class MegatronBackend:
                 f"MegatronBackend(micro_batch_rows={micro_batch_rows!r}) counts packed rows per microbatch; "
                 "use a whole number of at least 1, e.g. 1 on CPU or 4 on a GPU with memory to spare"
             )
+        if runtime is not None and not all(hasattr(runtime, a) for a in ("topology", "clients", "health")):
+            raise UserError(
+                f"MegatronBackend(runtime={runtime!r}) must be a started art_mega ArtRuntime "
+                "(await ArtRuntime.start(topology)), or None for a local one"
+            )
         check_backend_options(
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,

@@ -171,6 +171,7 @@ def test_a_logprob_float32_turns_into_minus_inf_is_refused(backend: MegatronBack
         ({"gpu_memory_utilization": True}, r"gpu_memory_utilization=True\) is a fraction"),
         ({"gpu_memory_utilization": "0.5"}, r"gpu_memory_utilization='0.5'\) is a fraction"),
         ({"gpu_memory_utilization": math.nan}, r"gpu_memory_utilization=nan\) is a fraction"),
+        ({"runtime": "local"}, r"runtime='local'\) must be a started art_mega ArtRuntime"),
     ],
 )
 def test_backend_arguments_are_checked_at_construction(kwargs: dict[str, Any], message: str) -> None:
