@@ -247,6 +247,9 @@ def write_commit(checkpoints: Path, step: int) -> None:
     tmp.replace(checkpoints / COMMIT_FILE)
 
 
+DEFAULT_LEARNING_RATE = 5e-6
+"""`backend.train`'s learning rate when neither `learning_rate` nor `config` gives one."""
+
 GRPO_OPTIONS = (
     "learning_rate",
     "importance_sampling_level",
@@ -292,8 +295,9 @@ def check_grpo_options(
     learning_rate: finite > 0; epsilon, kl_beta: finite >= 0; epsilon_high: None or finite
     >= 0; tis_cap: None or finite > 0; importance_sampling_level: "token" or "sequence";
     scale_rewards, allow_stale, drop_nonfinite_rewards: bools; config: None or a `TrainConfig`,
-    whose learning_rate replaces `learning_rate` and whose beta is the KL coefficient unless
-    `kl_beta` is non-zero (then they must agree).
+    whose learning_rate replaces `learning_rate` (a `learning_rate` other than the default must
+    agree with it) and whose beta is the KL coefficient unless `kl_beta` is non-zero (then
+    they must agree).
 
     Raises:
         HyperParameterError: the first option out of range or of the wrong type, or the first
@@ -320,6 +324,13 @@ def check_grpo_options(
                 "config=art.TrainConfig(learning_rate=5e-6)",
                 "config",
                 config,
+            )
+        if learning_rate != DEFAULT_LEARNING_RATE and learning_rate != config.learning_rate:
+            raise HyperParameterError(
+                f"{where}(learning_rate={learning_rate!r}) disagrees with config.learning_rate="
+                f"{config.learning_rate!r}; set one of them",
+                "learning_rate",
+                learning_rate,
             )
         learning_rate = config.learning_rate
         if config.beta and kl_beta and config.beta != kl_beta:
@@ -866,7 +877,7 @@ class MegatronBackend:
         model: Any,
         trajectory_groups: Any,
         *,
-        learning_rate: float = 5e-6,
+        learning_rate: float = DEFAULT_LEARNING_RATE,
         importance_sampling_level: str = "token",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,

@@ -559,3 +559,16 @@ def test_another_packages_trajectory_group_is_named_by_its_module(backend: Megat
         TrainInputError, match=r"group 1 is a art.trajectories.TrajectoryGroup, not art_mega's"
     ):
         train(backend, [GOOD[0], foreign])
+
+
+def test_a_learning_rate_that_disagrees_with_the_config_is_refused(backend: MegatronBackend) -> None:
+    """config's learning rate replaced an explicit learning_rate=1e-5 in silence."""
+    with pytest.raises(
+        HyperParameterError, match=r"learning_rate=1e-05\) disagrees with config.learning_rate=2e-06"
+    ):
+        train(backend, GOOD, learning_rate=1e-5, config=art.TrainConfig(learning_rate=2e-6))
+    assert train(backend, GOOD, config=art.TrainConfig(learning_rate=2e-6))["learning_rate"] == 2e-6
+    assert (
+        train(backend, GOOD, learning_rate=2e-6, config=art.TrainConfig(learning_rate=2e-6))["learning_rate"]
+        == 2e-6
+    )
