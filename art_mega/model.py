@@ -153,7 +153,8 @@ class TrainableModel(Model):
     async def train(self, trajectory_groups: Any, config: Any = None, **kwargs: Any) -> Any:
         """ART's `model.train(groups, config=TrainConfig(...))`: one GRPO step through the backend.
 
-        `config`'s learning rate and `beta` (as `kl_beta`) apply unless `kwargs` name them.
+        `config`'s learning rate and `beta` (as `kl_beta`) apply; a `learning_rate` or `kl_beta`
+        in `kwargs` must agree with them (see `backend.check_grpo_options`).
 
         Raises:
             HyperParameterError: `config` is not a `TrainConfig`; and what `backend.train` raises.
@@ -166,9 +167,7 @@ class TrainableModel(Model):
                     "config",
                     config,
                 )
-            kwargs.setdefault("learning_rate", config.learning_rate)
-            if getattr(config, "beta", 0.0):
-                kwargs.setdefault("kl_beta", config.beta)
+            kwargs["config"] = config  # the backend checks it against learning_rate / kl_beta
         return await self._require_backend().train(self, trajectory_groups, **kwargs)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:

@@ -572,3 +572,18 @@ def test_a_learning_rate_that_disagrees_with_the_config_is_refused(backend: Mega
         train(backend, GOOD, learning_rate=2e-6, config=art.TrainConfig(learning_rate=2e-6))["learning_rate"]
         == 2e-6
     )
+
+
+def test_model_train_checks_keywords_against_its_config(backend: MegatronBackend) -> None:
+    """model.train(config=TrainConfig(learning_rate=2e-6), learning_rate=1e-5) trained at 1e-5."""
+    model = backend._model
+    model._backend = backend
+    config = art.TrainConfig(learning_rate=2e-6, beta=0.1)
+    with pytest.raises(
+        HyperParameterError, match=r"learning_rate=1e-05\) disagrees with config.learning_rate"
+    ):
+        asyncio.run(model.train(GOOD, config=config, learning_rate=1e-5))
+    with pytest.raises(HyperParameterError, match=r"kl_beta=0.2\) disagrees with config.beta=0.1"):
+        asyncio.run(model.train(GOOD, config=config, kl_beta=0.2))
+    job = asyncio.run(model.train(GOOD, config=config))
+    assert (job["learning_rate"], job["loss"]["kl_beta"]) == (2e-6, 0.1)
