@@ -89,6 +89,13 @@ def _check_message(message: Any, k: int) -> None:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"{where} has unknown role {role!r}; use one of {sorted(ROLES)}")
+    weight = message.get("weight", 1)
+    if isinstance(weight, bool) or weight != 1:  # OpenAI's fine-tuning format: 0 = do not train
+        raise ValueError(
+            f"{where} has weight={weight!r}; every assistant message of a row is trained (OpenAI's "
+            "weight 0 is not supported): remove the weight, drop the message, or use "
+            "assistant_turns='last'"
+        )
     calls = message.get("tool_calls")
     if calls is not None:
         if role != "assistant":

@@ -587,3 +587,24 @@ def test_model_train_checks_keywords_against_its_config(backend: MegatronBackend
         asyncio.run(model.train(GOOD, config=config, kl_beta=0.2))
     job = asyncio.run(model.train(GOOD, config=config))
     assert (job["learning_rate"], job["loss"]["kl_beta"]) == (2e-6, 0.1)
+
+
+def test_an_sft_message_weight_other_than_one_is_refused(tmp_path) -> None:  # noqa: ANN001
+    """OpenAI's fine-tuning format skips a message with weight 0; it was trained here in silence."""
+    from art_mega.errors import SFTFileError
+    from art_mega.sft import read_sft_jsonl
+
+    row = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "weight": 0}]
+    }
+    with pytest.raises(
+        SFTFileError, match=r"data.jsonl:1: messages\[1\] has weight=0; every assistant message"
+    ):
+        read_sft_jsonl(sft_file(tmp_path, (json.dumps(row) + "\n").encode()))
+    row["messages"][1]["weight"] = 1
+    assert (
+        read_sft_jsonl(sft_file(tmp_path, (json.dumps(row) + "\n").encode()))[0].messages_and_choices[1][
+            "weight"
+        ]
+        == 1
+    )
