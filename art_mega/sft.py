@@ -163,6 +163,11 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
             raise refuse(str(exc)) from None
     if messages[-1].get("role") != "assistant":
         raise refuse(f"the last message must be the assistant's, got {messages[-1].get('role')!r}")
+    if "functions" in row:  # OpenAI's legacy format: without this the model trained with no tools
+        raise refuse(
+            "'functions' (OpenAI's legacy format) is not read; give them as "
+            '"tools": [{"type": "function", "function": {...}}, ...]'
+        )
     tools = row.get("tools")
     try:
         template_tools(tools, "'tools'")

@@ -354,6 +354,10 @@ ROW = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "
         (b"[" + ROW + b"}]\n", r"data.jsonl:1: a row must be a JSON object with 'messages', got a list"),
         (b"", r"SFT file .*data.jsonl has no rows"),
         (
+            ROW + b', "functions": [{"name": "f"}]}\n',
+            r"data.jsonl:1: 'functions' \(OpenAI's legacy format\) is not read",
+        ),
+        (
             ROW + b"}\n" + b"\xef\xbb\xbf" + ROW + b"}\n",
             r"data.jsonl:2: not valid JSON \(Unexpected UTF-8 BOM",
         ),
