@@ -210,6 +210,17 @@ def check_endpoint(request: EtcdCheckRequest) -> EtcdCheckResponse:
             return EtcdCheckResponse(ok=False, error=f"put/get of {request.key} returned {got!r}")
         client.delete(request.key)
         put = False
+    except httpx.ConnectError as exc:
+        return EtcdCheckResponse(
+            ok=False,
+            error=f"cannot connect (ConnectError: {exc}); check that etcd serves clients at that port (2379 by default) "
+            "and that this host can reach it",
+        )
+    except httpx.RemoteProtocolError as exc:  # e.g. a port that accepts and closes at once
+        return EtcdCheckResponse(
+            ok=False,
+            error=f"it answered no HTTP ({exc}); give etcd's client port (2379 by default), not its peer port",
+        )
     except Exception as exc:  # report any client failure as this host's answer
         return EtcdCheckResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
     finally:

@@ -61,6 +61,11 @@ class NixlTransportSpec(SpecModel):
     @field_validator("metadata_store")
     @classmethod
     def _check_store(cls, store: EndpointSpec | None) -> EndpointSpec | None:
+        if store is not None and store.port == 0:
+            raise ValueError(
+                f"metadata_store {store.address!r} has port 0, which no server listens on; give etcd's "
+                "client port, e.g. tcp://10.0.0.9:2379, or None for a managed etcd"
+            )
         if store is not None and not store.is_routable:
             raise ValueError(
                 f"metadata_store {store.address!r} is not reachable from other hosts "

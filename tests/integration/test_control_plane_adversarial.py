@@ -9,6 +9,7 @@ traceback in the agent's log.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -151,3 +152,44 @@ async def test_a_signed_body_whose_sender_leaves_early_runs_nothing_and_logs_no_
         await agent.stop()
     text = log.read_text()
     assert "Traceback" not in text and "ClientDisconnect" not in text, text
+
+
+async def test_a_metadata_store_port_that_closes_at_once_or_refuses_is_one_sentence(agent: LocalAgent):
+    from art_mega.runtime.admission import PreflightError
+    from art_mega.runtime.client import AgentClient
+    from art_mega.runtime.etcd import check_from_every_host
+
+    closing = socket.socket()
+    closing.bind(("127.0.0.1", 0))
+    closing.listen()
+    port = closing.getsockname()[1]
+
+    async def close_each() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(closing)
+            conn.close()
+
+    closer = asyncio.create_task(close_each())
+    closing.setblocking(False)
+    client = AgentClient("host0", agent.endpoint.address, agent.endpoint.url, SECRET, 30)
+    try:
+        with pytest.raises(PreflightError) as raised:
+            await check_from_every_host({"host0": client}, f"http://127.0.0.1:{port}", "adv")
+        assert str(raised.value) == (
+            f"the metadata store http://127.0.0.1:{port} is not usable from host host0: it answered no HTTP "
+            "(Server disconnected without sending a response.); give etcd's client port (2379 by default), "
+            "not its peer port"
+        )
+        closer.cancel()
+        closing.close()  # now nothing listens there
+        with pytest.raises(PreflightError) as raised:
+            await check_from_every_host({"host0": client}, f"http://127.0.0.1:{port}", "adv")
+        assert str(raised.value).startswith(
+            f"the metadata store http://127.0.0.1:{port} is not usable from host host0: cannot connect "
+            "(ConnectError: [Errno 111] Connection refused); check that etcd serves clients at that port"
+        )
+    finally:
+        closer.cancel()
+        closing.close()
+        await client.aclose()

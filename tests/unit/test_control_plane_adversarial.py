@@ -156,3 +156,19 @@ def test_program_mistakes_are_one_sentence_exit_2(stem, source, said, tmp_path, 
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert err == f"art-mega: error: --program '{path}:main': {said.format(path=path)}\n"
+
+
+@pytest.mark.parametrize(
+    "value,said",
+    [
+        ("tcp://10.0.0.9:0", "has port 0, which no server listens on; give etcd's client port"),
+        ("https://10.0.0.9:2379", "must start with tcp://"),
+        ("tcp://10.0.0.9:2379/v3", "has port '2379/v3', not a number"),
+        ("http://10.0.0.9:2379", "must start with tcp://"),
+    ],
+)
+def test_a_metadata_store_address_that_cannot_be_an_etcd_endpoint_is_refused(value, said):
+    from art_mega.topology import NixlTransportSpec
+
+    with pytest.raises(ValidationError, match=said):
+        NixlTransportSpec(metadata_store=value)
