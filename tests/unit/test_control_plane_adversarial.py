@@ -3,6 +3,7 @@ host facts, and signature headers a secret holder could send malformed (pure che
 
 from __future__ import annotations
 
+import re
 import secrets
 
 import pytest
@@ -172,3 +173,38 @@ def test_a_metadata_store_address_that_cannot_be_an_etcd_endpoint_is_refused(val
 
     with pytest.raises(ValidationError, match=said):
         NixlTransportSpec(metadata_store=value)
+
+
+def test_a_gloo_list_with_one_interface_missing_on_one_host_names_that_host_and_interface():
+    report = {
+        "host0": facts(boot="a", env={"GLOO_SOCKET_IFNAME": "eth0,ib0"}, interfaces=("eth0", "ib0", "lo")),
+        "host1": facts(boot="b", env={"GLOO_SOCKET_IFNAME": "eth0,ib0"}, interfaces=("eth0", "lo")),
+        "host2": facts(boot="c"),
+    }
+    with pytest.raises(HostMismatchError) as raised:
+        admit(topology(), report)
+    assert str(raised.value) == (
+        "host host1: GLOO_SOCKET_IFNAME='eth0,ib0' names interface 'ib0', which this host does not have "
+        "(it has eth0, lo); name one of those or unset it"
+    )
+
+
+@pytest.mark.parametrize(
+    "value,admitted",
+    [("=eth", False), ("=eth0", True), ("^=eth0,lo", False), ("=^eth0", False), ("eth", True), ("^lo", True)],
+)
+def test_nccl_exact_match_takes_whole_names_only(value, admitted):
+    gpus = (gpu(0, UUID, "00000000:19:00.0"),)
+    report = {
+        "host0": facts(boot="a", gpus=gpus, env={"NCCL_SOCKET_IFNAME": value}),
+        "host1": facts(boot="b"),
+        "host2": facts(boot="c"),
+    }
+    if admitted:
+        admit(topology(gpu_ids={0: (0,)}), report)
+        return
+    with pytest.raises(
+        HostMismatchError,
+        match=rf"host host0: NCCL_SOCKET_IFNAME='{re.escape(value)}' selects none",
+    ):
+        admit(topology(gpu_ids={0: (0,)}), report)
