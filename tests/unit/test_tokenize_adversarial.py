@@ -79,3 +79,19 @@ def test_parts_that_are_not_text_are_refused_naming_message_and_part(tiny_tokeni
         match=rf"trajectory 1 of group 0: messages_and_choices\[0\].content\[1\] is {shown}",
     ):
         grpo_documents(tiny_tokenizer, [group], scale_rewards=True)
+
+
+def test_a_template_that_prints_content_gets_the_joined_text_not_the_list(tiny_tokenizer) -> None:  # noqa: ANN001
+    """A Qwen2.5-style `{{ message['content'] }}` printed the parts' Python repr into the trained
+    context in silence; vLLM (whose syntax-tree check also says "string" for this template)
+    joins the text parts."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert content_format(tokenizer) == "string"
+    split = tokenize_history(tokenizer, [{"role": "user", "content": parts("how are", "you")}, ANSWER])
+    joined = tokenize_history(tokenizer, [{"role": "user", "content": "how are\nyou"}, ANSWER])
+    assert rows(split) == rows(joined)
+    assert "type" not in tokenizer.decode(split[0].input_ids)
