@@ -105,3 +105,14 @@ async def test_the_backends_vllm_python_is_proved_before_any_rank_or_replica(tin
         await backend.close()
     finally:
         await runtime.close()
+
+
+async def test_the_start_proof_of_the_replica_environment_serves_the_backends_check(tmp_path):
+    runtime = await ArtRuntime.start_local(one_host(tmp_path, sys.executable))
+    try:
+        (report,) = runtime.preflight.collectives
+        assert (report.environment, report.python, report.host_ids) == ("vllm", sys.executable, ("local",))
+        assert [(m["host"], m["rank"]) for m in report.members] == [("local", 0)]
+        assert await runtime.prove_replicas(sys.executable) is report  # cached: no second probe
+    finally:
+        await runtime.close()
