@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
@@ -361,15 +361,23 @@ def iterate_dataset(
     """Batches of `groups_per_step` items per step over `num_epochs`, resuming at `initial_step`.
 
     Raises:
-        HyperParameterError: `groups_per_step` or `num_epochs` is not a whole number >= 1, or
-            `initial_step` not one >= 0 (a float such as 1.5 or a bool is not).
+        HyperParameterError: `groups_per_step` or `num_epochs` is not a whole number >= 1,
+            `initial_step` not one >= 0 (a float such as 1.5 or a bool is not), or `dataset`
+            is a string, a dict or not iterable (a generator is read once into a list).
     """
     where = "iterate_dataset"
     check(where, "groups_per_step", groups_per_step, whole_problem(1), "4")
     check(where, "num_epochs", num_epochs, whole_problem(1), "1")
     check(where, "initial_step", initial_step, whole_problem(0), "await model.get_step()")
-    # checked here, when called, not at the first next() of a generator
-    return _dataset_batches(dataset, groups_per_step, num_epochs, initial_step, shuffle, seed)
+    if isinstance(dataset, (str, bytes, dict)) or not isinstance(dataset, Iterable):
+        raise HyperParameterError(
+            f"{where}(dataset) got a {type(dataset).__name__}; pass a list of items (prompts, scenarios)",
+            "dataset",
+            None,
+        )
+    # a generator has no len(): read it once; checked here, not at the first next()
+    items = dataset if isinstance(dataset, Sequence) else list(dataset)
+    return _dataset_batches(items, groups_per_step, num_epochs, initial_step, shuffle, seed)
 
 
 def _dataset_batches(

@@ -612,3 +612,11 @@ def test_an_sft_message_weight_other_than_one_is_refused(tmp_path) -> None:  # n
         ]
         == 1
     )
+
+
+def test_iterate_dataset_reads_a_generator_and_refuses_a_string() -> None:
+    """A generator failed with "object of type 'generator' has no len()" at the first next()."""
+    batches = list(iterate_dataset((i for i in range(5)), groups_per_step=2, shuffle=False))
+    assert [b.items for b in batches] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(HyperParameterError, match=r"iterate_dataset\(dataset\) got a str; pass a list"):
+        iterate_dataset("prompts.jsonl")
