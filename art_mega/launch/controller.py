@@ -1,8 +1,8 @@
 """The controller loop shared by every launcher: run `main(launch)` over proven agents.
 
 It watches every agent for the program's whole life (a lost host cancels the program and is
-named), holds every agent's lease on this controller with the same heartbeats (`monitor`),
-turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and maps failures
+named), holds every agent's lease on this controller with the same heartbeats (`monitor`: they
+run on their own thread, so a program that blocks this event loop loses no agent), turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and maps failures
 to exit codes: 0 success, 1 failure, 2 user error.
 """
 

@@ -629,6 +629,10 @@ async def serve(
         proxy_headers=False,  # no proxy in front of an agent: skip X-Forwarded-* parsing per request
         http=capped_head_protocol(),  # an unsigned request's headers are not buffered without bound
         timeout_graceful_shutdown=2,
+        # Idle connections are the client's to close (after `client.KEEPALIVE_S`): a controller
+        # whose event loop the user's program blocked sends, once it runs again, on connections
+        # it took from its pool before the block; closed here meanwhile, that request would fail.
+        timeout_keep_alive=600,
         lifespan="on",
     )
     server = uvicorn.Server(config)

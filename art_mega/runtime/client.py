@@ -71,9 +71,9 @@ MAX_CONNECTIONS = 1024
 """Connections an `AgentClient` keeps open to its agent at most (one per request in flight)."""
 
 KEEPALIVE_S = 4.0
-"""How long an idle connection is kept for reuse: below uvicorn's 5 s keep-alive on the agent, so
-that the client, not the server, closes an idle connection (a POST is never retried on one that
-the server closed meanwhile)."""
+"""How long an idle connection is kept for reuse: far below the agent's 600 s keep-alive, so that
+the client, not the server, closes an idle connection (a POST is never retried on one that the
+server closed meanwhile), even after the client's event loop was blocked for minutes."""
 
 
 class AgentError(Exception):
@@ -383,6 +383,11 @@ class AgentClient:
         return await self._request(
             "POST", "/shutdown", None, ShutdownResponse, timeout_s if timeout_s is not None else ...
         )
+
+    def twin(self) -> AgentClient:
+        """A new client of the same agent, secret and timeout, for another event loop (the
+        monitor's heartbeat thread): it learns the agent's identity itself on first use."""
+        return AgentClient(self.host, self.address, self._url, self._secret, self._timeout_s)
 
     @property
     def closed(self) -> bool:

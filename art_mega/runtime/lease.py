@@ -82,8 +82,26 @@ class ControllerLease:
         return 0.0 if self._last_heard is None else time.monotonic() - self._last_heard
 
     async def wait_expired(self) -> None:
-        """Return once an armed lease has gone `lease_s` seconds unrenewed; sets `expired`."""
+        """Return once an armed lease has gone `lease_s` seconds unrenewed; sets `expired`.
+
+        Only time this agent's own event loop could run counts: after a stall (the host
+        overloaded, the agent stopped and continued) heartbeats that arrived meanwhile wait
+        unread in its sockets, so the stall beyond one check interval is excused, not taken
+        for the controller's silence.
+        """
         step = min(0.25, self.lease_s / 8)
-        while self.silent_s() < self.lease_s:
-            await asyncio.sleep(step)
+        due = time.monotonic() + step
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            self._excuse(now - due - step)
+            if self.silent_s() >= self.lease_s:
+                break
+            due = now + step
         self.expired = True
+
+    def _excuse(self, seconds: float) -> None:
+        """Take `seconds` (ignored unless positive) in which this agent could not listen out of
+        the controller's silence (never beyond now)."""
+        if self._last_heard is not None and seconds > 0:
+            self._last_heard = min(time.monotonic(), self._last_heard + seconds)

@@ -5,6 +5,15 @@ Each heartbeat is a signed `POST /v1/lease`: it holds the agent's lease on this 
 answers with the agent's health. Beats go out every `interval_s` seconds, and at least four
 times per lease the agent reports, so a live controller never lets a lease run out.
 
+The heartbeats run on a daemon thread with its own event loop and its own clients
+(`AgentClient.twin`), not on the controller's event loop: that loop also runs the user's
+program, which may block it for any time (a synchronous dataset or tokenizer load, a long
+reward function, a loaded machine) without any lease running out or any host counting as lost.
+A killed controller process takes the thread with it, so its agents still give up within their
+lease. Silence is counted only while the heartbeat thread itself could run: a stall of the
+whole controller process (stopped and continued, swapped out, starved of the GIL) is not its
+agents' silence. Hosts that did vanish meanwhile refuse the next beats and are named then.
+
 An agent is lost when its heartbeats have been refused or reset for `lost_after_s` seconds (its
 process is gone), when they have gone unanswered for its lease (the host is stopped, frozen or
 cut off: the same bound after which that agent gives up on the controller; longer than the
@@ -16,8 +25,11 @@ restarted: its children are gone).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from art_mega.runtime.client import AgentClient, AgentError
 
@@ -26,6 +38,8 @@ LOST_AFTER_S = 3.0
 SILENT_AFTER_S = 20.0
 """The silence bound for an agent that reports no lease of its own."""
 BEATS_PER_LEASE = 4
+CLOCK_TICK_S = 0.05
+"""How often the heartbeat thread's stall clock checks that its own loop still runs (seconds)."""
 
 
 class HostLostError(Exception):
@@ -38,17 +52,90 @@ class HostLostError(Exception):
         self.reason = reason
 
 
+class StallClock:
+    """Seconds an event loop could not run: each wake-up later than `tolerance_s` past its due
+    time adds the excess. `run` ticks on the loop measured; `stalled_s` may be read from any thread.
+    """
+
+    def __init__(self, tolerance_s: float, tick_s: float = CLOCK_TICK_S) -> None:
+        self._tolerance_s = tolerance_s
+        self._tick_s = tick_s
+        self._state = (0.0, time.monotonic() + tick_s)
+        """(seconds stalled before the last tick, when the next tick is due): one tuple, so that
+        another thread never reads a total and a due time from different ticks."""
+
+    def stalled_s(self) -> float:
+        """Seconds stalled so far, a stall still in progress (its tick not run yet) included;
+        never decreases."""
+        total, due = self._state
+        return total + max(0.0, time.monotonic() - due - self._tolerance_s)
+
+    async def run(self) -> None:
+        """Tick until cancelled."""
+        while True:
+            await asyncio.sleep(self._tick_s)
+            total, due = self._state
+            now = time.monotonic()
+            self._state = (total + max(0.0, now - due - self._tolerance_s), now + self._tick_s)
+
+
+class _HeartbeatThread:
+    """A daemon thread running its own event loop, where the heartbeat tasks live."""
+
+    def __init__(self, clock: StallClock) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._clock = clock
+        self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        threading.Thread(target=self._run, name="art-mega-heartbeats", daemon=True).start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        ticking = self.loop.create_task(self._clock.run())
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = [ticking, *self.tasks.values()]
+            for task in pending:
+                task.cancel()
+            # The tasks close their own clients as they end.
+            try:
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                self.loop.close()
+            finally:
+                self._done.set_result(None)
+
+    def spawn(self, name: str, factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Start `factory()` as task `name` on this thread's loop (from any thread)."""
+
+        def create() -> None:
+            self.tasks[name] = self.loop.create_task(factory(), name=name)
+
+        self.loop.call_soon_threadsafe(create)
+
+    async def stop(self) -> None:
+        """Cancel every task, wait until they ended and the thread's loop is closed."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.wrap_future(self._done)
+
+
 class AgentMonitor:
     """Heartbeats to every agent; calls `on_lost(HostLostError)` once, for the first lost host.
 
-    The other agents keep getting heartbeats after a loss (their leases stay held while the
-    launcher cleans up) until `stop`.
+    The heartbeats run on their own thread (see the module docstring); `on_lost` is called on
+    the event loop that called `start`. The other agents keep getting heartbeats after a loss
+    (their leases stay held while the launcher cleans up) until `stop`, until the client given
+    for an agent is closed (that agent's heartbeats end quietly), or until that event loop is
+    closed.
 
     Args:
-        clients: one client per agent, watched from `start`; `watch` adds more later.
+        clients: one client per agent, watched from `start`; `watch` adds more later. The
+            heartbeats use twins of them (`AgentClient.twin`), never these clients themselves.
         expected: (launch_id, pid) each agent must keep answering with, by host.
-        on_lost: called once, from the event loop, with the error that names the host.
-        interval_s: the most seconds between heartbeats (less where an agent's lease asks).
+        on_lost: called once, from the event loop that called `start`, with the error that
+            names the host.
+        interval_s: the most seconds between heartbeats (less where an agent's lease asks);
+            also the most the heartbeat thread may be stalled before the stall is excused.
         lost_after_s: seconds of refused or reset heartbeats before a host counts as lost.
         silent_after_s: seconds of heartbeats without any answer (timeouts) before a host
             counts as lost; None: the agent's own controller lease (`SILENT_AFTER_S` when it
@@ -70,13 +157,19 @@ class AgentMonitor:
         self._interval_s = interval_s
         self._lost_after_s = lost_after_s
         self._silent_after_s = silent_after_s
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._last_ok: dict[str, float] = {}
+        self._clock = StallClock(tolerance_s=interval_s)
+        self._last_ok: dict[str, tuple[float, float]] = {}
+        """By address: (monotonic time of the last answer, the stall clock's reading then)."""
+        self._beating: set[str] = set()
+        """Addresses with a heartbeat on the running thread (touched on the owner's loop only)."""
+        self._owner: asyncio.AbstractEventLoop | None = None
+        self._thread: _HeartbeatThread | None = None
         self._started = False
         self.lost: HostLostError | None = None
 
     def start(self) -> None:
-        """Start a heartbeat to every client given so far."""
+        """Start a heartbeat to every client given so far (call it on the program's event loop)."""
+        self._owner = asyncio.get_running_loop()
         self._started = True
         for client in self.clients:
             self._spawn(client)
@@ -91,16 +184,25 @@ class AgentMonitor:
             self._spawn(client)
 
     def _spawn(self, client: AgentClient) -> None:
-        if client.address not in self._tasks:
-            self._last_ok[client.address] = time.monotonic()
-            self._tasks[client.address] = asyncio.create_task(
-                self._watch(client), name=f"art-mega-heartbeat-{client.host}"
-            )
+        if client.address in self._beating:
+            return
+        if self._thread is None:
+            self._thread = _HeartbeatThread(self._clock)
+        thread = self._thread
+        self._beating.add(client.address)
+        self._last_ok[client.address] = (time.monotonic(), self._clock.stalled_s())
+        thread.spawn(
+            f"art-mega-heartbeat-{client.host}-{client.address}", lambda: self._watch(client, thread)
+        )
 
     def silent_s(self, address: str) -> float:
-        """Seconds since the agent at `address` last answered a heartbeat (0 if not watched)."""
+        """Seconds since the agent at `address` last answered a heartbeat, less the time the
+        heartbeat thread itself was stalled (0 if not watched)."""
         last = self._last_ok.get(address)
-        return 0.0 if last is None else time.monotonic() - last
+        if last is None:
+            return 0.0
+        answered, stalled = last
+        return max(0.0, time.monotonic() - answered - (self._clock.stalled_s() - stalled))
 
     def unresponsive(self, after_s: float) -> list[AgentClient]:
         """The watched agents that are lost or have not answered for more than `after_s` s."""
@@ -115,32 +217,43 @@ class AgentMonitor:
         )
 
     async def stop(self) -> None:
-        """Stop every heartbeat (idempotent)."""
-        tasks, self._tasks = list(self._tasks.values()), {}
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop every heartbeat and their thread (idempotent); a later `watch` starts anew."""
+        thread, self._thread = self._thread, None
+        self._beating.clear()
+        if thread is not None:
+            await thread.stop()
 
-    async def _watch(self, client: AgentClient) -> None:
+    def _deliver(self, exc: HostLostError, thread: _HeartbeatThread) -> None:
+        """On the owner's loop: record the first loss of the running heartbeats and report it."""
+        if self.lost is None and self._thread is thread:
+            self.lost = exc
+            self.on_lost(exc)
+
+    async def _watch(self, client: AgentClient, thread: _HeartbeatThread) -> None:
+        twin = client.twin()
         try:
-            await self._beat(client)
-        except RuntimeError:
-            if not client.closed:
-                raise
+            await self._beat(client, twin)
         except HostLostError as exc:
-            if self.lost is None:
-                self.lost = exc
-                self.on_lost(exc)
+            owner = self._owner
+            if owner is not None and not owner.is_closed():
+                try:
+                    owner.call_soon_threadsafe(self._deliver, exc, thread)
+                except RuntimeError:  # the owner's loop closed meanwhile: nobody to tell
+                    pass
+        finally:
+            await twin.aclose()
 
-    async def _beat(self, client: AgentClient) -> None:
+    async def _beat(self, client: AgentClient, twin: AgentClient) -> None:
+        """Beat until `client` (the caller's) or the owner's loop is closed; raise `HostLostError`."""
         reason = "agent stopped answering"
         bound = self._lost_after_s
         interval = self._interval_s
         silent_bound = self._silent_after_s if self._silent_after_s is not None else SILENT_AFTER_S
-        while True:
+        owner = self._owner
+        while not client.closed and not (owner is not None and owner.is_closed()):
             started = time.monotonic()
             try:
-                health = await client.lease(timeout_s=interval * 2)
+                health = await twin.lease(timeout_s=interval * 2)
                 expected = self._expected.get(client.host)
                 if expected is not None and (health.launch_id, health.pid) != expected:
                     raise HostLostError(
@@ -153,7 +266,7 @@ class AgentMonitor:
                     interval = min(self._interval_s, health.controller_lease_s / BEATS_PER_LEASE)
                     if self._silent_after_s is None:
                         silent_bound = health.controller_lease_s
-                self._last_ok[client.address] = time.monotonic()
+                self._last_ok[client.address] = (time.monotonic(), self._clock.stalled_s())
             except AgentError as exc:
                 reason = f"agent stopped answering ({exc})"
                 # A refusal proves the process is gone; silence may be load: wait longer for it.
