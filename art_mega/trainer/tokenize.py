@@ -490,6 +490,9 @@ class BatchStats:
     groups_skipped_zero_variance: int = 0
     trajectories_used: int = 0
     trajectories_dropped_zero_advantage: int = 0
+    trajectories_dropped_no_assistant_tokens: int = 0
+    """Kept by their advantage, but with no assistant turn to train (e.g. the sampled Choice was
+    never appended to the conversation): counted apart so that this shows in the metrics."""
     trained_tokens: int = 0
 
     def as_metrics(self) -> dict[str, float]:
@@ -499,8 +502,8 @@ class BatchStats:
 def grpo_documents(
     tokenizer: Any, groups: Sequence[TrajectoryGroup], scale_rewards: bool = True
 ) -> tuple[list[Document], BatchStats]:
-    """Advantages per group, zero-variance groups skipped, zero-advantage trajectories dropped,
-    then each kept trajectory tokenized with weight 1 / (its assistant tokens): one Document per
+    """Advantages per group, zero-variance groups skipped, zero-advantage trajectories dropped
+    (and those without assistant tokens, counted apart), then each kept trajectory tokenized with weight 1 / (its assistant tokens): one Document per
     sequence (see `tokenize_history`), all of a trajectory's with its advantage and weight.
 
     Raises:
@@ -521,7 +524,7 @@ def grpo_documents(
             sequences = tokenize_trajectory(tokenizer, trajectory, where=f"trajectory {t} of group {g}")
             weight = token_weight(sum(s.trained_tokens for s in sequences))
             if weight == 0.0:
-                stats.trajectories_dropped_zero_advantage += 1
+                stats.trajectories_dropped_no_assistant_tokens += 1
                 continue
             stats.trajectories_used += 1
             for s in sequences:

@@ -95,3 +95,19 @@ def test_a_template_that_prints_content_gets_the_joined_text_not_the_list(tiny_t
     joined = tokenize_history(tokenizer, [{"role": "user", "content": "how are\nyou"}, ANSWER])
     assert rows(split) == rows(joined)
     assert "type" not in tokenizer.decode(split[0].input_ids)
+
+
+def test_a_trajectory_without_assistant_turns_is_counted_apart(tiny_tokenizer) -> None:  # noqa: ANN001
+    """A rollout that never appended its Choice trains nothing; it was counted as a zero
+    advantage, so data/ metrics hid it."""
+    group = TrajectoryGroup(
+        [
+            Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, ANSWER], reward=1.0),
+            Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=0.0),
+        ]
+    )
+    documents, stats = grpo_documents(tiny_tokenizer, [group])
+    metrics = stats.as_metrics()
+    assert metrics["data/trajectories_dropped_no_assistant_tokens"] == 1.0
+    assert metrics["data/trajectories_dropped_zero_advantage"] == 0.0
+    assert metrics["data/trajectories_used"] == 1.0 and len(documents) == 1 and documents[0].advantage > 0
