@@ -436,6 +436,14 @@ def _check_item(item: Any, where: str, argument: str, group: int | None, index: 
                     f"has a content part {k} of type {type(part).__name__}; a part is an object "
                     "such as {'type': 'text', 'text': '...'}"
                 )
+    texts = [content] if isinstance(content, str) else [p.get("text") for p in content or []]
+    for text in texts:
+        surrogate = _lone_surrogate(text)
+        if surrogate is not None:
+            raise refuse(
+                f"has a lone UTF-16 surrogate {text[surrogate]!r} at character {surrogate} of its "
+                "content, which no tokenizer encodes; decode the text with errors='replace'"
+            )
     for k, logprob in enumerate(entries):
         if (
             isinstance(logprob, bool)
@@ -456,6 +464,18 @@ def _check_item(item: Any, where: str, argument: str, group: int | None, index: 
                 f"has the sampling logprob {logprob!r} at token {k}, above 0, which no "
                 "log-probability is; train choices as the server returned them"
             )
+
+
+def _lone_surrogate(text: Any) -> int | None:
+    """The index of the first lone surrogate in `text` (e.g. from bytes decoded with
+    errors='surrogateescape'), None when `text` is valid Unicode or not a string."""
+    if not isinstance(text, str):
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def nonfinite_rewards(groups: Iterable[TrajectoryGroup]) -> list[tuple[int, int, float]]:

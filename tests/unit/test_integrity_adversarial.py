@@ -620,3 +620,15 @@ def test_iterate_dataset_reads_a_generator_and_refuses_a_string() -> None:
     assert [b.items for b in batches] == [[0, 1], [2, 3], [4]]
     with pytest.raises(HyperParameterError, match=r"iterate_dataset\(dataset\) got a str; pass a list"):
         iterate_dataset("prompts.jsonl")
+
+
+def test_a_lone_surrogate_in_a_content_is_refused_naming_the_message(backend: MegatronBackend) -> None:
+    """The tokenizer raised 'TextEncodeInput must be Union[...]' (a TypeError traceback)."""
+    from art_mega.errors import TrainInputError
+
+    odd = trajectory(0.0, {"role": "assistant", "content": [{"type": "text", "text": "ok \udcff"}]})
+    with pytest.raises(
+        TrainInputError,
+        match=r"trajectory 1 of group 1: messages_and_choices\[1\] has a lone UTF-16 surrogate '\\udcff' at character 3",
+    ):
+        train(backend, [GOOD[0], art.TrajectoryGroup([trajectory(1.0), odd])])
