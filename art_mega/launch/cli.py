@@ -174,7 +174,8 @@ def _check_port(port: int) -> None:
 
 
 def _refuse_loopback(hosts: Sequence[tuple[str, str]], option: str, fixes: Sequence[str]) -> None:
-    """Refuse a multi-host launch that would advertise a loopback address for one host's agent.
+    """Refuse a multi-host launch that would advertise a loopback or unspecified (0.0.0.0, ::)
+    address for one host's agent.
 
     `hosts` are (as the user wrote it, worker host) pairs; `fixes[i]` is the fix to suggest for
     `hosts[i]`.
@@ -182,8 +183,17 @@ def _refuse_loopback(hosts: Sequence[tuple[str, str]], option: str, fixes: Seque
     Raises:
         LoopbackAddressError: naming the value, the loopback address and the fix.
     """
-    from art_mega.runtime.netif import loopback_in_multi_host
+    from art_mega.runtime.netif import is_unspecified_ip, loopback_in_multi_host
 
+    for (label, host), fix in zip(hosts, fixes):
+        if len(hosts) > 1 and is_unspecified_ip(host):
+            raise LoopbackAddressError(
+                f"{option} {label!r} would advertise its agent at {host}, the unspecified address, which "
+                f"every other host of this {len(hosts)}-host launch reads as itself; give its network "
+                f"address: {fix}",
+                label,
+                host,
+            )
     found = loopback_in_multi_host(hosts)
     if found is None:
         return

@@ -137,6 +137,17 @@ def is_loopback_ip(text: str) -> bool:
     return ip.is_loopback
 
 
+def is_unspecified_ip(text: str) -> bool:
+    """True for 0.0.0.0, :: or ::ffff:0.0.0.0: an address to bind, never one to reach a host at."""
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_unspecified
+
+
 def loopback_in_multi_host(hosts: Sequence[tuple[str, str]]) -> tuple[str, str, str] | None:
     """The first (label, host, loopback IP) that other hosts could not reach, or None.
 

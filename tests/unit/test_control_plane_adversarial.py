@@ -208,3 +208,35 @@ def test_nccl_exact_match_takes_whole_names_only(value, admitted):
         match=rf"host host0: NCCL_SOCKET_IFNAME='{re.escape(value)}' selects none",
     ):
         admit(topology(gpu_ids={0: (0,)}), report)
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (
+            ["controller", "--worker", "tcp://0.0.0.0:22222", "--worker", "tcp://10.0.0.2:22222"],
+            "--worker 'tcp://0.0.0.0:22222' would advertise its agent at 0.0.0.0, the unspecified address, which "
+            "every other host of this 2-host launch reads as itself; give its network address: ",
+        ),
+        (
+            ["ssh", "--host", "box=0.0.0.0", "--host", "other=10.0.0.2"],
+            "--host 'box=0.0.0.0' would advertise its agent at 0.0.0.0, the unspecified address, which every "
+            "other host of this 2-host launch reads as itself; give its network address: --host box=ADDRESS",
+        ),
+        (
+            ["controller", "--worker", "tcp://[::]:22222", "--worker", "tcp://10.0.0.2:22222"],
+            "--worker 'tcp://[::]:22222' would advertise its agent at ::, the unspecified address",
+        ),
+    ],
+)
+def test_an_unspecified_worker_address_in_a_multi_host_launch_is_one_sentence(
+    argv, said, capsys, monkeypatch
+):
+    from art_mega.launch.cli import main
+
+    monkeypatch.setenv("ART_MEGA_SECRET", "a" * 64)
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--program", "absent.py:main"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"art-mega: error: {said}"), err
