@@ -42,7 +42,7 @@ class FsProbeOps:
     def run(self, request: FsOpRequest) -> FsOpResponse:
         try:
             return self._run(request)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: pathlib's symlink loop
             return FsOpResponse(ok=False, error=f"{type(exc).__name__}: {exc}")
 
     def _run(self, request: FsOpRequest) -> FsOpResponse:

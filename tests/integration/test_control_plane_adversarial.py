@@ -193,3 +193,25 @@ async def test_a_metadata_store_port_that_closes_at_once_or_refuses_is_one_sente
         closer.cancel()
         closing.close()
         await client.aclose()
+
+
+async def test_an_artifact_root_in_a_symlink_loop_is_named_not_an_agent_500(tmp_path):
+    from art_mega.runtime.admission import PreflightError
+    from art_mega.runtime.runtime import ArtRuntime
+    from art_mega.topology import ClusterSpec, HostSpec, compile_topology
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    cluster = ClusterSpec(
+        hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=1),),
+        controller_host_id="local",
+        artifact_root=str(loop),
+        cache_root=str(tmp_path / "cache"),
+        startup_timeout_s=30,
+    )
+    with pytest.raises(PreflightError) as raised:
+        await ArtRuntime.start_local(compile_topology(cluster))
+    assert str(raised.value).startswith(
+        f"host local: artifact_root {loop} cannot be used (write failed: RuntimeError: Symlink loop from "
+        f"'{loop}/.art-mega-probe')"
+    )
