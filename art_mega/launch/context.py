@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from art_mega.errors import UserError
 from art_mega.topology import ClusterSpec, EndpointSpec, HostSpec, NcclTransportSpec, NixlTransportSpec
 
 if TYPE_CHECKING:
@@ -72,9 +73,16 @@ class ArtLaunchContext:
         """A `ClusterSpec` with hosts `host0..N-1` on this launch's agents, all alike.
 
         Raises:
+            UserError: `gpu_ids` that is not a tuple or list (a string was read as its letters).
             pydantic.ValidationError: a value breaks a `ClusterSpec`/`HostSpec` rule (the CLI
-                prints it as one sentence).
+                prints it as one sentence); an empty `artifact_root` or `cache_root` is refused
+                there, not replaced by the default (None is the default).
         """
+        if not isinstance(gpu_ids, (tuple, list)):
+            raise UserError(
+                f"homogeneous_cluster(gpu_ids={gpu_ids!r}) lists each host's GPUs; pass a tuple such as "
+                "(0, 1) or ('GPU-...',), or () for none"
+            )
         hosts = tuple(
             HostSpec(
                 host_id=f"host{i}",
@@ -91,9 +99,9 @@ class ArtLaunchContext:
         return ClusterSpec(
             hosts=hosts,
             controller_host_id=f"host{self.controller_rank}",
-            artifact_root=artifact_root or default_artifact_root(),
+            artifact_root=default_artifact_root() if artifact_root is None else artifact_root,
             shared_artifact_root=shared_artifact_root,
-            cache_root=cache_root or default_cache_root(),
+            cache_root=default_cache_root() if cache_root is None else cache_root,
             nccl_transport=nccl_transport,
             startup_timeout_s=startup_timeout_s,
             rpc_timeout_s=rpc_timeout_s,

@@ -240,3 +240,26 @@ def test_an_unspecified_worker_address_in_a_multi_host_launch_is_one_sentence(
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"art-mega: error: {said}"), err
+
+
+@pytest.mark.parametrize("gpu_ids", ["01", "0,1", 0, None])
+def test_homogeneous_cluster_refuses_gpu_ids_that_are_not_a_list(gpu_ids):
+    from art_mega.errors import UserError
+    from art_mega.launch.context import ArtLaunchContext
+
+    launch = ArtLaunchContext(worker_addresses=("tcp://10.0.0.1:22222",), launch_id="l")
+    with pytest.raises(UserError) as raised:
+        launch.homogeneous_cluster(gpu_ids=gpu_ids)
+    assert str(raised.value) == (
+        f"homogeneous_cluster(gpu_ids={gpu_ids!r}) lists each host's GPUs; pass a tuple such as (0, 1) or "
+        "('GPU-...',), or () for none"
+    )
+
+
+@pytest.mark.parametrize("field", ["artifact_root", "cache_root"])
+def test_homogeneous_cluster_refuses_an_empty_root_instead_of_using_the_default(field):
+    from art_mega.launch.context import ArtLaunchContext
+
+    launch = ArtLaunchContext(worker_addresses=("tcp://10.0.0.1:22222",), launch_id="l")
+    with pytest.raises(ValidationError, match=rf"{field} '' must be an absolute path"):
+        launch.homogeneous_cluster(**{field: ""})
