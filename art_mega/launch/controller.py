@@ -23,7 +23,7 @@ from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.program import ProgramRef
 from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
-from art_mega.runtime.monitor import AgentMonitor, HostLostError
+from art_mega.runtime.monitor import STOP_SIGNALS, AgentMonitor, HostLostError
 from art_mega.topology import EndpointSpec
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -59,6 +59,10 @@ class SignalGuard:
         self.target = asyncio.current_task()
         for sig in HANDLED_SIGNALS:
             self._loop.add_signal_handler(sig, self._handle, sig)
+            # The loop still learns of the signal through its wakeup fd; this handler runs on
+            # the main thread even while the program blocks the loop, so the heartbeats can
+            # tell a signal the loop will not handle (`monitor.UNHANDLED_SIGNAL_S`).
+            signal.signal(sig, _count_arrival)
 
     def uninstall(self) -> None:
         if self._loop is not None:
@@ -66,6 +70,7 @@ class SignalGuard:
                 self._loop.remove_signal_handler(sig)
 
     def _handle(self, sig: int) -> None:
+        STOP_SIGNALS.handle()
         if self.received is not None:
             return
         self.received = sig
@@ -74,6 +79,11 @@ class SignalGuard:
             self.on_signal()
         if self.target is not None:
             self.target.cancel()
+
+
+def _count_arrival(signum: int, frame: object) -> None:
+    """The Python-level handler of every handled signal (the loop's own runs from its wakeup fd)."""
+    STOP_SIGNALS.arrive()
 
 
 def describe_failure(exc: BaseException, debug: bool) -> tuple[int, str]:

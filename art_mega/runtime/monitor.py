@@ -14,6 +14,10 @@ lease. Silence is counted only while the heartbeat thread itself could run: a st
 whole controller process (stopped and continued, swapped out, starved of the GIL) is not its
 agents' silence. Hosts that did vanish meanwhile refuse the next beats and are named then.
 
+A stop signal (SIGTERM, SIGHUP, SIGINT) is handled on the program's event loop; one that loop
+has not handled for `UNHANDLED_SIGNAL_S` (the program blocks it) ends the heartbeats, so that
+every agent's lease runs out and it stops its children.
+
 An agent is lost when its heartbeats have been refused or reset for `lost_after_s` seconds (its
 process is gone), when they have gone unanswered for its lease (the host is stopped, frozen or
 cut off: the same bound after which that agent gives up on the controller; longer than the
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -40,6 +45,10 @@ SILENT_AFTER_S = 20.0
 BEATS_PER_LEASE = 4
 CLOCK_TICK_S = 0.05
 """How often the heartbeat thread's stall clock checks that its own loop still runs (seconds)."""
+UNHANDLED_SIGNAL_S = 5.0
+"""Seconds a stop signal may wait for the program's event loop (blocked by the program) before
+the heartbeats end, so that every agent's lease runs out and it stops its children: the bound on
+a SIGTERM to a controller whose program never lets its loop run again is this plus the lease."""
 
 
 class HostLostError(Exception):
@@ -50,6 +59,50 @@ class HostLostError(Exception):
         self.host = host
         self.address = address
         self.reason = reason
+
+
+class StopSignals:
+    """Stop signals this process received and how many its event loop has handled. Both are
+    counted on the main thread (`arrive` from the signal handler, `handle` from the loop's);
+    the heartbeat threads read `unhandled_s`."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.handled = 0
+        self._since: float | None = None
+
+    def arrive(self) -> None:
+        self.arrived += 1
+        if self.arrived > self.handled and self._since is None:
+            self._since = time.monotonic()
+
+    def handle(self) -> None:
+        self.handled += 1
+        if self.handled >= self.arrived:
+            self._since = None
+
+    def unhandled_s(self) -> float:
+        """Seconds the oldest signal not handled yet has waited (0 when there is none)."""
+        since = self._since
+        return 0.0 if since is None or self.handled >= self.arrived else time.monotonic() - since
+
+
+STOP_SIGNALS = StopSignals()
+"""This process's: `launch.controller.SignalGuard` counts into it."""
+_abandoned = threading.Event()
+
+
+def _abandon_leases() -> None:
+    """Say once, from a heartbeat thread, that the heartbeats end for an unhandled signal."""
+    if not _abandoned.is_set():
+        _abandoned.set()
+        print(
+            f"art-mega: the program's event loop has not handled a stop signal for "
+            f"{UNHANDLED_SIGNAL_S:g} s (it is blocked); the heartbeats stop, so every agent stops "
+            "its children once its --controller-lease runs out",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class StallClock:
@@ -251,6 +304,9 @@ class AgentMonitor:
         silent_bound = self._silent_after_s if self._silent_after_s is not None else SILENT_AFTER_S
         owner = self._owner
         while not client.closed and not (owner is not None and owner.is_closed()):
+            if STOP_SIGNALS.unhandled_s() >= UNHANDLED_SIGNAL_S:
+                _abandon_leases()
+                return
             started = time.monotonic()
             try:
                 health = await twin.lease(timeout_s=interval * 2)

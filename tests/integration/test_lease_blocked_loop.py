@@ -155,3 +155,26 @@ async def test_a_closed_client_ends_its_heartbeats_and_stop_ends_the_thread():
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+def test_a_signal_the_blocked_loop_cannot_handle_lets_every_lease_run_out():
+    """SIGTERM while the program blocks its loop for good: the program cannot clean up, so the
+    heartbeats stop after `UNHANDLED_SIGNAL_S` and every agent stops its children and exits
+    within that plus the lease (the loop still runs the cleanup once it is free)."""
+    from art_mega.runtime.monitor import UNHANDLED_SIGNAL_S
+
+    process = _local(block_s=300)
+    try:
+        before = _lines(process, "PIDS ")
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        time.sleep(1.0)  # the program is in its time.sleep
+        process.send_signal(signal.SIGTERM)
+        left = wait_gone(before["agents"] + before["children"], UNHANDLED_SIGNAL_S + LEASE_S + 5)
+        assert left == [], left
+        assert process.poll() is None  # the controller itself still sleeps in the program
+    finally:
+        process.kill()
+    err = process.communicate(timeout=30)[1]
+    assert "has not handled a stop signal for 5 s" in err, err
+    assert "its controller was not heard from for 2 s" in err, err
