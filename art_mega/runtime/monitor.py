@@ -168,7 +168,10 @@ class _HeartbeatThread:
 
     async def stop(self) -> None:
         """Cancel every task, wait until they ended and the thread's loop is closed."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # it stopped itself (the owner's loop was closed) and is closed
+            pass
         await asyncio.wrap_future(self._done)
 
 
@@ -295,6 +298,9 @@ class AgentMonitor:
                     pass
         finally:
             await twin.aclose()
+            owner = self._owner
+            if owner is not None and owner.is_closed():  # nobody will call `stop`: end the thread
+                thread.loop.stop()
 
     async def _beat(self, client: AgentClient, twin: AgentClient) -> None:
         """Beat until `client` (the caller's) or the owner's loop is closed; raise `HostLostError`."""
