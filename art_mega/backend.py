@@ -53,6 +53,29 @@ def default_vllm_python() -> str:
     )
 
 
+def replica_python(topology: Any, vllm_python: str | None) -> str:
+    """The interpreter every replica of `topology` (a `CompiledTopology`) runs under: each
+    `InferenceSpec`'s `python`, else `vllm_python`, else `default_vllm_python()`.
+
+    The backend starts and restarts all replicas from one `ReplicaLaunch`, so the specs must
+    agree on it.
+
+    Raises:
+        UserError: two inference specs resolve to different interpreters (names both specs and
+            interpreters), or no vLLM environment is found.
+    """
+    chosen: dict[str, str] = {}
+    for spec in topology.inference:
+        chosen.setdefault(spec.python or vllm_python or default_vllm_python(), spec.name)
+    if len(chosen) > 1:
+        (first, a), (second, b) = list(chosen.items())[:2]
+        raise UserError(
+            f"InferenceSpec {a!r} runs vLLM under {first!r} but InferenceSpec {b!r} under {second!r}; "
+            "the backend runs every replica under one interpreter, so give the specs the same python"
+        )
+    return next(iter(chosen), None) or vllm_python or default_vllm_python()
+
+
 def local_topology(artifact_root: str, vllm_python: str, startup_timeout_s: float = 900.0) -> Any:
     """The embedded backend's `CompiledTopology`: one loopback host "local" (2 CPU slots) with
     one CPU trainer rank and one vLLM replica run by `vllm_python`, on free ports; artifacts
@@ -622,7 +645,7 @@ class MegatronBackend:
 
         Raises:
             UserError: a second model, an unresolvable base model, a topology without trainer or
-                inference, an unknown LoRA target.
+                inference, inference specs with different pythons, an unknown LoRA target.
             ModelSplitError: the heads, KV heads, FFN or experts do not divide by the
                 TrainerSpec's tp / ep / etp, or the heads or FFN by the InferenceSpec's tp.
             AdapterMismatchError: the warm-start adapter or the committed checkpoint has another
@@ -645,6 +668,7 @@ class MegatronBackend:
             raise UserError(
                 "the runtime's topology needs a TrainerSpec and an InferenceSpec to train a model"
             )
+        replica_python(topology, self._vllm_python)  # UserError before any check that costs time
         check_artifact_root_reach(topology)  # before any trainer rank or replica starts
         await check_controller_sees_artifact_root(self._runtime)
         transport = adapter_transport_for(self._runtime)  # UserError, also before any start
@@ -656,8 +680,7 @@ class MegatronBackend:
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
         await check_runtime_idle(self._runtime)
         # the interpreter the replicas will run under joins a collective before any start (cached)
-        replica_python = topology.inference[0].python or self._vllm_python or default_vllm_python()
-        await self._runtime.prove_replicas(replica_python)
+        await self._runtime.prove_replicas(replica_python(topology, self._vllm_python))
         try:
             await self._start_serving(model, resolved, run_dir, committed, transport)
         except BaseException:
@@ -732,11 +755,10 @@ class MegatronBackend:
             config["resume_dir"] = str(run_dir / "checkpoints" / f"{committed:04d}")
         elif resolved.warm_start is not None:
             config["warm_start"] = str(resolved.warm_start)
-        inference_python = topology.inference[0].python if topology.inference else None
         launch = ReplicaLaunch(
             model=str(resolved.model_dir),
             served_model_name=model.name,
-            python=inference_python or self._vllm_python or default_vllm_python(),
+            python=replica_python(topology, self._vllm_python),
             max_lora_rank=lora_rank_slot(int(self.lora["rank"])),
             max_model_len=self.max_model_len,
             log_dir=str(run_dir / "logs"),
