@@ -38,6 +38,9 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 
 MAX_STARTUP_TIMEOUT_S = 86400.0
 """The longest --startup-timeout (one day): larger values overflow socket and timer limits."""
+MIN_STARTUP_TIMEOUT_S = 1.0
+"""The shortest --startup-timeout: an agent is a fresh Python process that needs more than this to
+answer, so a shorter bound (5e-324 is > 0) could only ever time out."""
 _INTEGER = re.compile(r"-?[0-9]+")
 _SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
@@ -56,10 +59,12 @@ def integer(value: str | int) -> int:
 
 
 def seconds(value: str | float) -> float:
-    """An option's duration in seconds: a finite number in (0, MAX_STARTUP_TIMEOUT_S], ASCII digits.
+    """An option's duration in seconds: a finite number in [MIN_STARTUP_TIMEOUT_S (1),
+    MAX_STARTUP_TIMEOUT_S (one day)], ASCII digits.
 
     Raises:
-        ValueError: inf, nan, a negative number, 0, a non-ASCII digit, or more than a day.
+        ValueError: inf, nan, a negative number, 0, under a second, a non-ASCII digit, or more
+            than a day.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
@@ -73,6 +78,10 @@ def seconds(value: str | float) -> float:
     if not 0 < number <= MAX_STARTUP_TIMEOUT_S:
         raise ValueError(
             f"{value!r} is outside 0 < seconds <= {MAX_STARTUP_TIMEOUT_S:g} (one day); give e.g. 120"
+        )
+    if number < MIN_STARTUP_TIMEOUT_S:
+        raise ValueError(
+            f"{value!r} is under {MIN_STARTUP_TIMEOUT_S:g} s, too short for an agent to start; give e.g. 120"
         )
     return number
 

@@ -21,6 +21,9 @@ from art_mega.errors import UserError
 LEASE_ENV = "ART_MEGA_CONTROLLER_LEASE"
 DEFAULT_CONTROLLER_LEASE_S = 20.0
 """Seconds without a word from the controller before an agent stops its children and exits."""
+MIN_CONTROLLER_LEASE_S = 1.0
+"""The shortest lease: the controller beats a quarter lease apart (at most every 0.5 s), so a
+shorter one (1e-300 is > 0) turns the heartbeat into a busy loop and expires on any pause."""
 _SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 """A non-negative decimal number in ASCII digits (`float()` alone also takes '٣', 'inf', 'nan')."""
 
@@ -30,21 +33,32 @@ def parse_controller_lease(
 ) -> float:
     """The lease in seconds: `value` when given, else `$ART_MEGA_CONTROLLER_LEASE`, else 20.
 
+    An empty variable counts as unset (the Unix convention); anything else, like `value`, must be
+    a number of seconds in ASCII digits without surrounding spaces (as every other option and
+    ART_MEGA_* variable), from MIN_CONTROLLER_LEASE_S (1) up.
+
     Raises:
-        UserError: the chosen value is not a finite positive number of seconds (one sentence
-            naming the option or variable, the value and the fix).
+        UserError: the chosen value is not a finite number of seconds >= 1 (one sentence naming
+            the option or variable, the value and the fix).
     """
     env = os.environ if env is None else env
-    if value is None and env.get(LEASE_ENV, "").strip():
-        value, option = env[LEASE_ENV].strip(), LEASE_ENV
+    if value is None and env.get(LEASE_ENV, ""):
+        value, option = env[LEASE_ENV], LEASE_ENV
     if value is None:
         return DEFAULT_CONTROLLER_LEASE_S
-    text = str(value).strip()
-    seconds = float(text) if _SECONDS.fullmatch(text) else math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        seconds = float(value) if isinstance(value, str) and _SECONDS.fullmatch(value) else math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise UserError(
-            f"{option} {value!r} is not a finite positive number of seconds; "
+            f"{option} {value!r} is not a finite positive number of seconds written in ASCII digits; "
             f"give e.g. {DEFAULT_CONTROLLER_LEASE_S:g} (the default)"
+        )
+    if seconds < MIN_CONTROLLER_LEASE_S:
+        raise UserError(
+            f"{option} {value!r} is under {MIN_CONTROLLER_LEASE_S:g} s, shorter than the controller's "
+            f"heartbeats can hold; give e.g. {DEFAULT_CONTROLLER_LEASE_S:g} (the default)"
         )
     return seconds
 
