@@ -5,10 +5,19 @@ Specs forbid unknown fields and never change once built; ids and ports are check
 
 from __future__ import annotations
 
+import numbers
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationInfo,
+)
 
 _IDENTIFIER = re.compile(r"^[A-Za-z0-9._-]+$")
 _GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/_-]+$")
@@ -50,10 +59,57 @@ def _validate_gpu_id(value: object) -> int | str:
 GpuId = Annotated[int | str, PlainValidator(_validate_gpu_id), PlainSerializer(lambda v: v)]
 """A GPU as CUDA names it: an index >= 0 (digit strings become ints) or a `GPU-`/`MIG-` UUID."""
 
-Port = Annotated[int, Field(ge=0, le=65535)]
+
+def _integer(value: Any, info: ValidationInfo) -> Any:
+    # pydantic's lax int takes True, "2" and 2.0; a count or port is an integer or refused
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)  # numpy integers too
+    raise ValueError(
+        f"{info.field_name} {value!r} must be an integer, not {_kind(value)}; "
+        "write it as a whole number without quotes"
+    )
+
+
+def _flag(value: Any, info: ValidationInfo) -> Any:
+    # pydantic's lax bool takes "no", "off", 0 and 1; a flag is True or False or refused
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in {"bool", "bool_"}:
+        return bool(value)
+    raise ValueError(f"{info.field_name} {value!r} must be True or False, not {_kind(value)}")
+
+
+def _number(value: Any, info: ValidationInfo) -> Any:
+    # pydantic's lax float takes True and "2"; ints and numpy numbers stay accepted
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return value
+    raise ValueError(
+        f"{info.field_name} {value!r} must be a number, not {_kind(value)}; write it without quotes"
+    )
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, str):
+        return "a string"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+Integer = Annotated[int, BeforeValidator(_integer)]
+"""An `int` field that refuses bools, strings and floats (numpy integers are accepted)."""
+
+Flag = Annotated[bool, BeforeValidator(_flag)]
+"""A `bool` field that refuses strings and numbers (numpy bools are accepted)."""
+
+Number = Annotated[float, BeforeValidator(_number)]
+"""A `float` field that refuses bools and strings (ints and numpy numbers are accepted)."""
+
+Port = Annotated[Integer, Field(ge=0, le=65535)]
 """A TCP port number, 0..65535."""
 
-ListenPort = Annotated[int, Field(ge=1, le=65535)]
+ListenPort = Annotated[Integer, Field(ge=1, le=65535)]
 """A TCP port a process listens on, 1..65535."""
 
 

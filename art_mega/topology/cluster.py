@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 
 from pydantic import Field, field_validator, model_validator
 
-from art_mega.topology.base import GpuId, SpecModel, check_identifier, unique_gpu_ids
+from art_mega.topology.base import Flag, GpuId, Integer, Number, SpecModel, check_identifier, unique_gpu_ids
 from art_mega.topology.endpoint import EndpointSpec
 from art_mega.topology.errors import TopologyError
 from art_mega.topology.transport import NcclTransportSpec, NixlTransportSpec
@@ -25,9 +25,9 @@ class HostSpec(SpecModel):
     """
 
     host_id: str
-    node_rank: int = Field(ge=0)
+    node_rank: Integer = Field(ge=0)
     worker_address: EndpointSpec
-    cpu_slots: int = Field(default=1, ge=1)
+    cpu_slots: Integer = Field(default=1, ge=1)
     gpu_ids: tuple[GpuId, ...] = ()
 
     @field_validator("host_id")
@@ -69,13 +69,13 @@ class ClusterSpec(SpecModel):
     hosts: tuple[HostSpec, ...] = Field(min_length=1)
     controller_host_id: str
     artifact_root: str
-    shared_artifact_root: bool = True
+    shared_artifact_root: Flag = True
     cache_root: str
     nccl_transport: NcclTransportSpec | None = None
     nixl_transport: NixlTransportSpec = Field(default_factory=NixlTransportSpec)
-    startup_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
-    rpc_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
-    allow_shared_kernel: bool = False
+    startup_timeout_s: Number = Field(default=60.0, gt=0, allow_inf_nan=False)
+    rpc_timeout_s: Number = Field(default=30.0, gt=0, allow_inf_nan=False)
+    allow_shared_kernel: Flag = False
 
     @field_validator("artifact_root")
     @classmethod

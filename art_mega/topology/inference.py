@@ -8,7 +8,9 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from art_mega.topology.base import (
+    Flag,
     GpuId,
+    Integer,
     ListenPort,
     SpecModel,
     check_identifier,
@@ -34,14 +36,14 @@ class InferenceSpec(SpecModel):
     """
 
     name: str = "vllm"
-    replicas: int = Field(default=1, ge=1)
-    tp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
-    dp: int = Field(default=1, ge=1)
+    replicas: Integer = Field(default=1, ge=1)
+    tp: Integer = Field(default=1, ge=1)
+    pp: Integer = Field(default=1, ge=1)
+    dp: Integer = Field(default=1, ge=1)
     host_ids: tuple[str, ...] | None = None
     gpu_ids: tuple[GpuId, ...] | None = None
     api_port: ListenPort = 8000
-    shared_gpus: bool = False
+    shared_gpus: Flag = False
     python: str | None = None
 
     @field_validator("name")

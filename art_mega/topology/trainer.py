@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from art_mega.topology.base import ListenPort, SpecModel, unique_names
+from art_mega.topology.base import Integer, ListenPort, SpecModel, unique_names
 
 
 class TrainerSpec(SpecModel):
@@ -23,13 +23,13 @@ class TrainerSpec(SpecModel):
     port outside 1..65535.
     """
 
-    tp: int = Field(default=1, ge=1)
-    cp: int = Field(default=1, ge=1)
-    ep: int = Field(default=1, ge=1)
-    etp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
+    tp: Integer = Field(default=1, ge=1)
+    cp: Integer = Field(default=1, ge=1)
+    ep: Integer = Field(default=1, ge=1)
+    etp: Integer = Field(default=1, ge=1)
+    pp: Integer = Field(default=1, ge=1)
     host_ids: tuple[str, ...] | None = None
-    cpu_ranks_per_host: int = Field(default=1, ge=1)
+    cpu_ranks_per_host: Integer = Field(default=1, ge=1)
     master_port: ListenPort = 29500
 
     @field_validator("host_ids")
