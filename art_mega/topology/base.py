@@ -1,6 +1,8 @@
 """The frozen pydantic base model and the field types shared by every topology spec.
 
 Specs forbid unknown fields and never change once built; ids and ports are checked here once.
+Their integer, bool and float fields use `Integer`, `Flag` and `Number`, which take only their
+own type (pydantic's lax mode read `True` as 1, `"2"` as 2 and `"no"` as False).
 """
 
 from __future__ import annotations
