@@ -126,26 +126,27 @@ def loopback_ip(host: str) -> str | None:
     return None
 
 
-def is_loopback_ip(text: str) -> bool:
-    """True for an IP literal in 127.0.0.0/8, ::1 or ::ffff:127.x (names are never loopback here)."""
+def _ip_literal(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address `text` spells (an IPv4-mapped IPv6 one as IPv4, a zone id dropped); None for a name."""
     try:
         ip = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
-        return False
+        return None
     if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_loopback_ip(text: str) -> bool:
+    """True for an IP literal in 127.0.0.0/8, ::1 or ::ffff:127.x (names are never loopback here)."""
+    ip = _ip_literal(text)
+    return ip is not None and ip.is_loopback
 
 
 def is_unspecified_ip(text: str) -> bool:
     """True for 0.0.0.0, :: or ::ffff:0.0.0.0: an address to bind, never one to reach a host at."""
-    try:
-        ip = ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return False
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_unspecified
+    ip = _ip_literal(text)
+    return ip is not None and ip.is_unspecified
 
 
 def loopback_in_multi_host(hosts: Sequence[tuple[str, str]]) -> tuple[str, str, str] | None:

@@ -22,24 +22,11 @@ from art_mega.runtime.admission import PreflightError
 from art_mega.runtime.ports import free_port
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
+from tests.integration.test_preflight_environments import broken_torch_interpreter
 
 pytestmark = pytest.mark.asyncio
 
 BROKEN = "cannot import torch.distributed (ImportError: this torch was built without torch.distributed)"
-
-
-def broken_torch_interpreter(tmp: Path) -> Path:
-    """A wrapper script running this interpreter with a torch that has no torch.distributed."""
-    shadow = tmp / "site" / "torch"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text(
-        'raise ImportError("this torch was built without torch.distributed")\n'
-    )
-    wrapper = tmp / "bin" / "python"
-    wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={shadow.parent} exec {sys.executable} "$@"\n')
-    wrapper.chmod(0o755)
-    return wrapper
 
 
 def one_host(tmp: Path, python: str | None):
