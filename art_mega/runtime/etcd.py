@@ -216,10 +216,14 @@ def check_endpoint(request: EtcdCheckRequest) -> EtcdCheckResponse:
             error=f"cannot connect (ConnectError: {exc}); check that etcd serves clients at that port (2379 by default) "
             "and that this host can reach it",
         )
-    except httpx.RemoteProtocolError as exc:  # e.g. a port that accepts and closes at once
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        # A port that accepts and closes at once: a FIN reads as a disconnect, an RST (the
+        # request was still unread when it closed) as a reset; either way no HTTP came back.
+        how = "reset" if isinstance(exc, httpx.ReadError) else "closed"
         return EtcdCheckResponse(
             ok=False,
-            error=f"it answered no HTTP ({exc}); give etcd's client port (2379 by default), not its peer port",
+            error=f"it answered no HTTP (the connection was {how} without a response); give etcd's "
+            "client port (2379 by default), not its peer port",
         )
     except Exception as exc:  # report any client failure as this host's answer
         return EtcdCheckResponse(ok=False, error=f"{type(exc).__name__}: {exc}")

@@ -140,7 +140,8 @@ class _HeartbeatThread:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._clock = clock
         self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        threading.Thread(target=self._run, name="art-mega-heartbeats", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="art-mega-heartbeats", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -167,12 +168,14 @@ class _HeartbeatThread:
         self.loop.call_soon_threadsafe(create)
 
     async def stop(self) -> None:
-        """Cancel every task, wait until they ended and the thread's loop is closed."""
+        """Cancel every task, wait until they ended, the thread's loop is closed and the thread
+        has exited."""
         try:
             self.loop.call_soon_threadsafe(self.loop.stop)
         except RuntimeError:  # it stopped itself (the owner's loop was closed) and is closed
             pass
         await asyncio.wrap_future(self._done)
+        await asyncio.to_thread(self.thread.join, 5.0)
 
 
 class AgentMonitor:

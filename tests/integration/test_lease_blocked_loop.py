@@ -142,16 +142,17 @@ async def test_a_closed_client_ends_its_heartbeats_and_stop_ends_the_thread():
     agent, client, _ = _start_agent("--controller-lease", "1")
     try:
         health = await client.health()
+        before = set(threading.enumerate())  # other tests' monitors may still be stopping
         monitor = AgentMonitor([client], {"host0": (health.launch_id, health.pid)}, lambda exc: None)
         monitor.start()
-        assert any(t.name == "art-mega-heartbeats" for t in threading.enumerate())
+        (thread,) = [t for t in threading.enumerate() if t.name == "art-mega-heartbeats" and t not in before]
         await asyncio.sleep(1.5)
         assert agent.poll() is None
         await client.aclose()
         code = await asyncio.to_thread(agent.wait, 10)
         assert code == 1 and monitor.lost is None
         await monitor.stop()
-        assert not any(t.name == "art-mega-heartbeats" for t in threading.enumerate())
+        assert not thread.is_alive()
     finally:
         if agent.poll() is None:
             agent.kill()
