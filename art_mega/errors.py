@@ -112,7 +112,7 @@ class RemoteUserError(UserError):
 class RolloutValueError(UserError):
     """A rollout argument or result holds a value JSON cannot carry (bytes, a set, an arbitrary
     object, a numpy array, a complex number, ...), or a result that cannot be rebuilt where it
-    arrives; see `runtime.wire` for what travels and the conversions it makes.
+    arrives; see `rollouts.wire` for what travels and the conversions it makes.
 
     Attributes:
         rollout: the rollout's `module:qualname`.

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 MARK = "MEMORY "
 KINDS = (
-    ("art_mega.runtime.rollout_worker", "rollout worker"),
+    ("art_mega.rollouts.worker", "rollout worker"),
     ("art_mega.trainer.rank_main", "trainer rank"),
     ("art_mega.runtime.preflight_probe", "preflight probe"),
     ("vllm.entrypoints", "vLLM replica"),

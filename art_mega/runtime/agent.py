@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from art_mega import __version__
+from art_mega.rollouts.worker import STREAM_LIMIT
 from art_mega.runtime.auth import (
     NONCE_HEADER,
     REPLY_SIGNATURE_HEADER,
@@ -71,7 +72,6 @@ from art_mega.runtime.protocol import (
     TrainerStartRequest,
     TrainerStartResponse,
 )
-from art_mega.runtime.rollout_worker import STREAM_LIMIT
 from art_mega.runtime.routes import RouteError, SignedRouter, body_error, capped_head_protocol, json_reply
 from art_mega.runtime.supervisor import Child, Supervisor
 from art_mega.runtime.trainer_host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
@@ -335,7 +335,7 @@ class AgentState:
                         [
                             sys.executable,
                             "-m",
-                            "art_mega.runtime.rollout_worker",
+                            "art_mega.rollouts.worker",
                             "--fd",
                             str(child_sock.fileno()),
                         ],

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from art_mega.rollouts.worker import STREAM_LIMIT
 from art_mega.runtime.nixl_protocol import (
     FetchRequest,
     FetchResponse,
@@ -30,7 +31,6 @@ from art_mega.runtime.nixl_protocol import (
     ReleaseResponse,
 )
 from art_mega.runtime.nixl_transfer import remove_copies
-from art_mega.runtime.rollout_worker import STREAM_LIMIT
 from art_mega.runtime.routes import RouteError, SignedRouter
 from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
 

@@ -226,5 +226,5 @@ def test_sigterm_while_agents_and_their_workers_start_prints_no_tracebacks(hosts
     err = _sigterm_once(hosts, _launch(hosts, SMOKE, port=PORT + 1), b"art_mega worker")
     assert "Traceback" not in err and len(err.splitlines()) <= 3, err
     program = "tests/integration/programs/prog_slow_workers.py:main"
-    err = _sigterm_once(hosts, _launch(hosts, program, port=PORT + 1), b"art_mega.runtime.rollout_worker")
+    err = _sigterm_once(hosts, _launch(hosts, program, port=PORT + 1), b"art_mega.rollouts.worker")
     assert "Traceback" not in err and len(err.splitlines()) <= 3, err

@@ -3,7 +3,7 @@
 Before: a set in a trajectory's metadata arrived as a list, bytes as a str and NaN as None; a
 numpy scalar or array was a pydantic serializer traceback from the worker; a NaN reward a
 validation traceback on the controller. Now each is refused in one sentence naming the rollout,
-the host and the key path, or arrives by the documented rule of `art_mega.runtime.wire`.
+the host and the key path, or arrives by the documented rule of `art_mega.rollouts.wire`.
 """
 
 import math

@@ -72,7 +72,7 @@ def test_run_all_skips_missing_scripts_and_the_real_model_unless_asked(tmp_path)
 def test_memory_reads_peaks_of_a_real_process_tree():
     # a child that holds ~64 MB resident, named like a rollout worker
     code = "import time; b = bytearray(64 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", code, "art_mega.runtime.rollout_worker"])
+    child = subprocess.Popen([sys.executable, "-c", code, "art_mega.rollouts.worker"])
     try:
         deadline = time.monotonic() + 20
         while memory.peak_rss_bytes(child.pid) < 64 * 2**20 and time.monotonic() < deadline:

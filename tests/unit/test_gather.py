@@ -4,7 +4,7 @@ import pytest
 
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.gather import RolloutExceptionsExceeded, gather_trajectory_groups
-from art_mega.runtime import wire
+from art_mega.rollouts import wire
 
 
 async def rollout(reward: float, fail: bool = False, delay: float = 0.0) -> Trajectory:

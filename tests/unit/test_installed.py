@@ -3,7 +3,7 @@ import importlib
 import pytest
 
 from art_mega.errors import UserError
-from art_mega.runtime.installed import InstalledAsyncCallable
+from art_mega.rollouts.installed import InstalledAsyncCallable
 
 SOURCE = "async def rollout(x):\n    return x + 1\n\ndef plain(x):\n    return x\n\ndef outer():\n    async def inner():\n        return 1\n    return inner\n"
 

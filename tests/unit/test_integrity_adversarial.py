@@ -391,7 +391,7 @@ def test_sft_rows_with_crlf_extra_keys_and_rl_roles_load_as_written(tmp_path) ->
 def test_wire_refuses_dicts_shaped_like_its_tags_and_lossy_long_doubles() -> None:
     """{"__float__": "nan"} in metadata arrived as the float nan, {"__model__": ..., "data": ...}
     as an import error; an np.longdouble recursed until RecursionError."""
-    from art_mega.runtime import wire
+    from art_mega.rollouts import wire
 
     with pytest.raises(
         wire.WireError, match=r"trajectory.metadata\['x'\] is a dict with only the keys \['__float__'\]"

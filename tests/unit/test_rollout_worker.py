@@ -3,8 +3,8 @@
 import pydantic
 import pytest
 
+from art_mega.rollouts.worker import MAX_CACHED_REFS, _Worker
 from art_mega.runtime.protocol import CallableRef
-from art_mega.runtime.rollout_worker import MAX_CACHED_REFS, _Worker
 
 RAW = {"module": "m", "qualname": "f", "source_sha256": "a" * 64}
 
@@ -44,7 +44,7 @@ def test_the_cache_is_bounded():
 
 
 def test_a_refused_value_is_a_user_failure_without_a_traceback():
-    from art_mega.runtime.rollout_worker import _ValueRefused, failure_from
+    from art_mega.rollouts.worker import _ValueRefused, failure_from
 
     failure = failure_from(_ValueRefused("returned a value that cannot travel: result is bytes, ..."))
     assert (failure.kind, failure.exc_type, failure.traceback) == ("user", "WireError", "")

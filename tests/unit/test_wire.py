@@ -9,7 +9,7 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel
 
 from art_mega import Trajectory, TrajectoryGroup
-from art_mega.runtime import wire
+from art_mega.rollouts import wire
 
 
 class Color(enum.Enum):

@@ -15,9 +15,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from art_mega.errors import RemoteUserError, RolloutValueError, UserError
-from art_mega.runtime import wire
+from art_mega.rollouts import wire
+from art_mega.rollouts.installed import InstalledAsyncCallable
 from art_mega.runtime.client import AgentClient
-from art_mega.runtime.installed import InstalledAsyncCallable
 
 
 class RolloutWorker(BaseModel):
@@ -108,7 +108,7 @@ class RolloutExecutor:
         """Run `await fn(*args, **kwargs)` on `worker` (an index or a `RolloutWorker`).
 
         Returns the result decoded from JSON (pydantic models come back as their class; what
-        travels and the conversions made are in `runtime.wire`).
+        travels and the conversions made are in `rollouts.wire`).
 
         Raises:
             RolloutValueError: an argument or the result holds a value JSON cannot carry (a set,

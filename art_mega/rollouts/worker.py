@@ -17,8 +17,8 @@ import traceback
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.runtime import wire
-from art_mega.runtime.installed import InstalledAsyncCallable
+from art_mega.rollouts import wire
+from art_mega.rollouts.installed import InstalledAsyncCallable
 from art_mega.runtime.protocol import CallableRef, RemoteFailure
 
 STREAM_LIMIT = 64 * 1024 * 1024
