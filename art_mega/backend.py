@@ -654,8 +654,8 @@ class MegatronBackend:
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
         """
-        from art_mega.inference.adapter_transport import adapter_transport_for
         from art_mega.models.resolve import resolve_base_model
+        from art_mega.transfer.adapters import adapter_transport_for
 
         if self._model is not None:
             raise UserError(
@@ -1041,8 +1041,8 @@ class MegatronBackend:
         loss: dict[str, Any],
         started: float,
     ) -> TrainResult:
-        from art_mega.inference.adapter_transport import transfer_metrics
         from art_mega.trainer.batch import pack
+        from art_mega.transfer.adapters import transfer_metrics
 
         assert self._run_dir is not None
         step = self._step + 1
@@ -1125,7 +1125,7 @@ class MegatronBackend:
         Raises:
             ArtifactFileError, AgentError: an agent could not write it (named).
         """
-        from art_mega.runtime.artifact_files import send_file
+        from art_mega.transfer.files import send_file
 
         root = self._runtime.topology.cluster.artifact_root
         sends = [
@@ -1148,7 +1148,7 @@ class MegatronBackend:
             ArtifactFileError, AgentError: an agent could not remove it (named); never with
                 `best_effort`.
         """
-        from art_mega.runtime.artifact_files import remove_remote
+        from art_mega.transfer.files import remove_remote
 
         root = self._runtime.topology.cluster.artifact_root
         relative = str(folder.relative_to(root))

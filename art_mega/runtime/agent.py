@@ -536,11 +536,11 @@ def create_app(state: AgentState) -> Starlette:
 
     register_inference_routes(router, state.supervisor)
 
-    from art_mega.runtime.nixl_routes import register_adapter_transport_routes
+    from art_mega.transfer.routes import register_adapter_transport_routes
 
     register_adapter_transport_routes(router, state.supervisor)
 
-    from art_mega.runtime.artifact_files import register_artifact_file_routes
+    from art_mega.transfer.files import register_artifact_file_routes
 
     register_artifact_file_routes(router)
 

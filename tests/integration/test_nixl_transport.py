@@ -33,13 +33,13 @@ import pytest
 import pytest_asyncio
 
 from art_mega.errors import UserError
-from art_mega.inference.adapter_transport import AdapterTransferError, adapter_transport_for
-from art_mega.runtime.nixl_protocol import FetchRequest, FetchResponse, OfferRequest, OfferResponse
-from art_mega.runtime.nixl_routes import FETCH_PATH, OFFER_PATH
-from art_mega.runtime.nixl_transfer import AdapterTransfers
 from art_mega.runtime.ports import free_port
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
+from art_mega.transfer.adapters import AdapterTransferError, adapter_transport_for
+from art_mega.transfer.nixl import AdapterTransfers
+from art_mega.transfer.protocol import FetchRequest, FetchResponse, OfferRequest, OfferResponse
+from art_mega.transfer.routes import FETCH_PATH, OFFER_PATH
 from tests.conftest import REPO, cli_env, wait_gone
 from tests.helpers import loopback_cluster
 from tests.inference.common import VLLM_PYTHON, make_adapter, vllm_unavailable_reason

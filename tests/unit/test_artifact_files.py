@@ -9,7 +9,9 @@ import httpx
 import pytest
 
 from art_mega.runtime.agent import AgentState, create_app
-from art_mega.runtime.artifact_files import (
+from art_mega.runtime.auth import sign
+from art_mega.runtime.protocol import API_PREFIX
+from art_mega.transfer.files import (
     REMOVE_PATH,
     WRITE_PATH,
     ArtifactRemoveRequest,
@@ -19,8 +21,6 @@ from art_mega.runtime.artifact_files import (
     remove_path,
     write_file,
 )
-from art_mega.runtime.auth import sign
-from art_mega.runtime.protocol import API_PREFIX
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

@@ -12,14 +12,14 @@ from pydantic import ValidationError
 
 from art_mega.backend import check_artifact_root_reach, remote_trainer_hosts
 from art_mega.errors import UserError
-from art_mega.inference.adapter_transport import (
+from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
+from art_mega.transfer.adapters import (
     AdapterTransport,
     TransferReport,
     adapter_transport_for,
     transfer_metrics,
 )
-from art_mega.runtime.nixl_protocol import AdapterFile, AdapterOffer, MetadataStore, PruneRequest
-from art_mega.runtime.nixl_transfer import (
+from art_mega.transfer.nixl import (
     AdapterTransfers,
     TransferError,
     inside,
@@ -27,8 +27,8 @@ from art_mega.runtime.nixl_transfer import (
     remove_copies,
     write_verified,
 )
-from art_mega.runtime.nixl_worker import handle
-from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
+from art_mega.transfer.protocol import AdapterFile, AdapterOffer, MetadataStore, PruneRequest
+from art_mega.transfer.worker import handle
 from tests.helpers import loopback_cluster
 
 STORE = MetadataStore(endpoint="http://10.0.0.1:2379", namespace="/art-mega/abc/nixl")

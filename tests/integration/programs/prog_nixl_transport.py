@@ -9,8 +9,8 @@ import json
 import os
 
 from art_mega import ArtRuntime, compile_topology
-from art_mega.inference.adapter_transport import adapter_transport_for
 from art_mega.topology import InferenceSpec, TrainerSpec
+from art_mega.transfer.adapters import adapter_transport_for
 
 
 async def main(launch):

@@ -4,7 +4,7 @@ prune received copies.
 `register_adapter_transport_routes(router, supervisor)` adds `POST /v1/adapters/offer`,
 `/v1/adapters/fetch`, `/v1/adapters/release` and `/v1/adapters/prune`; the router's signature check
 guards them like every other route. Transfers run in this host's NIXL process
-(`runtime.nixl_worker`), started on the first request as a supervised child (role "nixl"), so
+(`transfer.worker`), started on the first request as a supervised child (role "nixl"), so
 NIXL never loads into the agent; prune is plain file deletion and runs in an agent thread.
 """
 
@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from art_mega.rollouts.worker import STREAM_LIMIT
-from art_mega.runtime.nixl_protocol import (
+from art_mega.runtime.routes import RouteError, SignedRouter
+from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
+from art_mega.transfer.nixl import remove_copies
+from art_mega.transfer.protocol import (
     FetchRequest,
     FetchResponse,
     OfferRequest,
@@ -30,9 +33,6 @@ from art_mega.runtime.nixl_protocol import (
     ReleaseRequest,
     ReleaseResponse,
 )
-from art_mega.runtime.nixl_transfer import remove_copies
-from art_mega.runtime.routes import RouteError, SignedRouter
-from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
 
 OFFER_PATH = "/adapters/offer"
 FETCH_PATH = "/adapters/fetch"
@@ -92,7 +92,7 @@ class NixlWorker:
             env.pop("ART_MEGA_SECRET", None)
             try:
                 process = await spawn_child(
-                    [sys.executable, "-m", "art_mega.runtime.nixl_worker", "--fd", str(child.fileno())],
+                    [sys.executable, "-m", "art_mega.transfer.worker", "--fd", str(child.fileno())],
                     env=env,
                     pass_fds=(child.fileno(),),
                     stdout=sys.stderr.fileno(),  # UCX logs to stdout; the agent's stdout is its launcher's

@@ -13,7 +13,7 @@ namespaces on one machine (the CI stand-in for hosts) the defaults work (UCX pic
 veth for RMA, plus cma for active messages since every namespace shares one kernel);
 `UCX_TLS=tcp` forces every byte over the veth and works as well. `UCX_NET_DEVICES` selects the
 NIC where a host has several. One NIXL agent per host, made on first use in the host's NIXL
-process (`runtime.nixl_worker`), without NIXL's progress thread (it spins at ~15% of a core
+process (`transfer.worker`), without NIXL's progress thread (it spins at ~15% of a core
 even when idle); the sender's side is progressed by polling only while it holds an offer.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from art_mega.runtime.nixl_protocol import (
+from art_mega.transfer.protocol import (
     COPY_MARKER,
     AdapterFile,
     AdapterOffer,

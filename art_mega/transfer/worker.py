@@ -17,8 +17,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from art_mega.runtime.nixl_protocol import FetchRequest, OfferRequest, ReleaseRequest, ReleaseResponse
-from art_mega.runtime.nixl_transfer import AdapterTransfers
+from art_mega.transfer.nixl import AdapterTransfers
+from art_mega.transfer.protocol import FetchRequest, OfferRequest, ReleaseRequest, ReleaseResponse
 
 MAX_CONCURRENT = 8
 
@@ -55,7 +55,7 @@ def serve(sock: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m art_mega.runtime.nixl_worker")
+    parser = argparse.ArgumentParser(prog="python -m art_mega.transfer.worker")
     parser.add_argument("--fd", type=int, required=True, help="the socket to the agent")
     args = parser.parse_args(argv)
     serve(socket.socket(fileno=args.fd))

@@ -1,7 +1,7 @@
 """Bodies of the agent's adapter-transfer routes (`/v1/adapters/offer|fetch|release|prune`).
 
 An offer is the sender's manifest: where its NIXL agent registered the adapter's bytes and the
-size and sha256 of every file in them. Pure pydantic; the NIXL work is in `nixl_transfer`.
+size and sha256 of every file in them. Pure pydantic; the NIXL work is in `transfer.nixl`.
 """
 
 from __future__ import annotations

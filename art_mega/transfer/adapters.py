@@ -6,7 +6,7 @@ other host that runs a replica fetches it through its own agent with one UCX REA
 a new path under its own artifact_root and checks every file's sha256 before answering. Replicas
 on the exporter's host read the exported folder itself. Copies of steps that left the
 publisher's keep window are deleted on their hosts (`AdapterTransport.prune`). See
-`art_mega.runtime.nixl_transfer`.
+`art_mega.transfer.nixl`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
-from art_mega.runtime.nixl_protocol import (
+from art_mega.transfer.protocol import (
     COPY_MARKER,
     FetchRequest,
     FetchResponse,
@@ -33,7 +33,7 @@ from art_mega.runtime.nixl_protocol import (
     ReleaseRequest,
     ReleaseResponse,
 )
-from art_mega.runtime.nixl_routes import FETCH_PATH, OFFER_PATH, PRUNE_PATH, RELEASE_PATH
+from art_mega.transfer.routes import FETCH_PATH, OFFER_PATH, PRUNE_PATH, RELEASE_PATH
 
 if TYPE_CHECKING:
     from art_mega.runtime.client import AgentClient
