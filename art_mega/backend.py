@@ -151,7 +151,7 @@ async def check_controller_sees_artifact_root(runtime: Any) -> None:
     """
     import secrets
 
-    from art_mega.runtime.fs_probe import PROBE_DIR
+    from art_mega.preflight.fs_probe import PROBE_DIR
     from art_mega.runtime.protocol import FsOpRequest
 
     cluster = runtime.topology.cluster

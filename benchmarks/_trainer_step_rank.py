@@ -60,7 +60,7 @@ def main(config_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from art_mega.runtime.netif import gloo_interface_for
+    from art_mega.preflight.netif import gloo_interface_for
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.batch import pack

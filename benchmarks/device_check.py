@@ -22,7 +22,7 @@ Steps (in this order; `--steps` picks some, by name):
 6. adapter_publish: the step-1 adapter published into that vLLM replica (`AdapterPublisher`
    inside `backend.train`) and a chat completion served by `<name>@1` (runs with grpo_lora).
 7. nccl_preflight: the preflight collective with backend NCCL over this host
-   (`art_mega.runtime.preflight.run_collective`), proved from the NCCL log ("Using network").
+   (`art_mega.preflight.collective.run_collective`), proved from the NCCL log ("Using network").
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -453,7 +453,7 @@ async def nccl_preflight(work: Path, log_dir: Path) -> list[tuple[str, float, st
     Raises PreflightError when the collective fails, StopIteration when the log has no
     "Using network" line.
     """
-    from art_mega.runtime.preflight import run_collective
+    from art_mega.preflight.collective import run_collective
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import compile_topology
 

@@ -29,7 +29,7 @@ MARK = "MEMORY "
 KINDS = (
     ("art_mega.rollouts.worker", "rollout worker"),
     ("art_mega.trainer.rank_main", "trainer rank"),
-    ("art_mega.runtime.preflight_probe", "preflight probe"),
+    ("art_mega.preflight.probe", "preflight probe"),
     ("vllm.entrypoints", "vLLM replica"),
     ("art_mega worker", "agent"),
 )

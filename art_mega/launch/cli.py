@@ -150,7 +150,7 @@ def _refuse_loopback_bind(address: str) -> None:
     Raises:
         LoopbackAddressError: naming the address, what it resolves to, and the `--host` fix.
     """
-    from art_mega.runtime.netif import loopback_ip, ssh_client_elsewhere
+    from art_mega.preflight.netif import loopback_ip, ssh_client_elsewhere
     from art_mega.topology import EndpointSpec
 
     elsewhere = ssh_client_elsewhere(os.environ.get("SSH_CONNECTION"))
@@ -192,7 +192,7 @@ def _refuse_loopback(hosts: Sequence[tuple[str, str]], option: str, fixes: Seque
     Raises:
         LoopbackAddressError: naming the value, the loopback address and the fix.
     """
-    from art_mega.runtime.netif import is_unspecified_ip, loopback_in_multi_host
+    from art_mega.preflight.netif import is_unspecified_ip, loopback_in_multi_host
 
     for (label, host), fix in zip(hosts, fixes):
         if len(hosts) > 1 and is_unspecified_ip(host):

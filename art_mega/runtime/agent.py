@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from art_mega import __version__
+from art_mega.preflight.fs_probe import FsProbeOps
 from art_mega.rollouts.worker import STREAM_LIMIT
 from art_mega.runtime.auth import (
     NONCE_HEADER,
@@ -36,7 +37,6 @@ from art_mega.runtime.auth import (
     Verifier,
     new_incarnation,
 )
-from art_mega.runtime.fs_probe import FsProbeOps
 from art_mega.runtime.lease import DEFAULT_CONTROLLER_LEASE_S, ControllerLease
 from art_mega.runtime.protocol import (
     READY_PREFIX,
@@ -177,14 +177,14 @@ class AgentState:
         self._facts: HostFacts | None = None
 
     def facts(self) -> HostFacts:
-        from art_mega.runtime.host_facts import collect_host_facts
+        from art_mega.preflight.host_facts import collect_host_facts
 
         if self._facts is None:
             self._facts = collect_host_facts()
         return self._facts
 
     async def start_etcd(self, request: EtcdStartRequest) -> EtcdStartResponse:
-        from art_mega.runtime.etcd import start_managed_etcd
+        from art_mega.preflight.etcd import start_managed_etcd
 
         if self.etcd is not None and self.etcd.process.returncode is not None:
             await self.stop_etcd()  # it exited on its own: clean its data dir, start a new one
@@ -204,7 +204,7 @@ class AgentState:
         )
 
     async def _spawn_probe(self, python: str, args: list[str], warm: bool) -> Child:
-        from art_mega.runtime.preflight_probe import probe_command
+        from art_mega.preflight.probe import probe_command
         from art_mega.runtime.supervisor import spawn_child
 
         argv, env = probe_command(python, args, os.environ)
@@ -220,8 +220,8 @@ class AgentState:
         return child
 
     async def prepare_preflight(self, request: PreflightPrepareRequest) -> PreflightPrepareResponse:
-        """Start a warm probe (`preflight_probe --stdin`) for `request.python` unless one waits."""
-        from art_mega.runtime.preflight_probe import WARM_FLAG
+        """Start a warm probe (`preflight.probe --stdin`) for `request.python` unless one waits."""
+        from art_mega.preflight.probe import WARM_FLAG
 
         python = request.python or sys.executable
         waiting = self._warm_probes.get(python)
@@ -263,8 +263,8 @@ class AgentState:
         self, child: Child, stdin_line: bytes | None, timeout_s: float
     ) -> tuple[PreflightRunResponse, bool]:
         """Feed `stdin_line`, wait for the probe (killed after `timeout_s` + 10 s); its reply and
-        whether it read its config (`preflight_probe.CONFIG_READ`)."""
-        from art_mega.runtime.preflight_probe import CONFIG_READ, RESULT_PREFIX
+        whether it read its config (`preflight.probe.CONFIG_READ`)."""
+        from art_mega.preflight.probe import CONFIG_READ, RESULT_PREFIX
         from art_mega.runtime.supervisor import stop_process
 
         process = child.process
@@ -509,7 +509,7 @@ def create_app(state: AgentState) -> Starlette:
 
     @router.post("/etcd/check", EtcdCheckRequest)
     async def etcd_check(body: EtcdCheckRequest) -> EtcdCheckResponse:
-        from art_mega.runtime.etcd import check_endpoint
+        from art_mega.preflight.etcd import check_endpoint
 
         return await asyncio.to_thread(check_endpoint, body)
 

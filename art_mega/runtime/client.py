@@ -293,7 +293,7 @@ class AgentClient:
         return await self._request("GET", "/facts", None, HostFacts)
 
     async def fs_op(self, request: FsOpRequest) -> FsOpResponse:
-        """One filesystem-probe step on this host (see `runtime.fs_probe`)."""
+        """One filesystem-probe step on this host (see `preflight.fs_probe`)."""
         return await self._request("POST", "/fs/op", request, FsOpResponse)
 
     async def files_missing(self, paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -306,7 +306,7 @@ class AgentClient:
         return tuple(missing)
 
     async def etcd_start(self, request: EtcdStartRequest) -> EtcdStartResponse:
-        """Start the managed etcd on this host (see `runtime.etcd`)."""
+        """Start the managed etcd on this host (see `preflight.etcd`)."""
         return await self._request("POST", "/etcd/start", request, EtcdStartResponse, request.timeout_s + 30)
 
     async def etcd_stop(self) -> ShutdownResponse:
@@ -324,7 +324,7 @@ class AgentClient:
         return (await self._request("POST", "/free-port", FreePortRequest(host=host), FreePortResponse)).port
 
     async def preflight_prepare(self, python: str | None = None) -> bool:
-        """Start a warm preflight probe here (see `preflight_probe`); True when one was started."""
+        """Start a warm preflight probe here (see `preflight.probe`); True when one was started."""
         request = PreflightPrepareRequest(python=python)
         return (await self._request("POST", "/preflight/prepare", request, PreflightPrepareResponse)).started
 

@@ -122,7 +122,7 @@ class GpuInfo(_Body):
 
 
 class HostFacts(_Body):
-    """What an agent reports about its host for admission (see `runtime.admission`)."""
+    """What an agent reports about its host for admission (see `preflight.admission`)."""
 
     host_id: str = ""
     hostname: str
@@ -213,7 +213,7 @@ class FreePortResponse(_Body):
 
 
 class PreflightRunRequest(_Body):
-    """Run one preflight-collective rank on this host (see `runtime.preflight_probe`)."""
+    """Run one preflight-collective rank on this host (see `preflight.probe`)."""
 
     config: dict[str, Any]
     python: str | None = None

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from art_mega.errors import UserError
+from art_mega.preflight.collective import CollectiveReport
 from art_mega.rollouts.executor import RolloutExecutor, start_executor
 from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor, HostLostError
-from art_mega.runtime.preflight import CollectiveReport
 from art_mega.runtime.protocol import HealthResponse, HostFacts
 from art_mega.topology import CompiledTopology, EndpointSpec
 
@@ -288,7 +288,7 @@ class ArtRuntime:
         the other, the trainer's first; a passed one is kept per (interpreter, hosts, backend and
         network, the hosts' facts) and not run again by a later proof of this runtime while
         those stay the same. A proof that fails stops the warm preflight probes it started (each
-        holds torch in memory and would otherwise wait `preflight_probe.WARM_IDLE_S` seconds on
+        holds torch in memory and would otherwise wait `preflight.probe.WARM_IDLE_S` seconds on
         its agent). Proving again (e.g. after a host was replaced) re-checks the managed etcd
         this runtime started from every host instead of starting a second one; `close` stops it.
         """
@@ -324,10 +324,10 @@ class ArtRuntime:
         warming: asyncio.Future,
         used: set[tuple[str, str | None]],
     ) -> PreflightReport:
-        from art_mega.runtime.admission import admit
-        from art_mega.runtime.etcd import check_from_every_host, start_metadata_store
-        from art_mega.runtime.fs_probe import probe_artifact_root
-        from art_mega.runtime.preflight import run_collective
+        from art_mega.preflight.admission import admit
+        from art_mega.preflight.collective import run_collective
+        from art_mega.preflight.etcd import check_from_every_host, start_metadata_store
+        from art_mega.preflight.fs_probe import probe_artifact_root
 
         loop = asyncio.get_running_loop()
         cluster = self.topology.cluster
@@ -416,7 +416,7 @@ class ArtRuntime:
             RuntimeError: the runtime is closed, or was never proved.
             HostLostError: a host was lost.
         """
-        from art_mega.runtime.preflight import run_collective
+        from art_mega.preflight.collective import run_collective
 
         self._check_usable()
         if not self.host_facts:
@@ -451,8 +451,8 @@ class ArtRuntime:
     async def _recheck_managed_etcd(self) -> str | None:
         """On a proof again: this runtime's managed etcd, checked from every host, or None when
         there is none or it no longer serves (then it is stopped, and the caller starts another)."""
-        from art_mega.runtime.etcd import check_from_every_host
-        from art_mega.runtime.preflight import PreflightError
+        from art_mega.preflight.collective import PreflightError
+        from art_mega.preflight.etcd import check_from_every_host
 
         if self._etcd_endpoint is None:
             return None

@@ -47,7 +47,7 @@ class Channel:
 
 
 def _init(config: dict[str, Any]) -> Any:
-    from art_mega.runtime.netif import gloo_interface_for
+    from art_mega.preflight.netif import gloo_interface_for
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.parallel import init_parallel

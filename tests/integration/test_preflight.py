@@ -357,7 +357,7 @@ def _probes(cluster) -> list[int]:
     for host in cluster.hosts:
         for pid in host.pids():
             try:
-                if b"preflight_probe" in open(f"/proc/{pid}/cmdline", "rb").read():
+                if b"art_mega.preflight.probe" in open(f"/proc/{pid}/cmdline", "rb").read():
                     found.append(pid)
             except OSError:  # exited meanwhile
                 pass

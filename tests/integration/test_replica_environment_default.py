@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from art_mega.backend import MegatronBackend
-from art_mega.runtime.admission import PreflightError
+from art_mega.preflight.admission import PreflightError
 from art_mega.runtime.ports import free_port
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology

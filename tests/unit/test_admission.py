@@ -1,7 +1,7 @@
 import pytest
 
 from art_mega.errors import HostMismatchError
-from art_mega.runtime.admission import PreflightError, admit
+from art_mega.preflight.admission import PreflightError, admit
 from art_mega.runtime.protocol import GpuInfo, HostFacts
 from art_mega.topology import ClusterSpec, HostSpec, NcclTransportSpec, compile_topology
 
@@ -253,7 +253,7 @@ def test_nccl_socket_ifname_follows_nccl_syntax_on_gpu_hosts():
 
 
 def test_host_facts_collect_without_a_gpu():
-    from art_mega.runtime.host_facts import collect_host_facts
+    from art_mega.preflight.host_facts import collect_host_facts
 
     collected = collect_host_facts()
     assert collected.gpus == () and collected.nvml_error

@@ -2,7 +2,7 @@
 
 import pytest
 
-from art_mega.runtime.preflight_probe import check_nccl_log
+from art_mega.preflight.probe import check_nccl_log
 
 IB_LOG = """\
 gpu-a:1234:1234 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>

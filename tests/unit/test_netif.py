@@ -2,7 +2,7 @@
 
 import pytest
 
-from art_mega.runtime.netif import (
+from art_mega.preflight.netif import (
     gloo_ifname_problem,
     interface_names,
     is_loopback_ip,

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from art_mega.runtime.admission import PreflightError
+from art_mega.preflight.admission import PreflightError
+from art_mega.preflight.collective import _raise_for_failures, environment_label, failed_on_its_own
+from art_mega.preflight.probe import WARM_FLAG
 from art_mega.runtime.client import AgentError
-from art_mega.runtime.preflight import _raise_for_failures, environment_label, failed_on_its_own
-from art_mega.runtime.preflight_probe import WARM_FLAG
 from art_mega.runtime.protocol import PreflightRunResponse
 
 AGENTS = "the trainer environment (each agent's Python)"
@@ -26,7 +26,7 @@ AGENTS = "the trainer environment (each agent's Python)"
 def killed_probe() -> PreflightRunResponse:
     """What the agent returns for a warm probe SIGKILLed before its config came."""
     probe = subprocess.Popen(
-        [sys.executable, "-m", "art_mega.runtime.preflight_probe", WARM_FLAG],
+        [sys.executable, "-m", "art_mega.preflight.probe", WARM_FLAG],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -121,7 +121,7 @@ class _Answers:
 
 
 async def test_ranks_with_different_torch_versions_are_named_with_their_hosts():
-    from art_mega.runtime.preflight import run_collective
+    from art_mega.preflight.collective import run_collective
 
     members = [
         {"host": "h0", "rank": 0, "backend": "gloo", "torch": "2.13.0+cpu"},

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from art_mega.runtime.ports import free_port
-from art_mega.runtime.preflight_probe import (
+from art_mega.preflight.probe import (
     CONFIG_READ,
     RESULT_PREFIX,
     WARM_FLAG,
@@ -17,13 +16,14 @@ from art_mega.runtime.preflight_probe import (
     main,
     probe_command,
 )
+from art_mega.runtime.ports import free_port
 
 pytest.importorskip("torch", reason="the probe runs in the trainer's environment (torch)")
 
 
 def _warm_probe() -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "art_mega.runtime.preflight_probe", WARM_FLAG],
+        [sys.executable, "-m", "art_mega.preflight.probe", WARM_FLAG],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -139,7 +139,7 @@ def test_a_gloo_interface_this_host_lacks_fails_before_the_rendezvous():
     config = {**solo_config(), "world_size": 2}  # rank 1 never comes: the probe must not wait for it
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo,bad0"}
     probe = subprocess.run(
-        [sys.executable, "-m", "art_mega.runtime.preflight_probe", json.dumps(config)],
+        [sys.executable, "-m", "art_mega.preflight.probe", json.dumps(config)],
         env=env,
         capture_output=True,
         text=True,
@@ -160,5 +160,5 @@ def test_another_interpreter_gets_none_of_the_agents_environment():
     assert argv[-2].endswith("/art_mega")  # the package folder the bootstrap loads, nothing else
     assert env == {"HOME": "/root"}
     own_argv, own_env = probe_command(sys.executable, ["CONFIG"], environ)
-    assert own_argv == [sys.executable, "-m", "art_mega.runtime.preflight_probe", "CONFIG"]
+    assert own_argv == [sys.executable, "-m", "art_mega.preflight.probe", "CONFIG"]
     assert "ART_MEGA_SECRET" not in own_env and own_env["PYTHONPATH"] == "/agent/site"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from art_mega.runtime.admission import PreflightError
+from art_mega.preflight.admission import PreflightError
 from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.ports import free_port
 from art_mega.runtime.protocol import (

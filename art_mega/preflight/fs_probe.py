@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from art_mega.runtime.admission import PreflightError
+from art_mega.preflight.admission import PreflightError
 from art_mega.runtime.protocol import FsOpRequest, FsOpResponse
 
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client

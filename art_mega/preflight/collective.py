@@ -1,6 +1,6 @@
 """The preflight collective, controller side: one probe rank per participating host, proved.
 
-Each host's agent runs `preflight_probe` in the environment the trainer (or replica) will use:
+Each host's agent runs `preflight.probe` in the environment the trainer (or replica) will use:
 gloo on CPU, NCCL with its network proved from the log on GPU. It checks the all-reduce sum
 N(N+1)/2, membership and order against the topology, one torch version across the ranks, and
 measures GB/s per host pair. Bounded by `timeout_s`; a rank that never arrives is named and every
@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from art_mega.runtime.admission import PreflightError
+from art_mega.preflight.admission import PreflightError
 from art_mega.runtime.client import AgentClient
 from art_mega.runtime.protocol import PreflightRunRequest, PreflightRunResponse
 

@@ -16,7 +16,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from art_mega.runtime.netif import interface_names
+from art_mega.preflight.netif import interface_names
 from art_mega.runtime.protocol import GpuInfo, HostFacts
 
 FINGERPRINT_PACKAGES = (

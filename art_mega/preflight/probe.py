@@ -1,12 +1,12 @@
 """The preflight collective's per-host process: rendezvous, all-reduce, all-gather, bandwidth.
 
 Run by each participating host's agent, in the Python environment the trainer (or the vLLM
-replica) will use, as `python -m art_mega.runtime.preflight_probe CONFIG_JSON`. It prints one JSON
+replica) will use, as `python -m art_mega.preflight.probe CONFIG_JSON`. It prints one JSON
 line (`PREFLIGHT_RESULT {...}`) and exits 0 on success, 1 on failure (a config that is not JSON
 or has a wrong field included: the result names it). Arrival is recorded in the TCPStore before
 the process group forms, so a rank that never arrives is named, not waited for.
 
-`python -m art_mega.runtime.preflight_probe --stdin` is the warm form: it imports torch and
+`python -m art_mega.preflight.probe --stdin` is the warm form: it imports torch and
 torch.distributed first (2-4 s of the collective's wall time on a loaded CPU host), then reads
 the config as one JSON line from stdin. Agents start it when the controller begins proving the
 cluster, so the import overlaps admission, the artifact_root probe and etcd. It exits 0 without
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from art_mega.runtime.netif import gloo_interface_for, local_interface
+from art_mega.preflight.netif import gloo_interface_for, local_interface
 
 RESULT_PREFIX = "PREFLIGHT_RESULT "
 CONFIG_READ = "PREFLIGHT_CONFIG_READ"
@@ -41,7 +41,7 @@ RECORD_BYTES = 512
 WARM_FLAG = "--stdin"
 WARM_IDLE_S = 600.0
 """Seconds a warm probe waits for its config before exiting on its own."""
-MODULE = "art_mega.runtime.preflight_probe"
+MODULE = "art_mega.preflight.probe"
 FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 """The agent's own environment variables, dropped for another interpreter (as for its replicas)."""
 _BOOTSTRAP = """\
@@ -52,7 +52,7 @@ spec = importlib.util.spec_from_file_location(
 package = importlib.util.module_from_spec(spec)
 sys.modules["art_mega"] = package
 spec.loader.exec_module(package)
-runpy.run_module("art_mega.runtime.preflight_probe", run_name="__main__", alter_sys=True)
+runpy.run_module("art_mega.preflight.probe", run_name="__main__", alter_sys=True)
 """
 
 
@@ -61,7 +61,7 @@ def probe_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that run this probe with `args` under interpreter `python`.
 
-    The agent's own interpreter runs `-m art_mega.runtime.preflight_probe`. Another one (whose
+    The agent's own interpreter runs `-m art_mega.preflight.probe`. Another one (whose
     environment may lack art-mega) gets this package's folder loaded as `art_mega` by a short
     bootstrap, and the environment without `FOREIGN_ENV`: nothing of the agent's environment
     leaks onto its path. The launch secret is never passed on.

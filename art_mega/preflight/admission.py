@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from art_mega.errors import HostMismatchError, PreflightError
-from art_mega.runtime.netif import gloo_ifname_problem, nccl_ifname_problem
+from art_mega.preflight.netif import gloo_ifname_problem, nccl_ifname_problem
 from art_mega.runtime.protocol import GpuInfo, HostFacts
 from art_mega.topology import CompiledTopology
 
