@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from art_mega.agent.supervisor import spawn_child, stop_process
 from art_mega.inference.protocol import ReplicaLaunch
 from art_mega.inference.server_api import ReplicaClient, ReplicaHTTPError
-from art_mega.runtime.supervisor import spawn_child, stop_process
 from art_mega.topology.compiled import ReplicaSpec
 
 LOG_TAIL_BYTES = 3000

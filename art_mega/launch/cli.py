@@ -234,9 +234,9 @@ def local(
     """Run PROGRAM on this machine with one loopback agent."""
 
     def body() -> int:
+        from art_mega.agent.lease import parse_controller_lease
         from art_mega.launch.controller import run_local
         from art_mega.launch.program import load_program, parse_program
-        from art_mega.runtime.lease import parse_controller_lease
 
         _check_port(port)
         lease_s = parse_controller_lease(controller_lease)
@@ -261,9 +261,9 @@ def controller(
     """Run PROGRAM over agents started elsewhere with `art-mega worker` (secret in ART_MEGA_SECRET)."""
 
     def body() -> int:
+        from art_mega.agent.auth import secret_from_env
         from art_mega.launch.controller import run_attached
         from art_mega.launch.program import load_program, parse_program
-        from art_mega.runtime.auth import secret_from_env
         from art_mega.topology import EndpointSpec
 
         for address in worker:
@@ -315,9 +315,9 @@ def ssh(
     """Run PROGRAM with an agent started over SSH on every --host."""
 
     def body() -> int:
+        from art_mega.agent.lease import parse_controller_lease
         from art_mega.launch.program import load_program, parse_program
         from art_mega.launch.ssh import default_python, plan_hosts, run_ssh
-        from art_mega.runtime.lease import parse_controller_lease
 
         lease_s = parse_controller_lease(controller_lease)
         planned = plan_hosts(host, ssh_arg or [], port)
@@ -391,9 +391,9 @@ def worker(
     """Run this host's agent. The launch secret comes from ART_MEGA_SECRET or stdin, never argv."""
 
     def body() -> int:
-        from art_mega.runtime.agent import agent_main
-        from art_mega.runtime.auth import load_secret
-        from art_mega.runtime.lease import parse_controller_lease
+        from art_mega.agent.app import agent_main
+        from art_mega.agent.auth import load_secret
+        from art_mega.agent.lease import parse_controller_lease
 
         _check_address("--address", address)
         if exit_on_stdin_eof:

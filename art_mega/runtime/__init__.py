@@ -1,4 +1,6 @@
-"""The per-host agent, its authenticated client, and the runtime that sequences them.
+"""The controller's runtime: `ArtRuntime` (connects to or starts the agents and sequences the
+services), the signed agent client (`client`), heartbeats (`monitor`), free ports (`ports`), the
+loopback agent (`local_agent`) and the control plane's bodies (`protocol`).
 
-Heavy modules (starlette, uvicorn) are imported by the agent only; import submodules directly.
+The agent itself is `art_mega.agent`; import submodules directly.
 """

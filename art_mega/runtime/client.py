@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 from pydantic import BaseModel
 
-from art_mega.errors import RemoteUserError
-from art_mega.runtime.auth import (
+from art_mega.agent.auth import (
     NONCE_HEADER,
     REPLY_SIGNATURE_HEADER,
     UNBOUND,
@@ -25,6 +24,7 @@ from art_mega.runtime.auth import (
     reply_is_signed,
     sign,
 )
+from art_mega.errors import RemoteUserError
 from art_mega.runtime.protocol import (
     API_PREFIX,
     FILES_PER_CHECK,

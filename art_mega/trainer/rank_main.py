@@ -1,6 +1,6 @@
 """One trainer rank's process: join the torch.distributed world, build the engine, run jobs.
 
-Started by its host's agent (`runtime.trainer_host`) with RANK/WORLD_SIZE/MASTER_* in the
+Started by its host's agent (`trainer.host`) with RANK/WORLD_SIZE/MASTER_* in the
 environment and the launch config as JSON. Jobs arrive as JSON lines on `--fd`; events go back
 the same way: ready, accepted, adapter_ready, done, failed. End of file on `--fd` ends the rank.
 The rank remembers the step of its last checkpoint (the one it resumed from, then each one it

@@ -19,9 +19,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from art_mega.agent.routes import RouteError, SignedRouter
+from art_mega.agent.supervisor import Child, Supervisor, spawn_child
 from art_mega.rollouts.worker import STREAM_LIMIT
-from art_mega.runtime.routes import RouteError, SignedRouter
-from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
 from art_mega.transfer.nixl import remove_copies
 from art_mega.transfer.protocol import (
     FetchRequest,

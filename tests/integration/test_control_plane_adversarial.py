@@ -20,10 +20,10 @@ import socket
 import httpx
 import pytest
 
-from art_mega.runtime import auth
-from art_mega.runtime.auth import UNBOUND, AgentIdentity, sign
+from art_mega.agent import auth
+from art_mega.agent.auth import UNBOUND, AgentIdentity, sign
+from art_mega.agent.routes import MAX_HEAD_BYTES
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
-from art_mega.runtime.routes import MAX_HEAD_BYTES
 from art_mega.topology import EndpointSpec
 
 SECRET = secrets.token_hex(32).encode()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from art_mega import ArtRuntime
-from art_mega.runtime.listeners import listener_pids
+from art_mega.agent.listeners import listener_pids
 from tests.conftest import REPO, cli_env, wait_gone
 from tests.helpers import loopback_topology
 from tests.integration import rollouts_for_tests as r

@@ -5,8 +5,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from art_mega.errors import UserError
-from art_mega.runtime.auth import (
+from art_mega.agent.auth import (
     NONCE_HEADER,
     REPLY_SIGNATURE_HEADER,
     AgentIdentity,
@@ -14,6 +13,7 @@ from art_mega.runtime.auth import (
     Verifier,
     new_incarnation,
 )
+from art_mega.errors import UserError
 from art_mega.runtime.client import AgentClient, AgentError, RemoteRolloutError
 from art_mega.runtime.protocol import CallableRef, RunRolloutRequest
 

@@ -6,8 +6,8 @@ import json
 import httpx
 import pytest
 
-from art_mega.runtime.agent import AgentState, create_app
-from art_mega.runtime.auth import (
+from art_mega.agent.app import AgentState, create_app
+from art_mega.agent.auth import (
     NONCE_HEADER,
     REPLY_SIGNATURE_HEADER,
     UNBOUND,
@@ -16,8 +16,8 @@ from art_mega.runtime.auth import (
     reply_is_signed,
     sign,
 )
+from art_mega.agent.routes import DEFAULT_MAX_BODY_BYTES
 from art_mega.runtime.protocol import CallableRef, HealthResponse, RunRolloutRequest, RunRolloutResponse
-from art_mega.runtime.routes import DEFAULT_MAX_BODY_BYTES
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 REF = CallableRef(module="m", qualname="f", source_sha256="a" * 64)

@@ -8,8 +8,8 @@ import base64
 import httpx
 import pytest
 
-from art_mega.runtime.agent import AgentState, create_app
-from art_mega.runtime.auth import sign
+from art_mega.agent.app import AgentState, create_app
+from art_mega.agent.auth import sign
 from art_mega.runtime.protocol import API_PREFIX
 from art_mega.transfer.files import (
     REMOVE_PATH,

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from art_mega.runtime.auth import (
+from art_mega.agent.auth import (
     AGENT_HEADER,
     BODY_HASH_HEADER,
     INCARNATION_HEADER,

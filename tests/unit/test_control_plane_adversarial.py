@@ -9,9 +9,9 @@ import secrets
 import pytest
 from pydantic import ValidationError
 
+from art_mega.agent import auth
 from art_mega.errors import HostMismatchError
 from art_mega.preflight.admission import admit
-from art_mega.runtime import auth
 from art_mega.topology import HostSpec
 from tests.unit.test_admission import facts, gpu, topology
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S, MIN_CONTROLLER_LEASE_S, parse_controller_lease
 from art_mega.errors import UserError
 from art_mega.launch.cli import MIN_STARTUP_TIMEOUT_S, seconds
-from art_mega.runtime.lease import DEFAULT_CONTROLLER_LEASE_S, MIN_CONTROLLER_LEASE_S, parse_controller_lease
 
 
 def test_startup_timeout_from_one_second() -> None:

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-from art_mega.runtime.agent import AgentState
+from art_mega.agent.app import AgentState
 from art_mega.runtime.protocol import PreflightPrepareRequest, PreflightRunRequest
 from tests.unit.test_preflight_probe import solo_config
 

@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from art_mega.runtime.supervisor import descendants, spawn_child, stop_process
+from art_mega.agent.supervisor import descendants, spawn_child, stop_process
 
 # A child that starts a grandchild in a new session (the way a sandbox is often started), prints
 # the grandchild's pid, then ignores SIGTERM so that only the SIGKILL stage ends it.

@@ -8,7 +8,7 @@ import socket
 import aiohttp
 
 from art_mega import ArtRuntime, compile_topology
-from art_mega.runtime.auth import sign
+from art_mega.agent.auth import sign
 from art_mega.topology import EndpointSpec
 from tests.integration.rollouts_for_tests import echo
 

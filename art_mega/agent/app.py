@@ -28,16 +28,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from art_mega import __version__
-from art_mega.preflight.fs_probe import FsProbeOps
-from art_mega.rollouts.worker import STREAM_LIMIT
-from art_mega.runtime.auth import (
+from art_mega.agent.auth import (
     NONCE_HEADER,
     REPLY_SIGNATURE_HEADER,
     AgentIdentity,
     Verifier,
     new_incarnation,
 )
-from art_mega.runtime.lease import DEFAULT_CONTROLLER_LEASE_S, ControllerLease
+from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S, ControllerLease
+from art_mega.agent.routes import RouteError, SignedRouter, body_error, capped_head_protocol, json_reply
+from art_mega.agent.supervisor import Child, Supervisor
+from art_mega.preflight.fs_probe import FsProbeOps
+from art_mega.rollouts.worker import STREAM_LIMIT
 from art_mega.runtime.protocol import (
     READY_PREFIX,
     CallableRef,
@@ -72,9 +74,7 @@ from art_mega.runtime.protocol import (
     TrainerStartRequest,
     TrainerStartResponse,
 )
-from art_mega.runtime.routes import RouteError, SignedRouter, body_error, capped_head_protocol, json_reply
-from art_mega.runtime.supervisor import Child, Supervisor
-from art_mega.runtime.trainer_host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
+from art_mega.trainer.host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
 
 WORKER_HELLO_TIMEOUT_S = 60.0
 MAX_CACHED_CALLABLES = 1024
@@ -170,7 +170,7 @@ class AgentState:
         self._preflight_discards = 0
         """How often `discard_preflight` ran: a probe it killed is not replaced by a cold one."""
         self.fs_probe = FsProbeOps()
-        from art_mega.runtime.trainer_host import TrainerRanks
+        from art_mega.trainer.host import TrainerRanks
 
         self.trainer = TrainerRanks(self.supervisor)
         self.etcd: Any = None
@@ -204,8 +204,8 @@ class AgentState:
         )
 
     async def _spawn_probe(self, python: str, args: list[str], warm: bool) -> Child:
+        from art_mega.agent.supervisor import spawn_child
         from art_mega.preflight.probe import probe_command
-        from art_mega.runtime.supervisor import spawn_child
 
         argv, env = probe_command(python, args, os.environ)
         process = await spawn_child(
@@ -264,8 +264,8 @@ class AgentState:
     ) -> tuple[PreflightRunResponse, bool]:
         """Feed `stdin_line`, wait for the probe (killed after `timeout_s` + 10 s); its reply and
         whether it read its config (`preflight.probe.CONFIG_READ`)."""
+        from art_mega.agent.supervisor import stop_process
         from art_mega.preflight.probe import CONFIG_READ, RESULT_PREFIX
-        from art_mega.runtime.supervisor import stop_process
 
         process = child.process
         timed_out = False
@@ -319,7 +319,7 @@ class AgentState:
         )
 
     async def start_rollout_workers(self, request: StartRolloutWorkersRequest) -> StartRolloutWorkersResponse:
-        from art_mega.runtime.supervisor import spawn_child
+        from art_mega.agent.supervisor import spawn_child
 
         started: list[_RolloutWorker] = []
         env = dict(os.environ)
@@ -688,8 +688,8 @@ def agent_main(
     Returns the process exit code: 0, or 1 when the controller lease expired. Raises
     `UserError` for an address already in use.
     """
+    from art_mega.agent.listeners import bind_listener, is_address_in_use, listener_pids
     from art_mega.errors import UserError
-    from art_mega.runtime.listeners import bind_listener, is_address_in_use, listener_pids
     from art_mega.topology import EndpointSpec
 
     endpoint = EndpointSpec.parse(address)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from art_mega.agent.supervisor import Child, Supervisor, spawn_child
 from art_mega.runtime.protocol import (
     TrainerEventsResponse,
     TrainerStartRequest,
     TrainerStartResponse,
 )
-from art_mega.runtime.supervisor import Child, Supervisor, spawn_child
 
 STREAM_LIMIT = 64 * 1024 * 1024
 

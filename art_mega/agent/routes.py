@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from art_mega.runtime.auth import AuthError, Verifier
+from art_mega.agent.auth import AuthError, Verifier
 from art_mega.runtime.protocol import API_PREFIX
 
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
