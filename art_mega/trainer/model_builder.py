@@ -1,6 +1,6 @@
 """Build this rank's megatron-core GPTModel from a Hugging Face directory and load its shard.
 
-Needs `init_parallel` first; the family file (trainer/models/) does the config and weight mapping.
+Needs `init_parallel` first; the family file (trainer/families/) does the config and weight mapping.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import ModuleType
 from typing import Any
 
 from art_mega.errors import ModelSplitError, UserError
+from art_mega.trainer.families import family_for
 from art_mega.trainer.hf_checkpoint import SafetensorsReader, read_hf_config
-from art_mega.trainer.models import family_for
 
 
 @dataclass

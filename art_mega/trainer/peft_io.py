@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from art_mega.errors import UserError
+from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, shard, split_qkv, unfuse_fc1
 from art_mega.trainer.lora import LoraConfig, LoraLinear, lora_layers
 from art_mega.trainer.lora_targets import HF_TARGETS
-from art_mega.trainer.models.layout import fc1_shard, fuse_qkv, shard, split_qkv, unfuse_fc1
 from art_mega.trainer.peft_config import ADAPTER_CONFIG, check_adapter_config, read_adapter_config
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from art_mega.errors import UserError
-from art_mega.trainer.models import family_for, llama
-from art_mega.trainer.models.llama import DenseArgs, check_parallel, padded_vocab_size, valid_tp_sizes
+from art_mega.trainer.families import family_for, llama
+from art_mega.trainer.families.llama import DenseArgs, check_parallel, padded_vocab_size, valid_tp_sizes
 
 SMOLLM2_135M = {
     "model_type": "llama",

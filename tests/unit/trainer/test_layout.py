@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the cpu extra (torch) is not installed")
 
-from art_mega.trainer.models.layout import fc1_shard, fuse_qkv, pad_rows, shard, split_qkv, unfuse_fc1  # noqa: E402
+from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, pad_rows, shard, split_qkv, unfuse_fc1  # noqa: E402
 
 
 def labelled(prefix: int, heads: int, head_dim: int, hidden: int = 3) -> torch.Tensor:

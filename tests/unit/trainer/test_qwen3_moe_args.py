@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from art_mega.errors import UserError
-from art_mega.trainer.models import family_for, qwen3_moe
+from art_mega.trainer.families import family_for, qwen3_moe
 from tests.trainer.moe_worker import MOE_SIZES
 
 CONFIG = {

@@ -1,7 +1,7 @@
 """Qwen3-MoE decoders: HF config -> Megatron MoE config and spec, HF weights -> this rank's
 tensor- and expert-parallel shard (router, per-expert SwiGLU experts; attention as dense Qwen3).
 
-Attention, norms, embeddings and RoPE are those of the dense Qwen3 family (`models/llama.py`).
+Attention, norms, embeddings and RoPE are those of the dense Qwen3 family (`families/llama.py`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.models import llama
-from art_mega.trainer.models.layout import fc1_shard, shard
+from art_mega.trainer.families import llama
+from art_mega.trainer.families.layout import fc1_shard, shard
 
 if TYPE_CHECKING:
     from torch import Tensor

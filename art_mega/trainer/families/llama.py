@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.models.layout import fc1_shard, fuse_qkv, pad_rows, shard
+from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, pad_rows, shard
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.models import llama, qwen3_moe
+from art_mega.trainer.families import llama, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
     **dict.fromkeys(llama.MODEL_TYPES, llama),
