@@ -654,7 +654,7 @@ class MegatronBackend:
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
         """
-        from art_mega.models.resolve import resolve_base_model
+        from art_mega.basemodels.resolve import resolve_base_model
         from art_mega.transfer.adapters import adapter_transport_for
 
         if self._model is not None:

@@ -213,7 +213,7 @@ def megatron_logits(work: Path, log_dir: Path, use_te: bool = False) -> list[tup
     import torch
     from transformers import AutoModelForCausalLM
 
-    from art_mega.models.resolve import resolve_base_model
+    from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.runtime.ports import free_port
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
@@ -308,7 +308,7 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
 
     from transformers import AutoTokenizer
 
-    from art_mega.models.resolve import resolve_base_model
+    from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.runtime.ports import free_port
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology

@@ -65,7 +65,7 @@ class _NoPublisher:
 async def attach_trainer(backend: Any, model: Any) -> None:
     """`MegatronBackend.register`'s trainer half: resolve, start the ranks, export and commit step 0."""
     from art_mega.backend import write_commit
-    from art_mega.models.resolve import resolve_base_model
+    from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.trainer.service import TrainerService
 
     runtime = backend._runtime

@@ -167,10 +167,10 @@ def detail_table(layouts: list[Layout], summaries: dict[str, dict[str, float]]) 
 
 
 def build_models(root: Path) -> dict[str, Path]:
-    """The tiny llama (`art_mega.models.tiny`) and tiny Qwen3-MoE (`art_mega.models.tiny_moe`)
+    """The tiny llama (`art_mega.basemodels.tiny`) and tiny Qwen3-MoE (`art_mega.basemodels.tiny_moe`)
     HF directories under `root`, by model kind."""
-    from art_mega.models.tiny import build_tiny_model
-    from art_mega.models.tiny_moe import build_tiny_moe
+    from art_mega.basemodels.tiny import build_tiny_model
+    from art_mega.basemodels.tiny_moe import build_tiny_moe
 
     return {"dense": build_tiny_model(root / "tiny-llama", "llama"), "moe": build_tiny_moe(root / "tiny-moe")}
 

@@ -9,7 +9,7 @@ export ART_MEGA_REAL_MODEL=1
 bash scripts/install.sh
 .venv/bin/python - <<'PY'
 from art_mega.launch.context import default_cache_root
-from art_mega.models.smollm2 import prepare_smollm2
+from art_mega.basemodels.smollm2 import prepare_smollm2
 
 print("quickstart: model ready at", prepare_smollm2(default_cache_root()))
 PY

@@ -80,7 +80,7 @@ TEST_MODEL_CACHE = Path(
 def tiny_llama_dir() -> Path:
     """The tiny Llama HF directory (built once per machine; the build is idempotent by hash)."""
     pytest.importorskip("transformers", reason="the tiny model needs transformers (the trainer-cpu extra)")
-    from art_mega.models.tiny import build_tiny_model
+    from art_mega.basemodels.tiny import build_tiny_model
 
     return build_tiny_model(TEST_MODEL_CACHE / "tiny-llama", arch="llama")
 
@@ -101,8 +101,8 @@ def smollm2_dir() -> Path:
     ART_MEGA_REAL_MODEL=1), and a missing model must not pass silently.
     """
     pytest.importorskip("transformers", reason="the real model needs transformers (the trainer-cpu extra)")
+    from art_mega.basemodels.smollm2 import prepare_smollm2
     from art_mega.errors import UserError
-    from art_mega.models.smollm2 import prepare_smollm2
 
     try:
         return prepare_smollm2(TEST_MODEL_CACHE)

@@ -49,7 +49,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama HF directory (head_dim 32, fp32), built once per session."""
     for module in ("torch", "transformers", "peft"):
         pytest.importorskip(module, reason=f"{module} is not installed (the cpu extra)")
-    from art_mega.models.tiny import build_tiny_model
+    from art_mega.basemodels.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("inference-model") / "tiny-llama", "llama")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from art_mega.models.tiny import build_tiny_model
+from art_mega.basemodels.tiny import build_tiny_model
 from tests.trainer.common import (
     EQUIVALENCE_MODELS,
     TINY_MODELS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from art_mega.models.tiny_moe import MOE_SIZES, build_tiny_moe
+from art_mega.basemodels.tiny_moe import MOE_SIZES, build_tiny_moe
 
 __all__ = ["MOE_SIZES", "build_tiny_moe", "join"]
 

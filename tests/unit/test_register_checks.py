@@ -132,7 +132,7 @@ def test_resuming_a_run_with_another_lora_is_refused_naming_the_committed_step(t
     """The committed checkpoint's adapter is what the ranks load on a resume (the warm start is
     ignored then); a backend with another LoRA rank failed inside the ranks before."""
     from art_mega.backend import MegatronBackend
-    from art_mega.models.resolve import ResolvedModel
+    from art_mega.basemodels.resolve import ResolvedModel
 
     (tmp_path / "model").mkdir()
     model = ResolvedModel(_config(tmp_path / "model"))
@@ -175,7 +175,7 @@ def test_register_names_which_spec_cannot_split_the_model(tmp_path, trainer_tp, 
     """A vLLM replica with tp=3 failed after minutes of start-up before, the trainer ranks inside
     megatron-core."""
     from art_mega.backend import MegatronBackend
-    from art_mega.models.resolve import ResolvedModel
+    from art_mega.basemodels.resolve import ResolvedModel
 
     topology = _topology(trainer_tp, replica_tp)
     with pytest.raises(ModelSplitError) as caught:

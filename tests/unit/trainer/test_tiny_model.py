@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from art_mega.basemodels.tiny import IM_END, PAD_TOKEN, build_tiny_model, tiny_spec
 from art_mega.errors import UserError
-from art_mega.models.tiny import IM_END, PAD_TOKEN, build_tiny_model, tiny_spec
 
 pytest.importorskip("transformers", reason="the cpu extra (transformers) is not installed")
 

@@ -53,11 +53,11 @@ def resolve_base_model(base_model: str, cache_root: str | Path, depth: int = 0) 
     if (cached / "config.json").is_file():
         return ResolvedModel(cached.resolve())
     if base_model in SMOLLM2_NAMES:
-        from art_mega.models.smollm2 import prepare_smollm2
+        from art_mega.basemodels.smollm2 import prepare_smollm2
 
         return ResolvedModel(prepare_smollm2(cache_root))
     if base_model in TINY_NAMES:
-        from art_mega.models.tiny import build_tiny_model
+        from art_mega.basemodels.tiny import build_tiny_model
 
         return ResolvedModel(
             build_tiny_model(Path(cache_root) / "models" / base_model, arch=TINY_NAMES[base_model])

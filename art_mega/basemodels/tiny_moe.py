@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE Hugging Face model for tests and benchmarks (seeded, no tokenizer).
 
-Shares `art_mega.models.tiny`'s seeded weight fill; transformers and torch are imported lazily.
+Shares `art_mega.basemodels.tiny`'s seeded weight fill; transformers and torch are imported lazily.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MOE_SIZES = {
 def build_tiny_moe(out_dir: Path, *, fused: bool = False, norm_topk_prob: bool = True, seed: int = 0) -> Path:
     """A tiny Qwen3-MoE HF directory (config.json, model.safetensors; no tokenizer) in `out_dir`.
 
-    Weights are `art_mega.models.tiny`'s seeded fill. `fused` writes the expert weights as the
+    Weights are `art_mega.basemodels.tiny`'s seeded fill. `fused` writes the expert weights as the
     3-D `mlp.experts.gate_up_proj` / `down_proj` tensors of transformers 5's module instead of
     the per-expert names `save_pretrained` writes. Idempotent per directory.
     """
@@ -34,7 +34,7 @@ def build_tiny_moe(out_dir: Path, *, fused: bool = False, norm_topk_prob: bool =
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from art_mega.models.tiny import _fill_weights
+    from art_mega.basemodels.tiny import _fill_weights
 
     if (out_dir / "model.safetensors").exists():
         return out_dir
