@@ -2,7 +2,7 @@
 
 Bodies are the pydantic models of `protocol`; every request is signed with the launch secret for
 exactly that agent process: its address and incarnation, which the client learns from the agent
-on first use (`AgentClient.identity`, see `auth`).
+on first use (`AgentClient.identity`, see `agent.auth`).
 The transport is aiohttp: one keep-alive `ClientSession` for each `AgentClient` (httpx cost
 about 1.6 ms of CPU per request here; see benchmarks/RESULTS.md).
 """

@@ -1,5 +1,5 @@
 """Heartbeats between the controller and every agent, both ways: a lost host is named within a
-bound, and an agent whose controller vanished stops its children and exits (`lease`).
+bound, and an agent whose controller vanished stops its children and exits (`agent.lease`).
 
 Each heartbeat is a signed `POST /v1/lease`: it holds the agent's lease on this controller and
 answers with the agent's health. Beats go out every `interval_s` seconds, and at least four
