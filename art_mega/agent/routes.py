@@ -20,24 +20,49 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route as StarletteRoute
 
 from art_mega.agent.auth import AuthError, Verifier
 from art_mega.runtime.protocol import API_PREFIX
 
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+Req = TypeVar("Req", bound=BaseModel)
+Resp = TypeVar("Resp", bound=BaseModel)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """Body cap of a route that names none (1 MiB: every control body is far smaller)."""
 MAX_HEAD_BYTES = 64 << 10
 """Cap on a request's line and headers (bytes received before the headers end): a signed
 request's headers are under 1 KiB; httptools alone buffers any amount."""
+
+
+@dataclass(frozen=True)
+class Route(Generic[Req, Resp]):
+    """One agent route as both ends see it: the server serves it (`SignedRouter.serve`), the
+    client calls it (`AgentClient.call`), so path, body and reply types cannot drift apart.
+
+    `path` is relative to `API_PREFIX` (e.g. "/etcd/start"); `request` is the body's model (None:
+    the handler takes no argument and the body is ignored once its signature is checked; a GET
+    never has one); `response` the reply's model; `max_body_bytes` the POST body cap (a larger body
+    is refused with 413; a GET's cap is always 0, as it takes no body).
+    """
+
+    method: Literal["POST", "GET"]
+    path: str
+    request: type[Req] | None
+    response: type[Resp]
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.method == "GET" and self.request is not None:
+            raise ValueError(f"route GET {self.path}: a GET takes no body; set request=None")
 
 
 def capped_head_protocol() -> type | str:
@@ -152,8 +177,8 @@ Endpoint = Callable[[Request, bytes], Awaitable[Response]]
 class SignedRouter:
     """The agent's routes, each behind the signature check of `verifier` and a body cap.
 
-    `post(path, body_model, max_body_bytes)` / `get(path)` register a handler that takes the
-    parsed body (or nothing) and returns a pydantic model; `raw(path, endpoint, methods, ...)`
+    `serve(route)` (and `post(path, body_model, max_body_bytes)` / `get(path)`) register a
+    handler that takes the parsed body (or nothing) and returns a pydantic model; `raw(path, endpoint, methods, ...)`
     registers a Starlette endpoint that gets the request and its verified body (the hot routes,
     which parse by hand). Paths are relative to `API_PREFIX`. `app(lifespan)` builds the
     Starlette application.
@@ -163,7 +188,7 @@ class SignedRouter:
         self.verifier = verifier
         self.on_verified = on_verified
         """Called after every verified request (the agent renews its controller lease)."""
-        self.routes: list[Route] = []
+        self.routes: list[StarletteRoute] = []
 
     async def _verified_body(self, request: Request, max_body_bytes: int, unbound: bool) -> bytes:
         """Check the signed headers, then read the capped body and hold it to its signed hash.
@@ -204,7 +229,7 @@ class SignedRouter:
             except RouteError as exc:
                 return _detail(exc.status, exc.detail, exc.close)
 
-        self.routes.append(Route(API_PREFIX + path, guarded, methods=list(methods)))
+        self.routes.append(StarletteRoute(API_PREFIX + path, guarded, methods=list(methods)))
 
     def _add(
         self, method: str, path: str, body_model: type[BaseModel] | None, handler: H, max_body_bytes: int
@@ -220,6 +245,13 @@ class SignedRouter:
 
         self.raw(path, endpoint, [method], max_body_bytes)
         return handler
+
+    def serve(self, route: Route[Any, Any]) -> Callable[[H], H]:
+        """Decorator: serve `route` with the handler, which takes the body parsed as
+        `route.request` (no argument when it is None) and returns a `route.response`; a body
+        over `route.max_body_bytes` is refused with 413."""
+        max_body_bytes = route.max_body_bytes if route.method == "POST" else 0
+        return lambda handler: self._add(route.method, route.path, route.request, handler, max_body_bytes)
 
     def post(
         self,
