@@ -67,6 +67,9 @@ from art_mega.runtime.protocol import (
     StartRolloutWorkersRequest,
     StartRolloutWorkersResponse,
     StopRolloutWorkersRequest,
+)
+from art_mega.trainer.host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
+from art_mega.trainer.protocol import (
     TrainerEventsRequest,
     TrainerEventsResponse,
     TrainerJobRequest,
@@ -74,7 +77,6 @@ from art_mega.runtime.protocol import (
     TrainerStartRequest,
     TrainerStartResponse,
 )
-from art_mega.trainer.host import STREAM_LIMIT as TRAINER_STREAM_LIMIT
 
 WORKER_HELLO_TIMEOUT_S = 60.0
 MAX_CACHED_CALLABLES = 1024

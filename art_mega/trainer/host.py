@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.agent.supervisor import Child, Supervisor, spawn_child
-from art_mega.runtime.protocol import (
+from art_mega.trainer.protocol import (
     TrainerEventsResponse,
     TrainerStartRequest,
     TrainerStartResponse,

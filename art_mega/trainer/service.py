@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from art_mega.agent.client import AgentClient
 from art_mega.errors import UserError
-from art_mega.runtime.client import AgentClient
-from art_mega.runtime.protocol import TrainerRankLaunch, TrainerStartRequest
 from art_mega.topology import CompiledTopology
+from art_mega.trainer.protocol import TrainerRankLaunch, TrainerStartRequest
 
 POLL_S = 2.0
 EXIT_GRACE_S = 5.0
