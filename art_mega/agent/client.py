@@ -53,6 +53,8 @@ from art_mega.runtime.protocol import (
     StartRolloutWorkersRequest,
     StartRolloutWorkersResponse,
     StopRolloutWorkersRequest,
+)
+from art_mega.trainer.protocol import (
     TrainerEventsRequest,
     TrainerEventsResponse,
     TrainerJobRequest,

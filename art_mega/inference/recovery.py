@@ -20,7 +20,7 @@ from art_mega.inference.server_api import ReplicaHTTPError
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
-    from art_mega.runtime.client import AgentClient
+    from art_mega.agent.client import AgentClient
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ReplicaRecovery:
             self.on_event(event)
 
     async def _watch(self) -> None:
-        from art_mega.runtime.client import AgentError
+        from art_mega.agent.client import AgentError
 
         hosts = sorted({spec.host_ids[0] for spec in self.replicas.values()})
         while True:

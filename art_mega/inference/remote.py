@@ -15,7 +15,7 @@ from art_mega.inference.replica import ReplicaStartError
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
-    from art_mega.runtime.client import AgentClient
+    from art_mega.agent.client import AgentClient
 
 
 def _launch_for(

@@ -121,7 +121,7 @@ def _guarded(debug: bool, body):  # type: ignore[no-untyped-def]
             raise
         _fail(format_validation_error(exc), 2)
     except Exception as exc:
-        from art_mega.runtime.client import AgentError
+        from art_mega.agent.client import AgentError
         from art_mega.runtime.local_agent import AgentStartError
 
         if debug or not isinstance(exc, (AgentError, AgentStartError)):

@@ -18,10 +18,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from art_mega.agent.client import AgentClient, AgentError
 from art_mega.errors import UserError, format_validation_error
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.program import ProgramRef
-from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import STOP_SIGNALS, AgentMonitor, HostLostError
 from art_mega.topology import EndpointSpec

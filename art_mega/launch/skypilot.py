@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_mega.agent.auth import SECRET_ENV, load_secret
+from art_mega.agent.client import AgentClient, AgentError
 from art_mega.agent.listeners import bind_listener, is_address_in_use
 from art_mega.errors import LoopbackAddressError, UserError
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.controller import SignalGuard, report, supervise
 from art_mega.launch.program import ProgramRef
 from art_mega.preflight.netif import loopback_in_multi_host
-from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.topology import EndpointSpec
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from art_mega.agent.client import AgentClient, AgentError
 from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S
 from art_mega.errors import UserError
 from art_mega.launch.context import ArtLaunchContext
@@ -30,7 +31,6 @@ from art_mega.launch.ssh_target import (
     resolve,
     worker_host_for,
 )
-from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.local_agent import refuse_existing_listener
 from art_mega.runtime.monitor import AgentMonitor, HostLostError
 from art_mega.topology import EndpointSpec

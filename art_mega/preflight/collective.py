@@ -18,8 +18,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from art_mega.agent.client import AgentClient
 from art_mega.preflight.admission import PreflightError
-from art_mega.runtime.client import AgentClient
 from art_mega.runtime.protocol import PreflightRunRequest, PreflightRunResponse
 
 STOP_GRACE_S = 1.0

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 
+from art_mega.agent.client import AgentClient, AgentError
 from art_mega.agent.supervisor import spawn_child, stop_process
 from art_mega.preflight.admission import PreflightError
-from art_mega.runtime.client import AgentClient, AgentError
 from art_mega.runtime.ports import free_port
 from art_mega.runtime.protocol import (
     EtcdCheckRequest,

@@ -20,7 +20,7 @@ from art_mega.preflight.admission import PreflightError
 from art_mega.runtime.protocol import FsOpRequest, FsOpResponse
 
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
-    from art_mega.runtime.client import AgentClient
+    from art_mega.agent.client import AgentClient
 
 PROBE_DIR = ".art-mega-probe"
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from art_mega.agent.client import AgentClient
 from art_mega.errors import RemoteUserError, RolloutValueError, UserError
 from art_mega.rollouts import wire
 from art_mega.rollouts.installed import InstalledAsyncCallable
-from art_mega.runtime.client import AgentClient
 
 
 class RolloutWorker(BaseModel):

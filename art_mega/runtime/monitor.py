@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from art_mega.runtime.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient, AgentError
 
 HEARTBEAT_INTERVAL_S = 0.5
 LOST_AFTER_S = 3.0

@@ -36,7 +36,7 @@ from art_mega.transfer.protocol import (
 from art_mega.transfer.routes import FETCH_PATH, OFFER_PATH, PRUNE_PATH, RELEASE_PATH
 
 if TYPE_CHECKING:
-    from art_mega.runtime.client import AgentClient
+    from art_mega.agent.client import AgentClient
 
 DEFAULT_TIMEOUT_S = 120.0
 TRANSFER_METRIC = "time/adapter_transfer_s"

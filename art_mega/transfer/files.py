@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
+    from art_mega.agent.client import AgentClient
     from art_mega.agent.routes import SignedRouter
-    from art_mega.runtime.client import AgentClient
 
 WRITE_PATH = "/artifacts/write"
 REMOVE_PATH = "/artifacts/remove"

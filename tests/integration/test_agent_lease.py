@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from art_mega.agent.client import AgentClient
 from art_mega.agent.listeners import listener_pids
 from art_mega.rollouts.installed import InstalledAsyncCallable
-from art_mega.runtime.client import AgentClient
 from art_mega.runtime.monitor import AgentMonitor
 from tests.conftest import REPO, cli_env, run_cli, wait_gone
 from tests.integration import rollouts_for_tests as r

@@ -155,9 +155,9 @@ async def test_a_signed_body_whose_sender_leaves_early_runs_nothing_and_logs_no_
 
 
 async def test_a_metadata_store_port_that_closes_at_once_or_refuses_is_one_sentence(agent: LocalAgent):
+    from art_mega.agent.client import AgentClient
     from art_mega.preflight.admission import PreflightError
     from art_mega.preflight.etcd import check_from_every_host
-    from art_mega.runtime.client import AgentClient
 
     closing = socket.socket()
     closing.bind(("127.0.0.1", 0))

@@ -13,8 +13,8 @@ from art_mega.agent.auth import (
     Verifier,
     new_incarnation,
 )
+from art_mega.agent.client import AgentClient, AgentError, RemoteRolloutError
 from art_mega.errors import UserError
-from art_mega.runtime.client import AgentClient, AgentError, RemoteRolloutError
 from art_mega.runtime.protocol import CallableRef, RunRolloutRequest
 
 SECRET = b"0123456789abcdef0123456789abcdef"
