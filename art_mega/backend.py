@@ -152,7 +152,7 @@ async def check_controller_sees_artifact_root(runtime: Any) -> None:
     import secrets
 
     from art_mega.preflight.fs_probe import PROBE_DIR
-    from art_mega.runtime.protocol import FsOpRequest
+    from art_mega.preflight.protocol import FsOpRequest
 
     cluster = runtime.topology.cluster
     host, root = cluster.controller_host_id, cluster.artifact_root

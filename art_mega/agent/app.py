@@ -36,34 +36,38 @@ from art_mega.agent.auth import (
     new_incarnation,
 )
 from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S, ControllerLease
+from art_mega.agent.protocol import (
+    READY_PREFIX,
+    FreePortRequest,
+    FreePortResponse,
+    HealthResponse,
+    LeaseRequest,
+    ShutdownResponse,
+)
 from art_mega.agent.routes import RouteError, SignedRouter, body_error, capped_head_protocol, json_reply
 from art_mega.agent.supervisor import Child, Supervisor
 from art_mega.preflight.fs_probe import FsProbeOps
-from art_mega.rollouts.worker import STREAM_LIMIT
-from art_mega.runtime.protocol import (
-    READY_PREFIX,
-    CallableRef,
+from art_mega.preflight.protocol import (
     EtcdCheckRequest,
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
     FilesCheckRequest,
     FilesCheckResponse,
-    FreePortRequest,
-    FreePortResponse,
     FsOpRequest,
     FsOpResponse,
-    HealthResponse,
     HostFacts,
-    LeaseRequest,
     PreflightPrepareRequest,
     PreflightPrepareResponse,
     PreflightRunRequest,
     PreflightRunResponse,
+)
+from art_mega.rollouts.protocol import (
+    STREAM_LIMIT,
+    CallableRef,
     RemoteFailure,
     RunRolloutRequest,
     RunRolloutResponse,
-    ShutdownResponse,
     StartRolloutWorkersRequest,
     StartRolloutWorkersResponse,
     StopRolloutWorkersRequest,

@@ -24,32 +24,36 @@ from art_mega.agent.auth import (
     reply_is_signed,
     sign,
 )
+from art_mega.agent.protocol import (
+    FreePortRequest,
+    FreePortResponse,
+    HealthResponse,
+    LeaseRequest,
+    ShutdownResponse,
+)
+from art_mega.agent.routes import API_PREFIX
 from art_mega.errors import RemoteUserError
-from art_mega.runtime.protocol import (
-    API_PREFIX,
+from art_mega.preflight.protocol import (
     FILES_PER_CHECK,
-    CallableRef,
     EtcdCheckRequest,
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
     FilesCheckRequest,
     FilesCheckResponse,
-    FreePortRequest,
-    FreePortResponse,
     FsOpRequest,
     FsOpResponse,
-    HealthResponse,
     HostFacts,
-    LeaseRequest,
     PreflightPrepareRequest,
     PreflightPrepareResponse,
     PreflightRunRequest,
     PreflightRunResponse,
+)
+from art_mega.rollouts.protocol import (
+    CallableRef,
     RemoteFailure,
     RunRolloutRequest,
     RunRolloutResponse,
-    ShutdownResponse,
     StartRolloutWorkersRequest,
     StartRolloutWorkersResponse,
     StopRolloutWorkersRequest,

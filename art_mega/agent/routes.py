@@ -21,21 +21,27 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route as StarletteRoute
 
 from art_mega.agent.auth import AuthError, Verifier
-from art_mega.runtime.protocol import API_PREFIX
+
+if TYPE_CHECKING:
+    # Starlette is imported where it is used: every service's protocol module imports `Route`
+    # from here, and the processes that only read those bodies (the controller, rollout workers,
+    # trainer ranks) need no web framework.
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route as StarletteRoute
 
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
 Req = TypeVar("Req", bound=BaseModel)
 Resp = TypeVar("Resp", bound=BaseModel)
 
+API_PREFIX = "/v1"
+"""Every agent route's path starts with this (a `Route`'s path is relative to it)."""
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """Body cap of a route that names none (1 MiB: every control body is far smaller)."""
 MAX_HEAD_BYTES = 64 << 10
@@ -122,10 +128,14 @@ class RouteError(Exception):
 
 def json_reply(model: BaseModel) -> Response:
     """A pydantic model as a 200 JSON response."""
+    from starlette.responses import Response
+
     return Response(content=model.model_dump_json(), media_type="application/json")
 
 
 def _detail(status: int, detail: Any, close: bool = False) -> Response:
+    from starlette.responses import Response
+
     headers = {"connection": "close"} if close else None
     return Response(
         json.dumps({"detail": detail}, default=str), status, headers=headers, media_type="application/json"
@@ -146,6 +156,8 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             body ended; 413 (closing the connection) when the declared length, or the bytes
             received so far, pass `max_bytes`.
     """
+    from starlette.requests import ClientDisconnect
+
     where = f"{request.method} {request.url.path}"
     declared = request.headers.get("content-length")
     if declared is not None and not (declared.isascii() and declared.isdigit()):
@@ -171,7 +183,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-Endpoint = Callable[[Request, bytes], Awaitable[Response]]
+Endpoint = Callable[["Request", bytes], Awaitable["Response"]]
 
 
 class SignedRouter:
@@ -229,6 +241,8 @@ class SignedRouter:
             except RouteError as exc:
                 return _detail(exc.status, exc.detail, exc.close)
 
+        from starlette.routing import Route as StarletteRoute
+
         self.routes.append(StarletteRoute(API_PREFIX + path, guarded, methods=list(methods)))
 
     def _add(
@@ -270,4 +284,6 @@ class SignedRouter:
 
     def app(self, lifespan: Callable[[Any], AbstractAsyncContextManager[None]] | None = None) -> Starlette:
         """The Starlette application serving every registered route."""
+        from starlette.applications import Starlette
+
         return Starlette(routes=self.routes, lifespan=lifespan)

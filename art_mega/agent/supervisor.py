@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from art_mega.runtime.protocol import ChildStatus
+from art_mega.agent.protocol import ChildStatus
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_STOP_GRACE_S = 5.0

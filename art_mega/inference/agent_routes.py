@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+from art_mega.agent.protocol import ShutdownResponse
 from art_mega.agent.routes import SignedRouter
 from art_mega.agent.supervisor import DEFAULT_STOP_GRACE_S, Child, Supervisor
 from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse, InferenceStopRequest
-from art_mega.runtime.protocol import ShutdownResponse
 
 ROLE = "inference"
 

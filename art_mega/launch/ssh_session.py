@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any
 
+from art_mega.agent.protocol import READY_PREFIX
 from art_mega.errors import UserError
 from art_mega.launch.ssh_target import (
     CERT_AUTHORITY,
@@ -25,7 +26,6 @@ from art_mega.launch.ssh_target import (
     lookup_name,
     resolve,
 )
-from art_mega.runtime.protocol import READY_PREFIX
 
 ACCEPT_NEW_KEYS = ("no", "off", "accept-new")
 """StrictHostKeyChecking values under which an unknown host key is accepted (for this launch

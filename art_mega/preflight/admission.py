@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from art_mega.errors import HostMismatchError, PreflightError
 from art_mega.preflight.netif import gloo_ifname_problem, nccl_ifname_problem
-from art_mega.runtime.protocol import GpuInfo, HostFacts
+from art_mega.preflight.protocol import GpuInfo, HostFacts
 from art_mega.topology import CompiledTopology
 
 __all__ = ["HostMismatchError", "PreflightError", "admit", "fingerprint", "resolve_gpu"]

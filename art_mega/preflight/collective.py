@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from art_mega.agent.client import AgentClient
 from art_mega.preflight.admission import PreflightError
-from art_mega.runtime.protocol import PreflightRunRequest, PreflightRunResponse
+from art_mega.preflight.protocol import PreflightRunRequest, PreflightRunResponse
 
 STOP_GRACE_S = 1.0
 """Seconds the other ranks get to answer after one failed on its own before they are stopped: a

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from art_mega.preflight.admission import PreflightError
-from art_mega.runtime.protocol import FsOpRequest, FsOpResponse
+from art_mega.preflight.protocol import FsOpRequest, FsOpResponse
 
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
     from art_mega.agent.client import AgentClient

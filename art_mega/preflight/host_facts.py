@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from art_mega.preflight.netif import interface_names
-from art_mega.runtime.protocol import GpuInfo, HostFacts
+from art_mega.preflight.protocol import GpuInfo, HostFacts
 
 FINGERPRINT_PACKAGES = (
     "art-mega",

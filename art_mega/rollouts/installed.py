@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.runtime.protocol import CallableRef
+from art_mega.rollouts.protocol import CallableRef
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,10 +19,7 @@ from typing import Any
 from art_mega.errors import UserError
 from art_mega.rollouts import wire
 from art_mega.rollouts.installed import InstalledAsyncCallable
-from art_mega.runtime.protocol import CallableRef, RemoteFailure
-
-STREAM_LIMIT = 64 * 1024 * 1024
-"""Largest single message (bytes) between agent and worker."""
+from art_mega.rollouts.protocol import STREAM_LIMIT, CallableRef, RemoteFailure
 
 MAX_CACHED_REFS = 1024
 """Distinct raw callable references whose validated `CallableRef` a worker keeps."""

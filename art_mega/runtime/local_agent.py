@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from art_mega.agent.auth import SECRET_ENV
 from art_mega.agent.client import AgentClient, AgentError
 from art_mega.agent.listeners import has_listener, listener_pids
+from art_mega.agent.protocol import READY_PREFIX
 from art_mega.agent.supervisor import spawn_child, stop_process
 from art_mega.errors import UserError
-from art_mega.runtime.protocol import READY_PREFIX
 from art_mega.topology import EndpointSpec
 
 

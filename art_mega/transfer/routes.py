@@ -21,7 +21,6 @@ from typing import Any
 
 from art_mega.agent.routes import RouteError, SignedRouter
 from art_mega.agent.supervisor import Child, Supervisor, spawn_child
-from art_mega.rollouts.worker import STREAM_LIMIT
 from art_mega.transfer.nixl import remove_copies
 from art_mega.transfer.protocol import (
     FetchRequest,
@@ -39,6 +38,8 @@ FETCH_PATH = "/adapters/fetch"
 RELEASE_PATH = "/adapters/release"
 PRUNE_PATH = "/adapters/prune"
 ROLE = "nixl"
+STREAM_LIMIT = 64 * 1024 * 1024
+"""Largest single message (bytes) between the agent and its NIXL process."""
 
 
 class NixlWorkerError(Exception):

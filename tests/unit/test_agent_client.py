@@ -15,7 +15,7 @@ from art_mega.agent.auth import (
 )
 from art_mega.agent.client import AgentClient, AgentError, RemoteRolloutError
 from art_mega.errors import UserError
-from art_mega.runtime.protocol import CallableRef, RunRolloutRequest
+from art_mega.rollouts.protocol import CallableRef, RunRolloutRequest
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 REF = CallableRef(module="m", qualname="f", source_sha256="a" * 64)

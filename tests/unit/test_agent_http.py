@@ -16,8 +16,9 @@ from art_mega.agent.auth import (
     reply_is_signed,
     sign,
 )
+from art_mega.agent.protocol import HealthResponse
 from art_mega.agent.routes import DEFAULT_MAX_BODY_BYTES
-from art_mega.runtime.protocol import CallableRef, HealthResponse, RunRolloutRequest, RunRolloutResponse
+from art_mega.rollouts.protocol import CallableRef, RunRolloutRequest, RunRolloutResponse
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 REF = CallableRef(module="m", qualname="f", source_sha256="a" * 64)

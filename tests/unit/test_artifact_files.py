@@ -10,7 +10,7 @@ import pytest
 
 from art_mega.agent.app import AgentState, create_app
 from art_mega.agent.auth import sign
-from art_mega.runtime.protocol import API_PREFIX
+from art_mega.agent.routes import API_PREFIX
 from art_mega.transfer.files import (
     REMOVE_PATH,
     WRITE_PATH,

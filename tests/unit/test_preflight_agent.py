@@ -7,7 +7,7 @@ import signal
 import sys
 
 from art_mega.agent.app import AgentState
-from art_mega.runtime.protocol import PreflightPrepareRequest, PreflightRunRequest
+from art_mega.preflight.protocol import PreflightPrepareRequest, PreflightRunRequest
 from tests.unit.test_preflight_probe import solo_config
 
 

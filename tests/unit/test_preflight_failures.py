@@ -17,7 +17,7 @@ from art_mega.agent.client import AgentError
 from art_mega.preflight.admission import PreflightError
 from art_mega.preflight.collective import _raise_for_failures, environment_label, failed_on_its_own
 from art_mega.preflight.probe import WARM_FLAG
-from art_mega.runtime.protocol import PreflightRunResponse
+from art_mega.preflight.protocol import PreflightRunResponse
 
 AGENTS = "the trainer environment (each agent's Python)"
 

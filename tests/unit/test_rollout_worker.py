@@ -3,8 +3,8 @@
 import pydantic
 import pytest
 
+from art_mega.rollouts.protocol import CallableRef
 from art_mega.rollouts.worker import MAX_CACHED_REFS, _Worker
-from art_mega.runtime.protocol import CallableRef
 
 RAW = {"module": "m", "qualname": "f", "source_sha256": "a" * 64}
 
