@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import operator
 import os
 import shutil
@@ -22,11 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from art_mega.agent.ports import free_port
 from art_mega.errors import UserError
 from art_mega.hyperparams import fraction_problem
-from art_mega.runtime.ports import free_port
-
-COMMIT_FILE = "LATEST"
+from art_mega.trainer import checkpoint
 
 
 @dataclass(frozen=True)
@@ -249,25 +247,6 @@ def _utf8(path: Path) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def read_commit(checkpoints: Path) -> int | None:
-    """The last committed step in `checkpoints/LATEST` (None when nothing is committed)."""
-    pointer = checkpoints / COMMIT_FILE
-    if not pointer.is_file():
-        return None
-    step = int(pointer.read_text().strip())
-    return step if (checkpoints / f"{step:04d}" / "manifest.json").is_file() else None
-
-
-def write_commit(checkpoints: Path, step: int) -> None:
-    """Move the commit pointer to `step` (temp file, fsync, rename): updated last, after the data."""
-    tmp = checkpoints / f".{COMMIT_FILE}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(f"{step}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(checkpoints / COMMIT_FILE)
 
 
 DEFAULT_LEARNING_RATE = 5e-6
@@ -650,6 +629,8 @@ class MegatronBackend:
                 TrainerSpec's tp / ep / etp, or the heads or FFN by the InferenceSpec's tp.
             AdapterMismatchError: the warm-start adapter or the committed checkpoint has another
                 LoRA rank, alpha or target modules than this backend.
+            CheckpointFileError: the run's commit pointer or its committed step's manifest is
+                malformed (named with its path).
             RuntimeBusyError: trainer ranks or replicas already run on the runtime's agents.
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
@@ -675,7 +656,7 @@ class MegatronBackend:
         cluster = topology.cluster
         resolved = resolve_base_model(model.base_model, cluster.cache_root)
         run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
-        committed = read_commit(run_dir / "checkpoints")
+        committed = checkpoint.read_commit(checkpoint.checkpoints_dir(run_dir))
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
         await check_runtime_idle(self._runtime)
@@ -713,7 +694,9 @@ class MegatronBackend:
             "target_modules": hf_target_modules(targets),
         }
         if committed is not None:
-            adapter = run_dir / "checkpoints" / f"{committed:04d}" / "adapter"
+            adapter = checkpoint.adapter_dir(
+                checkpoint.step_dir(checkpoint.checkpoints_dir(run_dir), committed)
+            )
             check_adapter_config(
                 read_adapter_config(adapter),
                 adapter,
@@ -740,7 +723,9 @@ class MegatronBackend:
         topology = self._runtime.topology
         cluster = topology.cluster
         self._model, self._model_dir = model, resolved.model_dir
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        checkpoints = checkpoint.checkpoints_dir(run_dir)
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        checkpoint.clean_uncommitted(checkpoints)  # a crashed save's leftovers; no rank runs yet
         self._run_dir = run_dir
         on_gpu = any(r.gpu_id is not None for r in topology.trainer_ranks)
         config: dict[str, Any] = {
@@ -752,7 +737,7 @@ class MegatronBackend:
         if not cluster.shared_artifact_root:
             config["host_local_root"] = True  # each trainer host commits its own checkpoint folder
         if committed is not None:
-            config["resume_dir"] = str(run_dir / "checkpoints" / f"{committed:04d}")
+            config["resume_dir"] = str(checkpoint.step_dir(checkpoints, committed))
         elif resolved.warm_start is not None:
             config["warm_start"] = str(resolved.warm_start)
         launch = ReplicaLaunch(
@@ -782,9 +767,9 @@ class MegatronBackend:
         if committed is None:
             committed = 0
             await self._service.run({"kind": "export", "step": 0, "checkpoint_dir": str(self._checkpoint(0))})
-            write_commit(run_dir / "checkpoints", 0)
+            checkpoint.write_commit(checkpoints, 0)
         self._step = committed
-        await self._publisher.publish(committed, str(self._checkpoint(committed) / "adapter"))
+        await self._publisher.publish(committed, str(checkpoint.adapter_dir(self._checkpoint(committed))))
         self._recovery = ReplicaRecovery(
             self._runtime.clients,
             topology.replicas,
@@ -858,7 +843,7 @@ class MegatronBackend:
 
     def _checkpoint(self, step: int) -> Path:
         assert self._run_dir is not None
-        return self._run_dir / "checkpoints" / f"{step:04d}"
+        return checkpoint.step_dir(checkpoint.checkpoints_dir(self._run_dir), step)
 
     def _require(self, model: Any) -> None:
         if self._model is None or model.name != self._model.name:
@@ -1070,13 +1055,13 @@ class MegatronBackend:
             await self._service.recover(self._checkpoint(self._step))
             result = await self._service.run(job)
         try:
-            write_commit(self._run_dir / "checkpoints", step)
+            checkpoint.write_commit(checkpoint.checkpoints_dir(self._run_dir), step)
         except BaseException:
             self._service.dirty = True  # the ranks hold step `step`, the commit says `self._step`
             raise
         self._step = step
         trained = time.perf_counter()
-        report = await self._publisher.publish(step, str(self._checkpoint(step) / "adapter"))
+        report = await self._publisher.publish(step, str(checkpoint.adapter_dir(self._checkpoint(step))))
         published = time.perf_counter()
         shutil.rmtree(batch_dir, ignore_errors=True)
         await self._remove_on_trainer_hosts(batch_dir, best_effort=True)  # as the rmtree above
@@ -1094,27 +1079,22 @@ class MegatronBackend:
 
     async def delete_checkpoints(self, model: Any, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every committed checkpoint but the latest and the best by `best_checkpoint_metric`
-        (read from history.jsonl; higher is better). Returns the deleted steps."""
+        (read from history.jsonl; higher is better) and the adapters the replicas serve
+        (`checkpoint.deletable_steps`). Returns the deleted steps."""
         from art_mega.metrics import read_history
 
         self._require(model)
         assert self._run_dir is not None
-        checkpoints = self._run_dir / "checkpoints"
-        steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
+        checkpoints = checkpoint.checkpoints_dir(self._run_dir)
         scores = {
             int(r["step"]): float(r[best_checkpoint_metric])
             for r in read_history(self._run_dir / "history.jsonl")
             if best_checkpoint_metric in r
         }
-        keep = {self._step}
-        scored = [s for s in steps if s in scores]
-        if scored:
-            keep.add(max(scored, key=lambda s: scores[s]))
         served = set(self._publisher.window()) if self._publisher else set()
-        deleted = [s for s in steps if s not in keep and s not in served]
+        deleted = checkpoint.deletable_steps(checkpoint.step_folders(checkpoints), self._step, scores, served)
         for s in deleted:
-            shutil.rmtree(checkpoints / f"{s:04d}", ignore_errors=True)
-            await self._remove_on_trainer_hosts(checkpoints / f"{s:04d}")
+            await self._remove_on_trainer_hosts(checkpoint.delete_step(checkpoints, s))
         return deleted
 
     async def _send_batches(self, batch_dir: Path) -> None:
@@ -1172,8 +1152,3 @@ class MegatronBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def manifest(checkpoint_dir: Path) -> dict[str, Any]:
-    """A checkpoint's manifest.json."""
-    return json.loads((checkpoint_dir / "manifest.json").read_text())

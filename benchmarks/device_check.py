@@ -213,8 +213,8 @@ def megatron_logits(work: Path, log_dir: Path, use_te: bool = False) -> list[tup
     import torch
     from transformers import AutoModelForCausalLM
 
+    from art_mega.agent.ports import free_port
     from art_mega.basemodels.resolve import resolve_base_model
-    from art_mega.runtime.ports import free_port
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
@@ -308,8 +308,8 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
 
     from transformers import AutoTokenizer
 
+    from art_mega.agent.ports import free_port
     from art_mega.basemodels.resolve import resolve_base_model
-    from art_mega.runtime.ports import free_port
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.service import TrainerService
@@ -383,7 +383,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
     """
     import random
 
-    from art_mega.runtime.ports import free_port
+    from art_mega.agent.ports import free_port
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.batch import Document
@@ -482,7 +482,7 @@ async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float,
     """Steps 5-6 on one runtime: a GRPO step with a shared-GPU vLLM replica, then publication of
     its adapter and a completion served by it."""
     import art_mega as art
-    from art_mega.runtime.ports import free_port
+    from art_mega.agent.ports import free_port
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
 

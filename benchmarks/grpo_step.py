@@ -40,7 +40,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from _results import print_table, record, rows_for  # noqa: E402
 
-from art_mega.runtime.ports import free_port  # noqa: E402
+from art_mega.agent.ports import free_port  # noqa: E402
 
 GROUP_SIZE = 4
 COMPLETION_TOKENS = 48

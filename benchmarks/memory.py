@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from art_mega.runtime.ports import free_port
+from art_mega.agent.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"

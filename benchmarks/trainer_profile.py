@@ -75,7 +75,7 @@ def _profile(args: argparse.Namespace, work: Path, on_gpu: bool) -> int:
     from device_check import SMOLLM2_SHAPE, _smollm2_shaped
     from torch.profiler import ProfilerActivity, profile
 
-    from art_mega.runtime.ports import free_port
+    from art_mega.agent.ports import free_port
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec

@@ -32,8 +32,8 @@ REPO = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from art_mega.agent.ports import free_port  # noqa: E402
 from art_mega.errors import UserError  # noqa: E402
-from art_mega.runtime.ports import free_port  # noqa: E402
 
 RANK_SCRIPT = HERE / "_trainer_step_rank.py"
 STEPS, QUICK_STEPS, WARMUP = 5, 2, 1

@@ -521,7 +521,7 @@ def create_app(state: AgentState) -> Starlette:
 
     @router.post("/free-port", FreePortRequest)
     async def free_port(body: FreePortRequest) -> FreePortResponse:
-        from art_mega.runtime.ports import free_port
+        from art_mega.agent.ports import free_port
 
         return FreePortResponse(port=free_port(body.host))
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.ports import free_port
 from art_mega.agent.supervisor import spawn_child, stop_process
 from art_mega.preflight.admission import PreflightError
 from art_mega.preflight.protocol import (
@@ -34,7 +35,6 @@ from art_mega.preflight.protocol import (
     EtcdStartRequest,
     EtcdStartResponse,
 )
-from art_mega.runtime.ports import free_port
 from art_mega.topology import EndpointSpec
 
 MIN_VERSION = (3, 4)

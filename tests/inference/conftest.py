@@ -17,10 +17,10 @@ import pytest
 import pytest_asyncio
 
 from art_mega.agent.client import AgentClient
+from art_mega.agent.ports import free_port
 from art_mega.inference import ReplicaLaunch, start_replicas, stop_replicas
 from art_mega.inference.protocol import InferenceStartResponse
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
-from art_mega.runtime.ports import free_port
 from art_mega.topology import EndpointSpec
 from art_mega.topology.compiled import ReplicaSpec
 from tests.inference.common import VLLM_PYTHON, replica_spec, vllm_unavailable_reason

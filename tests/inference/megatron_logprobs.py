@@ -16,7 +16,7 @@ import torch
 
 
 def main(spec_path: str, out_path: str) -> None:
-    from art_mega.runtime.ports import free_port
+    from art_mega.agent.ports import free_port
     from art_mega.trainer.batch import TrainBatch
     from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.lora import LoraConfig

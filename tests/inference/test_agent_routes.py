@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from art_mega.agent.ports import free_port
 from art_mega.inference import ReplicaLaunch, ReplicaStartError, start_replicas, stop_replicas
-from art_mega.runtime.ports import free_port
 from tests.inference.common import replica_spec
 from tests.inference.conftest import Agent
 

@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from art_mega.agent.ports import free_port
 from art_mega.inference.router import ReplicaEndpoint
 from art_mega.inference.server_api import ReplicaClient
 from art_mega.inference.sleep import ReplicaSleepError, SharedGpuReplicas
-from art_mega.runtime.ports import free_port
 
 
 class StandIn:

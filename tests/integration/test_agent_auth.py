@@ -12,9 +12,9 @@ import pytest
 
 from art_mega.agent.auth import UNBOUND, AgentIdentity, sign
 from art_mega.agent.client import AgentClient
+from art_mega.agent.ports import free_port
 from art_mega.agent.routes import DEFAULT_MAX_BODY_BYTES
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
-from art_mega.runtime.ports import free_port
 from art_mega.topology import EndpointSpec
 
 SECRET = secrets.token_hex(32).encode()

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
+from art_mega.agent.ports import free_port
 from art_mega.backend import read_commit, write_commit
-from art_mega.runtime.ports import free_port
 from art_mega.trainer.service import TrainerJobError, TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import rl_job

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from art_mega.agent.ports import free_port
 from art_mega.errors import UserError
-from art_mega.runtime.ports import free_port
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
 from art_mega.transfer.adapters import AdapterTransferError, adapter_transport_for

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from art_mega.agent.ports import free_port
 from art_mega.backend import MegatronBackend
 from art_mega.inference.replica import ReplicaStartError
-from art_mega.runtime.ports import free_port
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
 from tests.conftest import pid_alive

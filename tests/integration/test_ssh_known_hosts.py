@@ -18,10 +18,10 @@ from pathlib import Path
 import paramiko
 import pytest
 
+from art_mega.agent.ports import free_port
 from art_mega.errors import UserError
 from art_mega.launch.ssh_session import connect
 from art_mega.launch.ssh_target import ConnectSpec
-from art_mega.runtime.ports import free_port
 from tests.conftest import REPO, cli_env
 from tests.integration.netns import sshd_path
 

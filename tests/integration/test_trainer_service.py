@@ -7,7 +7,7 @@ import time
 import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
-from art_mega.runtime.ports import free_port
+from art_mega.agent.ports import free_port
 from art_mega.trainer.service import TrainerJobError, TrainerService
 from tests.helpers import loopback_cluster
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from art_mega.runtime.ports import free_port
+from art_mega.agent.ports import free_port
 
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),

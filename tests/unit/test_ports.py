@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from art_mega.runtime import ports
+from art_mega.agent import ports
 
 
 def _binds(port: int, host: str = "127.0.0.1") -> bool:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from art_mega.agent.ports import free_port
 from art_mega.preflight.probe import (
     CONFIG_READ,
     RESULT_PREFIX,
@@ -16,7 +17,6 @@ from art_mega.preflight.probe import (
     main,
     probe_command,
 )
-from art_mega.runtime.ports import free_port
 
 pytest.importorskip("torch", reason="the probe runs in the trainer's environment (torch)")
 
