@@ -1,21 +1,58 @@
-"""User-facing error type and the one-sentence formatting of validation errors.
+"""Every user-facing art-mega exception, with fields, and the one exit-code table.
 
-Every mistake a user can make (bad topology, bad CLI value, missing file) surfaces as
-`UserError`; the CLI prints its message as one sentence and exits with code 2.
+An exception is here when it reaches a user: the user's program (raised by `backend.train`,
+`register`, a rollout, a gather, ...), the CLI, or the controller's failure report. Each one
+carries the facts its one-sentence message is built from as typed attributes (host, address,
+step, path, field, value, ...), so a program can act on them without parsing the text.
+
+`EXIT_CODES` (at the end) gives every one of them, and the outside exceptions a report meets
+(pydantic's `ValidationError`, `KeyboardInterrupt`), an `Exit`: the process exit code (2 a
+mistake in the user's input, 1 a failure, 130 an interrupt) and whether the report shows the
+traceback (a failure whose cause is in code, where the message alone does not help) or only the
+one sentence. `exit_code_for(exc)` and `describe(exc)` read it; `launch.cli._guarded` and
+`launch.controller.describe_failure` report through them, and nothing else maps an exception to
+an exit code (a signal's 128+N is the controller's, for a signal, not an exception).
+
+Exceptions that stay in their modules, because no user ever sees them:
+- `agent.auth.AuthError`: a refused signature, answered as HTTP 401 inside the agent; the
+  controller sees `AgentUnauthorizedError`.
+- `agent.routes.RouteError`: a route's refusal, turned into its HTTP status by `SignedRouter`;
+  the controller sees `AgentRefusedError` / `AgentFailedError`.
+- `agent.app._WorkerStartError`, `rollouts.worker._ValueRefused`: carry a worker's failure to the
+  reply that reports it (`RemoteFailure`).
+- `rollouts.wire.WireError`: a value that cannot travel; the controller raises
+  `RolloutValueError` naming the rollout and host instead.
+- `trainer.jobs.StepOrderError`: a rank refusing a job's step number inside the rank process; the
+  controller sees it as the rank's `failed` event, a clean `TrainerJobError`.
+- `transfer.nixl.TransferError`, `transfer.routes.NixlWorkerError`: a NIXL step failing on the
+  agent's side; the reply carries its text and the controller raises `AdapterTransferError`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
 
 
-class UserError(Exception):
+class ArtMegaError(Exception):
+    """Base of every art-mega exception here; catch it to catch them all.
+
+    `exit_code` is its row of `EXIT_CODES` (see `exit_code_for`).
+    """
+
+    @property
+    def exit_code(self) -> int:
+        """The process exit code a report of this exception ends with."""
+        return exit_code_for(self)
+
+
+class UserError(ArtMegaError):
     """A mistake in the user's input: printed as one sentence, exit code 2, no traceback.
 
     The message names the field, the value and the fix.
     """
-
-    exit_code = 2
 
 
 class TokenizationError(UserError):
@@ -280,6 +317,38 @@ class NonFiniteCheckpointError(UserError):
         self.step = step
 
 
+class CheckpointFileError(UserError):
+    """A file of a run's checkpoints (the commit pointer `LATEST`, a manifest) is malformed, so
+    the run cannot tell which step to resume from (`art_mega.trainer.checkpoint`).
+
+    Attributes:
+        path: the file.
+        problem: what is wrong with it, e.g. "holds 'x', not the number of the last committed step".
+    """
+
+    def __init__(self, path: Any, problem: str):
+        super().__init__(
+            f"{path} {problem}; restore it from a copy, or give the model another name to start a new run"
+        )
+        self.path = str(path)
+        self.problem = problem
+
+
+class BaseModelError(UserError):
+    """`TrainableModel.base_model` resolves to no model art-mega can train and serve, found at
+    `register` before any rank or replica starts (`art_mega.basemodels.resolve`, `.hub`).
+
+    Attributes:
+        base_model: the name or path as given, e.g. "Qwen/Qwen3-0.6B".
+        revision: the Hugging Face revision asked for (None: the repo's default branch).
+    """
+
+    def __init__(self, message: str, base_model: str, revision: str | None = None):
+        super().__init__(message)
+        self.base_model = base_model
+        self.revision = revision
+
+
 class PreflightError(UserError):
     """The cluster failed a check before any model was allocated; names the host and the cause."""
 
@@ -328,3 +397,414 @@ class ProgramImportError(UserError):
         super().__init__(message)
         self.module = module
         self.cause = cause
+
+
+class AgentError(ArtMegaError):
+    """An agent could not be reached, refused a call, or answered it badly (`agent.client`).
+
+    Printed as "host HOST (ADDRESS): REASON"; not a mistake in the user's input (exit code 1).
+    Raised as one of the subclasses below by `AgentClient.call`, and as this class itself where
+    an agent answered but is not the one the launch expects (another launch id or pid).
+
+    Attributes:
+        host: the host id, e.g. "host1".
+        address: the agent's address, tcp://HOST:PORT.
+        reason: the message without its "host HOST (ADDRESS): " prefix.
+        status: the HTTP status the agent answered (None: no answer, or a 200 that was refused).
+        detail: the agent's own `{"detail": ...}` for a non-200 answer, "" otherwise.
+        route: the call, e.g. "POST /v1/etcd/start" ("" where no single call failed).
+        timed_out: True when no answer came within the call's timeout (the agent may be alive but
+            slow, or the network partitioned), False when it was refused, reset or answered.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        address: str,
+        reason: str,
+        *,
+        status: int | None = None,
+        detail: str = "",
+        route: str = "",
+        timed_out: bool = False,
+    ) -> None:
+        super().__init__(f"host {host} ({address}): {reason}")
+        self.host = host
+        self.address = address
+        self.reason = reason
+        self.status = status
+        self.detail = detail
+        self.route = route
+        self.timed_out = timed_out
+
+
+class AgentUnreachableError(AgentError):
+    """The agent did not answer: the connection was refused or reset, or (`timed_out`) no answer
+    came within the call's timeout. `status` is None."""
+
+
+class AgentUnauthorizedError(AgentError):
+    """The agent answered 401: it refused the request's signature (another launch's secret, a
+    restarted agent, which is another incarnation, or a stale or replayed request); `detail`
+    says which."""
+
+
+class AgentRefusedError(AgentError):
+    """The agent answered another 4xx: it refused the call's input (413 for a body over the
+    route's cap, 422 for a body that is not the route's model, 404 for an unknown worker);
+    `detail` is the agent's reason."""
+
+
+class AgentFailedError(AgentError):
+    """The agent answered 5xx (or another status than 200 and 4xx): the route's handler failed
+    there; `detail` is the agent's text."""
+
+
+class AgentReplyError(AgentError):
+    """The agent answered 200, but not with what the call expects: a body that is not the route's
+    response model (`route` names the call), or an identity answer not signed with the launch's
+    secret (something else listens at the address). `status` is 200."""
+
+
+class RemoteRolloutError(ArtMegaError):
+    """A rollout raised on its worker (its own code failed there; not a user mistake).
+
+    Attributes:
+        host, worker_id: where it ran.
+        exc_type: the remote exception's class name, e.g. "ValueError".
+        traceback: the remote traceback, as text.
+        failure: the worker's whole report (`rollouts.protocol.RemoteFailure`: kind, message,
+            exc_type, traceback).
+    """
+
+    def __init__(self, host: str, worker_id: str, failure: Any) -> None:
+        super().__init__(f"rollout on host {host} worker {worker_id} failed: {failure.message}")
+        self.host = host
+        self.worker_id = worker_id
+        self.exc_type: str = failure.exc_type
+        self.traceback: str = failure.traceback
+        self.failure = failure
+
+
+class TopologyError(UserError):
+    """A topology that is valid field by field but cannot be placed as a whole.
+
+    Raised by `compile_topology` (unknown host ids, GPU overlap, port collisions, sizes that do
+    not divide the world, missing multi-host transport) and by lookups such as
+    `ClusterSpec.host` for an unknown host id. Exit code 2; the message names the spec's field,
+    the value and the fix.
+    """
+
+
+class HostLostError(ArtMegaError):
+    """An agent stopped answering or was replaced while the program ran (`runtime.monitor`).
+
+    Attributes:
+        host: the host id, e.g. "host1".
+        address: its agent's address, tcp://HOST:PORT.
+        reason: why it counts as lost, e.g. "no heartbeat answer for 4.1 s".
+    """
+
+    def __init__(self, host: str, address: str, reason: str) -> None:
+        super().__init__(f"host {host} ({address}) was lost: {reason}")
+        self.host = host
+        self.address = address
+        self.reason = reason
+
+
+class AgentStartError(ArtMegaError):
+    """An agent this machine started did not become ready (`runtime.local_agent`): it exited, was
+    not ready in time, or is not the process that was started.
+
+    Attributes:
+        host: the host id; address: the address it was to listen on, tcp://HOST:PORT.
+        reason: what went wrong, e.g. "agent not ready after 120 s".
+    """
+
+    def __init__(self, host: str, address: str, reason: str) -> None:
+        super().__init__(f"host {host} ({address}): {reason}")
+        self.host = host
+        self.address = address
+        self.reason = reason
+
+
+class TrainerJobError(ArtMegaError, RuntimeError):
+    """A trainer rank failed or died (`trainer.service`); names the rank, host and log file.
+
+    Attributes:
+        rank: the first failing rank (None where no one rank is at fault).
+        host: its host id; log_path: its log file.
+        clean: True only when every rank refused the job before changing its state (its `failed`
+            event says `dirty: false`, e.g. a wrong step number); the ranks then need no recovery.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        host: str | None = None,
+        log_path: str | None = None,
+        clean: bool = False,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.log_path = log_path
+        self.clean = clean
+
+
+class RankRefusedStepError(TrainerJobError, UserError):
+    """The ranks refused a step over its numbers: a non-finite loss or gradient norm (aborted
+    before the optimizer update; the ranks stay clean) or a non-finite LoRA/optimizer tensor
+    before the checkpoint commit (the ranks are then restarted from the commit). A user error
+    (exit code 2) whose message is the rank's sentence, naming the step and the quantity.
+
+    Attributes:
+        error_type: the rank's exception, one of `trainer.service.REFUSALS`.
+    """
+
+    def __init__(
+        self, message: str, error_type: str, rank: int, host: str | None, log_path: str | None, clean: bool
+    ):
+        super().__init__(message, rank, host, log_path, clean)
+        self.error_type = error_type
+
+
+class ReplicaHTTPError(ArtMegaError):
+    """A vLLM server refused a call or could not be reached (`inference.server_api`).
+
+    Attributes:
+        replica: the replica's process name, e.g. "vllm-0"; url: its server, http://HOST:PORT.
+        what: the call, e.g. "loading adapter step 3".
+        status: the HTTP status code (None when no answer came).
+        answer: the server's body (or the transport error) as text.
+    """
+
+    def __init__(self, replica: str, url: str, what: str, status: int | None, answer: str) -> None:
+        code = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"replica {replica} ({url}): {what} failed with {code}: {answer}")
+        self.replica = replica
+        self.url = url
+        self.what = what
+        self.status = status
+        self.answer = answer
+
+
+class ReplicaRequestError(ArtMegaError):
+    """A request of the program's to one replica failed (e.g. it died while answering;
+    `inference.policy_client`); the cause is chained.
+
+    Attributes:
+        replica: the replica's process name; url: its server; model: the model asked for.
+    """
+
+    def __init__(self, replica: str, url: str, model: str, cause: BaseException) -> None:
+        super().__init__(
+            f"request to replica {replica} ({url}) for model {model} failed: {type(cause).__name__}: {cause}"
+        )
+        self.replica = replica
+        self.url = url
+        self.model = model
+
+
+class NoReplicaUpError(ArtMegaError):
+    """Every replica is down (restarting after a crash; `inference.router`).
+
+    Attributes:
+        model: the replicas' served model name.
+        reasons: each replica, its URL and why it is down, e.g. "vllm-0 (http://...): exited 1".
+    """
+
+    def __init__(self, model: str, reasons: str) -> None:
+        super().__init__(f"no replica of {model} is up: {reasons}")
+        self.model = model
+        self.reasons = reasons
+
+
+class ReplicaSleepError(ArtMegaError):
+    """A shared-GPU replica did not sleep or wake (`inference.sleep`); names the replica and the
+    server's answer.
+
+    Attributes:
+        failures: each replica's refusal (`ReplicaHTTPError`: name, URL, status, answer).
+    """
+
+    def __init__(self, message: str, failures: Sequence[ReplicaHTTPError] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
+
+
+class ReplicaStartError(ArtMegaError):
+    """A replica did not come up: it exited, or was not ready in time (`inference.replica`,
+    `inference.remote`); names it and the tail of its log.
+
+    Attributes:
+        replica: the replica's process name, e.g. "vllm-0".
+    """
+
+    def __init__(self, message: str, replica: str) -> None:
+        super().__init__(message)
+        self.replica = replica
+
+
+class AdapterPublishError(ArtMegaError):
+    """Some replica did not load a step's adapter after the retry; the served step did not move
+    (`inference.adapters`).
+
+    Attributes:
+        step: the step; model: the name it was to be served as.
+        failures: each failing replica's name -> the server's last answer (`ReplicaHTTPError`,
+            which carries the status code and body).
+    """
+
+    def __init__(self, step: int, model: str, failures: Mapping[str, ReplicaHTTPError]) -> None:
+        parts = [f"{exc} (after 2 attempts)" for exc in failures.values()]
+        super().__init__(
+            f"publishing step {step} as {model} failed, the served step did not advance: " + "; ".join(parts)
+        )
+        self.step = step
+        self.model = model
+        self.failures = dict(failures)
+
+
+class AdapterTransferError(ArtMegaError):
+    """A step's adapter did not reach a replica host intact (`transfer.adapters`); the detail
+    names the host, the transfer and the file where one is at fault (e.g. a sha256 mismatch).
+
+    Attributes:
+        step: the step whose adapter was sent; detail: what failed, where.
+    """
+
+    def __init__(self, step: int, detail: str) -> None:
+        super().__init__(f"step {step}: {detail}")
+        self.step = step
+        self.detail = detail
+
+
+class ArtifactFileError(ArtMegaError, RuntimeError):
+    """An agent could not write or remove an artifact file (`transfer.files`).
+
+    Attributes:
+        host: the agent's host id; path: the file, relative to the artifact root.
+        detail: the agent's reason, which names the path.
+    """
+
+    def __init__(self, host: str, path: str, detail: str) -> None:
+        super().__init__(f"host {host}: {detail}")
+        self.host = host
+        self.path = path
+        self.detail = detail
+
+
+class RolloutExceptionsExceeded(ArtMegaError, RuntimeError):
+    """More rollouts raised than `max_exceptions` allows (`gather.gather_trajectory_groups`);
+    chained to the first exception seen.
+
+    Attributes:
+        raised: how many rollouts raised; total: how many ran.
+        max_exceptions: the limit given (a count, or a fraction of `total`).
+    """
+
+    def __init__(self, raised: int, total: int, max_exceptions: int | float, first: BaseException) -> None:
+        super().__init__(
+            f"{raised} of {total} rollouts raised (max_exceptions={max_exceptions}); "
+            f"first: {type(first).__name__}: {first}"
+        )
+        self.raised = raised
+        self.total = total
+        self.max_exceptions = max_exceptions
+
+
+class Exit(NamedTuple):
+    """How a report of an exception ends: the process exit code, and whether it shows the
+    traceback (True) or only the exception's one sentence (False)."""
+
+    code: int
+    traceback: bool
+
+
+_SENTENCE_USER = Exit(2, traceback=False)
+_SENTENCE_FAILURE = Exit(1, traceback=False)
+_TRACEBACK_FAILURE = Exit(1, traceback=True)
+
+EXIT_CODES: dict[type[BaseException], Exit] = {
+    # Mistakes in the user's input: one sentence, exit 2.
+    UserError: _SENTENCE_USER,
+    ValidationError: _SENTENCE_USER,
+    TokenizationError: _SENTENCE_USER,
+    SFTFileError: _SENTENCE_USER,
+    ModelSplitError: _SENTENCE_USER,
+    AdapterMismatchError: _SENTENCE_USER,
+    RuntimeBusyError: _SENTENCE_USER,
+    RemoteUserError: _SENTENCE_USER,
+    RolloutValueError: _SENTENCE_USER,
+    TrainInputError: _SENTENCE_USER,
+    NonFiniteValueError: _SENTENCE_USER,
+    HyperParameterError: _SENTENCE_USER,
+    NonFiniteStepError: _SENTENCE_USER,
+    NonFiniteCheckpointError: _SENTENCE_USER,
+    CheckpointFileError: _SENTENCE_USER,
+    BaseModelError: _SENTENCE_USER,
+    PreflightError: _SENTENCE_USER,
+    HostMismatchError: _SENTENCE_USER,
+    LoopbackAddressError: _SENTENCE_USER,
+    ProgramImportError: _SENTENCE_USER,
+    TopologyError: _SENTENCE_USER,
+    RankRefusedStepError: _SENTENCE_USER,
+    # A host or its agent failing: the sentence names it, exit 1.
+    AgentError: _SENTENCE_FAILURE,
+    AgentUnreachableError: _SENTENCE_FAILURE,
+    AgentUnauthorizedError: _SENTENCE_FAILURE,
+    AgentRefusedError: _SENTENCE_FAILURE,
+    AgentFailedError: _SENTENCE_FAILURE,
+    AgentReplyError: _SENTENCE_FAILURE,
+    HostLostError: _SENTENCE_FAILURE,
+    AgentStartError: _SENTENCE_FAILURE,
+    # Failures whose cause is in code (the program's, a rollout's, a rank's, a replica's): the
+    # traceback shows where the program met them, exit 1.
+    ArtMegaError: _TRACEBACK_FAILURE,
+    RemoteRolloutError: _TRACEBACK_FAILURE,
+    TrainerJobError: _TRACEBACK_FAILURE,
+    ReplicaHTTPError: _TRACEBACK_FAILURE,
+    ReplicaRequestError: _TRACEBACK_FAILURE,
+    NoReplicaUpError: _TRACEBACK_FAILURE,
+    ReplicaSleepError: _TRACEBACK_FAILURE,
+    ReplicaStartError: _TRACEBACK_FAILURE,
+    AdapterPublishError: _TRACEBACK_FAILURE,
+    AdapterTransferError: _TRACEBACK_FAILURE,
+    ArtifactFileError: _TRACEBACK_FAILURE,
+    RolloutExceptionsExceeded: _TRACEBACK_FAILURE,
+    # The user pressed Ctrl-C inside the program: 128 + SIGINT, as the shell counts it.
+    KeyboardInterrupt: Exit(130, traceback=False),
+}
+"""Exception class -> its `Exit`. A class not listed takes its nearest listed base's row (its
+MRO order); an exception with none (a bug, or the program's own error) is `Exit(1, traceback=True)`."""
+
+_UNLISTED = _TRACEBACK_FAILURE
+
+
+def exit_row(exc: BaseException) -> Exit:
+    """`exc`'s row of `EXIT_CODES`: its class's, else its nearest listed base's, else (1, traceback)."""
+    for cls in type(exc).__mro__:
+        row = EXIT_CODES.get(cls)
+        if row is not None:
+            return row
+    return _UNLISTED
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The process exit code a report of `exc` ends with: 2 user error, 1 failure, 130 interrupt."""
+    return exit_row(exc).code
+
+
+def describe(exc: BaseException) -> str | None:
+    """The one line that reports `exc`, or None where its row shows the traceback instead.
+
+    A `ValidationError` becomes `format_validation_error`'s sentence; anything else its message
+    (its class name where the message is empty, e.g. a bare `KeyboardInterrupt`).
+    """
+    if exit_row(exc).traceback:
+        return None
+    if isinstance(exc, ValidationError):
+        return format_validation_error(exc)
+    return str(exc) or type(exc).__name__

@@ -1,20 +1,26 @@
-"""The controller's signed HTTP client for one agent.
+"""The controller's signed HTTP client for one agent: one typed call per route, typed errors.
 
-Bodies are the pydantic models of `protocol`; every request is signed with the launch secret for
-exactly that agent process: its address and incarnation, which the client learns from the agent
-on first use (`AgentClient.identity`, see `agent.auth`).
-The transport is aiohttp: one keep-alive `ClientSession` for each `AgentClient` (httpx cost
-about 1.6 ms of CPU per request here; see benchmarks/RESULTS.md).
+`AgentClient.call(route, body)` sends `body` (an instance of `route.request`) to `route` (an
+`agent.routes.Route` declared in a service's protocol module) and returns the reply validated as
+`route.response`; every failure is an `AgentError` subclass (`art_mega.errors`) with the host,
+address, route, HTTP status and the agent's detail as fields. The client knows no service:
+services call their own routes through it.
+
+Every request is signed with the launch secret for exactly that agent process: its address and
+incarnation, which the client learns from the agent on first use (`AgentClient.identity`, see
+`agent.auth`). The transport is aiohttp: one keep-alive `ClientSession` for each `AgentClient`
+(httpx cost about 1.6 ms of CPU per request here; see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from art_mega.agent.auth import (
     NONCE_HEADER,
@@ -25,35 +31,58 @@ from art_mega.agent.auth import (
     sign,
 )
 from art_mega.agent.protocol import (
+    FREE_PORT,
+    HEALTH,
+    IDENTITY,
+    LEASE,
+    SHUTDOWN,
     FreePortRequest,
-    FreePortResponse,
     HealthResponse,
     LeaseRequest,
     ShutdownResponse,
 )
-from art_mega.agent.routes import API_PREFIX
-from art_mega.errors import RemoteUserError
+from art_mega.agent.routes import API_PREFIX, Route
+from art_mega.errors import (
+    AgentError,
+    AgentFailedError,
+    AgentRefusedError,
+    AgentReplyError,
+    AgentUnauthorizedError,
+    AgentUnreachableError,
+    RemoteRolloutError,
+    RemoteUserError,
+    format_validation_error,
+)
 from art_mega.preflight.protocol import (
+    ETCD_CHECK,
+    ETCD_START,
+    ETCD_STOP,
+    FACTS,
+    FILES_CHECK,
     FILES_PER_CHECK,
+    FS_OP,
+    PREFLIGHT_DISCARD,
+    PREFLIGHT_PREPARE,
+    PREFLIGHT_RUN,
     EtcdCheckRequest,
     EtcdCheckResponse,
     EtcdStartRequest,
     EtcdStartResponse,
     FilesCheckRequest,
-    FilesCheckResponse,
     FsOpRequest,
     FsOpResponse,
     HostFacts,
     PreflightPrepareRequest,
-    PreflightPrepareResponse,
     PreflightRunRequest,
     PreflightRunResponse,
 )
 from art_mega.rollouts.protocol import (
+    RUN_ROLLOUT,
+    START_WORKERS,
+    STOP_WORKERS,
     CallableRef,
     RemoteFailure,
     RunRolloutRequest,
-    RunRolloutResponse,
     StartRolloutWorkersRequest,
     StartRolloutWorkersResponse,
     StopRolloutWorkersRequest,
@@ -71,7 +100,8 @@ if TYPE_CHECKING:
     from art_mega.inference.protocol import InferenceStartResponse, ReplicaLaunch
     from art_mega.topology.compiled import ReplicaSpec
 
-M = TypeVar("M", bound=BaseModel)
+Req = TypeVar("Req", bound=BaseModel)
+Resp = TypeVar("Resp", bound=BaseModel)
 
 MAX_CONNECTIONS = 1024
 """Connections an `AgentClient` keeps open to its agent at most (one per request in flight)."""
@@ -82,35 +112,16 @@ the client, not the server, closes an idle connection (a POST is never retried o
 server closed meanwhile), even after the client's event loop was blocked for minutes."""
 
 
-class AgentError(Exception):
-    """An agent could not be reached or answered with an error; names the host and address.
-
-    `timed_out` is True when the call got no answer within its timeout (the agent may be alive
-    but slow, or the network partitioned), False when it was refused, reset or answered badly.
-    """
-
-    def __init__(self, host: str, address: str, message: str, *, timed_out: bool = False) -> None:
-        super().__init__(f"host {host} ({address}): {message}")
-        self.host = host
-        self.address = address
-        self.timed_out = timed_out
-
-
-class RemoteRolloutError(Exception):
-    """A rollout raised on its worker; carries the remote type, message and traceback."""
-
-    def __init__(self, host: str, worker_id: str, failure: RemoteFailure) -> None:
-        super().__init__(f"rollout on host {host} worker {worker_id} failed: {failure.message}")
-        self.host = host
-        self.worker_id = worker_id
-        self.failure = failure
-
-
 def raise_failure(host: str, failure: RemoteFailure, worker_id: str = "") -> None:
     """Raise `RemoteUserError` (a `UserError`) for a user-kind failure, `RemoteRolloutError` otherwise."""
     if failure.kind == "user":
         raise RemoteUserError(failure.message, host, worker_id, failure.exc_type)
     raise RemoteRolloutError(host, worker_id, failure)
+
+
+def _where(route: Route[Any, Any]) -> str:
+    """The call as errors name it, e.g. "POST /v1/etcd/start"."""
+    return f"{route.method} {API_PREFIX}{route.path}"
 
 
 class AgentClient:
@@ -120,8 +131,8 @@ class AgentClient:
         host: the host id, used in error messages.
         url: the agent's base URL (http://HOST:PORT).
         secret: the launch secret.
-        timeout_s: per-request timeout in seconds (rollout calls have none: they run as long as
-            the rollout does).
+        timeout_s: the default per-request timeout in seconds (`call(..., timeout_s=None)` has
+            none: a rollout runs as long as it does).
     """
 
     def __init__(self, host: str, address: str, url: str, secret: bytes, timeout_s: float = 30.0) -> None:
@@ -159,53 +170,109 @@ class AgentClient:
                 self._timeouts[seconds] = timeout
         return timeout
 
-    async def _request(
+    async def call(
         self,
-        method: str,
-        path: str,
-        body: BaseModel | None,
-        model: type[M],
-        timeout_s: float | None | object = ...,
-    ) -> M:
-        full = API_PREFIX + path
+        route: Route[Req, Resp],
+        body: Req | None = None,
+        *,
+        timeout_s: float | None | EllipsisType = ...,
+    ) -> Resp:
+        """Send `body` to `route` on this agent, signed; its reply as a `route.response`.
+
+        Args:
+            route: the route, declared in its service's protocol module.
+            body: an instance of `route.request` (None when the route takes no body).
+            timeout_s: seconds to connect and between reads; `...` (default): the client's
+                timeout; None: no limit (the call lasts as long as the agent takes).
+
+        Raises:
+            TypeError: `body` is not a `route.request` (or is given to a route that takes none);
+                nothing is sent.
+            AgentUnreachableError: no answer (`timed_out` when the timeout passed).
+            AgentUnauthorizedError: 401, the agent refused the signature (`detail` says why).
+            AgentRefusedError: another 4xx, the agent refused the input (`status`, `detail`).
+            AgentFailedError: 5xx, the route's handler failed on the agent.
+            AgentReplyError: a 200 whose body is not a `route.response` (named with the route).
+        """
+        where = _where(route)
+        if route.request is None:
+            if body is not None:
+                raise TypeError(f"{where} takes no body, got a {type(body).__name__}")
+        elif not isinstance(body, route.request):
+            raise TypeError(f"{where} takes a {route.request.__name__}, got {type(body).__name__}")
+        full = API_PREFIX + route.path
         content = body.model_dump_json().encode() if body is not None else b""
         seconds = self._timeout_s if timeout_s is ... else timeout_s
         target = await self._identity(seconds)
-        payload, _ = await self._send(
-            method, full, content, sign(self._secret, method, full, content, target), seconds
-        )
-        return model.model_validate_json(payload)
+        headers = sign(self._secret, route.method, full, content, target)
+        payload, _ = await self._send(route, content, headers, seconds)
+        return self._parse(route, payload)
+
+    def _parse(self, route: Route[Any, Resp], payload: bytes) -> Resp:
+        """`payload` as a `route.response`. Raises `AgentReplyError` naming the route and field."""
+        try:
+            return route.response.model_validate_json(payload)
+        except ValidationError as exc:
+            where = _where(route)
+            raise AgentReplyError(
+                self.host,
+                self.address,
+                f"{where} answered with a body that is not a {route.response.__name__}: "
+                f"{format_validation_error(exc)}",
+                status=200,
+                route=where,
+            ) from None
 
     async def _send(
-        self, method: str, full: str, content: bytes, headers: dict[str, str], seconds: float | None
+        self, route: Route[Any, Any], content: bytes, headers: dict[str, str], seconds: float | None
     ) -> tuple[bytes, str | None]:
         """Send one signed request; its 200 body and reply signature header (if any).
 
         Raises:
-            AgentError: the agent did not answer, or answered another status (with its detail).
+            AgentError: the subclass for no answer or for the status answered (with its detail).
         """
+        where = _where(route)
         headers["content-type"] = "application/json"
         try:
             async with self._http().request(
-                method, self._url + full, data=content, headers=headers, timeout=self._timeout(seconds)
+                route.method,
+                self._url + API_PREFIX + route.path,
+                data=content,
+                headers=headers,
+                timeout=self._timeout(seconds),
             ) as response:
                 status = response.status
                 payload = await response.read()
                 reply_signature = response.headers.get(REPLY_SIGNATURE_HEADER)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AgentError(
+            raise AgentUnreachableError(
                 self.host,
                 self.address,
                 f"agent unreachable ({type(exc).__name__}: {exc})",
+                route=where,
                 timed_out=isinstance(exc, TimeoutError),
             ) from exc
         if status != 200:
-            detail = payload.decode(errors="replace")
+            detail: Any = payload.decode(errors="replace")
             try:
                 detail = json.loads(detail).get("detail", detail)
             except (ValueError, AttributeError):
                 pass
-            raise AgentError(self.host, self.address, f"HTTP {status}: {detail}")
+            error = (
+                AgentUnauthorizedError
+                if status == 401
+                else AgentRefusedError
+                if 400 <= status < 500
+                else AgentFailedError
+            )
+            raise error(
+                self.host,
+                self.address,
+                f"HTTP {status}: {detail}",
+                status=status,
+                detail=detail if isinstance(detail, str) else str(detail),
+                route=where,
+            )
         return payload, reply_signature
 
     async def _identity(self, seconds: float | None) -> AgentIdentity:
@@ -215,18 +282,19 @@ class AgentClient:
                 self._target_lock = asyncio.Lock()
             async with self._target_lock:
                 if self._target is None:
-                    full = API_PREFIX + "/identity"
-                    headers = sign(self._secret, "GET", full, b"", UNBOUND)
+                    headers = sign(self._secret, IDENTITY.method, API_PREFIX + IDENTITY.path, b"", UNBOUND)
                     payload, reply_signature = await self._send(
-                        "GET", full, b"", headers, self._timeout_s if seconds is None else seconds
+                        IDENTITY, b"", headers, self._timeout_s if seconds is None else seconds
                     )
                     if not reply_is_signed(self._secret, headers[NONCE_HEADER], payload, reply_signature):
-                        raise AgentError(
+                        raise AgentReplyError(
                             self.host,
                             self.address,
                             "its identity answer is not signed with this launch's secret",
+                            status=200,
+                            route=_where(IDENTITY),
                         )
-                    self._target = AgentIdentity.model_validate_json(payload)
+                    self._target = self._parse(IDENTITY, payload)
         return self._target
 
     async def identity(self, timeout_s: float | None = None) -> AgentIdentity:
@@ -242,52 +310,43 @@ class AgentClient:
         return await self._identity(self._timeout_s if timeout_s is None else timeout_s)
 
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
-        """The agent's identity and children. Raises `AgentError` when it does not answer."""
-        return await self._request(
-            "GET", "/health", None, HealthResponse, timeout_s if timeout_s is not None else ...
-        )
+        """The agent's identity and children (`timeout_s` None: the client's timeout).
+        Raises `AgentError` when it does not answer."""
+        return await self.call(HEALTH, timeout_s=... if timeout_s is None else timeout_s)
 
     async def lease(self, hold: bool = True, timeout_s: float | None = None) -> HealthResponse:
         """The controller's heartbeat: holds (or with `hold=False` releases) the agent's lease on
         this controller, and answers like `health`. Raises `AgentError` when it does not answer."""
-        return await self._request(
-            "POST",
-            "/lease",
-            LeaseRequest(hold=hold),
-            HealthResponse,
-            timeout_s if timeout_s is not None else ...,
+        return await self.call(
+            LEASE, LeaseRequest(hold=hold), timeout_s=... if timeout_s is None else timeout_s
         )
+
+    async def free_port(self, host: str) -> int:
+        """A TCP port that is free on this agent's host at `host` right now."""
+        return (await self.call(FREE_PORT, FreePortRequest(host=host))).port
+
+    async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:
+        """Stop every child of the agent, then the agent itself."""
+        return await self.call(SHUTDOWN, timeout_s=... if timeout_s is None else timeout_s)
 
     async def start_rollout_workers(
         self, count: int, sys_path: tuple[str, ...], callables: tuple[CallableRef, ...]
     ) -> StartRolloutWorkersResponse:
         """Start `count` workers that have imported and hash-checked `callables`."""
         body = StartRolloutWorkersRequest(count=count, sys_path=sys_path, callables=callables)
-        reply = await self._request("POST", "/rollout-workers/start", body, StartRolloutWorkersResponse, None)
+        reply = await self.call(START_WORKERS, body, timeout_s=None)
         if reply.failure is not None:
             raise_failure(self.host, reply.failure)
         return reply
 
     async def stop_rollout_workers(self, worker_ids: tuple[str, ...] = ()) -> ShutdownResponse:
-        return await self._request(
-            "POST",
-            "/rollout-workers/stop",
-            StopRolloutWorkersRequest(worker_ids=worker_ids),
-            ShutdownResponse,
-        )
+        return await self.call(STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=worker_ids))
 
     async def run_rollout(
         self, worker_id: str, ref: CallableRef, args: list[Any], kwargs: dict[str, Any]
     ) -> Any:
-        """Run one rollout and return its wire-encoded result.
-
-        Raises:
-            UserError: the worker refused the callable (e.g. its source changed).
-            RemoteRolloutError: the rollout raised.
-            AgentError: the agent did not answer.
-        """
         body = RunRolloutRequest(worker_id=worker_id, callable=ref, args=args, kwargs=kwargs)
-        reply = await self._request("POST", "/rollouts/run", body, RunRolloutResponse, None)
+        reply = await self.call(RUN_ROLLOUT, body, timeout_s=None)
         if not reply.ok:
             raise_failure(
                 self.host, reply.failure or RemoteFailure(kind="error", message="unknown failure"), worker_id
@@ -295,100 +354,71 @@ class AgentClient:
         return reply.result
 
     async def facts(self) -> HostFacts:
-        """The host's identity, software fingerprint, behaviour env and GPU inventory."""
-        return await self._request("GET", "/facts", None, HostFacts)
+        return await self.call(FACTS)
 
     async def fs_op(self, request: FsOpRequest) -> FsOpResponse:
-        """One filesystem-probe step on this host (see `preflight.fs_probe`)."""
-        return await self._request("POST", "/fs/op", request, FsOpResponse)
+        return await self.call(FS_OP, request)
 
     async def files_missing(self, paths: tuple[str, ...]) -> tuple[str, ...]:
-        """Which of these absolute file paths this host cannot read (relative ones count as missing),
-        in the given order; sent in requests of at most `FILES_PER_CHECK` paths."""
         missing: list[str] = []
         for start in range(0, len(paths), FILES_PER_CHECK):
             request = FilesCheckRequest(paths=paths[start : start + FILES_PER_CHECK])
-            missing += (await self._request("POST", "/files/check", request, FilesCheckResponse)).missing
+            missing += (await self.call(FILES_CHECK, request)).missing
         return tuple(missing)
 
     async def etcd_start(self, request: EtcdStartRequest) -> EtcdStartResponse:
-        """Start the managed etcd on this host (see `preflight.etcd`)."""
-        return await self._request("POST", "/etcd/start", request, EtcdStartResponse, request.timeout_s + 30)
+        return await self.call(ETCD_START, request, timeout_s=request.timeout_s + 30)
 
     async def etcd_stop(self) -> ShutdownResponse:
-        """Stop this host's managed etcd and delete its data dir (no-op when none runs)."""
-        return await self._request("POST", "/etcd/stop", None, ShutdownResponse)
+        return await self.call(ETCD_STOP)
 
     async def etcd_check(self, request: EtcdCheckRequest) -> EtcdCheckResponse:
-        """From this host, check an etcd endpoint is healthy and serves put/get."""
-        return await self._request(
-            "POST", "/etcd/check", request, EtcdCheckResponse, request.timeout_s * 3 + 10
-        )
-
-    async def free_port(self, host: str) -> int:
-        """A TCP port that is free on this agent's host at `host` right now."""
-        return (await self._request("POST", "/free-port", FreePortRequest(host=host), FreePortResponse)).port
+        return await self.call(ETCD_CHECK, request, timeout_s=request.timeout_s * 3 + 10)
 
     async def preflight_prepare(self, python: str | None = None) -> bool:
-        """Start a warm preflight probe here (see `preflight.probe`); True when one was started."""
-        request = PreflightPrepareRequest(python=python)
-        return (await self._request("POST", "/preflight/prepare", request, PreflightPrepareResponse)).started
+        return (await self.call(PREFLIGHT_PREPARE, PreflightPrepareRequest(python=python))).started
 
     async def preflight_discard(self) -> None:
-        """Stop this host's warm preflight probes that still wait for a config (none: no-op)."""
-        await self._request("POST", "/preflight/discard", None, ShutdownResponse)
+        await self.call(PREFLIGHT_DISCARD)
 
     async def preflight_run(self, request: PreflightRunRequest) -> PreflightRunResponse:
-        """Run one preflight rank here; returns when it exits or after `timeout_s` (+ margin)."""
-        return await self._request(
-            "POST", "/preflight/run", request, PreflightRunResponse, request.timeout_s + 30
-        )
+        return await self.call(PREFLIGHT_RUN, request, timeout_s=request.timeout_s + 30)
 
     async def inference_start(self, replica: ReplicaSpec, launch: ReplicaLaunch) -> InferenceStartResponse:
-        """Start a vLLM replica on this host and wait until it is ready (see `art_mega.inference`);
-        the wait is bounded by `launch.ready_timeout_s` (+ margin). Failures come back in the reply."""
         from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse
 
         body = InferenceStartRequest(replica=replica, launch=launch)
-        return await self._request(
-            "POST", "/inference/start", body, InferenceStartResponse, launch.ready_timeout_s + 30
-        )
+        route = Route("POST", "/inference/start", InferenceStartRequest, InferenceStartResponse)
+        return await self.call(route, body, timeout_s=launch.ready_timeout_s + 30)
 
     async def inference_stop(self, names: tuple[str, ...] = ()) -> ShutdownResponse:
-        """Stop these replicas of this host (empty: all); SIGTERM, then SIGKILL after their grace."""
         from art_mega.inference.protocol import InferenceStopRequest
 
-        return await self._request(
-            "POST", "/inference/stop", InferenceStopRequest(names=names), ShutdownResponse
-        )
+        route = Route("POST", "/inference/stop", InferenceStopRequest, ShutdownResponse)
+        return await self.call(route, InferenceStopRequest(names=names))
 
     async def trainer_start(self, request: TrainerStartRequest) -> TrainerStartResponse:
-        """Start this host's trainer ranks (readiness arrives as events)."""
-        reply = await self._request("POST", "/trainer/start", request, TrainerStartResponse)
+        reply = await self.call(
+            Route("POST", "/trainer/start", TrainerStartRequest, TrainerStartResponse), request
+        )
         if reply.error:
             raise AgentError(self.host, self.address, f"trainer ranks did not start: {reply.error}")
         return reply
 
     async def trainer_job(self, job: dict[str, Any]) -> int:
-        """Send a job to this host's trainer ranks; returns how many ranks it reached."""
-        return (
-            await self._request("POST", "/trainer/job", TrainerJobRequest(job=job), TrainerJobResponse)
-        ).sent
+        route = Route("POST", "/trainer/job", TrainerJobRequest, TrainerJobResponse)
+        return (await self.call(route, TrainerJobRequest(job=job))).sent
 
     async def trainer_events(self, after: int, timeout_s: float) -> TrainerEventsResponse:
-        """Long-poll this host's trainer events from index `after` (waits up to `timeout_s` s)."""
         body = TrainerEventsRequest(after=after, timeout_s=timeout_s)
-        return await self._request("POST", "/trainer/events", body, TrainerEventsResponse, timeout_s + 30)
+        route = Route("POST", "/trainer/events", TrainerEventsRequest, TrainerEventsResponse)
+        return await self.call(route, body, timeout_s=timeout_s + 30)
 
     async def trainer_stop(self) -> ShutdownResponse:
-        """Stop this host's trainer ranks."""
-        return await self._request("POST", "/trainer/stop", None, ShutdownResponse)
+        return await self.call(Route("POST", "/trainer/stop", None, ShutdownResponse))
 
-    async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:
-        """Stop every child of the agent, then the agent itself."""
-        return await self._request(
-            "POST", "/shutdown", None, ShutdownResponse, timeout_s if timeout_s is not None else ...
-        )
+    async def _request(self, method: str, path: str, body: Any, model: Any, timeout_s: Any = ...) -> Any:
+        return await self.call(Route(method, path, type(body), model), body, timeout_s=timeout_s)
 
     def twin(self) -> AgentClient:
         """A new client of the same agent, secret and timeout, for another event loop (the
