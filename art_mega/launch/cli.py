@@ -13,12 +13,13 @@ import os
 import re
 import secrets
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 
-from art_mega.errors import LoopbackAddressError, UserError
+from art_mega.errors import LoopbackAddressError, UserError, describe, exit_code_for
 
 app = typer.Typer(
     name="art-mega",
@@ -103,30 +104,23 @@ def _fail(message: str, code: int) -> None:
 
 
 def _guarded(debug: bool, body):  # type: ignore[no-untyped-def]
-    """Run `body()` and turn known errors into one sentence and an exit code."""
-    from pydantic import ValidationError
-
-    from art_mega.errors import format_validation_error
-
+    """Run `body()`; an exception it raises ends the command as its row of `errors.EXIT_CODES`
+    says: `errors.describe`'s one sentence (or the traceback, for a failure in code) and
+    `errors.exit_code_for`'s exit code, the same as a program's failure in `controller`. With
+    --debug every exception propagates (its traceback, exit 1)."""
     try:
         return body()
     except typer.Exit:
         raise
-    except UserError as exc:
-        if debug:
-            raise
-        _fail(str(exc), exc.exit_code)
-    except ValidationError as exc:
-        if debug:
-            raise
-        _fail(format_validation_error(exc), 2)
     except Exception as exc:
-        from art_mega.agent.client import AgentError
-        from art_mega.runtime.local_agent import AgentStartError
-
-        if debug or not isinstance(exc, (AgentError, AgentStartError)):
+        if debug:
             raise
-        _fail(str(exc), 1)
+        sentence = describe(exc)
+        if sentence is None:
+            traceback.print_exception(exc)
+            sys.stderr.flush()
+            raise typer.Exit(exit_code_for(exc)) from None
+        _fail(sentence, exit_code_for(exc))
 
 
 def _check_address(option: str, value: str) -> None:

@@ -2,8 +2,9 @@
 
 It watches every agent for the program's whole life (a lost host cancels the program and is
 named), holds every agent's lease on this controller with the same heartbeats (`monitor`: they
-run on their own thread, so a program that blocks this event loop loses no agent), turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and maps failures
-to exit codes: 0 success, 1 failure, 2 user error.
+run on their own thread, so a program that blocks this event loop loses no agent), turns SIGTERM/SIGHUP/SIGINT into a bounded cleanup and exit code 128+signal, and reports the
+program's failure as `art_mega.errors.EXIT_CODES` says (`describe_failure`): 0 success, 1 failure,
+2 user error.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
-from art_mega.agent.client import AgentClient, AgentError
-from art_mega.errors import UserError, format_validation_error
+from art_mega.agent.client import AgentClient
+from art_mega.errors import AgentError, HostLostError, UserError, describe, exit_code_for
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.program import ProgramRef
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
-from art_mega.runtime.monitor import STOP_SIGNALS, AgentMonitor, HostLostError
+from art_mega.runtime.monitor import STOP_SIGNALS, AgentMonitor
 from art_mega.topology import EndpointSpec
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -87,17 +86,17 @@ def _count_arrival(signum: int, frame: object) -> None:
 
 
 def describe_failure(exc: BaseException, debug: bool) -> tuple[int, str]:
-    """Exit code and message for an exception that ended the program."""
-    if isinstance(exc, UserError):
-        return exc.exit_code, f"error: {exc}"
-    if isinstance(exc, ValidationError):
-        return 2, f"error: {format_validation_error(exc)}"
-    if isinstance(exc, (HostLostError, AgentError)):
-        return 1, f"error: {exc}"
+    """Exit code and message for an exception that ended the program, as its row of
+    `errors.EXIT_CODES` says: `errors.describe`'s one sentence, or the traceback for a failure
+    in code (with "the program failed:" before it unless `debug`); `errors.exit_code_for`'s code."""
+    code = exit_code_for(exc)
     if isinstance(exc, KeyboardInterrupt):
-        return 130, "the program raised KeyboardInterrupt; every host was stopped"
+        return code, "the program raised KeyboardInterrupt; every host was stopped"
+    sentence = describe(exc)
+    if sentence is not None:
+        return code, f"error: {sentence}"
     text = "".join(traceback.format_exception(exc))
-    return 1, f"the program failed:\n{text}" if not debug else text
+    return code, f"the program failed:\n{text}" if not debug else text
 
 
 async def supervise(
@@ -214,7 +213,7 @@ async def _confirm_lost(clients: Sequence[AgentClient], exc: AgentError) -> Host
             try:
                 await client.health(timeout_s=1.0)
             except AgentError:
-                return HostLostError(client.host, client.address, str(exc).split(": ", 1)[-1])
+                return HostLostError(client.host, client.address, exc.reason)
             return None
     return None
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient
 from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S
-from art_mega.errors import UserError
+from art_mega.errors import AgentError, HostLostError, UserError
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.controller import UNRESPONSIVE_AFTER_S, SignalGuard, report, supervise
 from art_mega.launch.program import ProgramRef
@@ -32,7 +32,7 @@ from art_mega.launch.ssh_target import (
     worker_host_for,
 )
 from art_mega.runtime.local_agent import refuse_existing_listener
-from art_mega.runtime.monitor import AgentMonitor, HostLostError
+from art_mega.runtime.monitor import AgentMonitor
 from art_mega.topology import EndpointSpec
 
 DEFAULT_AGENT_PORT = 22222

@@ -14,16 +14,12 @@ import sys
 from dataclasses import dataclass
 
 from art_mega.agent.auth import SECRET_ENV
-from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient
 from art_mega.agent.listeners import has_listener, listener_pids
 from art_mega.agent.protocol import READY_PREFIX
 from art_mega.agent.supervisor import spawn_child, stop_process
-from art_mega.errors import UserError
+from art_mega.errors import AgentError, AgentStartError, UserError
 from art_mega.topology import EndpointSpec
-
-
-class AgentStartError(Exception):
-    """An agent did not become ready; names the host, address and cause."""
 
 
 @dataclass
@@ -104,7 +100,7 @@ async def start_local_agent(
     except TimeoutError:
         await stop_process(process, 2.0)
         raise AgentStartError(
-            f"host {host_id} ({endpoint.address}): agent not ready after {startup_timeout_s:g} s"
+            host_id, endpoint.address, f"agent not ready after {startup_timeout_s:g} s"
         ) from None
     except BaseException:
         await stop_process(process, 2.0)
@@ -115,9 +111,7 @@ async def start_local_agent(
             raise UserError(
                 f"host {host_id}: the agent refused to start on {endpoint.address} (see its message above)"
             )
-        raise AgentStartError(
-            f"host {host_id} ({endpoint.address}): agent exited with code {code} before it was ready"
-        )
+        raise AgentStartError(host_id, endpoint.address, f"agent exited with code {code} before it was ready")
     agent = LocalAgent(host_id, EndpointSpec(host=endpoint.host, port=int(ready["port"])), process, launch_id)
     agent._drain = asyncio.create_task(_drain(process.stdout))
     try:
@@ -140,23 +134,25 @@ async def _read_ready(stream: asyncio.StreamReader) -> dict | None:
 
 async def prove_ready(agent: LocalAgent, ready: dict, secret: bytes) -> None:
     """Check the ready line and a signed health call against the process we started."""
-    where = f"host {agent.host_id} ({agent.endpoint.address})"
+    host, address = agent.host_id, agent.endpoint.address
     if ready.get("launch_id") != agent.launch_id or int(ready.get("pid", -1)) != agent.pid:
-        raise AgentStartError(f"{where}: the ready line came from another launch or process: {ready}")
+        raise AgentStartError(host, address, f"the ready line came from another launch or process: {ready}")
     holders = listener_pids(agent.endpoint.port)
     if sys.platform.startswith("linux") and agent.pid not in holders:
         raise AgentStartError(
-            f"{where}: the listener is held by pids {sorted(holders)}, not by agent pid {agent.pid}"
+            host, address, f"the listener is held by pids {sorted(holders)}, not by agent pid {agent.pid}"
         )
     client = AgentClient(agent.host_id, agent.endpoint.address, agent.endpoint.url, secret, timeout_s=10.0)
     try:
         health = await client.health()
     except AgentError as exc:
-        raise AgentStartError(str(exc)) from exc
+        raise AgentStartError(exc.host, exc.address, exc.reason) from exc
     finally:
         await client.aclose()
     if health.launch_id != agent.launch_id or health.pid != agent.pid:
         raise AgentStartError(
-            f"{where}: health answered with launch id {health.launch_id} pid {health.pid}, "
-            f"expected {agent.launch_id} pid {agent.pid}"
+            host,
+            address,
+            f"health answered with launch id {health.launch_id} pid {health.pid}, "
+            f"expected {agent.launch_id} pid {agent.pid}",
         )

@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient
+from art_mega.errors import AgentError, HostLostError
 
 HEARTBEAT_INTERVAL_S = 0.5
 LOST_AFTER_S = 3.0
@@ -49,16 +50,6 @@ UNHANDLED_SIGNAL_S = 5.0
 """Seconds a stop signal may wait for the program's event loop (blocked by the program) before
 the heartbeats end, so that every agent's lease runs out and it stops its children: the bound on
 a SIGTERM to a controller whose program never lets its loop run again is this plus the lease."""
-
-
-class HostLostError(Exception):
-    """An agent stopped answering or was replaced; the message names the host and address."""
-
-    def __init__(self, host: str, address: str, reason: str) -> None:
-        super().__init__(f"host {host} ({address}) was lost: {reason}")
-        self.host = host
-        self.address = address
-        self.reason = reason
 
 
 class StopSignals:

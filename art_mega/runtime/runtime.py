@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient
 from art_mega.agent.protocol import HealthResponse
-from art_mega.errors import UserError
+from art_mega.errors import AgentError, HostLostError, UserError
 from art_mega.preflight.collective import CollectiveReport
 from art_mega.preflight.protocol import HostFacts
 from art_mega.rollouts.executor import RolloutExecutor, start_executor
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
-from art_mega.runtime.monitor import AgentMonitor, HostLostError
+from art_mega.runtime.monitor import AgentMonitor
 from art_mega.topology import CompiledTopology, EndpointSpec
 
 

@@ -7,7 +7,6 @@ from art_mega.topology.cluster import ClusterSpec, HostSpec
 from art_mega.topology.compile import compile_topology
 from art_mega.topology.compiled import CompiledTopology, ProcessSpec, ReplicaSpec, TrainerRank
 from art_mega.topology.endpoint import EndpointSpec
-from art_mega.topology.errors import TopologyError
 from art_mega.topology.groups import ParallelGroups, parallel_groups, rank_coordinates
 from art_mega.topology.inference import InferenceSpec
 from art_mega.topology.trainer import TrainerSpec
@@ -24,7 +23,6 @@ __all__ = [
     "ParallelGroups",
     "ProcessSpec",
     "ReplicaSpec",
-    "TopologyError",
     "TrainerRank",
     "TrainerSpec",
     "compile_topology",

@@ -9,9 +9,9 @@ from pathlib import PurePosixPath
 
 from pydantic import Field, field_validator, model_validator
 
+from art_mega.errors import TopologyError
 from art_mega.topology.base import Flag, GpuId, Integer, Number, SpecModel, check_identifier, unique_gpu_ids
 from art_mega.topology.endpoint import EndpointSpec
-from art_mega.topology.errors import TopologyError
 from art_mega.topology.transport import NcclTransportSpec, NixlTransportSpec
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from itertools import cycle
 from typing import NoReturn
 
+from art_mega.errors import TopologyError
 from art_mega.topology.cluster import ClusterSpec, HostSpec
 from art_mega.topology.compiled import CompiledTopology, ProcessSpec, ReplicaSpec, TrainerRank
 from art_mega.topology.endpoint import EndpointSpec
-from art_mega.topology.errors import TopologyError
 from art_mega.topology.groups import ParallelGroups, parallel_groups, rank_coordinates
 from art_mega.topology.inference import InferenceSpec
 from art_mega.topology.trainer import TrainerSpec

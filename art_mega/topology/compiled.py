@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from art_mega.errors import TopologyError
 from art_mega.topology.base import GpuId, ListenPort, SpecModel
 from art_mega.topology.cluster import ClusterSpec
 from art_mega.topology.endpoint import EndpointSpec
-from art_mega.topology.errors import TopologyError
 from art_mega.topology.groups import ParallelGroups
 from art_mega.topology.inference import InferenceSpec
 from art_mega.topology.trainer import TrainerSpec

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.agent.client import AgentClient
-from art_mega.errors import UserError
+from art_mega.errors import RankRefusedStepError, TrainerJobError
 from art_mega.topology import CompiledTopology
 from art_mega.trainer.protocol import TrainerRankLaunch, TrainerStartRequest
 
@@ -41,45 +41,6 @@ POLL_S = 2.0
 EXIT_GRACE_S = 5.0
 """After a rank's `failed` event, how long (seconds) the service waits for a rank's `exited` event
 (the likelier cause) while some ranks have not reported yet."""
-
-
-class TrainerJobError(RuntimeError):
-    """A trainer rank failed or died; names the rank, host and log file.
-
-    `clean` is True only when every rank refused the job before changing its state (its `failed`
-    event says `dirty: false`, e.g. a wrong step number); the ranks then need no recovery.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        host: str | None = None,
-        log_path: str | None = None,
-        clean: bool = False,
-    ):
-        super().__init__(message)
-        self.rank = rank
-        self.host = host
-        self.log_path = log_path
-        self.clean = clean
-
-
-class RankRefusedStepError(TrainerJobError, UserError):
-    """The ranks refused a step over its numbers: a non-finite loss or gradient norm (aborted
-    before the optimizer update; the ranks stay clean) or a non-finite LoRA/optimizer tensor
-    before the checkpoint commit (the ranks are then restarted from the commit). A user error
-    (exit code 2) whose message is the rank's sentence, naming the step and the quantity.
-
-    Attributes:
-        error_type: the rank's exception, one of `REFUSALS`.
-    """
-
-    def __init__(
-        self, message: str, error_type: str, rank: int, host: str | None, log_path: str | None, clean: bool
-    ):
-        super().__init__(message, rank, host, log_path, clean)
-        self.error_type = error_type
 
 
 REFUSALS = ("NonFiniteStepError", "NonFiniteCheckpointError")
@@ -190,11 +151,11 @@ class TrainerService:
     async def recover(self, resume_dir: str | Path | None) -> float:
         """After a failed job, restart the ranks from `resume_dir`; returns the seconds it took.
 
-        `resume_dir` is the last committed checkpoint (`<run>/checkpoints/<step:04d>`), or None
-        when nothing is committed (the ranks then start as the first `start` did: fresh LoRA or
-        its warm start). Does nothing (returns 0.0) when the service is not `dirty`. The ranks
-        afterwards expect the job of the step after `resume_dir`'s. See the module docstring for
-        why a restart and not an in-place reload.
+        `resume_dir` is the last committed checkpoint (`checkpoint.step_dir` of the step
+        `checkpoint.read_commit` names), or None when nothing is committed (the ranks then start
+        as the first `start` did: fresh LoRA or its warm start). Does nothing (returns 0.0) when
+        the service is not `dirty`. The ranks afterwards expect the job of the step after
+        `resume_dir`'s. See the module docstring for why a restart and not an in-place reload.
 
         Raises:
             RuntimeError: the service was never started.

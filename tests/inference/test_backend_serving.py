@@ -256,8 +256,7 @@ async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Se
 
     from safetensors.torch import load_file
 
-    from art_mega.errors import NonFiniteValueError
-    from art_mega.trainer.service import RankRefusedStepError
+    from art_mega.errors import NonFiniteValueError, RankRefusedStepError
 
     backend, model = setup.backend, setup.model
     step = await model.get_step()

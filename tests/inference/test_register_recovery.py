@@ -61,8 +61,8 @@ async def test_failed_registers_leave_nothing_running_and_close_then_register_se
 ) -> None:
     import art_mega as art
     from art_mega.backend import MegatronBackend, local_topology
+    from art_mega.errors import TrainerJobError
     from art_mega.runtime.runtime import ArtRuntime
-    from art_mega.trainer.service import TrainerJobError
 
     runtime = await ArtRuntime.start_local(local_topology(str(tmp_path / "artifacts"), vllm_python))
     backend = MegatronBackend(runtime, seq_len=256, max_model_len=256, startup_timeout_s=600)

@@ -8,7 +8,8 @@ import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
-from art_mega.trainer.service import TrainerJobError, TrainerService
+from art_mega.errors import TrainerJobError
+from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 
 pytest.importorskip("megatron.core", reason="trainer ranks need megatron-core (the trainer-cpu extra)")

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from art_mega.errors import TopologyError
 from art_mega.topology import (
     ClusterSpec,
     CompiledTopology,
@@ -15,7 +16,6 @@ from art_mega.topology import (
     InferenceSpec,
     NcclTransportSpec,
     ProcessSpec,
-    TopologyError,
     TrainerSpec,
     compile_topology,
 )

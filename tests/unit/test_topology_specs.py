@@ -7,14 +7,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from art_mega.errors import format_validation_error
+from art_mega.errors import TopologyError, format_validation_error
 from art_mega.topology import (
     ClusterSpec,
     HostSpec,
     InferenceSpec,
     NcclTransportSpec,
     NixlTransportSpec,
-    TopologyError,
     TrainerSpec,
 )
 
