@@ -171,13 +171,17 @@ async def check_controller_sees_artifact_root(runtime: Any) -> None:
         )
 
 
-async def check_hosts_see_model(runtime: Any, model_dir: Path, warm_start: Path | None = None) -> None:
+async def check_hosts_see_model(
+    runtime: Any, model_dir: Path, warm_start: Path | None = None, hub_id: str | None = None
+) -> None:
     """Refuse to start when a trainer or replica host cannot read the base model (or warm start).
 
-    The controller resolves `base_model` into a directory under its `cache_root`, and every
-    trainer rank and vLLM replica reads that same path on its own host. Each of those hosts'
-    agents checks the directory's top-level files (config, weights, tokenizer) are readable
-    there: one signed call per host, in parallel, before any rank or replica starts.
+    The controller resolves `base_model` into a directory (under its `cache_root`, or the
+    snapshot of Hugging Face repo `hub_id` in its HF cache), and every trainer rank and vLLM
+    replica reads that same path on its own host. Each of those hosts' agents checks the
+    directory's top-level files (config, weights, tokenizer; an HF snapshot's links followed to
+    their blobs) are readable there: one signed call per host, in parallel, before any rank or
+    replica starts.
 
     Raises:
         UserError: a host misses some of the files (the first such host is named, with the
@@ -197,20 +201,30 @@ async def check_hosts_see_model(runtime: Any, model_dir: Path, warm_start: Path 
     missing = await asyncio.gather(*(runtime.clients[h].files_missing(files) for h in hosts))
     for host, lost in zip(hosts, missing):
         if lost:
-            raise unreadable_model_error(host, lost, folders)
+            raise unreadable_model_error(host, lost, folders, {Path(model_dir): hub_id} if hub_id else None)
 
 
-def unreadable_model_error(host: str, lost: Sequence[str], folders: Mapping[Path, str]) -> UserError:
+def unreadable_model_error(
+    host: str, lost: Sequence[str], folders: Mapping[Path, str], hub_ids: Mapping[Path, str] | None = None
+) -> UserError:
     """The one-sentence error for `host` missing the files `lost` (non-empty) of `folders`
     (directory -> what it is, e.g. "base model directory"): names the folder of the first lost
-    file and counts that folder's lost files only."""
+    file and counts that folder's lost files only. `hub_ids`: the folders that are Hugging Face
+    cache snapshots -> their repo id (the fix is then the HF cache's, not `cache_root`'s)."""
     folder = Path(lost[0]).parent
     count = sum(Path(p).parent == folder for p in lost)
-    return UserError(
-        f"host {host} cannot read the {folders[folder]} {folder} ({count} of its files are "
-        f"missing there, e.g. {Path(lost[0]).name}), which its trainer ranks or replicas load; "
+    hub_id = (hub_ids or {}).get(folder)
+    fix = (
         "put ClusterSpec.cache_root on a filesystem every host mounts, or copy the directory "
         f"to the same path on host {host}"
+        if hub_id is None
+        else f"it is the Hugging Face cache snapshot of {hub_id!r}: put the controller's HF cache "
+        f"(HF_HOME or HF_HUB_CACHE) on a filesystem every host mounts at the same path, or download "
+        f"{hub_id} on host {host} into a cache at that same path (hf download {hub_id})"
+    )
+    return UserError(
+        f"host {host} cannot read the {folders[folder]} {folder} ({count} of its files are "
+        f"missing there, e.g. {Path(lost[0]).name}), which its trainer ranks or replicas load; {fix}"
     )
 
 
@@ -290,13 +304,15 @@ def check_grpo_options(
     allow_stale: Any,
     drop_nonfinite_rewards: Any,
     unknown: Mapping[str, Any],
+    allow_training_without_logprobs: Any = False,
 ) -> tuple[float, dict[str, Any]]:
     """Check `backend.train`'s options before anything runs; returns (learning rate, the
     `GRPOLossConfig` fields of the job).
 
     learning_rate: finite > 0; epsilon, kl_beta: finite >= 0; epsilon_high: None or finite
     >= 0; tis_cap: None or finite > 0; importance_sampling_level: "token" or "sequence";
-    scale_rewards, allow_stale, drop_nonfinite_rewards: bools; config: None or a `TrainConfig`,
+    scale_rewards, allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs: bools
+    (the last changes only the tokenization, not the job); config: None or a `TrainConfig`,
     whose learning_rate replaces `learning_rate` (a `learning_rate` other than the default must
     agree with it) and whose beta is the KL coefficient unless `kl_beta` is non-zero (then
     they must agree).
@@ -358,6 +374,7 @@ def check_grpo_options(
         ("scale_rewards", scale_rewards),
         ("allow_stale", allow_stale),
         ("drop_nonfinite_rewards", drop_nonfinite_rewards),
+        ("allow_training_without_logprobs", allow_training_without_logprobs),
     ):
         check(where, name, value, bool_problem, "True")
     loss = {
@@ -448,7 +465,7 @@ def check_backend_options(
     from art_mega.errors import HyperParameterError
     from art_mega.hyperparams import check, positive_problem, whole_problem
     from art_mega.inference.protocol import VLLM_LORA_RANKS
-    from art_mega.trainer.lora_targets import normalise_targets
+    from art_mega.trainer.families import LORA_NAMES
 
     where = "MegatronBackend"
     values = {
@@ -478,7 +495,7 @@ def check_backend_options(
                 f"{where}(lora_targets={lora_targets!r}) must be a non-empty list or tuple of module names, "
                 "e.g. lora_targets=('q_proj', 'k_proj', 'v_proj', 'o_proj'), or None for the default"
             )
-        normalise_targets(tuple(lora_targets))
+        LORA_NAMES.normalise(tuple(lora_targets))
     if vllm_python is not None and (not isinstance(vllm_python, (str, os.PathLike)) or not str(vllm_python)):
         raise UserError(
             f"{where}(vllm_python={vllm_python!r}) must be the path of a Python interpreter with vLLM, "
@@ -658,7 +675,7 @@ class MegatronBackend:
         run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
         committed = checkpoint.read_commit(checkpoint.checkpoints_dir(run_dir))
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
-        await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start)
+        await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start, resolved.hub_id)
         await check_runtime_idle(self._runtime)
         # the interpreter the replicas will run under joins a collective before any start (cached)
         await self._runtime.prove_replicas(replica_python(topology, self._vllm_python))
@@ -680,18 +697,20 @@ class MegatronBackend:
         Raises:
             ModelSplitError, AdapterMismatchError, UserError: see `register`.
         """
-        from art_mega.trainer.lora_targets import DEFAULT_TARGETS, hf_target_modules, normalise_targets
+        from art_mega.trainer.families import family_for
+        from art_mega.trainer.hf_checkpoint import read_hf_config
         from art_mega.trainer.model_builder import check_model_fits
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
         check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, spec="TrainerSpec")
         for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
             check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
-        targets = normalise_targets(tuple(self.lora["targets"]) or DEFAULT_TARGETS)
+        names = family_for(read_hf_config(resolved.model_dir)).lora  # the model's LoRA <-> PEFT names
+        targets = names.normalise(tuple(self.lora["targets"]) or names.targets)
         lora = {
             "rank": self.lora["rank"],
             "alpha": self.lora["alpha"],
-            "target_modules": hf_target_modules(targets),
+            "target_modules": names.hf_target_modules(targets),
         }
         if committed is not None:
             adapter = checkpoint.adapter_dir(
@@ -894,6 +913,7 @@ class MegatronBackend:
         config: Any = None,
         allow_stale: bool = False,
         drop_nonfinite_rewards: bool = False,
+        allow_training_without_logprobs: bool = False,
         **unknown: Any,
     ) -> TrainResult:
         """One GRPO step on these groups; returns the new step and its metrics.
@@ -904,6 +924,13 @@ class MegatronBackend:
         policy to the logprobs it was sampled with (the PPO ratio; add `tis_cap` for truncated
         importance sampling against the trainer's own recomputation). `data/stale_trajectories`
         counts them either way.
+
+        As in ART, only sampled Choices (with their logprobs) are trained; a plain assistant
+        message (a dict) is context, unless `allow_training_without_logprobs=True`: then it is
+        trained with the current policy as its sampling policy (ratio 1, see `loss.grpo_loss`).
+        A trajectory left with nothing to train counts in
+        `data/trajectories_dropped_no_assistant_tokens`; a step with nothing to train at all
+        still runs and commits, with `loss/nothing_trainable` = 1 (ART also advances the step).
 
         Everything is checked before anything is tokenized or sent to a rank: the options (see
         `check_grpo_options`; `config`, a `TrainConfig`, gives `learning_rate`, and `beta` as
@@ -943,12 +970,15 @@ class MegatronBackend:
             allow_stale=allow_stale,
             drop_nonfinite_rewards=drop_nonfinite_rewards,
             unknown=unknown,
+            allow_training_without_logprobs=allow_training_without_logprobs,
         )
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
         async with self._lock:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
-            documents, stats = grpo_documents(self.tokenizer(), groups, scale_rewards)
+            documents, stats = grpo_documents(
+                self.tokenizer(), groups, scale_rewards, allow_training_without_logprobs
+            )
             metrics = {
                 **stats.as_metrics(),
                 "data/stale_trajectories": float(stale),

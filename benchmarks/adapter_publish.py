@@ -46,6 +46,7 @@ async def measure(steps: int) -> tuple[list[dict[str, float]], float]:
     import art_mega as art
     from art_mega.backend import MegatronBackend, default_vllm_python, local_topology
     from art_mega.runtime.runtime import ArtRuntime
+    from art_mega.trainer.checkpoint import adapter_dir, checkpoints_dir, step_dir
 
     root = tempfile.mkdtemp(prefix="art-mega-adapter-publish-")
     topology = local_topology(str(Path(root) / "artifacts"), default_vllm_python())
@@ -58,7 +59,7 @@ async def measure(steps: int) -> tuple[list[dict[str, float]], float]:
         await model.register(backend)
         startup_s = time.perf_counter() - started
         client = model.openai_client()
-        checkpoints = Path(root) / "artifacts" / "adapter-publish" / "models" / "bench" / "checkpoints"
+        checkpoints = checkpoints_dir(Path(root) / "artifacts" / "adapter-publish" / "models" / "bench")
         for _ in range(steps):
             result = await backend.train(model, await rollout_groups(model), learning_rate=1e-3)
             asked = time.perf_counter()
@@ -75,7 +76,7 @@ async def measure(steps: int) -> tuple[list[dict[str, float]], float]:
             after_step = m["time/train_s"] - m["time/batch_load_s"] - m["time/megatron_s"]
             export = m["time/adapter_export_s"]
             checkpoint = m["time/checkpoint_s"]
-            adapter = checkpoints / f"{result.step:04d}" / "adapter"
+            adapter = adapter_dir(step_dir(checkpoints, result.step))
             size = sum(f.stat().st_size for f in adapter.rglob("*") if f.is_file())
             results.append(
                 {

@@ -251,8 +251,8 @@ def megatron_logits(work: Path, log_dir: Path, use_te: bool = False) -> list[tup
 
 
 def _grpo_groups() -> list[Any]:
-    """Two groups of four one-turn conversations with distinct rewards (plain messages: the
-    trainer tokenizes them with the chat template and its own old logprobs)."""
+    """Two groups of four one-turn conversations with distinct rewards (plain messages, trained
+    with allow_training_without_logprobs: the current policy is their old one)."""
     import art_mega as art
 
     groups = []
@@ -288,11 +288,13 @@ def _save_batch(documents: list[Any], batch_dir: Path, seq_len: int) -> int:
 
 
 def _rl_job(run: Path, step: int, batch_dir: Path) -> dict[str, Any]:
+    from art_mega.trainer.checkpoint import checkpoints_dir, step_dir
+
     return {
         "kind": "rl",
         "step": step,
         "batch_dir": str(batch_dir),
-        "checkpoint_dir": str(run / "checkpoints" / f"{step:04d}"),
+        "checkpoint_dir": str(step_dir(checkpoints_dir(run), step)),
         "learning_rate": 1e-3,
         "loss": {},
     }
@@ -312,11 +314,14 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
+    from art_mega.trainer.checkpoint import adapter_dir, checkpoints_dir, step_dir
     from art_mega.trainer.service import TrainerService
     from art_mega.trainer.tokenize import grpo_documents
 
     model_dir = resolve_base_model(MODEL, work / "cache").model_dir
-    documents, stats = grpo_documents(AutoTokenizer.from_pretrained(model_dir), _grpo_groups())
+    documents, stats = grpo_documents(
+        AutoTokenizer.from_pretrained(model_dir), _grpo_groups(), allow_training_without_logprobs=True
+    )
     assert stats.trajectories_used == 8, stats
     topology = compile_topology(_gpu_cluster(work), trainer=TrainerSpec(master_port=free_port()))
     assert topology.trainer_ranks[0].gpu_id == (None if rehearsing() else 0), topology.trainer_ranks
@@ -326,12 +331,9 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     figures: list[tuple[str, float, str]] = []
     try:
         ready_s = await service.start({"model_dir": str(model_dir), "lora": {"rank": 8, "alpha": 16}})
-        await service.run({"kind": "export", "step": 0, "checkpoint_dir": str(run / "checkpoints" / "0000")})
-        seen = {
-            hashlib.sha256(
-                (run / "checkpoints/0000/adapter/adapter_model.safetensors").read_bytes()
-            ).hexdigest()
-        }
+        first = step_dir(checkpoints_dir(run), 0)
+        await service.run({"kind": "export", "step": 0, "checkpoint_dir": str(first)})
+        seen = {hashlib.sha256((adapter_dir(first) / "adapter_model.safetensors").read_bytes()).hexdigest()}
         for step in (1, 2, 3):
             batch_dir = run / "batches" / f"{step:04d}"
             _save_batch(documents, batch_dir, 256)
@@ -387,6 +389,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.batch import Document
+    from art_mega.trainer.checkpoint import checkpoints_dir, step_dir
     from art_mega.trainer.service import TrainerService
 
     model_dir = _smollm2_shaped(work / "smollm2-shape")
@@ -415,7 +418,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
                 }
             )
             await service.run(
-                {"kind": "export", "step": 0, "checkpoint_dir": str(run / "checkpoints" / "0000")}
+                {"kind": "export", "step": 0, "checkpoint_dir": str(step_dir(checkpoints_dir(run), 0))}
             )
             times = []
             for step in (1, 2, 3, 4):

@@ -64,20 +64,20 @@ class _NoPublisher:
 
 async def attach_trainer(backend: Any, model: Any) -> None:
     """`MegatronBackend.register`'s trainer half: resolve, start the ranks, export and commit step 0."""
-    from art_mega.backend import write_commit
     from art_mega.basemodels.resolve import resolve_base_model
+    from art_mega.trainer import checkpoint
     from art_mega.trainer.service import TrainerService
 
     runtime = backend._runtime
     cluster = runtime.topology.cluster
     resolved = resolve_base_model(model.base_model, cluster.cache_root)
     run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    checkpoint.checkpoints_dir(run_dir).mkdir(parents=True, exist_ok=True)
     backend._model, backend._model_dir, backend._run_dir = model, resolved.model_dir, run_dir
     backend._service = TrainerService(runtime.clients, runtime.topology, run_dir / "logs")
     await backend._service.start({"model_dir": str(resolved.model_dir), "lora": backend.lora})
     await backend._service.run({"kind": "export", "step": 0, "checkpoint_dir": str(backend._checkpoint(0))})
-    write_commit(run_dir / "checkpoints", 0)
+    checkpoint.write_commit(checkpoint.checkpoints_dir(run_dir), 0)
     backend._publisher = _NoPublisher()
 
 

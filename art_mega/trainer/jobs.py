@@ -1,10 +1,9 @@
 """What a trainer rank does for a job: build the engine once, then train, export and checkpoint.
 
-Checkpoint layout (`<checkpoint_dir>` = `<run>/checkpoints/<step:04d>`): `adapter/` (an HF PEFT
-adapter), `rank<r>.pt` per rank (LoRA shards, optimizer state), `manifest.json` (step, adapter
-sha256, base model, parallel layout). Everything is written into a hidden staging folder beside
-it, fsynced, and renamed into place by rank 0 after every rank finished: a crash never leaves a
-half checkpoint under the final name. The controller moves the commit pointer afterwards.
+A checkpoint (its layout and files: `art_mega.trainer.checkpoint`) holds the adapter, every
+rank's state file and the manifest. Everything is written into its staging folder, fsynced, and
+renamed into place by rank 0 after every rank finished: a crash never leaves a half checkpoint
+under the final name. The controller moves the commit pointer afterwards.
 
 With a host-local artifact_root (`ClusterSpec.shared_artifact_root=False`) each trainer host has
 its own staging folder: the lowest rank of every host makes it, writes the manifest (broadcast
@@ -28,15 +27,13 @@ costs one environment lookup.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-STAGING_PREFIX = ".staging-"
-LEADER_MARK = ".leader-rank"
+from art_mega.trainer import checkpoint
+
 SAVE_PAUSE_ENV = "ART_MEGA_TEST_SAVE_PAUSE"
 SAVE_PAUSE_POLL_S = 0.05
 
@@ -49,7 +46,7 @@ def resumed_step(config: dict[str, Any]) -> int | None:
     """The step of the checkpoint the rank resumed from (its manifest), None when it did not resume."""
     if not config.get("resume_dir"):
         return None
-    return int(json.loads((Path(config["resume_dir"]) / "manifest.json").read_text())["step"])
+    return checkpoint.read_manifest(config["resume_dir"]).step
 
 
 def check_job_step(job: dict[str, Any], last_step: int | None) -> int:
@@ -100,19 +97,6 @@ def build_engine(config: dict[str, Any], state: Any) -> Any:
     return engine
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _pause_for_tests() -> None:
     """Wait while the file named by $ART_MEGA_TEST_SAVE_PAUSE exists (see the module docstring)."""
     pause = os.environ.get(SAVE_PAUSE_ENV)
@@ -154,16 +138,15 @@ def write_checkpoint(
         if tensor is not None:
             raise NonFiniteCheckpointError(f"rank {rank}'s {tensor}", step)
     final = Path(checkpoint_dir)
-    staging = final.parent / f"{STAGING_PREFIX}{final.name}"
+    staging = checkpoint.staging_dir(final)
     leader = state.rank == 0 if host_of is None else state.rank == host_of.index(host_of[state.rank])
     if leader:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True, exist_ok=True)
+        checkpoint.prepare_staging(final)
     dist.barrier()
     if leader and host_of is not None:
-        (staging / f"{LEADER_MARK}{state.rank}").touch()
+        checkpoint.mark_leader(staging, state.rank)
     exported = time.perf_counter()
-    files = engine.export_adapter(staging / "adapter")
+    files = engine.export_adapter(checkpoint.adapter_dir(staging))
     saved = time.perf_counter()
     engine.save_state(staging)
     if timings is not None:
@@ -173,40 +156,33 @@ def write_checkpoint(
     dist.barrier()
     manifest = None
     if state.rank == 0:
-        manifest = {
-            "step": step,
-            "adapter_sha256": files.sha256,
-            "base_model": engine.model_dir,
-            "layout": {"world_size": state.world_size, "tp": state.tp, "dp": state.dp},
-            "written_at": time.time(),
-        }
+        manifest = checkpoint.Manifest(
+            step=step,
+            adapter_sha256=files.sha256,
+            base_model=str(engine.model_dir),
+            layout=checkpoint.ManifestLayout(world_size=state.world_size, tp=state.tp, dp=state.dp),
+            written_at=time.time(),
+        )
     if host_of is not None:
-        shared = [manifest]
+        shared = [None if manifest is None else manifest.model_dump()]
         dist.broadcast_object_list(shared, src=0)
-        manifest = shared[0]
-        marks = sorted(staging.glob(f"{LEADER_MARK}*")) if leader else []
+        manifest = checkpoint.Manifest.model_validate(shared[0])
+        marks = checkpoint.leader_marks(staging) if leader else []
         dist.barrier()  # every leader has seen the marks before one of them deletes them
         # a leader that sees a lower rank's mark shares this folder with it: that one commits it
-        leader = leader and min(int(p.name[len(LEADER_MARK) :]) for p in marks) == state.rank
-        for mark in marks if leader else []:
-            mark.unlink()
+        leader = leader and min(marks) == state.rank
+        if leader:
+            checkpoint.clear_leader_marks(staging, marks)
     if not leader:
         dist.barrier()
         return None
-    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    _fsync_tree(staging)
-    if final.exists():
-        # an uncommitted folder of an earlier attempt: moved aside first, so a crash while
-        # deleting it never leaves part of it under the final name
-        trash = final.parent / f".trash-{final.name}"
-        shutil.rmtree(trash, ignore_errors=True)
-        final.rename(trash)
-        shutil.rmtree(trash)
-    staging.rename(final)
+    checkpoint.write_manifest(staging, manifest)
+    checkpoint.place_folder(staging, final)
     dist.barrier()
     if state.rank != 0:
         return None
-    return {"event": "adapter_ready", "path": str(final / "adapter"), "step": step, "sha256": files.sha256}
+    path = str(checkpoint.adapter_dir(final))
+    return {"event": "adapter_ready", "path": path, "step": step, "sha256": files.sha256}
 
 
 def checkpoint_hosts(config: dict[str, Any]) -> list[str] | None:

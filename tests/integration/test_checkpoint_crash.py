@@ -2,7 +2,7 @@
 
 Real trainer ranks (two gloo ranks of the tiny Llama, DP=2) run as children of a real agent and
 are driven by `TrainerService` with the jobs, checkpoint folders and commit pointer
-(`backend.read_commit` / `write_commit`) the way `MegatronBackend` drives them.
+(`checkpoint.read_commit` / `write_commit`) the way `MegatronBackend` drives them.
 
 Where the kill lands: a save of the tiny model takes milliseconds, so watching the folder and
 killing would race it. The ranks run with `$ART_MEGA_TEST_SAVE_PAUSE` (documented in
@@ -23,8 +23,9 @@ import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
-from art_mega.backend import read_commit, write_commit
-from art_mega.trainer.service import TrainerJobError, TrainerService
+from art_mega.errors import TrainerJobError
+from art_mega.trainer.checkpoint import read_commit, write_commit
+from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 
 pytest.importorskip("megatron.core", reason="trainer ranks need megatron-core (the trainer-cpu extra)")

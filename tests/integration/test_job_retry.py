@@ -20,8 +20,9 @@ import pytest
 
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
-from art_mega.backend import read_commit, write_commit
-from art_mega.trainer.service import TrainerJobError, TrainerService
+from art_mega.errors import TrainerJobError
+from art_mega.trainer.checkpoint import read_commit, write_commit
+from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import rl_job
 

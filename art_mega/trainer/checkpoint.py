@@ -1,0 +1,297 @@
+"""The one owner of a run's checkpoints: folder layout, manifest, commit pointer, resume, keep/delete.
+
+Every other module asks this one for paths and calls it to stage, place and commit; none spells a
+file name of the layout. A run's checkpoints live in `<run>/checkpoints/` (`checkpoints_dir`):
+
+    0003/                 the checkpoint of step 3 (`step_dir`: the step, zero-padded to 4 digits)
+      adapter/            an HF PEFT adapter (`adapter_dir`; written by `peft_io.export_adapter`)
+      rank00000.pt        each global rank's LoRA shards, optimizer state and step count
+                          (`rank_state_file`; written by `TrainerEngine.save_state`)
+      manifest.json       `Manifest`: step, adapter sha256, base model, parallel layout
+    .staging-0004/        a save in progress (`staging_dir`); renamed to `0004` once whole
+      .leader-rank<r>     host-local roots only: rank r leads this host's copy (`mark_leader`)
+    .trash-0004/          an uncommitted `0004` of an earlier attempt, moved aside to be deleted
+    LATEST                the commit pointer: the last committed step, as "3\\n"
+    .LATEST.tmp           the pointer being replaced (`write_commit`)
+
+A save is two-phase. The trainer ranks write everything into the staging folder, fsync it and
+rename it to its step folder (`place_folder`): a crash never leaves a half checkpoint under a
+step's name. The controller then moves the commit pointer (`write_commit`: temp file, fsync,
+rename), last, so `LATEST` only ever names a whole checkpoint. A resume reads the pointer
+(`read_commit`) and ignores every other folder: staging and trash folders of a crashed save
+(removed by `clean_uncommitted`) and step folders newer than the commit (a later save of the same
+step replaces them).
+
+File I/O only; this module imports neither torch nor safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from art_mega.errors import CheckpointFileError, format_validation_error
+
+CHECKPOINTS = "checkpoints"
+COMMIT_FILE = "LATEST"
+MANIFEST_FILE = "manifest.json"
+ADAPTER_DIR = "adapter"
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".trash-"
+LEADER_MARK = ".leader-rank"
+STEP_DIGITS = 4
+RANK_DIGITS = 5
+
+
+class ManifestLayout(BaseModel):
+    """The parallel layout the checkpoint's rank files were written with."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    world_size: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+
+
+class Manifest(BaseModel):
+    """`manifest.json` of a checkpoint; written last into the staging folder by the committing rank.
+
+    Attributes:
+        step: the policy step the checkpoint holds (equal to its folder's number).
+        adapter_sha256: hex sha256 of the adapter's `adapter_model.safetensors`.
+        base_model: the base model directory the trainer loaded.
+        layout: the trainer's parallel layout.
+        written_at: seconds since the epoch when the manifest was made.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    step: int = Field(ge=0)
+    adapter_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    base_model: str
+    layout: ManifestLayout
+    written_at: float
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """`<run>/checkpoints`: the folder holding a run's step folders and its commit pointer."""
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """The checkpoint folder of `step` under `root` (a `checkpoints_dir`), e.g. `<root>/0003`."""
+    return Path(root) / f"{step:0{STEP_DIGITS}d}"
+
+
+def staging_dir(checkpoint: str | os.PathLike[str]) -> Path:
+    """The hidden folder beside `checkpoint` that its save is written into before the rename."""
+    final = Path(checkpoint)
+    return final.parent / f"{STAGING_PREFIX}{final.name}"
+
+
+def adapter_dir(checkpoint: str | os.PathLike[str]) -> Path:
+    """The PEFT adapter folder inside a checkpoint (or its staging folder)."""
+    return Path(checkpoint) / ADAPTER_DIR
+
+
+def rank_state_file(checkpoint: str | os.PathLike[str], rank: int) -> Path:
+    """Global rank `rank`'s state file inside a checkpoint (or its staging folder): `rank00003.pt`."""
+    return Path(checkpoint) / f"rank{rank:0{RANK_DIGITS}d}.pt"
+
+
+def manifest_file(checkpoint: str | os.PathLike[str]) -> Path:
+    """The manifest inside a checkpoint (or its staging folder)."""
+    return Path(checkpoint) / MANIFEST_FILE
+
+
+def step_folders(root: str | os.PathLike[str]) -> list[int]:
+    """The steps of every step folder under `root`, sorted; committed or not (staging, trash and
+    the pointer are not step folders)."""
+    return sorted(int(p.name) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """A binary handle on `.<name>.tmp` beside `path`, flushed, fsynced and renamed to `path` when
+    the block ends without an exception: readers see the old file or the whole new one. On an
+    exception the temp file is left for the next write to replace, and the exception propagates."""
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp")
+    with open(tmp, "wb") as handle:
+        yield handle
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(final)
+
+
+def prepare_staging(checkpoint: str | os.PathLike[str]) -> Path:
+    """An empty staging folder for `checkpoint` (a leftover of an earlier attempt is removed first);
+    returns it.
+
+    Raises:
+        FileExistsError: something that is not a folder holds the staging folder's name.
+    """
+    staging = staging_dir(checkpoint)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def mark_leader(staging: Path, rank: int) -> None:
+    """Host-local roots: record in `staging` that global rank `rank` leads its host's copy."""
+    (staging / f"{LEADER_MARK}{rank}").touch()
+
+
+def leader_marks(staging: Path) -> list[int]:
+    """The ranks whose leader marks are in `staging`, sorted (more than one: the hosts share a disk)."""
+    return sorted(int(p.name[len(LEADER_MARK) :]) for p in staging.glob(f"{LEADER_MARK}*"))
+
+
+def clear_leader_marks(staging: Path, ranks: list[int]) -> None:
+    """Remove the leader marks of `ranks` from `staging` before it is placed."""
+    for rank in ranks:
+        (staging / f"{LEADER_MARK}{rank}").unlink()
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Write `manifest` into `folder` (a staging folder; `place_folder` fsyncs it)."""
+    manifest_file(folder).write_text(json.dumps(manifest.model_dump(), indent=2))
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def place_folder(staging: Path, checkpoint: str | os.PathLike[str]) -> None:
+    """Fsync everything in `staging`, then rename it to `checkpoint`.
+
+    An existing `checkpoint` (an uncommitted folder of an earlier attempt: the commit pointer
+    never names a step that is saved again) is first renamed to its trash folder and deleted, so a
+    crash while deleting it never leaves part of it under the step's name.
+    """
+    final = Path(checkpoint)
+    _fsync_tree(staging)
+    if final.exists():
+        trash = final.parent / f"{TRASH_PREFIX}{final.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        final.rename(trash)
+        shutil.rmtree(trash)
+    staging.rename(final)
+
+
+def write_commit(root: str | os.PathLike[str], step: int) -> None:
+    """Move the commit pointer under `root` to `step` (temp file, fsync, rename): called last, after
+    the step's folder was placed."""
+    with atomic_write(Path(root) / COMMIT_FILE) as handle:
+        handle.write(f"{step}\n".encode())
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def read_manifest(checkpoint: str | os.PathLike[str]) -> Manifest:
+    """The manifest of a checkpoint folder.
+
+    Raises:
+        CheckpointFileError: the manifest is missing, not JSON, or not a `Manifest` (named with
+            its path and the first wrong field).
+    """
+    path = manifest_file(checkpoint)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CheckpointFileError(path, f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        return Manifest.model_validate_json(text)
+    except ValidationError as exc:
+        raise CheckpointFileError(
+            path, f"is not a checkpoint manifest: {format_validation_error(exc, 'manifest').rstrip('.')}"
+        ) from None
+
+
+def read_commit(root: str | os.PathLike[str]) -> int | None:
+    """The last committed step under `root` (a `checkpoints_dir`), the step a run resumes from.
+
+    None when nothing is committed: no pointer, or a pointer whose step folder holds no manifest
+    (its folder was removed; the run then starts afresh). Uncommitted folders are never read.
+
+    Raises:
+        CheckpointFileError: the pointer does not hold a step number, or the committed step's
+            manifest is malformed or names another step (named with its path).
+    """
+    pointer = Path(root) / COMMIT_FILE
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text(errors="replace").strip()
+    if not text.isdigit() or not text.isascii():
+        raise CheckpointFileError(pointer, f"holds {text[:40]!r}, not the number of the last committed step")
+    step = int(text)
+    folder = step_dir(root, step)
+    if not manifest_file(folder).is_file():
+        return None
+    found = read_manifest(folder).step
+    if found != step:
+        raise CheckpointFileError(
+            manifest_file(folder), f"says step {found}, but the commit pointer {pointer} names step {step}"
+        )
+    return step
+
+
+def clean_uncommitted(root: str | os.PathLike[str]) -> list[Path]:
+    """Remove what a crashed save left under `root`: staging and trash folders and a half-written
+    pointer; returns what was removed. Call it only while no trainer rank saves into `root`. Step
+    folders are kept (newer ones than the commit are replaced when their step is saved again)."""
+    removed = []
+    for path in sorted(Path(root).iterdir()):
+        if path.is_dir() and path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(path)
+            removed.append(path)
+        elif path.name == f".{COMMIT_FILE}.tmp":
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------- keep / delete
+
+
+def deletable_steps(
+    steps: list[int], latest: int, scores: Mapping[int, float], protected: set[int]
+) -> list[int]:
+    """The steps of `steps` that `model.delete_checkpoints` removes: all but `latest`, the best
+    step by `scores` (higher is better; among the steps present that have a score; the earliest
+    wins a tie) and the `protected` ones (served adapters). Sorted as `steps`."""
+    keep = {latest} | protected
+    scored = [s for s in steps if s in scores]
+    if scored:
+        keep.add(max(scored, key=lambda s: scores[s]))
+    return [s for s in steps if s not in keep]
+
+
+def delete_step(root: str | os.PathLike[str], step: int) -> Path:
+    """Remove the step folder of `step` under `root` (missing is fine); returns its path."""
+    folder = step_dir(root, step)
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
