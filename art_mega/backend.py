@@ -150,18 +150,20 @@ async def check_controller_sees_artifact_root(runtime: Any) -> None:
     import secrets
 
     from art_mega.preflight.fs_probe import PROBE_DIR
-    from art_mega.preflight.protocol import FsOpRequest
+    from art_mega.preflight.protocol import FS_OP, FsOpRequest
 
     cluster = runtime.topology.cluster
     host, root = cluster.controller_host_id, cluster.artifact_root
     client = runtime.clients[host]
     folder, token = f"controller-{secrets.token_hex(6)}", secrets.token_hex(16)
-    written = await client.fs_op(FsOpRequest(op="write", root=root, name=f"{folder}/probe", content=token))
+    written = await client.call(
+        FS_OP, FsOpRequest(op="write", root=root, name=f"{folder}/probe", content=token)
+    )
     try:
         probe = Path(root) / PROBE_DIR / folder / "probe"
         seen = written.ok and probe.is_file() and probe.read_text() == token
     finally:
-        await client.fs_op(FsOpRequest(op="cleanup", root=root, name=folder))
+        await client.call(FS_OP, FsOpRequest(op="cleanup", root=root, name=folder))
     if not seen:
         raise UserError(
             f"this controller process does not see the artifact_root {root} of its host {host} "
@@ -198,7 +200,9 @@ async def check_hosts_see_model(
     if warm_start is not None:
         folders[Path(warm_start)] = "warm-start adapter directory"
     files = tuple(str(f) for folder in folders for f in sorted(folder.iterdir()) if f.is_file() and _utf8(f))
-    missing = await asyncio.gather(*(runtime.clients[h].files_missing(files) for h in hosts))
+    from art_mega.preflight.fs_probe import files_missing
+
+    missing = await asyncio.gather(*(files_missing(runtime.clients[h], files) for h in hosts))
     for host, lost in zip(hosts, missing):
         if lost:
             raise unreadable_model_error(host, lost, folders, {Path(model_dir): hub_id} if hub_id else None)

