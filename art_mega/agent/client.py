@@ -49,43 +49,7 @@ from art_mega.errors import (
     AgentReplyError,
     AgentUnauthorizedError,
     AgentUnreachableError,
-    RemoteRolloutError,
-    RemoteUserError,
     format_validation_error,
-)
-from art_mega.preflight.protocol import (
-    ETCD_CHECK,
-    ETCD_START,
-    ETCD_STOP,
-    FACTS,
-    FILES_CHECK,
-    FILES_PER_CHECK,
-    FS_OP,
-    PREFLIGHT_DISCARD,
-    PREFLIGHT_PREPARE,
-    PREFLIGHT_RUN,
-    EtcdCheckRequest,
-    EtcdCheckResponse,
-    EtcdStartRequest,
-    EtcdStartResponse,
-    FilesCheckRequest,
-    FsOpRequest,
-    FsOpResponse,
-    HostFacts,
-    PreflightPrepareRequest,
-    PreflightRunRequest,
-    PreflightRunResponse,
-)
-from art_mega.rollouts.protocol import (
-    RUN_ROLLOUT,
-    START_WORKERS,
-    STOP_WORKERS,
-    CallableRef,
-    RemoteFailure,
-    RunRolloutRequest,
-    StartRolloutWorkersRequest,
-    StartRolloutWorkersResponse,
-    StopRolloutWorkersRequest,
 )
 from art_mega.trainer.protocol import (
     TrainerEventsRequest,
@@ -110,13 +74,6 @@ KEEPALIVE_S = 4.0
 """How long an idle connection is kept for reuse: far below the agent's 600 s keep-alive, so that
 the client, not the server, closes an idle connection (a POST is never retried on one that the
 server closed meanwhile), even after the client's event loop was blocked for minutes."""
-
-
-def raise_failure(host: str, failure: RemoteFailure, worker_id: str = "") -> None:
-    """Raise `RemoteUserError` (a `UserError`) for a user-kind failure, `RemoteRolloutError` otherwise."""
-    if failure.kind == "user":
-        raise RemoteUserError(failure.message, host, worker_id, failure.exc_type)
-    raise RemoteRolloutError(host, worker_id, failure)
 
 
 def _where(route: Route[Any, Any]) -> str:
@@ -328,61 +285,6 @@ class AgentClient:
     async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:
         """Stop every child of the agent, then the agent itself."""
         return await self.call(SHUTDOWN, timeout_s=... if timeout_s is None else timeout_s)
-
-    async def start_rollout_workers(
-        self, count: int, sys_path: tuple[str, ...], callables: tuple[CallableRef, ...]
-    ) -> StartRolloutWorkersResponse:
-        """Start `count` workers that have imported and hash-checked `callables`."""
-        body = StartRolloutWorkersRequest(count=count, sys_path=sys_path, callables=callables)
-        reply = await self.call(START_WORKERS, body, timeout_s=None)
-        if reply.failure is not None:
-            raise_failure(self.host, reply.failure)
-        return reply
-
-    async def stop_rollout_workers(self, worker_ids: tuple[str, ...] = ()) -> ShutdownResponse:
-        return await self.call(STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=worker_ids))
-
-    async def run_rollout(
-        self, worker_id: str, ref: CallableRef, args: list[Any], kwargs: dict[str, Any]
-    ) -> Any:
-        body = RunRolloutRequest(worker_id=worker_id, callable=ref, args=args, kwargs=kwargs)
-        reply = await self.call(RUN_ROLLOUT, body, timeout_s=None)
-        if not reply.ok:
-            raise_failure(
-                self.host, reply.failure or RemoteFailure(kind="error", message="unknown failure"), worker_id
-            )
-        return reply.result
-
-    async def facts(self) -> HostFacts:
-        return await self.call(FACTS)
-
-    async def fs_op(self, request: FsOpRequest) -> FsOpResponse:
-        return await self.call(FS_OP, request)
-
-    async def files_missing(self, paths: tuple[str, ...]) -> tuple[str, ...]:
-        missing: list[str] = []
-        for start in range(0, len(paths), FILES_PER_CHECK):
-            request = FilesCheckRequest(paths=paths[start : start + FILES_PER_CHECK])
-            missing += (await self.call(FILES_CHECK, request)).missing
-        return tuple(missing)
-
-    async def etcd_start(self, request: EtcdStartRequest) -> EtcdStartResponse:
-        return await self.call(ETCD_START, request, timeout_s=request.timeout_s + 30)
-
-    async def etcd_stop(self) -> ShutdownResponse:
-        return await self.call(ETCD_STOP)
-
-    async def etcd_check(self, request: EtcdCheckRequest) -> EtcdCheckResponse:
-        return await self.call(ETCD_CHECK, request, timeout_s=request.timeout_s * 3 + 10)
-
-    async def preflight_prepare(self, python: str | None = None) -> bool:
-        return (await self.call(PREFLIGHT_PREPARE, PreflightPrepareRequest(python=python))).started
-
-    async def preflight_discard(self) -> None:
-        await self.call(PREFLIGHT_DISCARD)
-
-    async def preflight_run(self, request: PreflightRunRequest) -> PreflightRunResponse:
-        return await self.call(PREFLIGHT_RUN, request, timeout_s=request.timeout_s + 30)
 
     async def inference_start(self, replica: ReplicaSpec, launch: ReplicaLaunch) -> InferenceStartResponse:
         from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse

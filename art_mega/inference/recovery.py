@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from art_mega.errors import ReplicaHTTPError
 from art_mega.inference.adapters import AdapterPublisher
 from art_mega.inference.protocol import ReplicaLaunch
-from art_mega.inference.server_api import ReplicaHTTPError
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class ReplicaRecovery:
             self.on_event(event)
 
     async def _watch(self) -> None:
-        from art_mega.agent.client import AgentError
+        from art_mega.errors import AgentError
 
         hosts = sorted({spec.host_ids[0] for spec in self.replicas.values()})
         while True:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_mega.agent.auth import SECRET_ENV, load_secret
-from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient
 from art_mega.agent.listeners import bind_listener, is_address_in_use
-from art_mega.errors import LoopbackAddressError, UserError
+from art_mega.errors import AgentError, LoopbackAddressError, UserError
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.controller import SignalGuard, report, supervise
 from art_mega.launch.program import ProgramRef

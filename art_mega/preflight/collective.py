@@ -20,7 +20,12 @@ from typing import Any, Literal
 
 from art_mega.agent.client import AgentClient
 from art_mega.preflight.admission import PreflightError
-from art_mega.preflight.protocol import PreflightRunRequest, PreflightRunResponse
+from art_mega.preflight.protocol import (
+    PREFLIGHT_DISCARD,
+    PREFLIGHT_RUN,
+    PreflightRunRequest,
+    PreflightRunResponse,
+)
 
 STOP_GRACE_S = 1.0
 """Seconds the other ranks get to answer after one failed on its own before they are stopped: a
@@ -145,7 +150,10 @@ async def _await_ranks(
 ) -> tuple[dict[str, PreflightRunResponse | BaseException], set[str]]:
     """Every rank's reply (or the exception of its request) and the hosts whose probes were
     stopped because another rank failed on its own first (their replies are not theirs)."""
-    tasks = {h: asyncio.ensure_future(clients[h].preflight_run(r)) for h, r in requests.items()}
+    tasks = {
+        h: asyncio.ensure_future(clients[h].call(PREFLIGHT_RUN, r, timeout_s=r.timeout_s + 30))
+        for h, r in requests.items()
+    }
     pending = set(tasks.values())
     try:
         while pending:
@@ -156,7 +164,9 @@ async def _await_ranks(
         if pending:
             _, pending = await asyncio.wait(pending, timeout=STOP_GRACE_S)
             stopped = {h for h, t in tasks.items() if t in pending}
-            await asyncio.gather(*(clients[h].preflight_discard() for h in stopped), return_exceptions=True)
+            await asyncio.gather(
+                *(clients[h].call(PREFLIGHT_DISCARD) for h in stopped), return_exceptions=True
+            )
             if pending:
                 await asyncio.wait(pending, timeout=STOPPED_REPLY_S)
     finally:

@@ -25,11 +25,15 @@ from pathlib import Path
 
 import httpx
 
-from art_mega.agent.client import AgentClient, AgentError
+from art_mega.agent.client import AgentClient
 from art_mega.agent.ports import free_port
 from art_mega.agent.supervisor import spawn_child, stop_process
+from art_mega.errors import AgentError
 from art_mega.preflight.admission import PreflightError
 from art_mega.preflight.protocol import (
+    ETCD_CHECK,
+    ETCD_START,
+    ETCD_STOP,
     EtcdCheckRequest,
     EtcdCheckResponse,
     EtcdStartRequest,
@@ -247,7 +251,8 @@ async def check_from_every_host(clients: Mapping[str, AgentClient], endpoint: st
         for host in clients
     }
     replies = await asyncio.gather(
-        *(clients[h].etcd_check(r) for h, r in requests.items()), return_exceptions=True
+        *(clients[h].call(ETCD_CHECK, r, timeout_s=r.timeout_s * 3 + 10) for h, r in requests.items()),
+        return_exceptions=True,
     )
     by_error: dict[str, list[str]] = {}
     for host, reply in zip(requests, replies):
@@ -281,16 +286,17 @@ async def start_metadata_store(
     On a failed check the store is stopped again before the error is raised.
     """
     agent = clients[controller_host]
-    reply = await agent.etcd_start(
-        EtcdStartRequest(advertise_host=advertise_host, binary=binary, sha256=sha256, timeout_s=timeout_s)
+    request = EtcdStartRequest(
+        advertise_host=advertise_host, binary=binary, sha256=sha256, timeout_s=timeout_s
     )
+    reply = await agent.call(ETCD_START, request, timeout_s=request.timeout_s + 30)
     if not reply.ok:
         raise PreflightError(f"host {controller_host}: the managed etcd did not start: {reply.error}")
     try:
         await check_from_every_host(clients, reply.endpoint, launch_id)
     except BaseException:
         try:
-            await agent.etcd_stop()
+            await agent.call(ETCD_STOP)
         except AgentError:
             pass
         raise

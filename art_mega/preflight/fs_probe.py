@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from art_mega.preflight.admission import PreflightError
-from art_mega.preflight.protocol import FsOpRequest, FsOpResponse
+from art_mega.preflight.protocol import (
+    FILES_CHECK,
+    FILES_PER_CHECK,
+    FS_OP,
+    FilesCheckRequest,
+    FsOpRequest,
+    FsOpResponse,
+)
 
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
     from art_mega.agent.client import AgentClient
@@ -97,7 +104,7 @@ class FsProbeOps:
 
 
 async def _op(client: AgentClient, op: str, root: str, name: str, content: str = "") -> FsOpResponse:
-    reply = await client.fs_op(FsOpRequest(op=op, root=root, name=name, content=content))  # type: ignore[arg-type]
+    reply = await client.call(FS_OP, FsOpRequest(op=op, root=root, name=name, content=content))  # type: ignore[arg-type]
     if not reply.ok:
         raise PreflightError(
             f"host {client.host}: artifact_root {root} cannot be used ({op} failed: {reply.error})"
@@ -155,7 +162,7 @@ async def probe_artifact_root(
             await _op(writer, "unlock", root, f"{folder}/probe.lock")
     finally:
         try:
-            await writer.fs_op(FsOpRequest(op="cleanup", root=root, name=folder))
+            await writer.call(FS_OP, FsOpRequest(op="cleanup", root=root, name=folder))
         except Exception:  # best effort: the probe folder is tiny
             pass
     return loop.time() - started
@@ -165,6 +172,20 @@ async def _check_local(client: AgentClient, root: str, folder: str) -> None:
     token = secrets.token_hex(8)
     await _op(client, "write", root, f"{folder}/probe.json", token)
     reply = await _op(client, "read", root, f"{folder}/probe.json")
-    await client.fs_op(FsOpRequest(op="cleanup", root=root, name=folder))
+    await client.call(FS_OP, FsOpRequest(op="cleanup", root=root, name=folder))
     if reply.content != token:
         raise PreflightError(f"host {client.host}: artifact_root {root} does not read back what was written")
+
+
+async def files_missing(client: AgentClient, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of these absolute file paths the client's host cannot read (relative ones count as
+    missing), in the given order; sent in requests of at most `FILES_PER_CHECK` paths.
+
+    Raises:
+        AgentError: the agent did not answer one of them.
+    """
+    missing: list[str] = []
+    for start in range(0, len(paths), FILES_PER_CHECK):
+        request = FilesCheckRequest(paths=paths[start : start + FILES_PER_CHECK])
+        missing += (await client.call(FILES_CHECK, request)).missing
+    return tuple(missing)

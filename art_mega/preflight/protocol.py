@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from art_mega.agent.protocol import ShutdownResponse
 from art_mega.agent.routes import Route
 
-FILES_PER_CHECK = 4096  # paths per /files/check request (AgentClient.files_missing sends more in turns)
+FILES_PER_CHECK = 4096  # paths per /files/check request (fs_probe.files_missing sends more in turns)
 FILES_CHECK_MAX_BODY_BYTES = 16 << 20
 """Body cap of /v1/files/check: `FILES_PER_CHECK` paths of up to 4 KiB each."""
 

@@ -15,9 +15,65 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from art_mega.agent.client import AgentClient
-from art_mega.errors import RemoteUserError, RolloutValueError, UserError
+from art_mega.errors import RemoteRolloutError, RemoteUserError, RolloutValueError, UserError
 from art_mega.rollouts import wire
 from art_mega.rollouts.installed import InstalledAsyncCallable
+from art_mega.rollouts.protocol import (
+    RUN_ROLLOUT,
+    START_WORKERS,
+    STOP_WORKERS,
+    CallableRef,
+    RemoteFailure,
+    RunRolloutRequest,
+    StartRolloutWorkersRequest,
+    StartRolloutWorkersResponse,
+    StopRolloutWorkersRequest,
+)
+
+
+def raise_failure(host: str, failure: RemoteFailure, worker_id: str = "") -> None:
+    """Raise `RemoteUserError` (a `UserError`) for a user-kind failure, `RemoteRolloutError` otherwise."""
+    if failure.kind == "user":
+        raise RemoteUserError(failure.message, host, worker_id, failure.exc_type)
+    raise RemoteRolloutError(host, worker_id, failure)
+
+
+async def start_rollout_workers(
+    client: AgentClient, count: int, sys_path: tuple[str, ...], callables: tuple[CallableRef, ...]
+) -> StartRolloutWorkersResponse:
+    """Start `count` workers on the client's host that have imported and hash-checked `callables`
+    (all or none; no timeout: imports take as long as they take).
+
+    Raises:
+        UserError: a worker refused a callable (e.g. its source changed).
+        RemoteRolloutError: a worker failed to start for another reason.
+        AgentError: the agent did not answer.
+    """
+    body = StartRolloutWorkersRequest(count=count, sys_path=sys_path, callables=callables)
+    reply = await client.call(START_WORKERS, body, timeout_s=None)
+    if reply.failure is not None:
+        raise_failure(client.host, reply.failure)
+    return reply
+
+
+async def run_rollout(
+    client: AgentClient, worker_id: str, ref: CallableRef, args: list[Any], kwargs: dict[str, Any]
+) -> Any:
+    """Run one rollout on worker `worker_id` of the client's host and return its wire-encoded
+    result (no timeout: a rollout runs as long as it does).
+
+    Raises:
+        UserError: the worker refused the callable (e.g. its source changed).
+        RemoteRolloutError: the rollout raised.
+        AgentError: the agent did not answer.
+    """
+    body = RunRolloutRequest(worker_id=worker_id, callable=ref, args=args, kwargs=kwargs)
+    reply = await client.call(RUN_ROLLOUT, body, timeout_s=None)
+    if not reply.ok:
+        raise_failure(
+            client.host, reply.failure or RemoteFailure(kind="error", message="unknown failure"), worker_id
+        )
+    return reply.result
 
 
 class RolloutWorker(BaseModel):
@@ -134,8 +190,8 @@ class RolloutExecutor:
             ) from None
         self._load[target.index] += 1
         try:
-            result = await self._clients[host].run_rollout(
-                target.worker_id, ref, payload_args, payload_kwargs
+            result = await run_rollout(
+                self._clients[host], target.worker_id, ref, payload_args, payload_kwargs
             )
         except RemoteUserError as exc:
             if exc.exc_type != wire.WireError.__name__:
@@ -169,7 +225,10 @@ class RolloutExecutor:
 
         async def stop(host: str, ids: list[str]) -> None:
             try:
-                await asyncio.wait_for(self._clients[host].stop_rollout_workers(tuple(ids)), timeout_s)
+                stopping = self._clients[host].call(
+                    STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=tuple(ids))
+                )
+                await asyncio.wait_for(stopping, timeout_s)
             except Exception:  # a lost host has no workers left to stop
                 pass
 
@@ -193,14 +252,14 @@ async def start_executor(
     refs = tuple(i.ref() for i in installed)
     plan = plan_workers(slots, target_workers)
     results = await asyncio.gather(
-        *(clients[host].start_rollout_workers(count, path, refs) for host, count in plan),
+        *(start_rollout_workers(clients[host], count, path, refs) for host, count in plan),
         return_exceptions=True,
     )
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
         await asyncio.gather(
             *(
-                clients[host].stop_rollout_workers(r.worker_ids)
+                clients[host].call(STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=r.worker_ids))
                 for (host, _), r in zip(plan, results)
                 if not isinstance(r, BaseException)
             ),

@@ -17,7 +17,14 @@ from art_mega.agent.client import AgentClient
 from art_mega.agent.protocol import HealthResponse
 from art_mega.errors import AgentError, HostLostError, UserError
 from art_mega.preflight.collective import CollectiveReport
-from art_mega.preflight.protocol import HostFacts
+from art_mega.preflight.protocol import (
+    ETCD_STOP,
+    FACTS,
+    PREFLIGHT_DISCARD,
+    PREFLIGHT_PREPARE,
+    HostFacts,
+    PreflightPrepareRequest,
+)
 from art_mega.rollouts.executor import RolloutExecutor, start_executor
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor
@@ -301,7 +308,10 @@ class ArtRuntime:
             (h, e.python) for e in environments if self._proof_key(e) not in self._proved for h in e.host_ids
         }
         warming = asyncio.gather(
-            *(self._clients[h].preflight_prepare(python) for h, python in sorted(warm, key=str)),
+            *(
+                self._clients[h].call(PREFLIGHT_PREPARE, PreflightPrepareRequest(python=python))
+                for h, python in sorted(warm, key=str)
+            ),
             return_exceptions=True,
         )
         used: set[tuple[str, str | None]] = set()
@@ -310,12 +320,15 @@ class ArtRuntime:
         except BaseException:
             await warming  # no probe may start after the discard
             await asyncio.gather(
-                *(self._clients[h].preflight_discard() for h in {h for h, _ in warm}), return_exceptions=True
+                *(self._clients[h].call(PREFLIGHT_DISCARD) for h in {h for h, _ in warm}),
+                return_exceptions=True,
             )
             raise
         # warm probes of environments found proved after all would wait for nothing: stop them
         idle = {h for h, _ in warm - used}
-        await asyncio.gather(*(self._clients[h].preflight_discard() for h in idle), return_exceptions=True)
+        await asyncio.gather(
+            *(self._clients[h].call(PREFLIGHT_DISCARD) for h in idle), return_exceptions=True
+        )
         return report
 
     async def _prove(
@@ -335,7 +348,7 @@ class ArtRuntime:
         phases: dict[str, float] = {}
         started = loop.time()
         hosts = list(self._clients)
-        facts = await asyncio.gather(*(self._clients[h].facts() for h in hosts))
+        facts = await asyncio.gather(*(self._clients[h].call(FACTS) for h in hosts))
         self.host_facts = dict(zip(hosts, facts))
         admit(self.topology, self.host_facts)
         phases["admission"] = loop.time() - started
@@ -463,7 +476,7 @@ class ArtRuntime:
         except PreflightError:
             host, self._etcd_host, self._etcd_endpoint = self._etcd_host, None, None
             if host is not None:
-                await self._clients[host].etcd_stop()
+                await self._clients[host].call(ETCD_STOP)
             return None
 
     def _on_lost(self, exc: HostLostError) -> None:
@@ -527,7 +540,7 @@ class ArtRuntime:
             await executor.close(timeout)
         if self._etcd_host is not None and self._etcd_host in self._clients:
             try:
-                await asyncio.wait_for(self._clients[self._etcd_host].etcd_stop(), timeout)
+                await asyncio.wait_for(self._clients[self._etcd_host].call(ETCD_STOP), timeout)
             except (TimeoutError, AgentError):
                 pass
         if self._owned_agents:

@@ -14,6 +14,7 @@ from art_mega.agent.auth import UNBOUND, AgentIdentity, sign
 from art_mega.agent.client import AgentClient
 from art_mega.agent.ports import free_port
 from art_mega.agent.routes import DEFAULT_MAX_BODY_BYTES
+from art_mega.preflight.fs_probe import files_missing
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.topology import EndpointSpec
 
@@ -207,7 +208,7 @@ async def test_files_check_names_what_this_host_cannot_read(agent, tmp_path):
     paths = (str(readable), str(tmp_path / "gone.safetensors"), "relative/config.json", str(tmp_path))
     client = AgentClient("host0", agent.endpoint.address, agent.endpoint.url, SECRET)
     try:
-        assert await client.files_missing(paths) == paths[1:]  # a folder is not a readable file
-        assert await client.files_missing((str(readable),)) == ()
+        assert await files_missing(client, paths) == paths[1:]  # a folder is not a readable file
+        assert await files_missing(client, (str(readable),)) == ()
     finally:
         await client.aclose()

@@ -16,6 +16,7 @@ import pytest
 
 from art_mega.agent.client import AgentClient
 from art_mega.agent.listeners import listener_pids
+from art_mega.rollouts.executor import start_rollout_workers
 from art_mega.rollouts.installed import InstalledAsyncCallable
 from art_mega.runtime.monitor import AgentMonitor
 from tests.conftest import REPO, cli_env, run_cli, wait_gone
@@ -48,7 +49,7 @@ async def test_the_lease_is_held_by_heartbeats_released_at_the_end_and_expires_w
         monitor = AgentMonitor([client], {"host0": (health.launch_id, health.pid)}, lambda exc: None)
         monitor.start()
         ref = InstalledAsyncCallable.from_callable(r.sleep).ref()
-        workers = await client.start_rollout_workers(2, (str(REPO),), (ref,))
+        workers = await start_rollout_workers(client, 2, (str(REPO),), (ref,))
         await asyncio.sleep(2.5 * LEASE_S)  # beats every lease/4 hold it well past one lease
         assert process.poll() is None and monitor.lost is None
 

@@ -7,8 +7,7 @@ import pytest
 import pytest_asyncio
 
 from art_mega import ArtRuntime, Trajectory
-from art_mega.agent.client import RemoteRolloutError
-from art_mega.errors import UserError
+from art_mega.errors import RemoteRolloutError, UserError
 from tests.helpers import loopback_topology
 from tests.integration import rollouts_for_tests as r
 

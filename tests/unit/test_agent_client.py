@@ -13,8 +13,9 @@ from art_mega.agent.auth import (
     Verifier,
     new_incarnation,
 )
-from art_mega.agent.client import AgentClient, AgentError, RemoteRolloutError
-from art_mega.errors import UserError
+from art_mega.agent.client import AgentClient
+from art_mega.errors import AgentError, RemoteRolloutError, UserError
+from art_mega.rollouts.executor import run_rollout
 from art_mega.rollouts.protocol import CallableRef, RunRolloutRequest
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -111,7 +112,7 @@ async def test_signed_calls_parse_replies_and_reuse_one_connection(agent):
         health = await client.health()
         assert health.launch_id == "L" and health.children == ()
         for i in range(3):
-            assert await client.run_rollout("rollout-0", REF, [i], {"k": "v"}) == {
+            assert await run_rollout(client, "rollout-0", REF, [i], {"k": "v"}) == {
                 "echo": [i],
                 "kw": {"k": "v"},
             }
@@ -127,10 +128,10 @@ async def test_remote_failures_raise_like_before(agent):
     client = client_for(agent)
     try:
         with pytest.raises(RemoteRolloutError, match="ValueError: x") as info:
-            await client.run_rollout("rollout-0", REF, ["fail"], {})
+            await run_rollout(client, "rollout-0", REF, ["fail"], {})
         assert info.value.host == "host0" and info.value.worker_id == "rollout-0"
         with pytest.raises(UserError, match="changed"):
-            await client.run_rollout("rollout-0", REF, ["user"], {})
+            await run_rollout(client, "rollout-0", REF, ["user"], {})
     finally:
         await client.aclose()
 
@@ -152,7 +153,7 @@ async def test_non_json_error_body_is_kept_as_text(agent):
     client = client_for(agent)
     try:
         with pytest.raises(AgentError, match="HTTP 500: Internal Server Error$"):
-            await client.run_rollout("rollout-0", REF, [], {})
+            await run_rollout(client, "rollout-0", REF, [], {})
     finally:
         await client.aclose()
 
@@ -178,7 +179,7 @@ async def test_timeouts_apply_to_control_calls_but_not_to_rollouts(agent):
         with pytest.raises(AgentError, match="agent unreachable"):
             await client.health(timeout_s=0.1)
         assert (await client.health(timeout_s=5.0)).launch_id == "L"
-        assert await client.run_rollout("rollout-0", REF, [1], {}) == {"echo": [1], "kw": {}}
+        assert await run_rollout(client, "rollout-0", REF, [1], {}) == {"echo": [1], "kw": {}}
     finally:
         await client.aclose()
 
