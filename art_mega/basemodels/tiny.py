@@ -1,4 +1,4 @@
-"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3) built from a config, for tests.
+"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3, Mistral) built from a config, for tests.
 
 Weights are seeded random numbers and the tokenizer is trained here on a built-in corpus, so a
 build needs no network and gives the same bytes every time on the same library versions.
@@ -17,7 +17,7 @@ from typing import Literal
 
 from art_mega.errors import UserError
 
-TinyArch = Literal["llama", "qwen2", "qwen3"]
+TinyArch = Literal["llama", "qwen2", "qwen3", "mistral"]
 
 FORMAT_VERSION = 1
 """Bumped whenever the builder's output changes for the same arguments."""
@@ -39,7 +39,12 @@ CHAT_TEMPLATE = (
 )
 """ChatML, as Qwen's chat models use it (without tools)."""
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 _WORDS = (
     "the a an one two three four five six seven eight nine ten zero plus minus times what is "
@@ -100,7 +105,7 @@ def _train_tokenizer(vocab_size: int, seed: int):
 
 def _hf_config(arch: TinyArch, spec: dict):
     """The transformers config object for `arch` built from the normalised build arguments."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=spec["vocab_size"],
@@ -124,6 +129,9 @@ def _hf_config(arch: TinyArch, spec: dict):
     if arch == "qwen2":
         # Qwen2's config has no head_dim: the builder keeps hidden = heads * head_dim.
         return Qwen2Config(**common)
+    if arch == "mistral":
+        # Full attention, as Mistral-7B-v0.2 and later (a window below the length is refused).
+        return MistralConfig(head_dim=spec["head_dim"], sliding_window=None, **common)
     return Qwen3Config(head_dim=spec["head_dim"], **common)
 
 
@@ -168,9 +176,9 @@ def tiny_spec(
 ) -> dict:
     """The normalised build arguments of `build_tiny_model` (a JSON-able dict).
 
-    Defaults: hidden_size = 64 where the config carries head_dim (llama, qwen3), else
+    Defaults: hidden_size = 64 where the config carries head_dim (llama, qwen3, mistral), else
     num_heads * head_dim (qwen2, whose attention derives head_dim from hidden_size);
-    tie_word_embeddings = False for llama, True for qwen2/qwen3 (as their small models do).
+    tie_word_embeddings = False for llama and mistral, True for qwen2/qwen3 (as their models do).
     Raises `UserError` for an unknown arch, num_heads not divisible by num_kv_heads, or a
     qwen2 hidden_size other than num_heads * head_dim.
     """
@@ -186,7 +194,7 @@ def tiny_spec(
             "for qwen2, whose config has no head_dim."
         )
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch != "llama"
+        tie_word_embeddings = arch not in ("llama", "mistral")
     return {
         "format_version": FORMAT_VERSION,
         "arch": arch,

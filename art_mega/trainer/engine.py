@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from art_mega.errors import NonFiniteStepError
+from art_mega.trainer import checkpoint
 from art_mega.trainer.batch import TrainBatch
 from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
 from art_mega.trainer.lora import LoraConfig, apply_lora, lora_disabled, lora_parameters
-from art_mega.trainer.loss import GRPOLossConfig, grpo_loss, sft_loss
+from art_mega.trainer.loss import GRPOLossConfig, grpo_loss, known_logprobs, sft_loss
 from art_mega.trainer.parallel import ParallelState
 
 STATE_FORMAT = 1
@@ -418,7 +419,9 @@ class TrainerEngine:
         rows, cols, valid = rows.to(logprobs.device), cols.to(logprobs.device), valid.to(logprobs.device)
 
         def docs(values: torch.Tensor) -> torch.Tensor:
-            return values[rows, cols] * valid
+            # masked, not multiplied: past a document's end the indices repeat its row's token
+            # 0, whose old logprob may be NaN (unknown), and NaN * 0 would poison the loss
+            return values[rows, cols].masked_fill(~valid, 0.0)
 
         mask = docs(t["loss_mask"])
         weights = docs(t["weights"])
@@ -433,6 +436,7 @@ class TrainerEngine:
             info["loss_sum"] = float(value.detach())
             return value, tokens.to(torch.int), info
         old = docs(micro.old_logprobs if micro.old_logprobs is not None else t["old_logprobs"])
+        old = known_logprobs(old, new, mask)  # unknown (NaN) ones: the ratio metrics see 1 too
         out = grpo_loss(
             new,
             old,
@@ -489,6 +493,7 @@ class TrainerEngine:
             out_dir,
             num_heads=self.model.args.num_heads,
             num_query_groups=self.model.args.num_query_groups,
+            names=self.model.family.lora,
             base_model_name_or_path=self.model_dir,
         )
 
@@ -506,6 +511,7 @@ class TrainerEngine:
             adapter_dir,
             num_heads=self.model.args.num_heads,
             num_query_groups=self.model.args.num_query_groups,
+            names=self.model.family.lora,
         )
         self.optimizer.reload_model_params()
 
@@ -520,14 +526,15 @@ class TrainerEngine:
         }
 
     def state_file(self, directory: str | os.PathLike[str]) -> Path:
-        """This rank's state file in `directory`: `rank{global rank:05d}.pt`."""
-        return Path(directory) / f"rank{self.state.rank:05d}.pt"
+        """This rank's state file in `directory` (a checkpoint or its staging folder):
+        `checkpoint.rank_state_file` of this global rank."""
+        return checkpoint.rank_state_file(directory, self.state.rank)
 
     def save_state(self, directory: str | os.PathLike[str]) -> Path:
         """Write this rank's LoRA shards, optimizer state and step count to `state_file(directory)`.
 
-        Collective only in that every rank writes its own file (through a temp file, fsync and
-        rename). The distributed optimizer's parameter state is this rank's shard
+        Collective only in that every rank writes its own file (`checkpoint.atomic_write`: temp
+        file, fsync, rename). The distributed optimizer's parameter state is this rank's shard
         (`get_parameter_state_dp_reshardable`). Returns the path.
         """
         path = self.state_file(directory)
@@ -539,12 +546,8 @@ class TrainerEngine:
             "lora": {name: p.detach().cpu().clone() for name, p in lora_parameters(self.ddp.module).items()},
             "optimizers": [_optimizer_state(sub) for sub in _sub_optimizers(self.optimizer)],
         }
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as handle:
+        with checkpoint.atomic_write(path) as handle:
             torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(path)
         return path
 
     @torch.no_grad()

@@ -1,17 +1,18 @@
 """Build this rank's megatron-core GPTModel from a Hugging Face directory and load its shard.
 
-Needs `init_parallel` first; the family file (trainer/families/) does the config and weight mapping.
+Needs `init_parallel` first; the model's `FamilySpec` (trainer/families/) does the config and weight
+mapping.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from art_mega.errors import ModelSplitError, UserError
 from art_mega.trainer.families import family_for
+from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
 from art_mega.trainer.hf_checkpoint import SafetensorsReader, read_hf_config
 
 
@@ -23,11 +24,12 @@ class MegatronModel:
     position_ids [b, s] int64 (RoPE angles, see `RopeFromPositionIds`), attention_mask None
     (causal) or bool [b, 1, s, s] with True = masked) returns this rank's vocabulary shard of the logits, [b, s, padded_vocab_size / tp]
     in the parameter dtype (`parallel_output=True`: gather over the TP group for full logits).
-    Columns at and beyond `vocab_size` are padding (logit 0) and must be ignored.
+    Columns at and beyond `vocab_size` are padding (logit 0) and must be ignored. `family` is
+    the model's family spec, `args` its architecture arguments (`family.model_args`).
     """
 
     module: Any
-    family: ModuleType
+    family: FamilySpec[Any]
     args: Any
     vocab_size: int
     padded_vocab_size: int
@@ -63,7 +65,7 @@ def check_model_fits(
     args = _model_args(config, model_dir)
     family = family_for(config)
     try:
-        _check_parallel(family, args, tp, ep, etp, model_dir)
+        _check_parallel(family, args, ParallelLayout(tp=tp, ep=ep, etp=etp), model_dir)
     except ModelSplitError as exc:
         if spec is None:
             raise
@@ -122,28 +124,34 @@ def _model_args(config: Any, model_dir: str | os.PathLike[str]) -> Any:
 
 
 def _check_parallel(
-    family: ModuleType, args: Any, tp: int, ep: int, etp: int, model_dir: str | os.PathLike[str]
+    family: FamilySpec[Any], args: Any, layout: ParallelLayout, model_dir: str | os.PathLike[str]
 ) -> None:
     """The family's size check, its sentence raised as a `ModelSplitError`."""
     try:
-        if getattr(family, "EXPERT_PARALLEL", False):
-            family.check_parallel(args, tp, ep=ep, etp=etp)
-        else:
-            family.check_parallel(args, tp)
+        family.check_parallel(args, layout)
     except UserError as exc:
-        raise ModelSplitError(str(exc), str(model_dir), tp, ep, etp) from None
+        raise ModelSplitError(str(exc), str(model_dir), layout.tp, layout.ep, layout.etp) from None
 
 
-def _expert_layout() -> dict[str, int]:
-    """This rank's expert-parallel sizes and coordinates from megatron-core's parallel state."""
+def _rank_layout(expert_parallel: bool) -> ParallelLayout:
+    """This rank's TP (and, for a family with experts, EP / expert-TP) sizes and coordinates from
+    megatron-core's parallel state; a dense family's layout keeps ep = etp = 1 (no experts to
+    split, whatever megatron-core's expert groups are)."""
     from megatron.core import parallel_state as mpu
 
-    return {
-        "ep": mpu.get_expert_model_parallel_world_size(),
-        "ep_rank": mpu.get_expert_model_parallel_rank(),
-        "etp": mpu.get_expert_tensor_parallel_world_size(),
-        "etp_rank": mpu.get_expert_tensor_parallel_rank(),
-    }
+    dense = ParallelLayout(
+        tp=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank()
+    )
+    if not expert_parallel:
+        return dense
+    return ParallelLayout(
+        tp=dense.tp,
+        tp_rank=dense.tp_rank,
+        ep=mpu.get_expert_model_parallel_world_size(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp=mpu.get_expert_tensor_parallel_world_size(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+    )
 
 
 def build_megatron_model(
@@ -158,7 +166,7 @@ def build_megatron_model(
     Call after `init_parallel` (TP size and rank come from megatron-core's parallel state).
     `device`: "cpu" or "cuda:0"; `dtype`: "float32" or "bfloat16". `use_te` None means the
     TransformerEngine layer spec on CUDA when TE imports, else the local spec; TE's fused
-    norm names are mapped with the family's `TE_NAME_MAP`. The head, KV-head and FFN counts are
+    norm names are mapped with the family's `te_name_map`. The head, KV-head and FFN counts are
     checked against TP (and an MoE family's experts against EP and expert-TP, read from
     megatron-core's expert groups) before anything is allocated; each rank loads only its
     own experts.
@@ -172,25 +180,22 @@ def build_megatron_model(
 
     if not mpu.model_parallel_is_initialized():
         raise RuntimeError("call init_parallel before build_megatron_model")
-    tp_size = mpu.get_tensor_model_parallel_world_size()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
     config = read_hf_config(model_dir)
     family = family_for(config)
     args = family.model_args(config)
-    experts = _expert_layout() if getattr(family, "EXPERT_PARALLEL", False) else {}
-    _check_parallel(family, args, tp_size, experts.get("ep", 1), experts.get("etp", 1), model_dir)
+    layout = _rank_layout(family.expert_parallel)
+    _check_parallel(family, args, layout, model_dir)
     on_cuda = device.startswith("cuda")
     if use_te is None:
         use_te = on_cuda and te_available()
     kind = "cuda" if on_cuda else "cpu"
-    sizes = {key: experts[key] for key in ("ep", "etp") if key in experts}
-    transformer_config = family.transformer_config(args, tp=tp_size, dtype=dtype, device=kind, **sizes)
-    kwargs = family.gpt_model_kwargs(args, tp=tp_size)
+    transformer_config = family.transformer_config(args, layout, dtype=dtype, device=kind)
+    kwargs = family.gpt_model_kwargs(args, tp=layout.tp)
     module = GPTModel(transformer_config, family.layer_spec(args, use_te=use_te), **kwargs)
     module.to(device)
     with SafetensorsReader(model_dir) as reader:
-        state = family.megatron_state_dict(args, reader.get, tp_size=tp_size, tp_rank=tp_rank, **experts)
-    state = _rename_for_spec(state, set(module.state_dict()), family.TE_NAME_MAP)
+        state = family.megatron_state_dict(args, reader.get, layout)
+    state = _rename_for_spec(state, set(module.state_dict()), family.te_name_map)
     dtype_t = next(module.parameters()).dtype
     state = {name: tensor.to(dtype=dtype_t) for name, tensor in state.items()}
     missing, unexpected = module.load_state_dict(state, strict=False)

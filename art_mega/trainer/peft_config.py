@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.errors import AdapterMismatchError, UserError
-from art_mega.trainer.lora_targets import hf_target_modules, normalise_targets
+from art_mega.trainer.families import LORA_NAMES
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -130,10 +130,10 @@ def _targets_argument(found: Any) -> str | None:
     if not isinstance(found, list) or not found or not all(isinstance(name, str) for name in found):
         return None
     try:
-        targets = normalise_targets(tuple(found))
+        targets = LORA_NAMES.normalise(tuple(found))
     except UserError:
         return None
-    if hf_target_modules(targets) != sorted(found):
+    if LORA_NAMES.hf_target_modules(targets) != sorted(found):
         return None
     return f"lora_targets={tuple(sorted(found))!r}"
 

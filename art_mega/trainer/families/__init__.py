@@ -1,32 +1,78 @@
-"""Model families, one file each (torchtitan style): HF config -> Megatron config + spec, and the
-HF <-> Megatron weight adapter for that family. `family_for` picks the file by `model_type`.
+"""Model families, one file each: every family declares one typed `FamilySpec` (`families/spec.py`),
+and `family_for` picks it by the HF config's `model_type`.
 
-A family module provides: `MODEL_TYPES`, `model_args(hf_config)`, `check_parallel(args, tp)`,
-`valid_tp_sizes(args)`, `transformer_config(args, tp=, dtype=, device=)`,
-`layer_spec(args, use_te=)`, `gpt_model_kwargs(args, tp=)`,
-`megatron_state_dict(args, read, tp_size=, tp_rank=)` and `TE_NAME_MAP`. A family with experts
-sets `EXPERT_PARALLEL = True`; its `check_parallel`, `transformer_config` and
-`megatron_state_dict` then also take the expert-parallel sizes and coordinates (ep, ep_rank,
-etp, etp_rank) as keywords.
+A spec holds the family's whole contract with the trainer: the HF model types it reads, the config
+mapping (HF config -> architecture arguments, refusing what it cannot express exactly), the
+megatron-core transformer config and layer spec, the parallel limits (valid TP sizes, whether the
+layers have experts for EP/ETP), the HF -> Megatron weight adapter per TP/EP rank, and the LoRA
+<-> PEFT names both ways (`LoraNames`). `layout.py` has the fused-weight tensor functions the
+adapters share. Nothing outside this package names a family or an HF module.
+
+Adding a family:
+
+1. Write `families/<name>.py` with `MODEL_TYPES` and `SPEC = FamilySpec(...)`: a new `model_args`
+   (a frozen dataclass read from config.json; refuse each value Megatron cannot express exactly
+   in one `UserError` sentence naming field, value and fix) and the rest either new or reused
+   from a close family (`dataclasses.replace(llama.SPEC, ...)` as `mistral.py` does).
+2. Add its `SPEC` to `_SPECS` below (a model_type claimed twice fails at import).
+3. Add its test, `tests/trainer/test_<name>_family.py`: a tiny checkpoint
+   (`basemodels/tiny.py` builds one per arch) whose Megatron logits match transformers', whose
+   exported LoRA adapter loads in PEFT with the same logits, and its config refusals.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.families import llama, qwen3_moe
+from art_mega.trainer.families import llama, mistral, qwen3_moe
+from art_mega.trainer.families.spec import FamilySpec, LoraNames
 
-FAMILIES: dict[str, ModuleType] = {
-    **dict.fromkeys(llama.MODEL_TYPES, llama),
-    **dict.fromkeys(qwen3_moe.MODEL_TYPES, qwen3_moe),
-}
-"""HF `model_type` -> the family module that converts it."""
+_SPECS: tuple[FamilySpec[Any], ...] = (llama.SPEC, qwen3_moe.SPEC, mistral.SPEC)
 
 
-def family_for(config: dict[str, Any]) -> ModuleType:
-    """The family module for an HF config dict; `UserError` naming the supported types otherwise."""
+def _by_model_type(specs: tuple[FamilySpec[Any], ...]) -> dict[str, FamilySpec[Any]]:
+    table: dict[str, FamilySpec[Any]] = {}
+    for spec in specs:
+        for model_type in spec.model_types:
+            if model_type in table:
+                raise RuntimeError(
+                    f"model_type {model_type!r} is claimed by {table[model_type].name} and {spec.name}"
+                )
+            table[model_type] = spec
+    return table
+
+
+FAMILIES: dict[str, FamilySpec[Any]] = _by_model_type(_SPECS)
+"""HF `model_type` -> the spec of the family that converts it."""
+
+
+def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
+    """The LoRA names every family agrees on, with the union of their expert targets.
+
+    A LoRA config names its targets before the model is known (`trainer.lora.LoraConfig`,
+    `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; a
+    family naming a Megatron layer's HF modules differently fails here, at import.
+    """
+    first = specs[0].lora
+    for spec in specs[1:]:
+        if dict(spec.lora.modules) != dict(first.modules) or dict(spec.lora.parents) != dict(first.parents):
+            raise RuntimeError(f"family {spec.name} names its LoRA modules unlike family {specs[0].name}")
+    experts = {target for spec in specs for target in spec.lora.expert_targets}
+    return LoraNames(
+        modules=first.modules,
+        parents=first.parents,
+        expert_targets=tuple(target for target in first.modules if target in experts),
+    )
+
+
+LORA_NAMES: LoraNames = _shared_lora_names(_SPECS)
+"""The LoRA target names of every family (Megatron and HF), for configs written before a model is
+chosen; code holding a model uses its family's `FamilySpec.lora`."""
+
+
+def family_for(config: dict[str, Any]) -> FamilySpec[Any]:
+    """The family spec for an HF config dict; `UserError` naming the supported types otherwise."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UserError(

@@ -1,7 +1,5 @@
 """Llama-family dense decoders (Llama 2/3, Qwen2, Qwen3): HF config -> Megatron config and spec,
-HF weights -> this rank's Megatron tensor-parallel shard.
-
-The same family file will carry the Megatron -> HF names for LoRA export.
+HF weights -> this rank's Megatron tensor-parallel shard, and the LoRA <-> PEFT names (`SPEC`).
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
 from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, pad_rows, shard
+from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -171,8 +170,10 @@ def padded_vocab_size(args: DenseArgs, tp: int) -> int:
     return math.ceil(args.vocab_size / tp) * tp
 
 
-def transformer_config(args: DenseArgs, *, tp: int, dtype: str = "float32", device: str = "cpu"):
-    """The megatron-core `TransformerConfig` of `args` for tensor-parallel size `tp`.
+def transformer_config(
+    args: DenseArgs, layout: ParallelLayout, *, dtype: str = "float32", device: str = "cpu"
+):
+    """The megatron-core `TransformerConfig` of `args` for tensor-parallel size `layout.tp`.
 
     The context-parallel size is megatron-core's (1 before `init_parallel`).
     `dtype`: "float32" or "bfloat16" (parameters and compute). On "cpu" the parameters are
@@ -202,7 +203,7 @@ def transformer_config(args: DenseArgs, *, tp: int, dtype: str = "float32", devi
         qk_layernorm=args.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=layout.tp,
         params_dtype=params_dtype,
         bf16=dtype == "bfloat16",
         use_cpu_initialization=device == "cpu",
@@ -255,7 +256,7 @@ def gpt_model_kwargs(args: DenseArgs, *, tp: int) -> dict[str, Any]:
 
 
 def megatron_state_dict(
-    args: DenseArgs, read: Callable[[str], Tensor], *, tp_size: int, tp_rank: int
+    args: DenseArgs, read: Callable[[str], Tensor], layout: ParallelLayout
 ) -> dict[str, Tensor]:
     """This TP rank's Megatron parameters (local-spec names) from HF tensors read by `read(name)`.
 
@@ -271,6 +272,7 @@ def megatron_state_dict(
     embedding). Shapes per rank: linear_qkv [(nh + 2*ng)*d/tp, h], linear_proj [h, nh*d/tp],
     linear_fc1 [2*ffn/tp, h], linear_fc2 [h, ffn/tp], embedding [V_padded/tp, h].
     """
+    tp_size, tp_rank = layout.tp, layout.tp_rank
     vocab = padded_vocab_size(args, tp_size)
     state: dict[str, Tensor] = {
         "embedding.word_embeddings.weight": shard(
@@ -308,3 +310,37 @@ def megatron_state_dict(
         )
         state[mc + "mlp.linear_fc2.weight"] = shard(read(mlp + "down_proj.weight"), 1, tp_size, tp_rank)
     return state
+
+
+def _check_layout(args: DenseArgs, layout: ParallelLayout) -> None:
+    """`check_parallel` on the layout's TP size: a dense model has no experts for EP/ETP to split
+    (its EP groups, if any, hold replicas of the same dense weights)."""
+    check_parallel(args, layout.tp)
+
+
+LORA_NAMES = LoraNames(
+    modules={
+        "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+        "linear_proj": ("o_proj",),
+        "linear_fc1": ("gate_proj", "up_proj"),
+        "linear_fc2": ("down_proj",),
+    },
+    parents={"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"},
+)
+"""The Llama-style HF module names of Megatron's dense GPT layer linears (PEFT's target_modules)."""
+
+SPEC: FamilySpec[DenseArgs] = FamilySpec(
+    name="llama",
+    model_types=MODEL_TYPES,
+    model_args=model_args,
+    expert_parallel=False,
+    valid_tp_sizes=valid_tp_sizes,
+    check_parallel=_check_layout,
+    transformer_config=transformer_config,
+    layer_spec=layer_spec,
+    gpt_model_kwargs=gpt_model_kwargs,
+    megatron_state_dict=megatron_state_dict,
+    te_name_map=TE_NAME_MAP,
+    lora=LORA_NAMES,
+)
+"""The Llama family (llama, qwen2, qwen3)."""

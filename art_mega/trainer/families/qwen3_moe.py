@@ -1,5 +1,6 @@
 """Qwen3-MoE decoders: HF config -> Megatron MoE config and spec, HF weights -> this rank's
-tensor- and expert-parallel shard (router, per-expert SwiGLU experts; attention as dense Qwen3).
+tensor- and expert-parallel shard (router, per-expert SwiGLU experts; attention as dense Qwen3),
+and the LoRA <-> PEFT names with the experts' (`SPEC`).
 
 Attention, norms, embeddings and RoPE are those of the dense Qwen3 family (`families/llama.py`).
 """
@@ -14,15 +15,13 @@ from typing import TYPE_CHECKING, Any
 from art_mega.errors import UserError
 from art_mega.trainer.families import llama
 from art_mega.trainer.families.layout import fc1_shard, shard
+from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 MODEL_TYPES = ("qwen3_moe",)
 """HF `model_type` values this family reads."""
-
-EXPERT_PARALLEL = True
-"""This family's layers have experts: `check_parallel` and `megatron_state_dict` take EP/ETP."""
 
 TE_NAME_MAP = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
 """Local-spec -> TransformerEngine-spec names. The MoE layer keeps its own pre-MLP norm in the
@@ -116,9 +115,7 @@ def check_parallel(args: MoeArgs, tp: int, *, ep: int = 1, etp: int = 1) -> None
         )
 
 
-def transformer_config(
-    args: MoeArgs, *, tp: int, ep: int = 1, etp: int = 1, dtype: str = "float32", device: str = "cpu"
-):
+def transformer_config(args: MoeArgs, layout: ParallelLayout, *, dtype: str = "float32", device: str = "cpu"):
     """The megatron-core `TransformerConfig`: the dense Qwen3 one (`llama.transformer_config`)
     plus the MoE layer.
 
@@ -128,9 +125,10 @@ def transformer_config(
     (softmax over all experts, then top-k, as HF without renormalising). No token dropping
     (capacity None), the alltoall token dispatcher, experts as a `SequentialMLP` (no grouped
     GEMM), and no load-balancing loss unless `aux_loss_coeff` > 0. Sequence parallel is on when
-    `tp` > 1 (Megatron's MoE layer refuses TP without it while training, `moe/moe_layer.py:379`).
+    `layout.tp` > 1 (Megatron's MoE layer refuses TP without it while training,
+    `moe/moe_layer.py:379`). EP and ETP sizes are the layout's.
     """
-    base = llama.transformer_config(args.dense, tp=tp, dtype=dtype, device=device)
+    base = llama.transformer_config(args.dense, layout, dtype=dtype, device=device)
     balancing = "aux_loss" if args.aux_loss_coeff > 0 else "none"
     return dataclasses.replace(
         base,
@@ -143,9 +141,9 @@ def transformer_config(
         moe_aux_loss_coeff=args.aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.tp > 1,
     )
 
 
@@ -199,22 +197,14 @@ def read_expert(read: Callable[[str], Tensor], layer: int, expert: int) -> tuple
 
 
 def megatron_state_dict(
-    args: MoeArgs,
-    read: Callable[[str], Tensor],
-    *,
-    tp_size: int,
-    tp_rank: int,
-    ep: int = 1,
-    ep_rank: int = 0,
-    etp: int = 1,
-    etp_rank: int = 0,
+    args: MoeArgs, read: Callable[[str], Tensor], layout: ParallelLayout
 ) -> dict[str, Tensor]:
     """This rank's Megatron parameters (local-spec names) from HF tensors read by `read(name)`.
 
     Everything but the MLP comes from `llama.megatron_state_dict` (the dense family's mapping,
     given empty stand-ins for the dense MLP weights an MoE checkpoint lacks). Per layer i:
     mlp.gate -> decoder.layers.i.mlp.router.weight [E, h] (replicated); for local expert j of
-    this EP rank (global expert `local_experts(...)[j]`): gate_proj + up_proj ->
+    this EP rank (global expert `local_experts(args, layout.ep, layout.ep_rank)[j]`): gate_proj + up_proj ->
     mlp.experts.local_experts.j.linear_fc1.weight [2*I/etp, h] (`fc1_shard` over ETP),
     down_proj -> ...linear_fc2.weight [h, I/etp] (column shard over ETP).
     """
@@ -225,14 +215,40 @@ def megatron_state_dict(
             return torch.empty(0, 0)
         return read(name)
 
-    state = llama.megatron_state_dict(args.dense, read_or_stand_in, tp_size=tp_size, tp_rank=tp_rank)
+    state = llama.megatron_state_dict(args.dense, read_or_stand_in, layout)
     for i in range(args.num_layers):
         mc = f"decoder.layers.{i}.mlp."
         del state[mc + "linear_fc1.weight"], state[mc + "linear_fc2.weight"]
         state[mc + "router.weight"] = read(f"model.layers.{i}.mlp.gate.weight")
-        for j, expert in enumerate(local_experts(args, ep, ep_rank)):
+        for j, expert in enumerate(local_experts(args, layout.ep, layout.ep_rank)):
             gate, up, down = read_expert(read, i, expert)
             local = f"{mc}experts.local_experts.{j}."
-            state[local + "linear_fc1.weight"] = fc1_shard(gate, up, etp, etp_rank)
-            state[local + "linear_fc2.weight"] = shard(down, 1, etp, etp_rank)
+            state[local + "linear_fc1.weight"] = fc1_shard(gate, up, layout.etp, layout.etp_rank)
+            state[local + "linear_fc2.weight"] = shard(down, 1, layout.etp, layout.etp_rank)
     return state
+
+
+def _check_layout(args: MoeArgs, layout: ParallelLayout) -> None:
+    check_parallel(args, layout.tp, ep=layout.ep, etp=layout.etp)
+
+
+SPEC: FamilySpec[MoeArgs] = FamilySpec(
+    name="qwen3_moe",
+    model_types=MODEL_TYPES,
+    model_args=model_args,
+    expert_parallel=True,
+    valid_tp_sizes=valid_tp_sizes,
+    check_parallel=_check_layout,
+    transformer_config=transformer_config,
+    layer_spec=layer_spec,
+    gpt_model_kwargs=gpt_model_kwargs,
+    megatron_state_dict=megatron_state_dict,
+    te_name_map=TE_NAME_MAP,
+    # The experts' linear_fc1 / linear_fc2 are named like the dense MLP's, per expert.
+    lora=LoraNames(
+        modules=llama.LORA_NAMES.modules,
+        parents=llama.LORA_NAMES.parents,
+        expert_targets=("linear_fc1", "linear_fc2"),
+    ),
+)
+"""The Qwen3-MoE family."""

@@ -85,6 +85,6 @@ def test_tp_may_exceed_kv_heads_when_a_multiple() -> None:
 def test_vocab_padding_and_family_lookup() -> None:
     args = DenseArgs.from_hf_config({**SMOLLM2_135M, "vocab_size": 151643})
     assert padded_vocab_size(args, 2) == 151644
-    assert family_for({"model_type": "qwen3"}) is llama
+    assert family_for({"model_type": "qwen3"}) is llama.SPEC
     with pytest.raises(UserError, match="model_type='mamba' is not supported by the Megatron trainer"):
         family_for({"model_type": "mamba"})

@@ -7,7 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from art_mega.trainer.peft_io import hf_to_megatron, megatron_to_hf  # noqa: E402
+from art_mega.trainer.families.qwen3_moe import SPEC  # noqa: E402
+
+megatron_to_hf, hf_to_megatron = SPEC.lora.to_peft, SPEC.lora.from_peft
 
 PREFIX = "base_model.model.model.layers.1.mlp.experts.3"
 

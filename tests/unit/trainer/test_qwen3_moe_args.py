@@ -22,7 +22,7 @@ CONFIG = {
 
 
 def test_config_is_parsed() -> None:
-    assert family_for(CONFIG) is qwen3_moe
+    assert family_for(CONFIG) is qwen3_moe.SPEC
     args = qwen3_moe.model_args(CONFIG)
     assert (args.num_experts, args.top_k, args.expert_ffn_hidden_size, args.norm_topk_prob) == (
         4,

@@ -1,0 +1,243 @@
+"""The typed record of a model family (`FamilySpec`), its parallel coordinates (`ParallelLayout`)
+and its LoRA <-> PEFT names (`LoraNames`).
+
+Torch-free at import: the controller reads a spec (config mapping, parallel limits, LoRA target
+names) before any trainer rank starts; the tensor functions import torch when called.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from art_mega.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+ArgsT = TypeVar("ArgsT")
+"""A family's architecture arguments (frozen dataclass read from config.json)."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A rank's place in the model-parallel split: the sizes and this rank's coordinates.
+
+    tp / tp_rank: tensor parallel (heads, FFN and vocabulary split tp ways); ep / ep_rank: expert
+    parallel (each EP rank holds num_experts / ep whole experts); etp / etp_rank: expert tensor
+    parallel (each expert's FFN split etp ways). Sizes >= 1, ranks in [0, size); `ValueError`
+    otherwise (a caller's bug: the sizes come from megatron-core or a checked topology).
+    """
+
+    tp: int = 1
+    tp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for size, rank in ((self.tp, self.tp_rank), (self.ep, self.ep_rank), (self.etp, self.etp_rank)):
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"invalid parallel layout {self}")
+
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.)?(\w+)$")
+"""An adapter name of `trainer.lora.apply_lora`: decoder.layers.{i}[.mlp.experts.{e}].{target}."""
+
+
+@dataclass(frozen=True)
+class LoraNames:
+    """A family's LoRA target names: Megatron's linear layers <-> the HF (PEFT) modules.
+
+    `modules`: Megatron target -> the HF module names it stands for, in Megatron's fused order
+    (linear_qkv: q, k, v; linear_fc1: gate, up; several names = one fused Megatron layer).
+    `parents`: Megatron target -> the HF submodule under a decoder layer that holds those modules
+    ("self_attn", "mlp"). `expert_targets`: the targets an MoE layer also has per expert, whose HF
+    modules sit under `{parent}.experts.{e}` (the per-expert names of the Hub checkpoints).
+    `layer_prefix`: PEFT's key prefix of the decoder layers (PeftModel -> LoraModel ->
+    *ForCausalLM.model.layers).
+
+    Torch-free except `to_peft` / `from_peft`.
+    """
+
+    modules: Mapping[str, tuple[str, ...]]
+    parents: Mapping[str, str]
+    expert_targets: tuple[str, ...] = ()
+    layer_prefix: str = "base_model.model.model.layers"
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Every Megatron target, in order (the default LoRA targets: all of them)."""
+        return tuple(self.modules)
+
+    def normalise(self, targets: Sequence[str]) -> tuple[str, ...]:
+        """Megatron target names from Megatron and/or HF names, in `modules` order.
+
+        A fused Megatron layer needs all of its HF modules: q_proj without k_proj and v_proj cannot
+        be expressed with one adapter on linear_qkv, so it is refused.
+
+        Raises:
+            UserError: an unknown name, or part of a fused layer's HF modules (one sentence each).
+        """
+        hf_to_megatron = {hf: mc for mc, names in self.modules.items() for hf in names}
+        wanted: set[str] = set()
+        hf_seen: set[str] = set()
+        for name in targets:
+            if name in self.modules:
+                wanted.add(name)
+            elif name in hf_to_megatron:
+                hf_seen.add(name)
+                wanted.add(hf_to_megatron[name])
+            else:
+                known = ", ".join([*self.modules, *hf_to_megatron])
+                raise UserError(f"LoRA target {name!r} is not known; use some of: {known}.")
+        for megatron_name, hf_names in self.modules.items():
+            partial = hf_seen & set(hf_names)
+            if partial and partial != set(hf_names) and megatron_name not in targets:
+                raise UserError(
+                    f"LoRA targets {sorted(partial)} need all of {list(hf_names)}: Megatron fuses them "
+                    f"into {megatron_name}, which takes one adapter."
+                )
+        return tuple(name for name in self.modules if name in wanted)
+
+    def hf_target_modules(self, targets: Sequence[str]) -> list[str]:
+        """The HF module names (PEFT's `target_modules`, sorted) of normalised Megatron `targets`."""
+        return sorted(hf for name in targets for hf in self.modules[name])
+
+    def parse(self, name: str) -> tuple[str, str]:
+        """(HF module path under the decoder layers, Megatron target) of a LoRA layer name:
+        decoder.layers.3.mlp.linear_fc1 -> ("3.mlp", "linear_fc1"),
+        decoder.layers.3.mlp.experts.5.linear_fc2 -> ("3.mlp.experts.5", "linear_fc2").
+        Raises `ValueError` for a name this family has no HF module for."""
+        match = _LAYER_NAME.match(name)
+        if match is None or match.group(3) not in self.modules:
+            raise ValueError(f"unexpected LoRA layer name {name!r}")
+        layer, expert, target = match.groups()
+        if expert is not None and target not in self.expert_targets:
+            raise ValueError(f"unexpected LoRA layer name {name!r}: this family has no experts' {target}")
+        parent = f"{layer}.{self.parents[target]}" + (f".experts.{expert}" if expert is not None else "")
+        return parent, target
+
+    def peft_key(self, parent: str, hf_module: str, matrix: str) -> str:
+        """PEFT's tensor key of `matrix` ("lora_A" / "lora_B") of `hf_module` under `parent`."""
+        return f"{self.layer_prefix}.{parent}.{hf_module}.{matrix}.weight"
+
+    def to_peft(
+        self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
+    ) -> dict[str, Tensor]:
+        """PEFT tensors of one Megatron LoRA layer from its full A [r, in] and its B (shards in TP order).
+
+        linear_qkv: B's fused rows are split per query group into q, k, v (`layout.split_qkv`);
+        linear_fc1: each rank's B rows are [gate shard; up shard] (`layout.unfuse_fc1`); the
+        shared A is written for each of the HF modules (x A^T is the same input to all of them),
+        which is exactly the fused layer's update. linear_proj / linear_fc2 map one to one. An
+        expert's linear_fc1 / linear_fc2 maps to that expert's gate_proj + up_proj / down_proj.
+        """
+        import torch
+
+        from art_mega.trainer.families.layout import split_qkv, unfuse_fc1
+
+        parent, target = self.parse(name)
+        hf_names = self.modules[target]
+        if target == "linear_qkv":
+            full_b = torch.cat(b_shards, dim=0)
+            bs = dict(zip(hf_names, split_qkv(full_b, num_heads, num_query_groups)))
+        elif target == "linear_fc1":
+            bs = dict(zip(hf_names, unfuse_fc1(b_shards)))
+        else:
+            bs = {hf_names[0]: torch.cat(b_shards, dim=0)}
+        out = {}
+        for hf_module, b in bs.items():
+            out[self.peft_key(parent, hf_module, "lora_A")] = a.contiguous().clone()
+            out[self.peft_key(parent, hf_module, "lora_B")] = b.contiguous().clone()
+        return out
+
+    def from_peft(
+        self,
+        name: str,
+        tensors: Mapping[str, Tensor],
+        num_heads: int,
+        num_query_groups: int,
+        tp_size: int,
+        tp_rank: int,
+    ) -> tuple[Tensor, Tensor]:
+        """This TP rank's (A, B) of the Megatron LoRA layer `name` from PEFT tensors (inverse of
+        `to_peft`). Column layers: A [r, in] whole, B this rank's rows; row layers: A this rank's
+        columns, B whole.
+
+        Raises:
+            UserError: a tensor is missing, or the HF modules of a fused layer have different A
+                matrices (one fused adapter cannot express them).
+        """
+        import torch
+
+        from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, shard
+
+        parent, target = self.parse(name)
+        layer = parent.split(".", 1)[0]
+        hf_names = self.modules[target]
+        a_list, b_list = [], []
+        for hf_module in hf_names:
+            keys = [self.peft_key(parent, hf_module, matrix) for matrix in ("lora_A", "lora_B")]
+            for key in keys:
+                if key not in tensors:
+                    raise UserError(
+                        f"the adapter has no tensor {key}; it does not cover {hf_module} of layer {layer}."
+                    )
+            a_list.append(tensors[keys[0]])
+            b_list.append(tensors[keys[1]])
+        if any(not torch.equal(a_list[0], other) for other in a_list[1:]):
+            raise UserError(
+                f"layer {layer}'s {', '.join(hf_names)} have different lora_A matrices; "
+                f"art-mega fuses them into one {target} adapter and needs them equal."
+            )
+        a = a_list[0]
+        if target == "linear_qkv":
+            b = shard(fuse_qkv(*b_list, num_heads, num_query_groups), 0, tp_size, tp_rank)
+        elif target == "linear_fc1":
+            b = fc1_shard(b_list[0], b_list[1], tp_size, tp_rank)
+        else:
+            a = shard(a, 1, tp_size, tp_rank)
+            b = b_list[0]
+        return a, b
+
+
+@dataclass(frozen=True)
+class FamilySpec(Generic[ArgsT]):
+    """Everything the trainer knows about one model family, declared in the family's file.
+
+    Config mapping: `model_types` (HF `model_type` values it reads); `model_args(config)` the
+    architecture arguments of an HF config dict, raising `UserError` (one sentence) for a value
+    the family cannot express exactly.
+
+    Parallel limits: `expert_parallel` (the layers have experts: `megatron_state_dict` reads the
+    layout's ep/etp coordinates and `check_parallel` its ep/etp sizes); `valid_tp_sizes(args)`
+    ascending; `check_parallel(args, layout)` raises `UserError` naming the valid sizes when the
+    layout's sizes cannot split `args`.
+
+    Megatron model: `transformer_config(args, layout, *, dtype, device)` megatron-core's
+    `TransformerConfig` (dtype "float32"/"bfloat16", device "cpu"/"cuda");
+    `layer_spec(args, *, use_te)` the decoder layer's `ModuleSpec`; `gpt_model_kwargs(args, *, tp)`
+    the other `GPTModel` arguments (its "vocab_size" is the padded vocabulary).
+
+    Weight adapter: `megatron_state_dict(args, read, layout)` this rank's Megatron tensors
+    (local-spec names) from HF tensors read by `read(name)` (`KeyError` when absent);
+    `te_name_map` local-spec -> TransformerEngine-spec parameter name suffixes (TE fuses a norm
+    into the next linear); `lora` the LoRA <-> PEFT names both ways.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    model_args: Callable[[dict[str, Any]], ArgsT]
+    expert_parallel: bool
+    valid_tp_sizes: Callable[[ArgsT], list[int]]
+    check_parallel: Callable[[ArgsT, ParallelLayout], None]
+    transformer_config: Callable[..., Any]
+    layer_spec: Callable[..., Any]
+    gpt_model_kwargs: Callable[..., dict[str, Any]]
+    megatron_state_dict: Callable[[ArgsT, Callable[[str], Tensor], ParallelLayout], dict[str, Tensor]]
+    te_name_map: Mapping[str, str]
+    lora: LoraNames = field(repr=False)
