@@ -3,7 +3,10 @@
 Shapes: B sequences of S tokens; every per-token tensor is float32 [B, S] and aligned so that
 position t holds the logprob of token t given tokens < t. `mask` is 1.0 on assistant (trained)
 tokens and 0.0 elsewhere; `weights` is each token's weight (art-mega uses 1 / the number of
-assistant tokens of its trajectory, so each trajectory counts once).
+assistant tokens of its trajectory, so each trajectory counts once). An old (or inference)
+logprob that is NaN on a trained token is unknown (a plain assistant message trained with
+`allow_training_without_logprobs`, see `trainer.tokenize.UNKNOWN_LOGPROB`): the current policy's
+logprob, detached, stands in for it, as in ART (`art/loss.py`), so that token's ratio is 1.
 
 GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3) with PPO's clipped surrogate (Schulman et al.
 2017, eq. 7), asymmetric clip bounds as in DAPO (Yu et al. 2025, "clip-higher"), the k3 KL
@@ -66,6 +69,18 @@ def _masked_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
+def known_logprobs(logprobs: torch.Tensor, current: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`logprobs` (old or inference, [B, S]) detached, with each NaN on a trained token (`mask`
+    > 0) replaced by `current` (the policy's logprob, [B, S]) detached: an unknown sampling
+    logprob is taken to be the current policy's.
+
+    A NaN on an untrained token is kept: no tokenization writes one, so it is a real NaN, and
+    the loss turns NaN for the engine's non-finite check to refuse the step.
+    """
+    logprobs = logprobs.detach()
+    return torch.where(torch.isnan(logprobs) & (mask > 0), current.detach(), logprobs)
+
+
 def grpo_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -81,13 +96,15 @@ def grpo_loss(
 
     Args:
         new_logprobs: [B, S] logprobs of the sampled tokens under the policy being trained.
-        old_logprobs: [B, S] logprobs under the policy that sampled them (no gradient).
+        old_logprobs: [B, S] logprobs under the policy that sampled them (no gradient); NaN on
+            a trained token: unknown, the current policy's is used (`known_logprobs`).
         advantages: [B] per sequence, or [B, S] per token.
         mask: [B, S] 1.0 on assistant tokens.
         weights: [B, S] per-token weights (default 1.0).
         config: see `GRPOLossConfig`.
         ref_logprobs: [B, S] reference-policy logprobs, needed when `config.kl_beta > 0`.
-        inference_logprobs: [B, S] the inference engine's logprobs, needed when `config.tis_cap`.
+        inference_logprobs: [B, S] the inference engine's logprobs, needed when `config.tis_cap`;
+            NaN on a trained token: unknown, the old logprob is used (TIS weight 1 there).
         entropy: [B, S] per-token policy entropy, reported only.
 
     Per token t of sequence i, with A the advantage and r the ratio:
@@ -98,6 +115,7 @@ def grpo_loss(
         kl_t = exp(ref_t - new_t) - (ref_t - new_t) - 1                      (k3; GRPO eq. 4)
         tis_t = min(exp(old_t - inference_t), C), no gradient                 (TIS)
         loss = sum_t w_t m_t (tis_t * -surrogate_t + beta kl_t) / sum_t w_t m_t
+    where a NaN old_t on a trained token is sg[new_t] (r_t = 1) and a NaN inference_t is old_t.
 
     Raises:
         ValueError: shapes disagree, or a term is enabled without its input.
@@ -114,7 +132,7 @@ def grpo_loss(
     mask = mask.to(new_logprobs.dtype)
     weights = mask if weights is None else weights.to(new_logprobs.dtype) * mask
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(new_logprobs)
-    old = old_logprobs.detach()
+    old = known_logprobs(old_logprobs, new_logprobs, mask)
     log_ratio = new_logprobs - old
     if config.importance_sampling_level == "sequence":
         lengths = mask.sum(dim=1).clamp_min(1.0)
@@ -128,7 +146,8 @@ def grpo_loss(
     per_token = -surrogate
     if config.tis_cap is not None:
         assert inference_logprobs is not None
-        tis = torch.clamp(torch.exp(old - inference_logprobs.detach()), max=config.tis_cap)
+        inference = known_logprobs(inference_logprobs, old, mask)
+        tis = torch.clamp(torch.exp(old - inference), max=config.tis_cap)
         per_token = per_token * tis
     kl = torch.zeros_like(new_logprobs)
     if ref_logprobs is not None:

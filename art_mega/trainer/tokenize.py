@@ -11,10 +11,15 @@ new sequence: each turn is then trained in its own history, as ART's `additional
 
 - A sampled turn (an openai `Choice`) is its token ids and logprobs exactly as the server returned
   them (request `logprobs=True` and `extra_body={"return_token_ids": True}`): never re-tokenized.
-- A plain assistant message is the text the template adds for it (its render through the turn
-  minus the render before it with the generation prompt), tokenized on its own as the model
-  would emit it, through the first end-of-turn token (`end_of_turn_ids`: where vLLM stops). A template whose render of the turn does
-  not continue its generation prompt is refused, naming the message.
+- A plain assistant message (a dict, not sampled here) is trained only where the caller asks
+  (`plain_assistant`, see `tokenize_history`): in SFT always; in GRPO, as in ART, only with
+  `allow_training_without_logprobs`, with its old logprobs unknown (`UNKNOWN_LOGPROB`: the loss
+  takes the current policy's, so its ratio is 1); otherwise it is context for the turns after
+  it. Its tokens are the text the template adds for it (its render through the turn minus the
+  render before it with the generation prompt), tokenized on its own as the model would emit
+  it, through the first end-of-turn token (`end_of_turn_ids`: where vLLM stops). A template
+  whose render of a trained plain turn does not continue its generation prompt is refused,
+  naming the message.
 - Tool-call `arguments` given as a JSON string (OpenAI's wire format) are parsed once before
   rendering, as vLLM does, so templates that print them as an object (Qwen2.5's `| tojson`)
   never render a double-escaped string; missing or empty arguments render as `{}` (vLLM's rule).
@@ -40,13 +45,25 @@ from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document
 from art_mega.trajectories import Trajectory, TrajectoryGroup
 
+UNKNOWN_LOGPROB = float("nan")
+"""The old logprob of a trained token that was not sampled (a plain assistant message trained in
+GRPO with `allow_training_without_logprobs`): unknown, so `loss.grpo_loss` uses the current
+policy's logprob, detached, in its place (ratio 1, as ART does with its NaN logprobs). Set only
+here, after `trajectories` has refused non-finite sampling logprobs, and only on trained tokens."""
+
+PlainAssistant = Literal["sft", "current_policy", "context"]
+"""What `tokenize_history` does with a plain assistant message: "sft" trains it with old logprob
+0.0 (SFT reads none); "current_policy" trains it with `UNKNOWN_LOGPROB`; "context" does not train
+it: it is the context of the later turns only."""
+
 
 @dataclass
 class TokenizedSequence:
     """One sequence: token ids, 1.0 on trained tokens, and each trained token's sampling logprob.
 
     The three lists have one entry per token; `old_logprobs[t]` is the logprob token t was
-    sampled with (0.0 on prompt tokens and on plain, unsampled assistant messages).
+    sampled with: 0.0 on prompt tokens and on plain assistant messages trained for SFT,
+    `UNKNOWN_LOGPROB` (NaN) on plain assistant messages trained in GRPO.
     """
 
     input_ids: list[int] = field(default_factory=list)
@@ -385,6 +402,7 @@ def tokenize_history(
     tools: Any = None,
     assistant_turns: Literal["all", "last"] = "all",
     where: str = "the conversation",
+    plain_assistant: PlainAssistant = "sft",
 ) -> list[TokenizedSequence]:
     """One conversation as the sequences that train each of its assistant turns exactly.
 
@@ -399,9 +417,11 @@ def tokenize_history(
         tools: the tool schemas the conversation was sampled with (passed to the template in
             vLLM's form, see `template_tools`).
         where: how errors name the conversation, e.g. "trajectory 3 of group 0".
+        plain_assistant: how plain assistant messages (dicts) train (see `PlainAssistant`);
+            with "context" only Choices are assistant turns here.
 
     Returns:
-        the sequences in turn order; each assistant turn is trained in exactly one of them.
+        the sequences in turn order; each trained assistant turn is trained in exactly one of them.
 
     Raises:
         TokenizationError: names `where` and the message index: tools that are not function
@@ -415,7 +435,12 @@ def tokenize_history(
     messages = _text_contents(
         tokenizer, [_chat_message(item, where, turn) for turn, item in enumerate(items)], where
     )
-    turns = [t for t, item in enumerate(items) if _is_choice(item) or messages[t].get("role") == "assistant"]
+    plain_trained = plain_assistant != "context"
+    turns = [
+        t
+        for t, item in enumerate(items)
+        if _is_choice(item) or (plain_trained and messages[t].get("role") == "assistant")
+    ]
     if assistant_turns == "last":
         turns = turns[-1:]
     sequences: list[TokenizedSequence] = []
@@ -449,7 +474,9 @@ def tokenize_history(
             )
         ids = _encode(tokenizer, full_text[len(prompt_text) :])
         eos_ids = end_of_turn_ids(tokenizer) if eos_ids is None else eos_ids
-        sequence.extend(ids[: _assistant_span(eos_ids, ids)], trained=True)
+        ids = ids[: _assistant_span(eos_ids, ids)]
+        old = UNKNOWN_LOGPROB if plain_assistant == "current_policy" else 0.0
+        sequence.extend(ids, trained=True, logprobs=[old] * len(ids))
     return sequences
 
 
@@ -458,16 +485,18 @@ def tokenize_trajectory(
     trajectory: Trajectory,
     assistant_turns: Literal["all", "last"] = "all",
     where: str = "the trajectory",
+    plain_assistant: PlainAssistant = "sft",
 ) -> list[TokenizedSequence]:
     """The sequences of the trajectory's main history, then of each `additional_histories` entry
-    (choices stored as dicts, as after a JSON round trip, are read back as Choices)."""
+    (choices stored as dicts, as after a JSON round trip, are read back as Choices); plain
+    assistant messages train as `plain_assistant` says (see `tokenize_history`)."""
     from pydantic import TypeAdapter, ValidationError
 
     from art_mega.errors import format_validation_error
     from art_mega.trajectories import MessageOrChoice
 
     sequences = tokenize_history(
-        tokenizer, trajectory.messages_and_choices, trajectory.tools, assistant_turns, where
+        tokenizer, trajectory.messages_and_choices, trajectory.tools, assistant_turns, where, plain_assistant
     )
     adapter = TypeAdapter(list[MessageOrChoice])
     for h, history in enumerate(trajectory.additional_histories):
@@ -478,7 +507,9 @@ def tokenize_trajectory(
             raise TokenizationError(
                 f"{name}: {format_validation_error(exc, 'messages_and_choices')}", name, None
             ) from None
-        sequences += tokenize_history(tokenizer, items, history.get("tools"), assistant_turns, name)
+        sequences += tokenize_history(
+            tokenizer, items, history.get("tools"), assistant_turns, name, plain_assistant
+        )
     return sequences
 
 
@@ -492,7 +523,8 @@ class BatchStats:
     trajectories_dropped_zero_advantage: int = 0
     trajectories_dropped_no_assistant_tokens: int = 0
     """Kept by their advantage, but with no assistant turn to train (e.g. the sampled Choice was
-    never appended to the conversation): counted apart so that this shows in the metrics."""
+    never appended to the conversation, or in GRPO its only assistant turns are plain messages
+    without `allow_training_without_logprobs`): counted apart so that this shows in the metrics."""
     trained_tokens: int = 0
 
     def as_metrics(self) -> dict[str, float]:
@@ -500,11 +532,21 @@ class BatchStats:
 
 
 def grpo_documents(
-    tokenizer: Any, groups: Sequence[TrajectoryGroup], scale_rewards: bool = True
+    tokenizer: Any,
+    groups: Sequence[TrajectoryGroup],
+    scale_rewards: bool = True,
+    allow_training_without_logprobs: bool = False,
 ) -> tuple[list[Document], BatchStats]:
     """Advantages per group, zero-variance groups skipped, zero-advantage trajectories dropped
-    (and those without assistant tokens, counted apart), then each kept trajectory tokenized with weight 1 / (its assistant tokens): one Document per
-    sequence (see `tokenize_history`), all of a trajectory's with its advantage and weight.
+    (and those without assistant tokens, counted apart), then each kept trajectory tokenized with
+    weight 1 / (its trained tokens): one Document per sequence (see `tokenize_history`), all of a
+    trajectory's with its advantage and weight.
+
+    As in ART, the sampled Choices are trained; a plain assistant message (a dict) is context
+    only, unless `allow_training_without_logprobs`: then it is trained too, with old logprobs
+    `UNKNOWN_LOGPROB` (the loss uses the current policy's). A trajectory with nothing to train
+    counts in `trajectories_dropped_no_assistant_tokens`; when no trajectory is left the
+    documents are empty (the step trains nothing and reports `loss/nothing_trainable`).
 
     Raises:
         TokenizationError: a conversation that cannot be tokenized exactly (names group,
@@ -521,7 +563,12 @@ def grpo_documents(
             if advantage == 0.0:
                 stats.trajectories_dropped_zero_advantage += 1
                 continue
-            sequences = tokenize_trajectory(tokenizer, trajectory, where=f"trajectory {t} of group {g}")
+            sequences = tokenize_trajectory(
+                tokenizer,
+                trajectory,
+                where=f"trajectory {t} of group {g}",
+                plain_assistant="current_policy" if allow_training_without_logprobs else "context",
+            )
             weight = token_weight(sum(s.trained_tokens for s in sequences))
             if weight == 0.0:
                 stats.trajectories_dropped_no_assistant_tokens += 1
@@ -537,7 +584,8 @@ def sft_documents(
     tokenizer: Any, trajectories: Sequence[Trajectory], assistant_turns: Literal["all", "last"] = "all"
 ) -> tuple[list[Document], BatchStats]:
     """Each trajectory's assistant tokens as SFT documents (advantage 0, weight 1/its tokens),
-    one per sequence (see `tokenize_history`).
+    one per sequence (see `tokenize_history`): plain assistant messages are trained (what SFT
+    is), with old logprob 0.0 (SFT reads none).
 
     Raises:
         TokenizationError: a conversation that cannot be tokenized exactly (names the
