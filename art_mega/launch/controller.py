@@ -18,7 +18,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from art_mega.agent.client import AgentClient
-from art_mega.errors import AgentError, HostLostError, UserError, describe, exit_code_for
+from art_mega.errors import (
+    AgentError,
+    AgentUnauthorizedError,
+    HostLostError,
+    UserError,
+    describe,
+    exit_code_for,
+)
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.program import ProgramRef
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
@@ -317,7 +324,7 @@ async def run_attached(
         try:
             replies = await asyncio.gather(*(c.health(timeout_s=10.0) for c in clients))
         except AgentError as exc:
-            if "HTTP 401" in str(exc):
+            if isinstance(exc, AgentUnauthorizedError):
                 raise UserError(
                     f"--worker {exc.address} refused the launch secret; set ART_MEGA_SECRET to the secret the workers were started with"
                 ) from None
