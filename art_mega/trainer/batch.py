@@ -28,7 +28,10 @@ class TrainBatch:
         segment_ids: int32 document index within its row, from 1; 0 marks padding.
         position_ids: int64 position of each token within its own document (restarts at 0).
         loss_mask: float32 1.0 where token t is trained (a sampled/assistant token), else 0.0.
-        old_logprobs: float32 logprob of token t under the sampling policy (0 where not trained).
+        old_logprobs: float32 logprob of token t under the sampling policy (0 where not trained);
+            NaN on a trained token whose sampling logprob is unknown (a plain assistant message
+            trained with `allow_training_without_logprobs`, `tokenize.UNKNOWN_LOGPROB`): the loss
+            uses the current policy's there (`loss.known_logprobs`). NaN nowhere else.
         advantages: float32 the advantage of token t's trajectory (0 for SFT).
         weights: float32 token weight: 1 / assistant tokens of its trajectory.
     """
@@ -83,8 +86,10 @@ class TrainBatch:
 class Document:
     """One sequence to pack: its tokens and, per token, the training fields (length L each).
 
-    `old_logprobs[t]` is the sampling logprob of `input_ids[t]` (0.0 where `loss_mask[t]` is 0
-    or the token was not sampled); `advantage` and `weight` are its trajectory's.
+    `old_logprobs[t]` is the sampling logprob of `input_ids[t]`: 0.0 where `loss_mask[t]` is 0
+    or the token is trained for SFT without being sampled, NaN (unknown, see
+    `TrainBatch.old_logprobs`) where a GRPO token is trained without being sampled;
+    `advantage` and `weight` are its trajectory's.
     """
 
     input_ids: list[int]
