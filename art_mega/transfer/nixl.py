@@ -48,7 +48,16 @@ STAGING_SUFFIX = ".partial"
 
 
 class TransferError(Exception):
-    """A transfer step failed; the message names the host, the transfer and the file if any."""
+    """A transfer step failed; the message names the transfer and the file if any.
+
+    Attributes:
+        host: the host the message names already ("" when it names none, and the agent's reply
+            puts its own host in front).
+    """
+
+    def __init__(self, message: str, host: str = "") -> None:
+        super().__init__(message)
+        self.host = host
 
 
 def inside(root: str, path: str, what: str) -> Path:
@@ -105,7 +114,9 @@ def write_verified(buffer: memoryview, offer: AdapterOffer, final: Path, host: s
             folder is removed first.
     """
     if final.exists():
-        raise TransferError(f"host {host}: {final} exists already; every received adapter needs a new path")
+        raise TransferError(
+            f"host {host}: {final} exists already; every received adapter needs a new path", host
+        )
     staging = final.with_name(final.name + STAGING_SUFFIX)
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -121,7 +132,8 @@ def write_verified(buffer: memoryview, offer: AdapterOffer, final: Path, host: s
             if actual != entry.sha256:
                 raise TransferError(
                     f"host {host}: file {entry.name} of transfer {offer.transfer_id} from host {offer.host} "
-                    f"has sha256 {actual}, not {entry.sha256} as the sender's manifest says"
+                    f"has sha256 {actual}, not {entry.sha256} as the sender's manifest says",
+                    host,
                 )
         for folder in sorted({(staging / e.name).parent for e in offer.files}, key=lambda p: -len(p.parts)):
             _fsync_dir(folder)
@@ -326,9 +338,8 @@ class AdapterTransfers:
             buffer = self._read(request)
             write_verified(memoryview(buffer), request.offer, final, request.host)
         except (TransferError, OSError, RuntimeError, ValueError) as exc:
-            message = (
-                str(exc) if str(exc).startswith(f"host {request.host}") else f"host {request.host}: {exc}"
-            )
+            named = isinstance(exc, TransferError) and exc.host == request.host
+            message = str(exc) if named else f"host {request.host}: {exc}"
             return FetchResponse(ok=False, error=message, seconds=time.monotonic() - started)
         return FetchResponse(
             ok=True, path=str(final), bytes=request.offer.size, seconds=time.monotonic() - started
