@@ -16,15 +16,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from art_mega.errors import RolloutExceptionsExceeded
 from art_mega.trajectories import PendingTrajectoryGroup, Trajectory, TrajectoryGroup
 
 _PROGRESS: contextvars.ContextVar[GatherProgress | None] = contextvars.ContextVar(
     "art_mega_gather", default=None
 )
-
-
-class RolloutExceptionsExceeded(RuntimeError):
-    """More rollouts raised than `max_exceptions` allows; chained to the first exception seen."""
 
 
 @dataclass
@@ -146,10 +143,7 @@ async def gather_trajectory_groups(
         _PROGRESS.reset(token)
     if len(progress.exceptions) > _limit(max_exceptions, max(total, 1)):
         first = progress.exceptions[0]
-        raise RolloutExceptionsExceeded(
-            f"{len(progress.exceptions)} of {total} rollouts raised (max_exceptions={max_exceptions}); "
-            f"first: {type(first).__name__}: {first}"
-        ) from first
+        raise RolloutExceptionsExceeded(len(progress.exceptions), total, max_exceptions, first) from first
     return [g for batch in finished for g in batch]
 
 

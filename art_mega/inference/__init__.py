@@ -2,27 +2,22 @@
 and policy-versioned routing (`<model>@<step>`). Nothing here imports vLLM or torch.
 """
 
-from art_mega.inference.adapters import AdapterPublisher, AdapterPublishError, PublishReport
+from art_mega.inference.adapters import AdapterPublisher, PublishReport
 from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
 from art_mega.inference.recovery import RecoveryEvent, ReplicaRecovery
 from art_mega.inference.remote import check_serving_mode, start_replicas, stop_replicas
-from art_mega.inference.replica import ReplicaStartError
-from art_mega.inference.router import NoReplicaUpError, PolicyRouter, ReplicaEndpoint, Route, inference_name
-from art_mega.inference.server_api import ReplicaClient, ReplicaHTTPError
+from art_mega.inference.router import PolicyRouter, ReplicaEndpoint, Route, inference_name
+from art_mega.inference.server_api import ReplicaClient
 
 __all__ = [
-    "AdapterPublishError",
     "AdapterPublisher",
-    "NoReplicaUpError",
     "PolicyRouter",
     "PublishReport",
     "RecoveryEvent",
     "ReplicaClient",
     "ReplicaEndpoint",
-    "ReplicaHTTPError",
     "ReplicaLaunch",
     "ReplicaRecovery",
-    "ReplicaStartError",
     "Route",
     "check_serving_mode",
     "inference_name",

@@ -14,29 +14,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from art_mega.errors import AdapterPublishError, ReplicaHTTPError
 from art_mega.inference.router import PolicyRouter, ReplicaEndpoint, inference_name
-from art_mega.inference.server_api import DEFAULT_TIMEOUT_S, ReplicaClient, ReplicaHTTPError
+from art_mega.inference.server_api import DEFAULT_TIMEOUT_S, ReplicaClient
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
 RETRY_DELAY_S = 0.5
-
-
-class AdapterPublishError(Exception):
-    """Some replica did not load a step's adapter after the retry; the served step did not move.
-
-    `step` is the step; `failures` maps each failing replica's name to the server's last
-    answer (a `ReplicaHTTPError`, which carries the status code and body).
-    """
-
-    def __init__(self, step: int, model: str, failures: Mapping[str, ReplicaHTTPError]) -> None:
-        parts = [f"{exc} (after 2 attempts)" for exc in failures.values()]
-        super().__init__(
-            f"publishing step {step} as {model} failed, the served step did not advance: " + "; ".join(parts)
-        )
-        self.step = step
-        self.failures = dict(failures)
 
 
 @dataclass

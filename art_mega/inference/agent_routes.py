@@ -1,6 +1,6 @@
 """The agent's inference routes: start and stop this host's vLLM replicas as supervised children.
 
-`register_inference_routes(router, supervisor)` adds `POST /v1/inference/start` and
+`register(router, supervisor)` adds `POST /v1/inference/start` and
 `POST /v1/inference/stop`; the router's signature check guards them like every other route.
 """
 
@@ -11,12 +11,18 @@ import asyncio
 from art_mega.agent.protocol import ShutdownResponse
 from art_mega.agent.routes import SignedRouter
 from art_mega.agent.supervisor import DEFAULT_STOP_GRACE_S, Child, Supervisor
-from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse, InferenceStopRequest
+from art_mega.inference.protocol import (
+    INFERENCE_START,
+    INFERENCE_STOP,
+    InferenceStartRequest,
+    InferenceStartResponse,
+    InferenceStopRequest,
+)
 
 ROLE = "inference"
 
 
-def register_inference_routes(router: SignedRouter, supervisor: Supervisor) -> None:
+def register(router: SignedRouter, supervisor: Supervisor) -> None:
     """Add the inference routes to the agent's `router`; replicas join `supervisor`'s children.
 
     Replicas are children like any other: the agent's shutdown stops them (SIGTERM, then
@@ -27,9 +33,10 @@ def register_inference_routes(router: SignedRouter, supervisor: Supervisor) -> N
     lock = asyncio.Lock()
     grace_s: dict[str, float] = {}
 
-    @router.post("/inference/start", InferenceStartRequest)
+    @router.serve(INFERENCE_START)
     async def inference_start(body: InferenceStartRequest) -> InferenceStartResponse:
-        from art_mega.inference.replica import ReplicaStartError, spawn_replica
+        from art_mega.errors import ReplicaStartError
+        from art_mega.inference.replica import spawn_replica
 
         name = body.replica.process_name
         async with lock:
@@ -64,7 +71,7 @@ def register_inference_routes(router: SignedRouter, supervisor: Supervisor) -> N
             raise
         return InferenceStartResponse(ok=True, seconds=seconds, **response)
 
-    @router.post("/inference/stop", InferenceStopRequest)
+    @router.serve(INFERENCE_STOP)
     async def inference_stop(body: InferenceStopRequest) -> ShutdownResponse:
         ours = [c.child_id for c in supervisor.children() if c.role == ROLE]
         names = [n for n in body.names if n in ours] if body.names else ours

@@ -6,20 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from art_mega.inference.router import PolicyRouter, Route
+from art_mega.errors import ReplicaRequestError
+from art_mega.inference.router import PolicyRouter
 from art_mega.trajectories import POLICY_STEP_FIELD
-
-
-class ReplicaRequestError(Exception):
-    """A request to one replica failed (e.g. it died while answering); names the replica, its
-    URL and the model asked for. `route` is where the request went; the cause is chained."""
-
-    def __init__(self, route: Route, cause: BaseException) -> None:
-        super().__init__(
-            f"request to replica {route.replica} ({route.url}) for model {route.model} failed: "
-            f"{type(cause).__name__}: {cause}"
-        )
-        self.route = route
 
 
 def served_step(router: PolicyRouter, served_model: str) -> int | None:
@@ -74,7 +63,7 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
             try:
                 reply = await target.create(*args, **options)
             except openai.APIError as exc:
-                raise ReplicaRequestError(route, exc) from exc
+                raise ReplicaRequestError(route.replica, route.url, route.model, exc) from exc
             return reply if options.get("stream") else tag_choices(router, reply)
 
         return create

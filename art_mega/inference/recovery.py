@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from art_mega.errors import ReplicaHTTPError
 from art_mega.inference.adapters import AdapterPublisher
-from art_mega.inference.protocol import ReplicaLaunch
+from art_mega.inference.protocol import INFERENCE_STOP, InferenceStopRequest, ReplicaLaunch
+from art_mega.inference.remote import start_replica
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ class ReplicaRecovery:
             for attempt in range(1, self.max_restarts + 1):
                 if self.before_restart is not None:
                     await self.before_restart(name)
-                answer = await self.clients[host].inference_start(spec, launch)
+                answer = await start_replica(self.clients[host], spec, launch)
                 if not answer.ok:
                     self._record(name, "failed", f"restart {attempt}/{self.max_restarts}: {answer.error}")
                     continue
@@ -144,7 +145,7 @@ class ReplicaRecovery:
                     loaded = await self.publisher.restore(name)
                 except ReplicaHTTPError as exc:
                     self._record(name, "failed", f"reloading adapters: {exc}")
-                    await self.clients[host].inference_stop((name,))
+                    await self.clients[host].call(INFERENCE_STOP, InferenceStopRequest(names=(name,)))
                     continue
                 self._record(name, "up", f"serving {', '.join(loaded) or 'the base model'}")
                 return

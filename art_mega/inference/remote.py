@@ -9,9 +9,15 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from art_mega.errors import UserError
-from art_mega.inference.protocol import InferenceStartResponse, ReplicaLaunch
-from art_mega.inference.replica import ReplicaStartError
+from art_mega.errors import ReplicaStartError, UserError
+from art_mega.inference.protocol import (
+    INFERENCE_START,
+    INFERENCE_STOP,
+    InferenceStartRequest,
+    InferenceStartResponse,
+    InferenceStopRequest,
+    ReplicaLaunch,
+)
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
@@ -22,6 +28,20 @@ def _launch_for(
     launch: ReplicaLaunch | Callable[[ReplicaSpec], ReplicaLaunch], spec: ReplicaSpec
 ) -> ReplicaLaunch:
     return launch(spec) if callable(launch) else launch
+
+
+async def start_replica(
+    client: AgentClient, spec: ReplicaSpec, launch: ReplicaLaunch
+) -> InferenceStartResponse:
+    """Start replica `spec` on the client's host and wait until it is ready; the wait is bounded
+    by `launch.ready_timeout_s` (+ 30 s for the reply). A failed start comes back in the reply
+    (`ok=False`, `error`).
+
+    Raises:
+        AgentError: the agent did not answer.
+    """
+    body = InferenceStartRequest(replica=spec, launch=launch)
+    return await client.call(INFERENCE_START, body, timeout_s=launch.ready_timeout_s + 30)
 
 
 def check_serving_mode(replicas: Sequence[ReplicaSpec]) -> None:
@@ -57,15 +77,16 @@ async def start_replicas(
     for spec in replicas:
         if spec.host_ids[0] not in clients:
             raise ReplicaStartError(
-                f"replica {spec.process_name}: no agent client for host {spec.host_ids[0]}"
+                f"replica {spec.process_name}: no agent client for host {spec.host_ids[0]}", spec.process_name
             )
         if len(spec.host_ids) > 1:
             raise ReplicaStartError(
                 f"replica {spec.process_name} spans hosts {list(spec.host_ids)}; multi-host replicas "
-                "are not started by art-mega yet"
+                "are not started by art-mega yet",
+                spec.process_name,
             )
     results = await asyncio.gather(
-        *(clients[s.host_ids[0]].inference_start(s, _launch_for(launch, s)) for s in replicas),
+        *(start_replica(clients[s.host_ids[0]], s, _launch_for(launch, s)) for s in replicas),
         return_exceptions=True,
     )
     failed = [(s, r) for s, r in zip(replicas, results) if isinstance(r, BaseException) or not r.ok]
@@ -74,7 +95,7 @@ async def start_replicas(
         spec, result = failed[0]
         if isinstance(result, BaseException):
             raise result
-        raise ReplicaStartError(f"host {spec.host_ids[0]}: {result.error}")
+        raise ReplicaStartError(f"host {spec.host_ids[0]}: {result.error}", spec.process_name)
     return list(results)  # type: ignore[arg-type]
 
 
@@ -85,6 +106,10 @@ async def stop_replicas(clients: Mapping[str, AgentClient], replicas: Sequence[R
     for spec in replicas:
         by_host.setdefault(spec.host_ids[0], []).append(spec.process_name)
     await asyncio.gather(
-        *(clients[h].inference_stop(tuple(names)) for h, names in by_host.items() if h in clients),
+        *(
+            clients[h].call(INFERENCE_STOP, InferenceStopRequest(names=tuple(names)))
+            for h, names in by_host.items()
+            if h in clients
+        ),
         return_exceptions=True,
     )

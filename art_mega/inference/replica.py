@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from art_mega.agent.supervisor import spawn_child, stop_process
+from art_mega.errors import ReplicaHTTPError, ReplicaStartError
 from art_mega.inference.protocol import ReplicaLaunch
-from art_mega.inference.server_api import ReplicaClient, ReplicaHTTPError
+from art_mega.inference.server_api import ReplicaClient
 from art_mega.topology.compiled import ReplicaSpec
 
 LOG_TAIL_BYTES = 3000
@@ -24,10 +25,6 @@ WARMUP_PROMPT = "hello"
 _HEALTH_POLL_S = 0.5
 _FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 """Variables of the agent's own Python environment that would break another interpreter's."""
-
-
-class ReplicaStartError(Exception):
-    """A replica did not come up: it exited, or was not ready in time; names it and its log."""
 
 
 def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
@@ -155,7 +152,8 @@ class LocalReplica:
     def _failure(self, what: str) -> ReplicaStartError:
         return ReplicaStartError(
             f"replica {self.name} (pid {self.pid}, {self.url}) {what}; "
-            f"last lines of {self.log_path}:\n{self.log_tail()}"
+            f"last lines of {self.log_path}:\n{self.log_tail()}",
+            self.name,
         )
 
     async def wait_ready(self, timeout_s: float | None = None) -> float:
@@ -218,7 +216,7 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
         log = open(log_path, "ab")
     except OSError as exc:
         raise ReplicaStartError(
-            f"replica {spec.process_name}: cannot write its log {log_path}: {exc}"
+            f"replica {spec.process_name}: cannot write its log {log_path}: {exc}", spec.process_name
         ) from exc
     with log:
         offset = log.seek(0, os.SEEK_END)
@@ -237,7 +235,8 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
             )
         except OSError as exc:
             raise ReplicaStartError(
-                f"replica {spec.process_name}: cannot run {argv[0]!r} (InferenceSpec.python): {exc}"
+                f"replica {spec.process_name}: cannot run {argv[0]!r} (InferenceSpec.python): {exc}",
+                spec.process_name,
             ) from exc
     return LocalReplica(spec=spec, launch=launch, process=process, log_path=log_path, log_offset=offset)
 

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from art_mega.errors import NoReplicaUpError
 from art_mega.topology.compiled import ReplicaSpec
 
 
@@ -44,10 +45,6 @@ class Route:
 def inference_name(model_name: str, step: int | None) -> str:
     """`<model_name>@<step>`, or `model_name` itself (the base model) when `step` is None."""
     return model_name if step is None else f"{model_name}@{step}"
-
-
-class NoReplicaUpError(Exception):
-    """Every replica is down (restarting after a crash); the message names them and why."""
 
 
 class PolicyRouter:
@@ -92,7 +89,7 @@ class PolicyRouter:
             if replica.name not in self._down:
                 return Route(replica.name, replica.url, self.inference_name(), self._served_step)
         reasons = "; ".join(f"{r.name} ({r.url}): {self._down[r.name]}" for r in self.replicas)
-        raise NoReplicaUpError(f"no replica of {self.model_name} is up: {reasons}")
+        raise NoReplicaUpError(self.model_name, reasons)
 
     def up(self) -> tuple[ReplicaEndpoint, ...]:
         """The replicas that take traffic (and receive new adapters), in order."""

@@ -10,23 +10,9 @@ from typing import Any
 
 import httpx
 
+from art_mega.errors import ReplicaHTTPError
+
 DEFAULT_TIMEOUT_S = 60.0
-
-
-class ReplicaHTTPError(Exception):
-    """A vLLM server refused a call or could not be reached.
-
-    `status` is the HTTP status code (None when no answer came); `answer` is the server's body
-    (or the transport error) as text.
-    """
-
-    def __init__(self, replica: str, url: str, what: str, status: int | None, answer: str) -> None:
-        code = f"HTTP {status}" if status is not None else "no answer"
-        super().__init__(f"replica {replica} ({url}): {what} failed with {code}: {answer}")
-        self.replica = replica
-        self.url = url
-        self.status = status
-        self.answer = answer
 
 
 class ReplicaClient:

@@ -27,22 +27,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import httpx
 
+from art_mega.errors import ReplicaHTTPError, ReplicaSleepError
 from art_mega.inference.router import ReplicaEndpoint
-from art_mega.inference.server_api import ReplicaClient, ReplicaHTTPError
+from art_mega.inference.server_api import ReplicaClient
 
 SLEEP_LEVEL = 1
 """Level 1 keeps a CPU copy of the weights: the base model does not change between steps."""
-
-
-class ReplicaSleepError(Exception):
-    """A shared-GPU replica did not sleep or wake; names the replica and the server's answer.
-
-    `failures` holds each replica's refusal (`ReplicaHTTPError`: name, URL, status, answer).
-    """
-
-    def __init__(self, message: str, failures: Sequence[ReplicaHTTPError] = ()) -> None:
-        super().__init__(message)
-        self.failures = tuple(failures)
 
 
 class SharedGpuReplicas:

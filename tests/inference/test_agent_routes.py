@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from art_mega.agent.ports import free_port
-from art_mega.inference import ReplicaLaunch, ReplicaStartError, start_replicas, stop_replicas
+from art_mega.errors import ReplicaStartError
+from art_mega.inference import ReplicaLaunch, start_replicas, stop_replicas
 from tests.inference.common import replica_spec
 from tests.inference.conftest import Agent
 

@@ -172,7 +172,7 @@ async def test_stale_trajectories_are_refused_unless_allowed(setup: Setup) -> No
 
 
 async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -> None:
-    from art_mega.inference.policy_client import ReplicaRequestError
+    from art_mega.errors import ReplicaRequestError
 
     backend, model = setup.backend, setup.model
     router, recovery = backend._router, backend._recovery

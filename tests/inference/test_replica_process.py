@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from art_mega.agent.ports import free_port
-from art_mega.inference import ReplicaLaunch, ReplicaStartError
+from art_mega.errors import ReplicaStartError
+from art_mega.inference import ReplicaLaunch
 from art_mega.inference.replica import start_replica
 from tests.conftest import pid_alive
 from tests.inference.common import replica_spec

@@ -21,9 +21,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from art_mega.agent.ports import free_port
+from art_mega.errors import ReplicaSleepError
 from art_mega.inference.router import ReplicaEndpoint
 from art_mega.inference.server_api import ReplicaClient
-from art_mega.inference.sleep import ReplicaSleepError, SharedGpuReplicas
+from art_mega.inference.sleep import SharedGpuReplicas
 
 
 class StandIn:

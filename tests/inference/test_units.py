@@ -7,13 +7,11 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from art_mega.errors import UserError
+from art_mega.errors import NoReplicaUpError, ReplicaHTTPError, UserError
 from art_mega.inference import (
     AdapterPublisher,
-    NoReplicaUpError,
     PolicyRouter,
     ReplicaEndpoint,
-    ReplicaHTTPError,
     ReplicaLaunch,
     check_serving_mode,
     inference_name,

@@ -11,14 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from art_mega.inference import (
-    AdapterPublisher,
-    AdapterPublishError,
-    PolicyRouter,
-    ReplicaClient,
-    ReplicaEndpoint,
-    ReplicaHTTPError,
-)
+from art_mega.errors import AdapterPublishError, ReplicaHTTPError
+from art_mega.inference import AdapterPublisher, PolicyRouter, ReplicaClient, ReplicaEndpoint
 from tests.inference.common import hf_logprobs, make_adapter
 from tests.inference.conftest import MODEL_NAME, Served
 

@@ -14,7 +14,7 @@ import pytest
 
 from art_mega.agent.ports import free_port
 from art_mega.backend import MegatronBackend
-from art_mega.inference.replica import ReplicaStartError
+from art_mega.errors import ReplicaStartError
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
 from tests.conftest import pid_alive

@@ -3,7 +3,8 @@ import asyncio
 import pytest
 
 from art_mega import Trajectory, TrajectoryGroup
-from art_mega.gather import RolloutExceptionsExceeded, gather_trajectory_groups
+from art_mega.errors import RolloutExceptionsExceeded
+from art_mega.gather import gather_trajectory_groups
 from art_mega.rollouts import wire
 
 

@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 import art_mega as art
 from art_mega.backend import MegatronBackend
-from art_mega.errors import HyperParameterError, NonFiniteValueError, UserError
-from art_mega.gather import RolloutExceptionsExceeded, gather_trajectory_groups
+from art_mega.errors import HyperParameterError, NonFiniteValueError, RolloutExceptionsExceeded, UserError
+from art_mega.gather import gather_trajectory_groups
 from art_mega.sft import SFTConfig, create_sft_dataset_iterator, iterate_dataset, iterate_file
 from art_mega.trainer.advantages import group_advantages
 
