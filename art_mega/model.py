@@ -63,7 +63,8 @@ class Model(BaseModel):
 
 
 class TrainableModel(Model):
-    """A model that art-mega trains: `base_model` is an HF directory, a cached name, or an adapter.
+    """A model that art-mega trains: `base_model` is an HF directory, a cached name, an adapter, or a
+    Hugging Face repo id ("Qwen/Qwen3-0.6B", from the HF cache or downloaded into it).
 
     Serializable without loading anything; the backend resolves `base_model` on `register`.
     Until registered, `log` writes to `./.art-mega/<project>/models/<name>/history.jsonl`.
@@ -185,7 +186,9 @@ class TrainableModel(Model):
     @classmethod
     def _base(cls, value: str) -> str:
         if not value.strip():
-            raise ValueError("base_model must name an HF directory, a cached model or a PEFT adapter")
+            raise ValueError(
+                "base_model must name an HF directory, a cached model, a PEFT adapter or a Hugging Face repo id"
+            )
         return value
 
 

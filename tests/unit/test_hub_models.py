@@ -269,3 +269,122 @@ def test_a_host_that_cannot_read_a_hub_snapshot_is_told_about_the_hf_cache() -> 
         "host mounts at the same path, or download Qwen/Qwen3-0.6B on host h1 into a cache at that same "
         "path (hf download Qwen/Qwen3-0.6B)"
     )
+
+
+class FakeHub:
+    """The Hub's model API on a loopback port, as far as `snapshot_download` uses it: repo info
+    (`/api/models/<repo>/revision/<rev>`), file metadata and bytes (`/<repo>/resolve/<commit>/<file>`),
+    and its error answers (X-Error-Code RepoNotFound / GatedRepo / RevisionNotFound). Serves the
+    tiny model as "Qwen/Qwen3-0.6B" at COMMIT plus files a trainer and vLLM never read."""
+
+    EXTRA = {
+        "README.md": b"# tiny\n",
+        "pytorch_model.bin": b"torch pickle",
+        "consolidated.safetensors": b"mistral-format duplicate",
+        "onnx/model.onnx": b"onnx",
+        "original/model.safetensors": b"another copy",
+    }
+
+    def __init__(self, tiny: Path) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()} | self.EXTRA
+        self.fetched: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._answer(body=False)
+
+            def do_GET(self) -> None:
+                self._answer(body=True)
+
+            def _answer(self, body: bool) -> None:
+                status, headers, data = hub.answer(self.path.split("?", 1)[0], body)
+                self.send_response(status)
+                for key, value in {**headers, "Content-Length": str(len(data))}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, path: str, body: bool) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, body) for a request path."""
+        if path.startswith("/api/models/"):
+            repo, _, revision = path.removeprefix("/api/models/").partition("/revision/")
+            if repo == "Org/gated":
+                return 403, {"X-Error-Code": "GatedRepo"}, b'{"error": "gated"}'
+            if repo != "Qwen/Qwen3-0.6B":
+                return 401, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}'
+            if revision not in ("main", COMMIT):
+                return 404, {"X-Error-Code": "RevisionNotFound"}, b'{"error": "Invalid rev id"}'
+            info = {
+                "id": repo,
+                "sha": COMMIT,
+                "siblings": [{"rfilename": name} for name in sorted(self.files)],
+            }
+            return 200, {"Content-Type": "application/json"}, json.dumps(info).encode()
+        prefix = f"/Qwen/Qwen3-0.6B/resolve/{COMMIT}/"
+        name = path.removeprefix(prefix)
+        if not path.startswith(prefix) or name not in self.files:
+            return 404, {"X-Error-Code": "EntryNotFound"}, b""
+        data = self.files[name]
+        if body:
+            self.fetched.append(name)
+        return 200, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, data
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub(tiny_llama_dir: Path):
+    hub = FakeHub(tiny_llama_dir)
+    yield hub
+    hub.close()
+
+
+def test_a_download_fetches_only_what_the_trainer_and_vllm_read(
+    fake_hub: FakeHub, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": fake_hub.endpoint}
+    (result,) = resolve_in(env, [("Qwen/Qwen3-0.6B", None)], tmp_path / "cache")
+    snapshot = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / COMMIT
+    assert result == {"dir": str(snapshot), "hub_id": "Qwen/Qwen3-0.6B"}
+    tiny = sorted(p.name for p in tiny_llama_dir.iterdir() if p.is_file())
+    assert sorted(fake_hub.fetched) == tiny  # no README, .bin, consolidated, onnx/ or original/
+    assert sorted(p.name for p in snapshot.iterdir()) == tiny
+    assert (snapshot / "model.safetensors").read_bytes() == (
+        tiny_llama_dir / "model.safetensors"
+    ).read_bytes()
+    # offline afterwards, the same name resolves from what was downloaded
+    offline = resolve_in({**env, "HF_HUB_OFFLINE": "1"}, [("Qwen/Qwen3-0.6B", None)], tmp_path / "cache")
+    assert offline == [result]
+
+
+def test_unknown_gated_repos_and_revisions_on_the_hub_are_refused(fake_hub: FakeHub, tmp_path: Path) -> None:
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": fake_hub.endpoint}
+    cases = [("Org/private", None), ("Org/gated", None), ("Qwen/Qwen3-0.6B", "v9")]
+    private, gated, revision = (r["error"] for r in resolve_in(env, cases, tmp_path / "cache"))
+    assert private == (
+        f"base_model 'Org/private' is no model repository on the Hugging Face Hub {fake_hub.endpoint} that this "
+        "machine may read; check the name, or set HF_TOKEN to a token that may read the private repo"
+    )
+    assert gated == (
+        "base_model 'Org/gated' is a gated repository on the Hugging Face Hub; accept its terms at "
+        f"{fake_hub.endpoint}/Org/gated and set HF_TOKEN to a token of that account"
+    )
+    assert revision == (
+        "base_model 'Qwen/Qwen3-0.6B' (revision 'v9'): the repository has no revision 'v9' on the Hugging Face "
+        "Hub; name an existing branch, tag or commit"
+    )
+    assert fake_hub.fetched == []
