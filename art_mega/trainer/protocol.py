@@ -1,17 +1,298 @@
-"""Bodies of the trainer service: controller <-> agent (the /trainer/* routes), agent <-> rank.
+"""Every message of the trainer service, typed: controller <-> agent (the /trainer/* routes) and
+agent <-> rank (newline-delimited JSON on the inherited socket, see `trainer.host`).
 
-Pydantic models, JSON on the wire; every body is validated against them on receipt.
+One GRPO step crosses these hops, and each carries one of the models below, built by its sender
+(`model_dump_json()`) and validated by its receiver (`model_validate_json()`):
+
+    controller -> agent   TRAINER_START (`TrainerStartRequest`: the ranks and their `RankConfig`),
+                          TRAINER_JOB (`TrainerJobRequest`: a job id and one `TrainJob`),
+                          TRAINER_EVENTS (`TrainerEventsRequest`), TRAINER_STOP
+    agent -> rank         the `RankConfig` (first line on the socket), then each `TrainerJobRequest`
+    rank -> agent         `RankEvent` lines (one discriminated union over `kind`)
+    agent -> controller   `TrainerEventsResponse`: each event as a `TrainerEvent` (rank, time, event)
+
+Files the controller writes for a rank (each step's batch, `trainer.batch.TrainBatch`) and the
+checkpoint manifest (`trainer.checkpoint.Manifest`) have their own checked formats.
+
+Every model refuses unknown fields, so a misspelled option fails where it is received, naming
+the field (`describe_invalid`), instead of silently taking its default. Adding a trainer option
+is one field here and its use on the rank. The user-facing checks of the hyper-parameters
+(`art_mega.hyperparams`, `backend.check_grpo_options`) stay at the edge; the constraints here
+hold any sender to the same ranges.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import difflib
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from art_mega.agent.protocol import ShutdownResponse
+from art_mega.agent.routes import Route
+from art_mega.topology.compiled import TrainerRank
+from art_mega.topology.trainer import TrainerSpec
+
+BODY_LIMIT = 64 * 1024 * 1024
+"""Bytes one trainer message may take: a /trainer/start or /trainer/job body, or one line on a
+rank's socket (a start's rank table grows with the world size)."""
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Step = Annotated[int, Field(ge=0, strict=True)]
+
+
+# --- launch config ---------------------------------------------------------------------------
+
+
+class LoraSettings(_Body):
+    """The adapter's LoRA (`trainer.lora.LoraConfig`).
+
+    rank: r, the adapter's inner width; alpha: the update is (alpha / rank) * B A; targets:
+    Megatron or HF module names (empty: all of them, `families.LORA_NAMES.targets`); seed: seeds A's
+    initialisation.
+    """
+
+    rank: int = Field(default=8, ge=1, strict=True)
+    alpha: Finite = Field(default=16.0, gt=0)
+    targets: tuple[str, ...] = ()
+    seed: int = Field(default=0, ge=0, strict=True)
+
+
+class OptimizerConfig(_Body):
+    """AdamW over the LoRA parameters (`trainer.engine.OptimizerSettings`, which documents each).
+
+    lr: the default learning rate (a job names its own); weight_decay, beta1, beta2, eps: AdamW's;
+    clip_grad: global gradient-norm clip (0 disables); distributed: Megatron's distributed
+    optimizer (None: when dp > 1).
+    """
+
+    lr: Finite = Field(default=1e-5, gt=0)
+    weight_decay: Finite = Field(default=0.0, ge=0)
+    beta1: Finite = Field(default=0.9, ge=0, lt=1)
+    beta2: Finite = Field(default=0.999, ge=0, lt=1)
+    eps: Finite = Field(default=1e-8, gt=0)
+    clip_grad: Finite = Field(default=1.0, ge=0)
+    distributed: bool | None = None
+
+
+class EngineConfig(_Body):
+    """What the rank's `TrainerEngine` is built from (`jobs.build_engine`).
+
+    model_dir: the base model's HF folder on the rank's host; dtype: the parameters' dtype;
+    micro_batch_rows: packed rows per forward/backward microbatch; resume_dir: a committed
+    checkpoint (`<run>/checkpoints/<step:04d>`) to load LoRA and optimizer state from, or
+    warm_start: a PEFT adapter folder to start the LoRA from (at most one of the two).
+    """
+
+    model_dir: str = Field(min_length=1)
+    lora: LoraSettings = LoraSettings()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    micro_batch_rows: int = Field(default=1, ge=1, strict=True)
+    resume_dir: str | None = None
+    warm_start: str | None = None
+
+    @model_validator(mode="after")
+    def _one_start(self) -> EngineConfig:
+        if self.resume_dir is not None and self.warm_start is not None:
+            raise ValueError(
+                f"resume_dir={self.resume_dir!r} and warm_start={self.warm_start!r} are both set; "
+                "a rank resumes a checkpoint or warm-starts an adapter, so set one of them"
+            )
+        return self
+
+
+class RankConfig(_Body):
+    """Everything a trainer rank needs at start besides its own rank (`--rank`).
+
+    world_size: trainer ranks in all; master_addr, master_port: rank 0's rendezvous address;
+    trainer: the parallel sizes; rank_table: every rank's coordinates, in rank order;
+    host_local_root: each trainer host commits its own checkpoint folder
+    (`ClusterSpec.shared_artifact_root=False`); engine: the model to train (None: a trainer that
+    only runs `PingJob`s).
+    """
+
+    world_size: int = Field(ge=1, strict=True)
+    master_addr: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535, strict=True)
+    trainer: TrainerSpec
+    rank_table: tuple[TrainerRank, ...]
+    host_local_root: bool = False
+    engine: EngineConfig | None = None
+
+    @model_validator(mode="after")
+    def _table_is_the_world(self) -> RankConfig:
+        ranks = [r.rank for r in self.rank_table]
+        if ranks != list(range(self.world_size)):
+            raise ValueError(
+                f"rank_table holds ranks {ranks}; it must list ranks 0..{self.world_size - 1} "
+                f"in order, one per rank of world_size={self.world_size}"
+            )
+        return self
+
+
+# --- jobs --------------------------------------------------------------------------------------
+
+
+class LossSettings(_Body):
+    """The GRPO loss of an `RLJob` (`trainer.loss.GRPOLossConfig`, which documents each)."""
+
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    epsilon_low: Finite = Field(default=0.2, ge=0)
+    epsilon_high: Finite | None = Field(default=None, ge=0)
+    kl_beta: Finite = Field(default=0.0, ge=0)
+    tis_cap: Finite | None = Field(default=None, gt=0)
+
+
+class PingJob(_Body):
+    """A diagnostic job: the ranks all-reduce rank+1 (checks the ranks and their links); done
+    carries metrics `sum` and `world_size`."""
+
+    kind: Literal["ping"] = "ping"
+
+
+class ExportJob(_Body):
+    """Write step `step`'s checkpoint to `checkpoint_dir` without training (step 0: the initial
+    adapter). `step` must be the one after the rank's last checkpoint (`jobs.check_job_step`)."""
+
+    kind: Literal["export"] = "export"
+    step: Step
+    checkpoint_dir: str = Field(min_length=1)
+
+
+class SFTJob(_Body):
+    """One SFT optimizer step on `batch_dir/dp<r>.safetensors` at `learning_rate`, then the
+    checkpoint of `step` in `checkpoint_dir`."""
+
+    kind: Literal["sft"] = "sft"
+    step: Step
+    batch_dir: str = Field(min_length=1)
+    checkpoint_dir: str = Field(min_length=1)
+    learning_rate: Finite = Field(gt=0)
+
+
+class RLJob(_Body):
+    """One GRPO optimizer step on `batch_dir/dp<r>.safetensors` with `loss` at `learning_rate`,
+    then the checkpoint of `step` in `checkpoint_dir`."""
+
+    kind: Literal["rl"] = "rl"
+    step: Step
+    batch_dir: str = Field(min_length=1)
+    checkpoint_dir: str = Field(min_length=1)
+    learning_rate: Finite = Field(gt=0)
+    loss: LossSettings = LossSettings()
+
+
+TrainJob = Annotated[PingJob | ExportJob | SFTJob | RLJob, Field(discriminator="kind")]
+"""A job for every trainer rank, by `kind`."""
+StepJob = ExportJob | SFTJob | RLJob
+"""The jobs that write a checkpoint (and so must name the next step)."""
+
+
+class TrainerJobRequest(_Body):
+    """One job for every trainer rank of a host; `id` names it in the ranks' events."""
+
+    id: str = Field(min_length=1)
+    job: TrainJob
+
+
+class TrainerJobResponse(_Body):
+    sent: int
+    """How many of the host's ranks the job reached."""
+
+
+# --- events ------------------------------------------------------------------------------------
+
+
+class Starting(_Body):
+    """The rank's process runs (`pid`) and reads its config."""
+
+    kind: Literal["starting"] = "starting"
+    pid: int
+
+
+class Ready(_Body):
+    """The rank joined the world and built its engine in `seconds`."""
+
+    kind: Literal["ready"] = "ready"
+    seconds: float = Field(ge=0)
+
+
+class Accepted(_Body):
+    """The rank began job `job`."""
+
+    kind: Literal["accepted"] = "accepted"
+    job: str
+
+
+class AdapterReady(_Body):
+    """Rank 0 committed step `step`'s checkpoint: its PEFT adapter is at `path` (sha256 of its
+    weights file `sha256`)."""
+
+    kind: Literal["adapter_ready"] = "adapter_ready"
+    job: str
+    path: str
+    step: Step
+    sha256: str
+
+
+class Done(_Body):
+    """The rank finished job `job`; `metrics` are its numbers (names and units: `jobs.run_train_job`,
+    `TrainerEngine.train_step`; a ping's `sum` and `world_size`)."""
+
+    kind: Literal["done"] = "done"
+    job: str
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Failed(_Body):
+    """The rank failed to start (`stage` "init") or failed job `job` (None: a message it could not
+    read as a job). `error` is "<error_type>: <message>".
+
+    dirty: the rank's weights or optimizer state may be ahead of its last checkpoint, so it
+    refuses training jobs until it is restarted (`rank_main`); False when it failed untouched.
+    """
+
+    kind: Literal["failed"] = "failed"
+    stage: Literal["init", "job"] = "job"
+    job: str | None = None
+    error: str
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    dirty: bool = True
+
+
+class Exited(_Body):
+    """The rank's process ended with `code` (negative: killed by that signal); written by its
+    agent, not the rank."""
+
+    kind: Literal["exited"] = "exited"
+    code: int | None
+    log_path: str
+
+
+RankEvent = Annotated[
+    Starting | Ready | Accepted | AdapterReady | Done | Failed | Exited, Field(discriminator="kind")
+]
+"""What a rank (or, for `Exited`, its agent) reports, by `kind`."""
+RANK_EVENT: TypeAdapter[RankEvent] = TypeAdapter(RankEvent)
+
+
+class TrainerEvent(_Body):
+    """One event in an agent's log: which rank, when (Unix seconds, the agent's clock), what."""
+
+    rank: int = Field(ge=0)
+    time: float
+    event: RankEvent
+
+
+# --- the /trainer/* bodies ----------------------------------------------------------------------
 
 
 class TrainerRankLaunch(_Body):
@@ -23,10 +304,10 @@ class TrainerRankLaunch(_Body):
 
 
 class TrainerStartRequest(_Body):
-    """Start this host's trainer ranks with `config` (JSON the rank main understands)."""
+    """Start this host's trainer ranks with `config`."""
 
     ranks: tuple[TrainerRankLaunch, ...]
-    config: dict[str, Any]
+    config: RankConfig
     python: str | None = None
     sys_path: tuple[str, ...] = ()
 
@@ -34,16 +315,6 @@ class TrainerStartRequest(_Body):
 class TrainerStartResponse(_Body):
     pids: tuple[int, ...] = ()
     error: str = ""
-
-
-class TrainerJobRequest(_Body):
-    """A job for every trainer rank of this host (kind, step, hyper-parameters, batch location)."""
-
-    job: dict[str, Any]
-
-
-class TrainerJobResponse(_Body):
-    sent: int
 
 
 class TrainerEventsRequest(_Body):
@@ -54,5 +325,48 @@ class TrainerEventsRequest(_Body):
 
 
 class TrainerEventsResponse(_Body):
-    events: tuple[dict[str, Any], ...] = ()
+    """The host's events from index `after` on; `next` is the index to ask from next."""
+
+    events: tuple[TrainerEvent, ...] = ()
     next: int = 0
+
+
+TRAINER_START = Route("POST", "/trainer/start", TrainerStartRequest, TrainerStartResponse, BODY_LIMIT)
+TRAINER_JOB = Route("POST", "/trainer/job", TrainerJobRequest, TrainerJobResponse, BODY_LIMIT)
+TRAINER_EVENTS = Route("POST", "/trainer/events", TrainerEventsRequest, TrainerEventsResponse)
+TRAINER_STOP = Route("POST", "/trainer/stop", None, ShutdownResponse)
+
+
+_UNION_TAGS = frozenset(
+    m.model_fields["kind"].default
+    for m in (PingJob, ExportJob, SFTJob, RLJob, Starting, Ready, Accepted, AdapterReady, Done, Failed, Exited)
+)
+"""The `kind`s of `TrainJob` and `RankEvent`: pydantic puts the member's tag into an error's
+location (job.rl.step), and a reader looks for the field's own path (job.step)."""
+
+
+def describe_invalid(what: str, exc: ValidationError) -> str:
+    """One sentence naming the invalid field of message `what` (e.g. "trainer job"), its value
+    and the fix. An unknown field is named before the required field it was probably meant to be
+    (a misspelling is both) and the likeliest intended name is suggested."""
+    errors = exc.errors(include_url=False)
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    path = ".".join(str(p) for p in first["loc"] if p not in _UNION_TAGS) or "the message"
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    if first["type"] == "union_tag_invalid":
+        ctx = first.get("ctx", {})
+        noun = "" if path == "the message" else f"{path} "
+        return f"{what}: unknown {noun}kind {ctx.get('tag')!r}; use one of {ctx.get('expected_tags')}."
+    if first["type"] == "extra_forbidden":
+        field = str(first["loc"][-1])
+        missing = [
+            str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]
+        ]
+        close = difflib.get_close_matches(field, missing, n=1)
+        fix = f"did you mean {close[0]}?" if close else "remove it or correct its name."
+        return f"{what}: {path}={shown} is not a known field; {fix}"
+    if first["type"] == "missing":
+        return f"{what}: {path} is required; set it."
+    message = " ".join(str(first["msg"]).removeprefix("Value error, ").split())
+    return f"{what}: {path}={shown} is invalid: {message}."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -153,3 +154,15 @@ def test_shared_lora_names_cover_every_family() -> None:
 def test_a_layout_outside_its_sizes_is_a_bug() -> None:
     with pytest.raises(ValueError, match="invalid parallel layout"):
         ParallelLayout(tp=2, tp_rank=2)
+
+
+def test_register_refuses_the_window_from_config_json_alone(tmp_path) -> None:
+    from art_mega.trainer.model_builder import check_model_fits
+
+    (tmp_path / "config.json").write_text(json.dumps({**MISTRAL_7B_V03, "sliding_window": 4096}))
+    with pytest.raises(
+        UserError, match=r"^sliding_window=4096 is smaller than max_position_embeddings=32768"
+    ):
+        check_model_fits(tmp_path, 2)
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B_V03))
+    check_model_fits(tmp_path, 8)
