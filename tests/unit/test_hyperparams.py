@@ -101,7 +101,7 @@ def test_unknown_keywords_are_refused_by_backend_train() -> None:
     assert str(info.value) == (
         "backend.train got an unknown keyword learning_rat=1e-05; use one of learning_rate, "
         "importance_sampling_level, epsilon, epsilon_high, kl_beta, tis_cap, scale_rewards, config, "
-        "allow_stale, drop_nonfinite_rewards"
+        "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs"
     )
     with pytest.raises(HyperParameterError, match="kl_penalty_coef=0.1; art-mega calls it kl_beta"):
         train(kl_penalty_coef=0.1)

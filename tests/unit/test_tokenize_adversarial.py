@@ -99,14 +99,15 @@ def test_a_template_that_prints_content_gets_the_joined_text_not_the_list(tiny_t
 
 def test_a_trajectory_without_assistant_turns_is_counted_apart(tiny_tokenizer) -> None:  # noqa: ANN001
     """A rollout that never appended its Choice trains nothing; it was counted as a zero
-    advantage, so data/ metrics hid it."""
+    advantage, so data/ metrics hid it. (ANSWER is a plain assistant dict, trained only with
+    allow_training_without_logprobs, as in ART.)"""
     group = TrajectoryGroup(
         [
             Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, ANSWER], reward=1.0),
             Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=0.0),
         ]
     )
-    documents, stats = grpo_documents(tiny_tokenizer, [group])
+    documents, stats = grpo_documents(tiny_tokenizer, [group], allow_training_without_logprobs=True)
     metrics = stats.as_metrics()
     assert metrics["data/trajectories_dropped_no_assistant_tokens"] == 1.0
     assert metrics["data/trajectories_dropped_zero_advantage"] == 0.0
