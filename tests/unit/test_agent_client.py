@@ -1,6 +1,7 @@
 """AgentClient (aiohttp) against an in-process aiohttp server: signing, keep-alive, errors, timeouts."""
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
@@ -14,7 +15,15 @@ from art_mega.agent.auth import (
     new_incarnation,
 )
 from art_mega.agent.client import AgentClient
-from art_mega.errors import AgentError, RemoteRolloutError, UserError
+from art_mega.errors import (
+    AgentError,
+    AgentFailedError,
+    AgentRefusedError,
+    AgentReplyError,
+    AgentUnreachableError,
+    RemoteRolloutError,
+    UserError,
+)
 from art_mega.rollouts.executor import run_rollout
 from art_mega.rollouts.protocol import CallableRef, RunRolloutRequest
 
@@ -229,3 +238,42 @@ async def test_an_identity_answer_without_the_launch_reply_signature_is_refused(
         assert agent.bodies == []  # nothing was sent to an agent that did not prove the secret
     finally:
         await client.aclose()
+
+
+async def test_each_failure_is_its_own_class_with_status_detail_and_route(agent):
+    client = client_for(agent, timeout_s=0.2)
+    try:
+        agent.status, agent.error_text = 503, json.dumps({"detail": "draining"})
+        with pytest.raises(AgentFailedError) as failed:
+            await client.health()
+        agent.status, agent.error_text = 404, json.dumps({"detail": "no worker rollout-9"})
+        with pytest.raises(AgentRefusedError) as refused:
+            await run_rollout(client, "rollout-9", REF, [], {})
+        agent.status, agent.delay_s = None, 0.6
+        with pytest.raises(AgentUnreachableError) as slow:
+            await client.health()
+    finally:
+        await client.aclose()
+    assert (failed.value.status, failed.value.detail, failed.value.route) == (
+        503,
+        "draining",
+        "GET /v1/health",
+    )
+    assert failed.value.reason == "HTTP 503: draining"
+    assert (refused.value.status, refused.value.detail, refused.value.route) == (
+        404,
+        "no worker rollout-9",
+        "POST /v1/rollouts/run",
+    )
+    assert slow.value.timed_out and slow.value.status is None and slow.value.route == "GET /v1/health"
+
+
+async def test_an_unsigned_identity_answer_is_a_reply_error(agent):
+    agent.reply_secret = b"q" * 32
+    client = client_for(agent)
+    try:
+        with pytest.raises(AgentReplyError) as info:
+            await client.health()
+    finally:
+        await client.aclose()
+    assert (info.value.status, info.value.route, info.value.host) == (200, "GET /v1/identity", "host0")
