@@ -11,6 +11,8 @@ new sequence: each turn is then trained in its own history, as ART's `additional
 
 - A sampled turn (an openai `Choice`) is its token ids and logprobs exactly as the server returned
   them (request `logprobs=True` and `extra_body={"return_token_ids": True}`): never re-tokenized.
+  A Choice with logprobs but no token ids (as litellm converts vLLM's replies) takes its ids from
+  its logprobs' tokens, as ART does ("token_id:<id>", else the vocabulary token).
 - A plain assistant message (a dict, not sampled here) is trained only where the caller asks
   (`plain_assistant`, see `tokenize_history`): in SFT always; in GRPO, as in ART, only with
   `allow_training_without_logprobs`, with its old logprobs unknown (`UNKNOWN_LOGPROB`: the loss
@@ -162,11 +164,67 @@ def _choice_prompt(tokenizer: Any, choice: Any, where: str, turn: int) -> list[i
     return _check_ids(tokenizer, prompt, "prompt_token_ids", where, turn)
 
 
+_TOKEN_ID_PREFIX = "token_id:"
+"""How vLLM names a logprob's token with `return_tokens_as_token_ids`: "token_id:<id>"."""
+
+
+def _logprob_token_ids(tokenizer: Any, content: Sequence[Any], where: str, turn: int) -> list[int]:
+    """The token ids of a Choice that has logprobs but no `token_ids` (litellm's conversion of a
+    vLLM reply drops them), read from its logprobs as ART does: an entry's token "token_id:<id>"
+    (vLLM's `return_tokens_as_token_ids`) is that id, another token is its id in the vocabulary
+    (`convert_tokens_to_ids`).
+
+    Raises:
+        TokenizationError: an entry whose token is neither (a decoded text such as " hello";
+            ART trains the eos token in its place), or names an id outside the vocabulary,
+            naming the entry.
+    """
+    vocabulary = len(tokenizer)
+    ids = []
+    for k, entry in enumerate(content):
+        token = getattr(entry, "token", None)
+        token = token if isinstance(token, str) else ""
+        found: Any = None
+        digits = token[len(_TOKEN_ID_PREFIX) :]
+        if token.startswith(_TOKEN_ID_PREFIX) and digits.isascii() and digits.isdigit():
+            found = int(digits)
+            if found >= vocabulary:
+                raise TokenizationError(
+                    f"{where}: messages_and_choices[{turn}] has logprobs.content[{k}].token {token!r}, "
+                    f"not a token id of this model's {vocabulary}-token vocabulary; train choices "
+                    "sampled from this model",
+                    where,
+                    turn,
+                )
+        elif token:
+            found = tokenizer.convert_tokens_to_ids(token)
+            # an unknown piece maps to the unk id (or None): only a round trip is the token
+            found = (
+                found if isinstance(found, int) and tokenizer.convert_ids_to_tokens(found) == token else None
+            )
+        if found is None:
+            raise TokenizationError(
+                f"{where}: messages_and_choices[{turn}] is a sampled Choice without token_ids whose "
+                f"logprobs.content[{k}].token {token!r} is neither 'token_id:<id>' nor a token of "
+                "this model's vocabulary; request completions with extra_body={'return_token_ids': True} "
+                "(model.openai_client() does) or with return_tokens_as_token_ids",
+                where,
+                turn,
+            )
+        ids.append(found)
+    return ids
+
+
 def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[list[int], list[float]]:
-    """The sampled token ids of `choice` and their logprobs, checked to pair up one to one."""
+    """The sampled token ids of `choice` and their logprobs, checked to pair up one to one.
+
+    A Choice without `token_ids` but with logprobs gets its ids from them (`_logprob_token_ids`)."""
     token_ids = getattr(choice, "token_ids", None)
     if token_ids is None and getattr(choice, "model_extra", None):
         token_ids = choice.model_extra.get("token_ids")
+    content = getattr(getattr(choice, "logprobs", None), "content", None)
+    if token_ids is None and content:
+        token_ids = _logprob_token_ids(tokenizer, content, where, turn)
     if not token_ids:
         raise TokenizationError(
             f"{where}: messages_and_choices[{turn}] is a sampled Choice without token_ids; request "
@@ -176,7 +234,6 @@ def _choice_tokens(tokenizer: Any, choice: Any, where: str, turn: int) -> tuple[
             turn,
         )
     token_ids = _check_ids(tokenizer, token_ids, "token_ids", where, turn)
-    content = getattr(getattr(choice, "logprobs", None), "content", None)
     if not content or len(content) != len(token_ids):
         raise TokenizationError(
             f"{where}: messages_and_choices[{turn}] is a sampled Choice with {len(content or [])} "

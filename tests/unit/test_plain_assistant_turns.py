@@ -18,7 +18,7 @@ from openai.types.chat.chat_completion import Choice
 
 import art_mega as art
 from art_mega.backend import MegatronBackend
-from art_mega.errors import HyperParameterError
+from art_mega.errors import HyperParameterError, TokenizationError
 from art_mega.trainer.batch import TrainBatch, pack
 from art_mega.trainer.loss import GRPOLossConfig, grpo_loss, known_logprobs
 from art_mega.trainer.tokenize import grpo_documents, sft_documents
@@ -264,3 +264,66 @@ def test_a_nan_old_logprob_outside_the_trained_tokens_still_poisons_the_loss() -
     new = torch.tensor([[math.nan, -1.0]])
     filled = known_logprobs(torch.tensor([[math.nan, math.nan]]), new, torch.tensor([[0.0, 1.0]]))
     assert math.isnan(filled[0, 0].item()) and filled[0, 1].item() == -1.0
+
+
+# ---------------------------------------------------------------- a Choice without token ids
+
+
+def logprobs_only(tokens: list[str], logprobs: list[float]) -> Choice:
+    """A Choice as litellm converts vLLM's reply: logprobs kept, `token_ids` gone."""
+    return Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "x"},
+            "logprobs": {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(tokens, logprobs)
+                ]
+            },
+        }
+    )
+
+
+def test_a_choice_without_token_ids_takes_them_from_its_logprobs(tiny_tokenizer) -> None:  # noqa: ANN001
+    from art_mega.trainer.tokenize import tokenize_history
+
+    tok = tiny_tokenizer
+    ids, logprobs = SAMPLED
+    (reference,) = tokenize_history(tok, [USER, choice(ids, logprobs)])
+    as_ids = logprobs_only([f"token_id:{i}" for i in ids], logprobs)  # return_tokens_as_token_ids
+    as_pieces = logprobs_only(tok.convert_ids_to_tokens(ids), logprobs)  # vocabulary tokens
+    for converted in (as_ids, as_pieces):
+        (seq,) = tokenize_history(tok, [USER, converted])
+        assert (seq.input_ids, seq.loss_mask, seq.old_logprobs) == (
+            reference.input_ids,
+            reference.loss_mask,
+            reference.old_logprobs,
+        )
+    assert seq.input_ids[-3:] == ids and seq.old_logprobs[-3:] == logprobs
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        (
+            " hello",  # vLLM's default: the decoded text, which no vocabulary token is
+            r"trajectory 1 of group 0: messages_and_choices\[1\] is a sampled Choice without token_ids "
+            r"whose logprobs.content\[1\].token ' hello' is neither 'token_id:<id>' nor a token of this "
+            r"model's vocabulary; request completions with extra_body=\{'return_token_ids': True\}",
+        ),
+        (
+            "token_id:99999",
+            r"trajectory 1 of group 0: messages_and_choices\[1\] has logprobs.content\[1\].token "
+            r"'token_id:99999', not a token id of this model's \d+-token vocabulary",
+        ),
+    ],
+)
+def test_logprob_tokens_that_name_no_token_are_refused(tiny_tokenizer, token: str, message: str) -> None:  # noqa: ANN001
+    good = art.Trajectory(messages_and_choices=[USER, choice(*SAMPLED)], reward=1.0)
+    bad = art.Trajectory(
+        messages_and_choices=[USER, logprobs_only(["token_id:7", token], [-0.1, -0.2])], reward=0.0
+    )
+    with pytest.raises(TokenizationError, match=message):
+        grpo_documents(tiny_tokenizer, [art.TrajectoryGroup([good, bad])])
