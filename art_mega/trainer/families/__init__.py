@@ -6,7 +6,8 @@ mapping (HF config -> architecture arguments, refusing what it cannot express ex
 megatron-core transformer config and layer spec, the parallel limits (valid TP sizes, whether the
 layers have experts for EP/ETP), the HF -> Megatron weight adapter per TP/EP rank, and the LoRA
 <-> PEFT names both ways (`LoraNames`). `layout.py` has the fused-weight tensor functions the
-adapters share. Nothing outside this package names a family or an HF module.
+adapters share. The rest of the trainer asks the spec (`model_builder`, `lora`, `peft_io`,
+`peft_config`, the backend's register checks) and holds no table of family or HF module names.
 
 Adding a family:
 
@@ -14,21 +15,40 @@ Adding a family:
    (a frozen dataclass read from config.json; refuse each value Megatron cannot express exactly
    in one `UserError` sentence naming field, value and fix) and the rest either new or reused
    from a close family (`dataclasses.replace(llama.SPEC, ...)` as `mistral.py` does).
-2. Add its `SPEC` to `_SPECS` below (a model_type claimed twice fails at import).
-3. Add its test, `tests/trainer/test_<name>_family.py`: a tiny checkpoint
+   The registry finds it: every module of this package but `layout` and `spec` is a family file
+   and must have a `SPEC` (a model_type claimed by two families fails at import).
+2. Add its test, `tests/trainer/test_<name>_family.py`: a tiny checkpoint
    (`basemodels/tiny.py` builds one per arch) whose Megatron logits match transformers', whose
    exported LoRA adapter loads in PEFT with the same logits, and its config refusals.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.families import llama, mistral, qwen3_moe
 from art_mega.trainer.families.spec import FamilySpec, LoraNames
 
-_SPECS: tuple[FamilySpec[Any], ...] = (llama.SPEC, qwen3_moe.SPEC, mistral.SPEC)
+_NOT_FAMILIES = frozenset({"layout", "spec"})
+"""This package's modules that are not family files: the shared tensor layouts and the spec types."""
+
+
+def _family_specs() -> tuple[FamilySpec[Any], ...]:
+    """Every family file's `SPEC`, in module-name order (`RuntimeError` for a family file without one)."""
+    specs = []
+    for name in sorted(info.name for info in pkgutil.iter_modules(__path__)):
+        if name in _NOT_FAMILIES:
+            continue
+        spec = vars(importlib.import_module(f"{__name__}.{name}")).get("SPEC")
+        if not isinstance(spec, FamilySpec):
+            raise RuntimeError(f"family file {__name__}.{name} has no SPEC (a FamilySpec)")
+        specs.append(spec)
+    return tuple(specs)
+
+
+_SPECS = _family_specs()
 
 
 def _by_model_type(specs: tuple[FamilySpec[Any], ...]) -> dict[str, FamilySpec[Any]]:

@@ -229,6 +229,7 @@ def megatron_state_dict(
 
 
 def _check_layout(args: MoeArgs, layout: ParallelLayout) -> None:
+    """`check_parallel` on the layout's TP, EP and expert-TP sizes."""
     check_parallel(args, layout.tp, ep=layout.ep, etp=layout.etp)
 
 
