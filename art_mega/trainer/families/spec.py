@@ -209,9 +209,11 @@ class LoraNames:
 class FamilySpec(Generic[ArgsT]):
     """Everything the trainer knows about one model family, declared in the family's file.
 
-    Config mapping: `model_types` (HF `model_type` values it reads); `model_args(config)` the
-    architecture arguments of an HF config dict, raising `UserError` (one sentence) for a value
-    the family cannot express exactly.
+    `name`: the family's name (its file's). Config mapping: `model_types` (HF `model_type` values
+    it reads); `model_args(config)` the architecture arguments of an HF config dict, raising
+    `UserError` (one sentence) for a value the family cannot express exactly. The arguments have
+    at least `vocab_size`, `num_heads` and `num_query_groups` (the engine and the LoRA export
+    read them).
 
     Parallel limits: `expert_parallel` (the layers have experts: `megatron_state_dict` reads the
     layout's ep/etp coordinates and `check_parallel` its ep/etp sizes); `valid_tp_sizes(args)`
