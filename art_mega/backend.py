@@ -25,6 +25,15 @@ from art_mega.agent.ports import free_port
 from art_mega.errors import UserError
 from art_mega.hyperparams import fraction_problem
 from art_mega.trainer import checkpoint
+from art_mega.trainer.protocol import (
+    TRAINER_STOP,
+    EngineConfig,
+    ExportJob,
+    LoraSettings,
+    LossSettings,
+    RLJob,
+    SFTJob,
+)
 
 
 @dataclass(frozen=True)
@@ -281,6 +290,7 @@ GRPO_OPTIONS = (
     "config",
     "allow_stale",
     "drop_nonfinite_rewards",
+    "allow_training_without_logprobs",
 )
 """The keywords `MegatronBackend.train` takes."""
 
@@ -656,7 +666,7 @@ class MegatronBackend:
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
         """
-        from art_mega.basemodels.resolve import resolve_base_model
+        from art_mega.basemodels.resolve import resolve_base_model_off_loop
         from art_mega.transfer.adapters import adapter_transport_for
 
         if self._model is not None:
@@ -675,7 +685,7 @@ class MegatronBackend:
         await check_controller_sees_artifact_root(self._runtime)
         transport = adapter_transport_for(self._runtime)  # UserError, also before any start
         cluster = topology.cluster
-        resolved = resolve_base_model(model.base_model, cluster.cache_root)
+        resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
         committed = checkpoint.read_commit(checkpoint.checkpoints_dir(run_dir))
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
@@ -744,25 +754,23 @@ class MegatronBackend:
         from art_mega.trainer.service import TrainerService
 
         topology = self._runtime.topology
-        cluster = topology.cluster
         self._model, self._model_dir = model, resolved.model_dir
         checkpoints = checkpoint.checkpoints_dir(run_dir)
         checkpoints.mkdir(parents=True, exist_ok=True)
         checkpoint.clean_uncommitted(checkpoints)  # a crashed save's leftovers; no rank runs yet
         self._run_dir = run_dir
         on_gpu = any(r.gpu_id is not None for r in topology.trainer_ranks)
-        config: dict[str, Any] = {
-            "model_dir": str(resolved.model_dir),
-            "lora": self.lora,
-            "dtype": ("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype,
-            "micro_batch_rows": self.micro_batch_rows,
-        }
-        if not cluster.shared_artifact_root:
-            config["host_local_root"] = True  # each trainer host commits its own checkpoint folder
-        if committed is not None:
-            config["resume_dir"] = str(checkpoint.step_dir(checkpoints, committed))
-        elif resolved.warm_start is not None:
-            config["warm_start"] = str(resolved.warm_start)
+        config = EngineConfig(
+            model_dir=str(resolved.model_dir),
+            lora=LoraSettings(
+                rank=self.lora["rank"], alpha=self.lora["alpha"], targets=tuple(self.lora["targets"])
+            ),
+            dtype=("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype,
+            micro_batch_rows=self.micro_batch_rows,
+            resume_dir=None if committed is None else str(checkpoint.step_dir(checkpoints, committed)),
+            # a committed step's own adapter and optimizer state replace the warm start
+            warm_start=str(resolved.warm_start) if committed is None and resolved.warm_start else None,
+        )
         launch = ReplicaLaunch(
             model=str(resolved.model_dir),
             served_model_name=model.name,
@@ -789,7 +797,7 @@ class MegatronBackend:
         )
         if committed is None:
             committed = 0
-            await self._service.run({"kind": "export", "step": 0, "checkpoint_dir": str(self._checkpoint(0))})
+            await self._service.run(ExportJob(step=0, checkpoint_dir=str(self._checkpoint(0))))
             checkpoint.write_commit(checkpoints, 0)
         self._step = committed
         await self._publisher.publish(committed, str(checkpoint.adapter_dir(self._checkpoint(committed))))
@@ -802,7 +810,7 @@ class MegatronBackend:
         )
         self._recovery.start()
 
-    async def _start_processes(self, config: dict[str, Any], launch: Any, shared_gpus: bool) -> None:
+    async def _start_processes(self, config: EngineConfig, launch: Any, shared_gpus: bool) -> None:
         """Start the trainer ranks and the replicas and wait until all are ready.
 
         Dedicated GPUs (or CPU): both start at once; when one fails, what already runs is
@@ -846,7 +854,7 @@ class MegatronBackend:
         clients, topology = self._runtime.clients, self._runtime.topology
         hosts = sorted({r.host_id for r in topology.trainer_ranks})
         await asyncio.gather(
-            *(clients[h].trainer_stop() for h in hosts),
+            *(clients[h].call(TRAINER_STOP) for h in hosts),
             stop_replicas(clients, topology.replicas),
             return_exceptions=True,
         )
@@ -1076,14 +1084,12 @@ class MegatronBackend:
             batch.save(batch_dir / f"dp{rank}.safetensors")
         await self._send_batches(batch_dir)
         prepared = time.perf_counter()
-        job = {
-            "kind": kind,
-            "step": step,
-            "batch_dir": str(batch_dir),
-            "checkpoint_dir": str(self._checkpoint(step)),
-            "learning_rate": learning_rate,
-            "loss": loss,
-        }
+        where = {"step": step, "batch_dir": str(batch_dir), "checkpoint_dir": str(self._checkpoint(step))}
+        job = (
+            RLJob(**where, learning_rate=learning_rate, loss=LossSettings(**loss))
+            if kind == "rl"
+            else SFTJob(**where, learning_rate=learning_rate)
+        )
         async with self._shared.asleep(metrics):  # replicas on the trainer's GPUs free them
             # after a failed step the ranks may be one update ahead: restart them from the last commit
             await self._service.recover(self._checkpoint(self._step))
@@ -1099,7 +1105,7 @@ class MegatronBackend:
         published = time.perf_counter()
         shutil.rmtree(batch_dir, ignore_errors=True)
         await self._remove_on_trainer_hosts(batch_dir, best_effort=True)  # as the rmtree above
-        metrics.update({k: float(v) for k, v in result.rank0.get("metrics", {}).items()})
+        metrics.update(result.rank0.metrics)
         metrics.update(
             {
                 "time/prepare_s": prepared - started,

@@ -66,6 +66,7 @@ def main(config_path: str) -> int:
     from art_mega.trainer.batch import pack
     from art_mega.trainer.jobs import build_engine
     from art_mega.trainer.parallel import destroy_parallel, init_parallel
+    from art_mega.trainer.protocol import EngineConfig
 
     config = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
@@ -80,7 +81,7 @@ def main(config_path: str) -> int:
         master_addr=config["master_addr"],
         master_port=int(config["master_port"]),
     )
-    engine = build_engine(config, state)
+    engine = build_engine(EngineConfig.model_validate(config["engine"]), state)
     setup_seconds = time.perf_counter() - started
     batch_spec = config["batch"]
     docs = synthetic_documents(

@@ -287,17 +287,16 @@ def _save_batch(documents: list[Any], batch_dir: Path, seq_len: int) -> int:
     return sum(len(d) for d in documents)
 
 
-def _rl_job(run: Path, step: int, batch_dir: Path) -> dict[str, Any]:
+def _rl_job(run: Path, step: int, batch_dir: Path) -> Any:
     from art_mega.trainer.checkpoint import checkpoints_dir, step_dir
+    from art_mega.trainer.protocol import RLJob
 
-    return {
-        "kind": "rl",
-        "step": step,
-        "batch_dir": str(batch_dir),
-        "checkpoint_dir": str(step_dir(checkpoints_dir(run), step)),
-        "learning_rate": 1e-3,
-        "loss": {},
-    }
+    return RLJob(
+        step=step,
+        batch_dir=str(batch_dir),
+        checkpoint_dir=str(step_dir(checkpoints_dir(run), step)),
+        learning_rate=1e-3,
+    )
 
 
 async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
@@ -315,6 +314,7 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.checkpoint import adapter_dir, checkpoints_dir, step_dir
+    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
     from art_mega.trainer.service import TrainerService
     from art_mega.trainer.tokenize import grpo_documents
 
@@ -330,20 +330,22 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     run = work / "grpo"
     figures: list[tuple[str, float, str]] = []
     try:
-        ready_s = await service.start({"model_dir": str(model_dir), "lora": {"rank": 8, "alpha": 16}})
+        ready_s = await service.start(
+            EngineConfig(model_dir=str(model_dir), lora=LoraSettings(rank=8, alpha=16))
+        )
         first = step_dir(checkpoints_dir(run), 0)
-        await service.run({"kind": "export", "step": 0, "checkpoint_dir": str(first)})
+        await service.run(ExportJob(step=0, checkpoint_dir=str(first)))
         seen = {hashlib.sha256((adapter_dir(first) / "adapter_model.safetensors").read_bytes()).hexdigest()}
         for step in (1, 2, 3):
             batch_dir = run / "batches" / f"{step:04d}"
             _save_batch(documents, batch_dir, 256)
             result = await service.run(_rl_job(run, step, batch_dir))
-            metrics = result.rank0["metrics"]
+            metrics = result.rank0.metrics
             bad = {k: v for k, v in metrics.items() if k.startswith("loss/") and not math.isfinite(v)}
             assert not bad, f"step {step}: non-finite loss metrics {bad}"
             (ready,) = result.adapter_ready
-            sha = hashlib.sha256((Path(ready["path"]) / "adapter_model.safetensors").read_bytes()).hexdigest()
-            assert ready["step"] == step and ready["sha256"] == sha, (ready, sha)
+            sha = hashlib.sha256((Path(ready.path) / "adapter_model.safetensors").read_bytes()).hexdigest()
+            assert ready.step == step and ready.sha256 == sha, (ready, sha)
             assert sha not in seen, f"step {step} wrote the same adapter as an earlier step"
             seen.add(sha)
             print(
@@ -390,6 +392,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.batch import Document
     from art_mega.trainer.checkpoint import checkpoints_dir, step_dir
+    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
     from art_mega.trainer.service import TrainerService
 
     model_dir = _smollm2_shaped(work / "smollm2-shape")
@@ -410,22 +413,20 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
         run = work / f"throughput-{dtype}-{rows}"
         try:
             await service.start(
-                {
-                    "model_dir": str(model_dir),
-                    "lora": {"rank": 8, "alpha": 16},
-                    "dtype": dtype,
-                    "micro_batch_rows": rows,
-                }
+                EngineConfig(
+                    model_dir=str(model_dir),
+                    lora=LoraSettings(rank=8, alpha=16),
+                    dtype=dtype,
+                    micro_batch_rows=rows,
+                )
             )
-            await service.run(
-                {"kind": "export", "step": 0, "checkpoint_dir": str(step_dir(checkpoints_dir(run), 0))}
-            )
+            await service.run(ExportJob(step=0, checkpoint_dir=str(step_dir(checkpoints_dir(run), 0))))
             times = []
             for step in (1, 2, 3, 4):
                 batch_dir = run / "batches" / f"{step:04d}"
                 tokens = _save_batch(documents, batch_dir, seq_len)
                 result = await service.run(_rl_job(run, step, batch_dir))
-                metrics = result.rank0["metrics"]
+                metrics = result.rank0.metrics
                 assert math.isfinite(metrics["loss/grad_norm"]), metrics
                 if step > 1:
                     times.append(metrics["time/megatron_s"])

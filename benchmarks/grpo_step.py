@@ -66,6 +66,7 @@ async def attach_trainer(backend: Any, model: Any) -> None:
     """`MegatronBackend.register`'s trainer half: resolve, start the ranks, export and commit step 0."""
     from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.trainer import checkpoint
+    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
     from art_mega.trainer.service import TrainerService
 
     runtime = backend._runtime
@@ -75,8 +76,11 @@ async def attach_trainer(backend: Any, model: Any) -> None:
     checkpoint.checkpoints_dir(run_dir).mkdir(parents=True, exist_ok=True)
     backend._model, backend._model_dir, backend._run_dir = model, resolved.model_dir, run_dir
     backend._service = TrainerService(runtime.clients, runtime.topology, run_dir / "logs")
-    await backend._service.start({"model_dir": str(resolved.model_dir), "lora": backend.lora})
-    await backend._service.run({"kind": "export", "step": 0, "checkpoint_dir": str(backend._checkpoint(0))})
+    lora = LoraSettings(
+        rank=backend.lora["rank"], alpha=backend.lora["alpha"], targets=tuple(backend.lora["targets"])
+    )
+    await backend._service.start(EngineConfig(model_dir=str(resolved.model_dir), lora=lora))
+    await backend._service.run(ExportJob(step=0, checkpoint_dir=str(backend._checkpoint(0))))
     checkpoint.write_commit(checkpoint.checkpoints_dir(run_dir), 0)
     backend._publisher = _NoPublisher()
 

@@ -1,9 +1,11 @@
 """Agent side of the trainer service: start this host's trainer ranks, relay jobs and events.
 
 Each rank is a supervised child (`python -m art_mega.trainer.rank_main`) that talks to the agent
-over an inherited socket in newline-delimited JSON: jobs go down, events come up (ready,
-accepted, progress, adapter_ready, done, failed). When a rank process exits, the agent adds an
-`exited` event with its code and log path at once, so the controller learns of a death in seconds.
+over an inherited socket in newline-delimited JSON (`trainer.protocol`): its `RankConfig` and then
+each `TrainerJobRequest` go down, `RankEvent`s come up (starting, ready, accepted, adapter_ready,
+done, failed). When a rank process exits, the agent adds an `Exited` event with its code and log
+path at once, so the controller learns of a death in seconds. A line from a rank that is not a
+`RankEvent` is logged as that rank's `Failed` event naming the invalid field, never dropped.
 
 Each `start` begins a new generation: the event log restarts at index 0 and late events of the
 previous generation's ranks (an `exited` after `stop`) are dropped, so a controller that starts
@@ -13,23 +15,37 @@ the ranks again (a retry from the last checkpoint) never reads the old ranks' de
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from pydantic import ValidationError
+
+from art_mega.agent.protocol import ShutdownResponse
+from art_mega.agent.routes import SignedRouter
 from art_mega.agent.supervisor import Child, Supervisor, spawn_child
 from art_mega.trainer.protocol import (
+    BODY_LIMIT,
+    RANK_EVENT,
+    TRAINER_EVENTS,
+    TRAINER_JOB,
+    TRAINER_START,
+    TRAINER_STOP,
+    Exited,
+    Failed,
+    RankEvent,
+    TrainerEvent,
+    TrainerEventsRequest,
     TrainerEventsResponse,
+    TrainerJobRequest,
+    TrainerJobResponse,
     TrainerStartRequest,
     TrainerStartResponse,
+    describe_invalid,
 )
-
-STREAM_LIMIT = 64 * 1024 * 1024
 
 
 @dataclass
@@ -47,15 +63,14 @@ class TrainerRanks:
 
     supervisor: Supervisor
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[TrainerEvent] = field(default_factory=list)
     generation: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def _emit(self, event: dict[str, Any], generation: int | None = None) -> None:
-        if generation is not None and generation != self.generation:
+    def _emit(self, rank: int, event: RankEvent, generation: int) -> None:
+        if generation != self.generation:
             return  # a rank of an earlier start
-        event.setdefault("time", time.time())
-        self.events.append(event)
+        self.events.append(TrainerEvent(rank=rank, time=time.time(), event=event))
         self._changed.set()
 
     async def start(self, request: TrainerStartRequest) -> TrainerStartResponse:
@@ -64,6 +79,7 @@ class TrainerRanks:
             raise RuntimeError("trainer ranks already run on this agent; stop them first")
         self.generation += 1
         self.events.clear()
+        config_line = request.config.model_dump_json().encode() + b"\n"
         pids = []
         for launch in request.ranks:
             parent_sock, child_sock = socket.socketpair()
@@ -74,15 +90,14 @@ class TrainerRanks:
             env["ART_MEGA_SYS_PATH"] = os.pathsep.join(request.sys_path)
             Path(launch.log_path).parent.mkdir(parents=True, exist_ok=True)
             log = open(launch.log_path, "ab")
-            config = json.dumps({**request.config, "rank": launch.rank})
             argv = [
                 request.python or sys.executable,
                 "-m",
                 "art_mega.trainer.rank_main",
                 "--fd",
                 str(child_sock.fileno()),
-                "--config",
-                config,
+                "--rank",
+                str(launch.rank),
             ]
             try:
                 process = await spawn_child(
@@ -98,7 +113,11 @@ class TrainerRanks:
                 log_path=launch.log_path,
             )
             self.supervisor.add(child)
-            reader, writer = await asyncio.open_connection(sock=parent_sock, limit=STREAM_LIMIT)
+            reader, writer = await asyncio.open_connection(sock=parent_sock, limit=BODY_LIMIT)
+            # the config goes over the socket, not argv: a large world's rank table would pass
+            # the kernel's limit on one argument (128 KiB)
+            writer.write(config_line)
+            await writer.drain()
             rank = _Rank(launch.rank, child, writer, self.generation)
             rank.reader_task = asyncio.create_task(self._read(rank, reader))
             self.ranks[launch.rank] = rank
@@ -112,19 +131,20 @@ class TrainerRanks:
                 if not line:
                     break
                 try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                event["rank"] = rank.rank
-                self._emit(event, rank.generation)
+                    event: RankEvent = RANK_EVENT.validate_json(line)
+                except ValidationError as exc:
+                    message = describe_invalid(f"trainer rank {rank.rank}'s event", exc)
+                    event = Failed(
+                        error=f"InvalidEvent: {message}", error_type="InvalidEvent", message=message
+                    )
+                self._emit(rank.rank, event, rank.generation)
         finally:
             code = await rank.child.process.wait()
-            exited = {"event": "exited", "rank": rank.rank, "code": code, "log_path": rank.child.log_path}
-            self._emit(exited, rank.generation)
+            self._emit(rank.rank, Exited(code=code, log_path=rank.child.log_path or ""), rank.generation)
 
-    async def send_job(self, job: dict[str, Any]) -> int:
-        """Write `job` to every local rank; returns how many ranks it reached."""
-        line = json.dumps(job, separators=(",", ":")).encode() + b"\n"
+    async def send_job(self, request: TrainerJobRequest) -> int:
+        """Write `request` to every local rank; returns how many ranks it reached."""
+        line = request.model_dump_json().encode() + b"\n"
         sent = 0
         for rank in self.ranks.values():
             if rank.child.process.returncode is not None:
@@ -162,3 +182,31 @@ class TrainerRanks:
             if rank.reader_task is not None:
                 rank.reader_task.cancel()
         self.ranks.clear()
+
+
+def register(router: SignedRouter, supervisor: Supervisor) -> None:
+    """Add the /trainer/* routes to the agent's `router`; the ranks join `supervisor`'s children,
+    and the agent's close first closes their channels (`TrainerRanks.stop`)."""
+    ranks = TrainerRanks(supervisor)
+    supervisor.on_close(ranks.stop)
+    supervisor.on_close(ranks.stop)
+
+    @router.serve(TRAINER_START)
+    async def trainer_start(body: TrainerStartRequest) -> TrainerStartResponse:
+        try:
+            return await ranks.start(body)
+        except (OSError, RuntimeError) as exc:
+            return TrainerStartResponse(error=str(exc))
+
+    @router.serve(TRAINER_JOB)
+    async def trainer_job(body: TrainerJobRequest) -> TrainerJobResponse:
+        return TrainerJobResponse(sent=await ranks.send_job(body))
+
+    @router.serve(TRAINER_EVENTS)
+    async def trainer_events(body: TrainerEventsRequest) -> TrainerEventsResponse:
+        return await ranks.wait_events(body.after, body.timeout_s)
+
+    @router.serve(TRAINER_STOP)
+    async def trainer_stop() -> ShutdownResponse:
+        await ranks.stop()
+        return ShutdownResponse()

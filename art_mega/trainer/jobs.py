@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from art_mega.trainer import checkpoint
+from art_mega.trainer.protocol import EngineConfig, RankConfig, RLJob, SFTJob, StepJob
 
 SAVE_PAUSE_ENV = "ART_MEGA_TEST_SAVE_PAUSE"
 SAVE_PAUSE_POLL_S = 0.05
@@ -42,58 +43,52 @@ class StepOrderError(ValueError):
     """A job named a step other than the one after the last committed step."""
 
 
-def resumed_step(config: dict[str, Any]) -> int | None:
+def resumed_step(config: EngineConfig) -> int | None:
     """The step of the checkpoint the rank resumed from (its manifest), None when it did not resume."""
-    if not config.get("resume_dir"):
+    if config.resume_dir is None:
         return None
-    return checkpoint.read_manifest(config["resume_dir"]).step
+    return checkpoint.read_manifest(config.resume_dir).step
 
 
-def check_job_step(job: dict[str, Any], last_step: int | None) -> int:
-    """The job's step when it is `last_step + 1` (0 when nothing is committed); returns it.
+def check_job_step(kind: str, step: int, last_step: int | None) -> int:
+    """`step` (of a `kind` job) when it is `last_step + 1` (0 when nothing is committed).
 
     Raises:
-        StepOrderError: the job names another step (or none); the message names the expected one.
+        StepOrderError: `step` is another one; the message names the expected one.
     """
     expected = 0 if last_step is None else last_step + 1
-    step = job.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step != expected:
+    if step != expected:
         since = "nothing is committed yet" if last_step is None else f"the last committed step is {last_step}"
         raise StepOrderError(
-            f"job step {step!r} refused: {since}, so the next {job.get('kind')} job must name step {expected}"
+            f"job step {step!r} refused: {since}, so the next {kind} job must name step {expected}"
         )
     return step
 
 
-def build_engine(config: dict[str, Any], state: Any) -> Any:
-    """The rank's TrainerEngine from the launch config, resumed or warm-started when asked.
-
-    config keys: model_dir, lora {rank, alpha, targets}, optimizer {lr, weight_decay, clip_grad},
-    micro_batch_rows, dtype ("float32", the default, or "bfloat16" parameters), resume_dir (a
-    committed checkpoint) or warm_start (a PEFT adapter dir).
-    """
+def build_engine(config: EngineConfig, state: Any) -> Any:
+    """The rank's TrainerEngine from its `EngineConfig`, resumed or warm-started when it says so."""
     from art_mega.trainer.engine import OptimizerSettings, TrainerEngine
     from art_mega.trainer.lora import LoraConfig
 
-    lora = config.get("lora", {})
+    lora = config.lora
     lora_config = LoraConfig(
-        rank=int(lora.get("rank", 8)),
-        alpha=float(lora.get("alpha", 16.0)),
-        **({"targets": tuple(lora["targets"])} if lora.get("targets") else {}),
+        rank=lora.rank,
+        alpha=lora.alpha,
+        seed=lora.seed,
+        **({"targets": lora.targets} if lora.targets else {}),
     )
-    optimizer = OptimizerSettings(**config.get("optimizer", {}))
     engine = TrainerEngine(
-        config["model_dir"],
+        config.model_dir,
         state,
         lora=lora_config,
-        optimizer=optimizer,
-        dtype=str(config.get("dtype", "float32")),
-        micro_batch_rows=int(config.get("micro_batch_rows", 1)),
+        optimizer=OptimizerSettings(**config.optimizer.model_dump()),
+        dtype=config.dtype,
+        micro_batch_rows=config.micro_batch_rows,
     )
-    if config.get("resume_dir"):
-        engine.load_state(config["resume_dir"])
-    elif config.get("warm_start"):
-        engine.load_adapter(config["warm_start"])
+    if config.resume_dir is not None:
+        engine.load_state(config.resume_dir)
+    elif config.warm_start is not None:
+        engine.load_adapter(config.warm_start)
     return engine
 
 
@@ -185,23 +180,22 @@ def write_checkpoint(
     return {"event": "adapter_ready", "path": path, "step": step, "sha256": files.sha256}
 
 
-def checkpoint_hosts(config: dict[str, Any]) -> list[str] | None:
+def checkpoint_hosts(config: RankConfig) -> list[str] | None:
     """The host id of each global rank when the launch config says the artifact_root is host-local
     (`host_local_root`), else None: `write_checkpoint`'s `host_of`."""
-    if not config.get("host_local_root"):
+    if not config.host_local_root:
         return None
-    table = sorted(config["rank_table"], key=lambda r: int(r["rank"]))
-    return [str(r["host_id"]) for r in table]
+    return [r.host_id for r in config.rank_table]  # in rank order (`RankConfig` checks it)
 
 
 def run_train_job(
-    job: dict[str, Any], state: Any, engine: Any, config: dict[str, Any], last_step: int | None = None
-) -> dict[str, Any]:
-    """Run an `rl`, `sft` or `export` job on this rank; returns {"metrics", "events"}.
+    job: StepJob, state: Any, engine: Any, config: RankConfig, last_step: int | None = None
+) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """Run an `rl`, `sft` or `export` job on this rank; returns its metrics and, on rank 0,
+    `write_checkpoint`'s adapter_ready (None on other ranks).
 
-    job keys: kind, step (must be `last_step + 1`, see `check_job_step`), checkpoint_dir; for
-    rl/sft also batch_dir (holding dp<r>.safetensors), learning_rate and loss (GRPOLossConfig
-    fields).
+    The job's step must be `last_step + 1` (`check_job_step`); an rl or sft job trains on
+    `<batch_dir>/dp<r>.safetensors` (r: this rank's DP rank) first.
 
     Metrics, besides the engine's (seconds, this rank): `time/batch_load_s` (reading the batch
     file), `time/megatron_s` (`TrainerEngine.train_step`: forward/backward/optimizer and its DP
@@ -222,18 +216,19 @@ def run_train_job(
 
     if engine is None:
         raise RuntimeError("this trainer was started without a model_dir")
-    step = check_job_step(job, last_step)
+    step = check_job_step(job.kind, job.step, last_step)
     metrics: dict[str, float] = {}
     started = time.perf_counter()
-    if job["kind"] in ("rl", "sft"):
-        batch = TrainBatch.load(Path(job["batch_dir"]) / f"dp{state.dp_rank}.safetensors")
+    if isinstance(job, RLJob | SFTJob):
+        batch = TrainBatch.load(Path(job.batch_dir) / f"dp{state.dp_rank}.safetensors")
         loaded = time.perf_counter()
+        loss = GRPOLossConfig(**job.loss.model_dump()) if isinstance(job, RLJob) else GRPOLossConfig()
         try:
             metrics = engine.train_step(
                 batch,
-                loss="grpo" if job["kind"] == "rl" else "sft",
-                loss_config=GRPOLossConfig(**job.get("loss", {})),
-                learning_rate=job.get("learning_rate"),
+                loss="grpo" if isinstance(job, RLJob) else "sft",
+                loss_config=loss,
+                learning_rate=job.learning_rate,
             )
         except NonFiniteStepError as exc:
             raise exc.at_step(step) from None
@@ -241,6 +236,6 @@ def run_train_job(
         metrics["time/megatron_s"] = time.perf_counter() - loaded
     metrics["time/rank_compute_s"] = time.perf_counter() - started
     saved = time.perf_counter()
-    event = write_checkpoint(engine, state, step, job["checkpoint_dir"], metrics, checkpoint_hosts(config))
+    adapter = write_checkpoint(engine, state, step, job.checkpoint_dir, metrics, checkpoint_hosts(config))
     metrics["time/checkpoint_s"] = metrics["time/rank_checkpoint_s"] = time.perf_counter() - saved
-    return {"metrics": metrics, "events": [event] if event else []}
+    return metrics, adapter

@@ -85,7 +85,7 @@ class EngineConfig(_Body):
 
     model_dir: the base model's HF folder on the rank's host; dtype: the parameters' dtype;
     micro_batch_rows: packed rows per forward/backward microbatch; resume_dir: a committed
-    checkpoint (`<run>/checkpoints/<step:04d>`) to load LoRA and optimizer state from, or
+    checkpoint (`checkpoint.step_dir`) to load LoRA and optimizer state from, or
     warm_start: a PEFT adapter folder to start the LoRA from (at most one of the two).
     """
 

@@ -1,8 +1,11 @@
 """One trainer rank's process: join the torch.distributed world, build the engine, run jobs.
 
-Started by its host's agent (`trainer.host`) with RANK/WORLD_SIZE/MASTER_* in the
-environment and the launch config as JSON. Jobs arrive as JSON lines on `--fd`; events go back
-the same way: ready, accepted, adapter_ready, done, failed. End of file on `--fd` ends the rank.
+Started by its host's agent (`trainer.host`) with its global rank as `--rank` and a socket as
+`--fd`, on which it reads newline-delimited JSON (`trainer.protocol`): first its `RankConfig`, then
+one `TrainerJobRequest` a line; it answers with `RankEvent` lines: starting, ready, accepted,
+adapter_ready, done, failed. End of file on `--fd` ends the rank. A config that is not a
+`RankConfig` fails the start, and a line that is not a `TrainerJobRequest` fails as a job (its
+`Failed` event names the invalid field); neither reaches the engine.
 The rank remembers the step of its last checkpoint (the one it resumed from, then each one it
 wrote) and fails a training job that names any step but the next (`jobs.check_job_step`).
 
@@ -19,15 +22,35 @@ update), or a ping, leaves it clean (`dirty: false`). A `failed` event names the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
 import time
 import traceback
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
-TRAIN_KINDS = ("rl", "sft", "export")
+from pydantic import ValidationError
+
+from art_mega.trainer.protocol import (
+    Accepted,
+    AdapterReady,
+    Done,
+    Failed,
+    PingJob,
+    RankConfig,
+    RankEvent,
+    Ready,
+    Starting,
+    StepJob,
+    TrainerJobRequest,
+    TrainJob,
+    describe_invalid,
+)
+
+
+class InvalidMessageError(ValueError):
+    """A line on the rank's socket is not the message it must be (named with the field)."""
 
 
 class Channel:
@@ -37,36 +60,52 @@ class Channel:
         self._sock = socket.socket(fileno=fd)
         self._reader = self._sock.makefile("rb")
 
-    def send(self, event: dict[str, Any]) -> None:
-        self._sock.sendall(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+    def send(self, event: RankEvent) -> None:
+        self._sock.sendall(event.model_dump_json().encode() + b"\n")
 
-    def jobs(self):  # type: ignore[no-untyped-def]
+    def config(self) -> RankConfig:
+        """The first line: this rank's launch config.
+
+        Raises:
+            InvalidMessageError: the line is not a `RankConfig` (or the socket closed first).
+        """
+        line = self._reader.readline()
+        try:
+            return RankConfig.model_validate_json(line)
+        except ValidationError as exc:
+            raise InvalidMessageError(describe_invalid("trainer rank config", exc)) from None
+
+    def jobs(self) -> Iterator[TrainerJobRequest | InvalidMessageError]:
+        """Each later line as a job request, or the error saying why it is not one."""
         for line in self._reader:
             if line.strip():
-                yield json.loads(line)
+                yield parse_job(line)
 
 
-def _init(config: dict[str, Any]) -> Any:
+def parse_job(line: bytes) -> TrainerJobRequest | InvalidMessageError:
+    """`line` as a job request, or an `InvalidMessageError` naming its first invalid field."""
+    try:
+        return TrainerJobRequest.model_validate_json(line)
+    except ValidationError as exc:
+        return InvalidMessageError(describe_invalid("trainer job", exc))
+
+
+def _init(config: RankConfig, rank: int) -> Any:
     from art_mega.preflight.netif import gloo_interface_for
-    from art_mega.topology.compiled import TrainerRank
-    from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.parallel import init_parallel
 
-    rank = int(config["rank"])
-    world = int(config["world_size"])
-    if world > 1:
-        gloo_interface_for(config["master_addr"])
-    entry = TrainerRank.model_validate(config["rank_table"][rank])
+    if config.world_size > 1:
+        gloo_interface_for(config.master_addr)
     return init_parallel(
-        entry,
-        TrainerSpec.model_validate(config["trainer"]),
-        world,
-        master_addr=config["master_addr"],
-        master_port=int(config["master_port"]),
+        config.rank_table[rank],
+        config.trainer,
+        config.world_size,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
     )
 
 
-def _ping(state: Any, job: dict[str, Any]) -> dict[str, float]:
+def _ping(state: Any) -> dict[str, float]:
     """A diagnostic job: all-reduce rank+1 over the world (checks the ranks and their links)."""
     import torch
     import torch.distributed as dist
@@ -77,85 +116,87 @@ def _ping(state: Any, job: dict[str, Any]) -> dict[str, float]:
 
 
 def _run(
-    job: dict[str, Any], state: Any, engine: Any, config: dict[str, Any], last_step: int | None
-) -> dict[str, Any]:
-    kind = job.get("kind")
-    if kind == "ping":
-        return {"metrics": _ping(state, job)}
-    if kind in TRAIN_KINDS:
-        from art_mega.trainer.jobs import run_train_job
+    request: TrainerJobRequest, state: Any, engine: Any, config: RankConfig, last_step: int | None
+) -> tuple[dict[str, float], list[RankEvent]]:
+    """Run one job; returns its metrics and the events to send before its `Done`."""
+    job: TrainJob = request.job
+    if isinstance(job, PingJob):
+        return _ping(state), []
+    from art_mega.trainer.jobs import run_train_job
 
-        return run_train_job(job, state, engine, config, last_step)
-    raise ValueError(f"unknown job kind {kind!r}")
+    metrics, adapter = run_train_job(job, state, engine, config, last_step)
+    if adapter is None:
+        return metrics, []
+    ready = AdapterReady(job=request.id, path=adapter["path"], step=adapter["step"], sha256=adapter["sha256"])
+    return metrics, [ready]
+
+
+def _failed(exc: Exception, job: str | None, dirty: bool, stage: Literal["init", "job"] = "job") -> Failed:
+    """The `Failed` event of `exc`; call it where `exc` is being handled (its traceback is sent)."""
+    return Failed(
+        stage=stage,
+        job=job,
+        error=f"{type(exc).__name__}: {exc}",
+        error_type=type(exc).__name__,
+        message=str(exc),
+        traceback=traceback.format_exc() if exc.__traceback__ is not None else "",
+        dirty=dirty,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="art-mega trainer rank")
     parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--rank", type=int, required=True)
     args = parser.parse_args(argv)
     extra = [p for p in os.environ.get("ART_MEGA_SYS_PATH", "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in extra if p not in sys.path]
-    config = json.loads(args.config)
     channel = Channel(args.fd)
-    rank = int(config["rank"])
-    channel.send({"event": "starting", "pid": os.getpid()})
+    rank = args.rank
+    channel.send(Starting(pid=os.getpid()))
     started = time.perf_counter()
     last_step: int | None = None  # the last checkpoint's step: the next job must name the one after
     try:
-        state = _init(config)
+        config = channel.config()
+        state = _init(config, rank)
         engine = None
-        if config.get("model_dir"):
+        if config.engine is not None:
             from art_mega.trainer.jobs import build_engine, resumed_step
 
-            engine = build_engine(config, state)
-            last_step = resumed_step(config)
+            engine = build_engine(config.engine, state)
+            last_step = resumed_step(config.engine)
     except Exception as exc:
-        channel.send(
-            {
-                "event": "failed",
-                "stage": "init",
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
-        )
+        channel.send(_failed(exc, None, dirty=True, stage="init"))
         return 1
-    channel.send({"event": "ready", "seconds": time.perf_counter() - started})
+    channel.send(Ready(seconds=time.perf_counter() - started))
     dirty = False  # this rank's state may be ahead of its last checkpoint (see the module docstring)
-    for job in channel.jobs():
-        job_id = job.get("id")
-        channel.send({"event": "accepted", "job": job_id})
+    for request in channel.jobs():
+        if isinstance(request, InvalidMessageError):
+            channel.send(_failed(request, None, dirty))  # nothing ran: the rank is as it was
+            continue
+        channel.send(Accepted(job=request.id))
+        trains = isinstance(request.job, StepJob)
         try:
-            if dirty and job.get("kind") in TRAIN_KINDS:
+            if dirty and trains:
                 raise RuntimeError(
                     f"trainer rank {rank} holds the uncommitted state of an earlier failed job; "
                     f"restart the trainer from the last committed checkpoint (step {last_step})"
                 )
-            result = _run(job, state, engine, config, last_step)
+            metrics, events = _run(request, state, engine, config, last_step)
         except Exception as exc:
             from art_mega.errors import NonFiniteStepError
             from art_mega.trainer.jobs import StepOrderError
 
             # both are raised before the rank's weights or optimizer state change
             untouched = isinstance(exc, (StepOrderError, NonFiniteStepError))
-            dirty = dirty or (job.get("kind") in TRAIN_KINDS and not untouched)
-            channel.send(
-                {
-                    "event": "failed",
-                    "job": job_id,
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "error_type": type(exc).__name__,
-                    "message": str(exc),
-                    "traceback": traceback.format_exc(),
-                    "dirty": dirty,
-                }
-            )
+            dirty = dirty or (trains and not untouched)
+            channel.send(_failed(exc, request.id, dirty))
             continue
-        if job.get("kind") in TRAIN_KINDS:
-            last_step = int(job["step"])
-        for event in result.pop("events", []):
-            channel.send({**event, "job": job_id})
-        channel.send({"event": "done", "job": job_id, **result})
+        if isinstance(request.job, StepJob):
+            last_step = request.job.step
+        for event in events:
+            channel.send(event)
+        channel.send(Done(job=request.id, metrics=metrics))
     return 0
 
 

@@ -35,7 +35,25 @@ from typing import Any
 from art_mega.agent.client import AgentClient
 from art_mega.errors import RankRefusedStepError, TrainerJobError
 from art_mega.topology import CompiledTopology
-from art_mega.trainer.protocol import TrainerRankLaunch, TrainerStartRequest
+from art_mega.trainer.protocol import (
+    TRAINER_EVENTS,
+    TRAINER_JOB,
+    TRAINER_START,
+    TRAINER_STOP,
+    AdapterReady,
+    Done,
+    EngineConfig,
+    Exited,
+    Failed,
+    RankConfig,
+    Ready,
+    TrainerEvent,
+    TrainerEventsRequest,
+    TrainerJobRequest,
+    TrainerRankLaunch,
+    TrainerStartRequest,
+    TrainJob,
+)
 
 POLL_S = 2.0
 EXIT_GRACE_S = 5.0
@@ -49,15 +67,16 @@ REFUSALS = ("NonFiniteStepError", "NonFiniteCheckpointError")
 
 @dataclass
 class JobResult:
-    """Each rank's `done` event of one job, and the job's wall time in seconds."""
+    """Each rank's `Done` event of one job (by rank), the job's wall time in seconds, and rank
+    0's `AdapterReady` when the job committed a checkpoint."""
 
     job_id: str
-    events: dict[int, dict[str, Any]]
+    events: dict[int, Done]
     seconds: float
-    adapter_ready: list[dict[str, Any]] = field(default_factory=list)
+    adapter_ready: list[AdapterReady] = field(default_factory=list)
 
     @property
-    def rank0(self) -> dict[str, Any]:
+    def rank0(self) -> Done:
         return self.events[0]
 
 
@@ -76,6 +95,7 @@ class TrainerService:
         self._next = {h: 0 for h in self._hosts}
         self._host_of = {r.rank: r.host_id for r in topology.trainer_ranks}
         self._log_of: dict[int, str] = {}
+        self._engine: EngineConfig | None = None
         self._start_args: dict[str, Any] = {}
         self.started = False
         self.dirty = False
@@ -90,40 +110,40 @@ class TrainerService:
     def _where(self, rank: int) -> str:
         return f"rank {rank} on host {self._host_of.get(rank)} (log {self._log_of.get(rank)})"
 
-    def base_config(self) -> dict[str, Any]:
+    def rank_config(self, engine: EngineConfig | None) -> RankConfig:
+        """The ranks' launch config: the topology's world, rendezvous and layout, and `engine`."""
         topology = self._topology
         rank0 = topology.trainer_ranks[0]
-        master = topology.cluster.host(rank0.host_id).worker_address.host
         assert topology.trainer is not None
-        return {
-            "world_size": self.world_size,
-            "master_addr": master,
-            "master_port": topology.trainer.master_port,
-            "trainer": topology.trainer.model_dump(mode="json"),
-            "rank_table": [r.model_dump(mode="json") for r in topology.trainer_ranks],
-        }
+        return RankConfig(
+            world_size=self.world_size,
+            master_addr=topology.cluster.host(rank0.host_id).worker_address.host,
+            master_port=topology.trainer.master_port,
+            trainer=topology.trainer,
+            rank_table=tuple(sorted(topology.trainer_ranks, key=lambda r: r.rank)),
+            host_local_root=not topology.cluster.shared_artifact_root,
+            engine=engine,
+        )
 
     async def start(
         self,
-        config: Mapping[str, Any],
+        engine: EngineConfig | None = None,
         python: str | None = None,
         timeout_s: float = 600.0,
         sys_path: tuple[str, ...] = (),
     ) -> float:
-        """Start every rank and wait until all report `ready`; returns the seconds it took.
+        """Start every rank with `engine` (None: ranks that only run `PingJob`s) and wait until
+        all report `Ready`; returns the seconds it took.
 
         Raises:
-            TrainerJobError: a rank failed to initialise, died, or was not ready in `timeout_s`.
+            TrainerJobError: a rank failed to initialise, died, or was not ready in `timeout_s`;
+                or an agent refused to start its ranks.
         """
         started = time.monotonic()
-        self._start_args = {
-            "config": dict(config),
-            "python": python,
-            "timeout_s": timeout_s,
-            "sys_path": sys_path,
-        }
+        self._engine = engine
+        self._start_args = {"python": python, "timeout_s": timeout_s, "sys_path": sys_path}
         self._next = {h: 0 for h in self._hosts}  # each start restarts the agents' event logs
-        merged = {**self.base_config(), **config}
+        config = self.rank_config(engine)
         env_of = {p.rank: p.environ for p in self._topology.processes if p.role == "trainer"}
         for host in self._hosts:
             launches = []
@@ -139,12 +159,18 @@ class TrainerService:
                     env.setdefault("OMP_NUM_THREADS", "1")
                 launches.append(TrainerRankLaunch(rank=r.rank, env=env, log_path=log_path))
             request = TrainerStartRequest(
-                ranks=tuple(launches), config=merged, python=python, sys_path=sys_path
+                ranks=tuple(launches), config=config, python=python, sys_path=sys_path
             )
-            await self._clients[host].trainer_start(request)
+            reply = await self._clients[host].call(TRAINER_START, request)
+            if reply.error:
+                self.started = True  # the other hosts' ranks may run: `stop` ends them
+                self.dirty = True
+                raise TrainerJobError(
+                    f"the agent of host {host} did not start its trainer ranks: {reply.error}"
+                )
         self.started = True
         self.dirty = True  # until every rank is ready
-        await self._wait_all("ready", None, timeout_s)
+        await self._wait_all(Ready, None, timeout_s)
         self.dirty = False
         return time.monotonic() - started
 
@@ -165,44 +191,45 @@ class TrainerService:
             return 0.0
         if not self._start_args:
             raise RuntimeError("the trainer service was never started, so there is nothing to recover")
-        args = dict(self._start_args)
-        config = {k: v for k, v in args.pop("config").items() if k != "resume_dir"}
-        if resume_dir is not None:
-            config.pop("warm_start", None)
-            config["resume_dir"] = str(resume_dir)
+        engine = self._engine
+        if engine is not None:
+            # from the commit: its LoRA and optimizer state replace the first start's warm start
+            start = {"resume_dir": None if resume_dir is None else str(resume_dir)}
+            if resume_dir is not None:
+                start["warm_start"] = None
+            engine = EngineConfig.model_validate({**engine.model_dump(), **start})
         await self.stop()
-        return await self.start(config, **args)
+        return await self.start(engine, **self._start_args)
 
-    async def _poll(self, host: str, timeout_s: float = POLL_S) -> list[dict[str, Any]]:
-        reply = await self._clients[host].trainer_events(self._next[host], timeout_s)
+    async def _poll(self, host: str, timeout_s: float = POLL_S) -> list[TrainerEvent]:
+        body = TrainerEventsRequest(after=self._next[host], timeout_s=timeout_s)
+        reply = await self._clients[host].call(TRAINER_EVENTS, body, timeout_s=timeout_s + 30)
         self._next[host] = reply.next
         return list(reply.events)
 
     async def _wait_all(
-        self, kind: str, job_id: str | None, timeout_s: float | None
-    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-        done: dict[int, dict[str, Any]] = {}
-        others: list[dict[str, Any]] = []
-        failed: dict[int, dict[str, Any]] = {}
+        self, kind: type[Ready] | type[Done], job_id: str | None, timeout_s: float | None
+    ) -> tuple[dict[int, Any], list[Any]]:
+        done: dict[int, Any] = {}
+        others: list[Any] = []
+        failed: dict[int, Failed] = {}
         grace_until = 0.0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(done) < self.world_size:
             if failed and (len(done) + len(failed) >= self.world_size or time.monotonic() > grace_until):
                 rank, event = next(iter(failed.items()))
-                refused = len(failed) == self.world_size and not any(
-                    e.get("dirty", True) for e in failed.values()
-                )
-                if event.get("error_type") in REFUSALS:
+                refused = len(failed) == self.world_size and not any(e.dirty for e in failed.values())
+                if event.error_type in REFUSALS:
                     raise RankRefusedStepError(
-                        f"{event.get('message')} (reported by trainer {self._where(rank)})",
-                        event["error_type"],
+                        f"{event.message} (reported by trainer {self._where(rank)})",
+                        event.error_type,
                         rank,
                         self._host_of.get(rank),
                         self._log_of.get(rank),
                         clean=refused,
                     )
                 raise TrainerJobError(
-                    f"trainer {self._where(rank)} failed: {event.get('error')}",
+                    f"trainer {self._where(rank)} failed: {event.error}",
                     rank,
                     self._host_of.get(rank),
                     self._log_of.get(rank),
@@ -211,24 +238,24 @@ class TrainerService:
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(self._host_of) - set(done))
                 raise TrainerJobError(
-                    f"trainer ranks {missing} did not report {kind} within {timeout_s:g} s; see {self._where(missing[0])}",
+                    f"trainer ranks {missing} did not report {kind.model_fields['kind'].default} within "
+                    f"{timeout_s:g} s; see {self._where(missing[0])}",
                     missing[0],
                     self._host_of.get(missing[0]),
                     self._log_of.get(missing[0]),
                 )
             wait_s = max(0.0, min(POLL_S, grace_until - time.monotonic())) if failed else POLL_S
             batches = await asyncio.gather(*(self._poll(h, wait_s) for h in self._hosts))
-            for event in (e for batch in batches for e in batch):
-                rank = int(event.get("rank", -1))
-                name = event.get("event")
-                if name == "exited":
+            for record in (e for batch in batches for e in batch):
+                rank, event = record.rank, record.event
+                if isinstance(event, Exited):
                     raise TrainerJobError(
-                        f"trainer {self._where(rank)} exited with code {event.get('code')}",
+                        f"trainer {self._where(rank)} exited with code {event.code}",
                         rank,
                         self._host_of.get(rank),
-                        event.get("log_path"),
+                        event.log_path or None,
                     )
-                if name == "failed" and (job_id is None or event.get("job") in (job_id, None)):
+                if isinstance(event, Failed) and (job_id is None or event.job in (job_id, None)):
                     # A peer's death often reaches the survivors (a gloo "connection reset") before
                     # the agent reports the exit: wait briefly for an `exited` so the error names the
                     # rank that died, not the one that noticed.
@@ -236,14 +263,15 @@ class TrainerService:
                         grace_until = time.monotonic() + EXIT_GRACE_S
                     failed.setdefault(rank, event)
                     continue
-                if name == kind and (job_id is None or event.get("job") == job_id):
+                of_job = getattr(event, "job", None)  # Starting and Ready belong to no job
+                if isinstance(event, kind) and (job_id is None or of_job == job_id):
                     done[rank] = event
-                elif job_id is not None and event.get("job") == job_id:
+                elif job_id is not None and of_job == job_id:
                     others.append(event)
         return done, others
 
-    async def run(self, job: Mapping[str, Any], timeout_s: float | None = None) -> JobResult:
-        """Send `job` to every rank and wait for every `done` (or the first failure).
+    async def run(self, job: TrainJob, timeout_s: float | None = None) -> JobResult:
+        """Send `job` to every rank and wait for every `Done` (or the first failure).
 
         A failure leaves the service `dirty` unless every rank refused the job untouched.
 
@@ -269,22 +297,24 @@ class TrainerService:
             self.dirty = True
             raise
 
-    async def _run(self, job: Mapping[str, Any], timeout_s: float | None) -> JobResult:
-        job_id = secrets.token_hex(6)
+    async def _run(self, job: TrainJob, timeout_s: float | None) -> JobResult:
+        request = TrainerJobRequest(id=secrets.token_hex(6), job=job)
         started = time.monotonic()
-        payload = {**job, "id": job_id}
-        sent = await asyncio.gather(*(self._clients[h].trainer_job(payload) for h in self._hosts))
-        if sum(sent) != self.world_size:
+        replies = await asyncio.gather(*(self._clients[h].call(TRAINER_JOB, request) for h in self._hosts))
+        sent = sum(r.sent for r in replies)
+        if sent != self.world_size:
             raise TrainerJobError(
-                f"the job reached {sum(sent)} of {self.world_size} trainer ranks; a rank is gone"
+                f"the job reached {sent} of {self.world_size} trainer ranks; a rank is gone"
             )
-        done, others = await self._wait_all("done", job_id, timeout_s)
-        adapters = [e for e in others if e.get("event") == "adapter_ready"]
-        return JobResult(job_id, done, time.monotonic() - started, adapters)
+        done, others = await self._wait_all(Done, request.id, timeout_s)
+        adapters = [e for e in others if isinstance(e, AdapterReady)]
+        return JobResult(request.id, done, time.monotonic() - started, adapters)
 
     async def stop(self) -> None:
         """Stop every rank on every host (idempotent; a lost host is skipped)."""
         if not self.started:
             return
         self.started = False
-        await asyncio.gather(*(self._clients[h].trainer_stop() for h in self._hosts), return_exceptions=True)
+        await asyncio.gather(
+            *(self._clients[h].call(TRAINER_STOP) for h in self._hosts), return_exceptions=True
+        )

@@ -25,6 +25,7 @@ from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
+from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings, RLJob
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 
@@ -46,17 +47,15 @@ def write_batch(batch_dir, step: int) -> None:
         batch.save(batch_dir / f"dp{rank}.safetensors")
 
 
-def rl_job(run, step: int) -> dict:
+def rl_job(run, step: int) -> RLJob:
     batch_dir = run / "batches" / f"{step:04d}-{time.monotonic_ns()}"
     write_batch(batch_dir, step)
-    return {
-        "kind": "rl",
-        "step": step,
-        "batch_dir": str(batch_dir),
-        "checkpoint_dir": str(run / "checkpoints" / f"{step:04d}"),
-        "learning_rate": 1e-3,
-        "loss": {},
-    }
+    return RLJob(
+        step=step,
+        batch_dir=str(batch_dir),
+        checkpoint_dir=str(run / "checkpoints" / f"{step:04d}"),
+        learning_rate=1e-3,
+    )
 
 
 def adapter_sha256(checkpoint) -> str:
@@ -83,7 +82,7 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     checkpoints.mkdir(parents=True)
-    base = {"model_dir": str(tiny_llama_dir), "lora": {"rank": 4, "alpha": 8.0}}
+    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8.0))
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, run / "logs")
     try:
@@ -92,7 +91,7 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
             TrainerJobError, match="nothing is committed yet, so the next rl job must name step 0"
         ):
             await service.run(rl_job(run, 1))
-        await service.run({"kind": "export", "step": 0, "checkpoint_dir": str(checkpoints / "0000")})
+        await service.run(ExportJob(step=0, checkpoint_dir=str(checkpoints / "0000")))
         write_commit(checkpoints, 0)
         await service.run(rl_job(run, 1))
         write_commit(checkpoints, 1)
@@ -124,7 +123,9 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
         # a fresh service on the same runtime resumes from the commit, as MegatronBackend.register does
         fresh = TrainerService(runtime.clients, topology, run / "logs")
         service = fresh
-        await fresh.start({**base, "resume_dir": str(checkpoints / f"{read_commit(checkpoints):04d}")})
+        await fresh.start(
+            base.model_copy(update={"resume_dir": str(checkpoints / f"{read_commit(checkpoints):04d}")})
+        )
         for wrong in (1, 3):
             with pytest.raises(
                 TrainerJobError, match="the last committed step is 1, so the next rl job must name step 2"
@@ -133,16 +134,13 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
         result = await fresh.run(rl_job(run, 2))
         write_commit(checkpoints, 2)
         assert read_commit(checkpoints) == 2 and not staging.exists()
-        assert result.adapter_ready[0]["sha256"] == adapter_sha256(checkpoints / "0002")
+        assert result.adapter_ready[0].sha256 == adapter_sha256(checkpoints / "0002")
         assert json.loads((checkpoints / "0002" / "manifest.json").read_text())["step"] == 2
         import torch
 
         state = torch.load(checkpoints / "0002" / "rank00000.pt", weights_only=False)
         assert state["steps"] == 2  # step 1's optimizer state was loaded, then one more step taken
-        assert (
-            result.rank0["metrics"]["time/megatron_s"] > 0
-            and result.rank0["metrics"]["time/checkpoint_s"] > 0
-        )
+        assert result.rank0.metrics["time/megatron_s"] > 0 and result.rank0.metrics["time/checkpoint_s"] > 0
     finally:
         pause.unlink(missing_ok=True)
         await service.stop()
@@ -152,14 +150,14 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
 def test_check_job_step_names_the_expected_step():
     from art_mega.trainer.jobs import StepOrderError, check_job_step
 
-    assert check_job_step({"kind": "export", "step": 0}, None) == 0
-    assert check_job_step({"kind": "sft", "step": 8}, 7) == 8
+    assert check_job_step("export", 0, None) == 0
+    assert check_job_step("sft", 8, 7) == 8
     for step in (7, 9, None, "8", True):
         with pytest.raises(
             StepOrderError, match="the last committed step is 7, so the next sft job must name step 8"
         ):
-            check_job_step({"kind": "sft", "step": step}, 7)
+            check_job_step("sft", step, 7)
     with pytest.raises(
         StepOrderError, match="job step 1 refused: nothing is committed yet, .* must name step 0"
     ):
-        check_job_step({"kind": "rl", "step": 1}, None)
+        check_job_step("rl", 1, None)

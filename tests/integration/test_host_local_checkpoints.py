@@ -19,6 +19,7 @@ from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
+from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import adapter_sha256, rl_job, wait_for
@@ -38,12 +39,12 @@ async def test_one_disk_declared_host_local_commits_once_and_survives_a_kill_mid
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     checkpoints.mkdir(parents=True)
-    base = {"model_dir": str(tiny_llama_dir), "lora": {"rank": 4, "alpha": 8.0}, "host_local_root": True}
+    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8.0))
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, run / "logs")
     try:
         await service.start(base)
-        await service.run({"kind": "export", "step": 0, "checkpoint_dir": str(checkpoints / "0000")})
+        await service.run(ExportJob(step=0, checkpoint_dir=str(checkpoints / "0000")))
         write_commit(checkpoints, 0)
         await service.run(rl_job(run, 1))
         write_commit(checkpoints, 1)
@@ -75,11 +76,11 @@ async def test_one_disk_declared_host_local_commits_once_and_survives_a_kill_mid
         assert not (checkpoints / "0002").exists()
 
         service = TrainerService(runtime.clients, topology, run / "logs")
-        await service.start({**base, "resume_dir": str(checkpoints / "0001")})
+        await service.start(base.model_copy(update={"resume_dir": str(checkpoints / "0001")}))
         result = await service.run(rl_job(run, 2))
         write_commit(checkpoints, 2)
         assert read_commit(checkpoints) == 2 and not staging.exists()
-        assert result.adapter_ready[0]["sha256"] == adapter_sha256(checkpoints / "0002")
+        assert result.adapter_ready[0].sha256 == adapter_sha256(checkpoints / "0002")
         assert sorted(p.name for p in (checkpoints / "0002").iterdir()) == [
             "adapter",
             "manifest.json",

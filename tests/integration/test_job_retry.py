@@ -22,6 +22,7 @@ from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
+from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import rl_job
@@ -69,11 +70,7 @@ async def commit_steps(service: TrainerService, run: Path, steps: range) -> None
     """Run and commit `steps` in order (step 0 exports the initial adapter)."""
     checkpoints = run / "checkpoints"
     for step in steps:
-        job = (
-            rl_job(run, step)
-            if step
-            else {"kind": "export", "step": 0, "checkpoint_dir": str(checkpoints / "0000")}
-        )
+        job = rl_job(run, step) if step else ExportJob(step=0, checkpoint_dir=str(checkpoints / "0000"))
         await service.run(job)
         write_commit(checkpoints, step)
 
@@ -89,7 +86,7 @@ async def test_a_save_failing_on_one_rank_is_retried_from_the_last_commit(tmp_pa
     for run in (failing, never_failed):
         (run / "checkpoints").mkdir(parents=True)
     checkpoints = failing / "checkpoints"
-    base = {"model_dir": str(tiny_llama_dir), "lora": {"rank": 4, "alpha": 8.0}}
+    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8.0))
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, tmp_path / "logs")
     try:
@@ -135,7 +132,7 @@ async def test_a_save_failing_on_one_rank_is_retried_from_the_last_commit(tmp_pa
         assert not service.dirty
         retried = await service.run(step2)
         write_commit(checkpoints, 2)
-        assert retried.adapter_ready[0]["step"] == 2 and read_commit(checkpoints) == 2
+        assert retried.adapter_ready[0].step == 2 and read_commit(checkpoints) == 2
 
         # the same steps on fresh ranks, without a failure
         await service.stop()

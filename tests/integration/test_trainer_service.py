@@ -9,6 +9,7 @@ import pytest
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
+from art_mega.trainer.protocol import PingJob
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 
@@ -22,24 +23,20 @@ async def test_ranks_run_jobs_and_a_dead_rank_is_named(tmp_path):
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, tmp_path / "logs")
     try:
-        ready_s = await service.start({})
+        ready_s = await service.start()
         assert ready_s < 120
-        result = await service.run({"kind": "ping"})
+        result = await service.run(PingJob())
         assert sorted(result.events) == [0, 1]
-        assert all(e["metrics"]["sum"] == 3.0 for e in result.events.values())
-        again = await service.run({"kind": "ping"})  # ranks stay up between jobs
+        assert all(e.metrics["sum"] == 3.0 for e in result.events.values())
+        again = await service.run(PingJob())  # ranks stay up between jobs
         assert again.job_id != result.job_id
-
-        with pytest.raises(TrainerJobError, match="unknown job kind 'dance'") as info:
-            await service.run({"kind": "dance"})
-        assert info.value.rank in (0, 1)
 
         health = await runtime.health()
         rank1 = next(c for c in health["host0"].children if c.child_id == "trainer-rank1")
         os.kill(rank1.pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(TrainerJobError, match="rank 1 on host host0") as info:
-            await service.run({"kind": "ping"}, timeout_s=60)
+            await service.run(PingJob(), timeout_s=60)
         assert time.monotonic() - started < 10
         assert info.value.log_path and info.value.log_path.endswith("trainer-rank1.log")
     finally:

@@ -110,19 +110,18 @@ def test_a_job_with_a_nonfinite_loss_names_its_step_and_writes_no_checkpoint(
     megatron_world, engines: tuple[Any, Any, Any], tmp_path: Path
 ) -> None:
     from art_mega.trainer.jobs import run_train_job
+    from art_mega.trainer.protocol import RLJob
 
     engine, _, batch = engines
     (tmp_path / "batch").mkdir()
     poisoned(batch, float("nan")).save(tmp_path / "batch" / "dp0.safetensors")
     checkpoints = tmp_path / "checkpoints"
-    job = {
-        "kind": "rl",
-        "step": 8,
-        "batch_dir": str(tmp_path / "batch"),
-        "checkpoint_dir": str(checkpoints / "0008"),
-        "learning_rate": 1e-2,
-        "loss": {},
-    }
+    job = RLJob(
+        step=8,
+        batch_dir=str(tmp_path / "batch"),
+        checkpoint_dir=str(checkpoints / "0008"),
+        learning_rate=1e-2,
+    )
     before = snapshot(engine)
     with pytest.raises(NonFiniteStepError) as info:
         run_train_job(job, megatron_world, engine, {}, last_step=7)
