@@ -318,7 +318,7 @@ class NonFiniteCheckpointError(UserError):
 
 
 class CheckpointFileError(UserError):
-    """A file of a run's checkpoints (the commit pointer `LATEST`, a manifest) is malformed, so
+    """A file of a run's checkpoints (the commit pointer, a manifest) is malformed, so
     the run cannot tell which step to resume from (`art_mega.trainer.checkpoint`).
 
     Attributes:
