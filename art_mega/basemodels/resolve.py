@@ -9,8 +9,12 @@ network is allowed (`art_mega.basemodels.hub`).
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from art_mega.errors import BaseModelError
 
@@ -94,6 +98,44 @@ def resolve_base_model(
             revision,
         )
     return ResolvedModel(resolve_hub_model(base_model, revision), hub_id=base_model)
+
+
+async def resolve_base_model_off_loop(
+    base_model: str, cache_root: str | Path, revision: str | None = None
+) -> ResolvedModel:
+    """`resolve_base_model` on a daemon thread, awaited: the event loop keeps running through a
+    download (minutes for a large hub model), so a stop signal cancels the caller at once.
+
+    A cancelled await leaves the thread to finish its download or to end with the process
+    (daemon: exiting waits only for the files huggingface_hub's download threads have in flight;
+    it resumes a partial download next time).
+
+    Raises:
+        what `resolve_base_model` raises, on the awaiting task.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[ResolvedModel] = loop.create_future()
+
+    def deliver(setter: Callable[[Any], None], value: Any) -> None:
+        def settle() -> None:
+            if not future.done():  # done: the awaiting task was cancelled
+                setter(value)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop closed while this thread worked: nobody awaits it any more
+            pass
+
+    def run() -> None:
+        try:
+            result = resolve_base_model(base_model, cache_root, revision=revision)
+        except BaseException as exc:  # delivered to the awaiting task, never lost on this thread
+            deliver(future.set_exception, exc)
+        else:
+            deliver(future.set_result, result)
+
+    threading.Thread(target=run, name=f"resolve {base_model}", daemon=True).start()
+    return await future
 
 
 def _local_model(base_model: str, path: Path, cache_root: Path) -> Path | None:

@@ -291,6 +291,9 @@ class FakeHub:
 
         self.files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()} | self.EXTRA
         self.fetched: list[str] = []
+        self.gate = threading.Event()  # file bodies wait for it (set: they do not wait)
+        self.gate.set()
+        self.waiting = threading.Event()  # set once a file body waits at the closed gate
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -339,9 +342,13 @@ class FakeHub:
         data = self.files[name]
         if body:
             self.fetched.append(name)
+            if not self.gate.is_set():
+                self.waiting.set()
+                self.gate.wait()
         return 200, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, data
 
     def close(self) -> None:
+        self.gate.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -388,3 +395,47 @@ def test_unknown_gated_repos_and_revisions_on_the_hub_are_refused(fake_hub: Fake
         "Hub; name an existing branch, tag or commit"
     )
     assert fake_hub.fetched == []
+
+
+CANCEL = """
+import asyncio, sys
+from art_mega.basemodels.resolve import resolve_base_model_off_loop
+
+async def main():
+    task = asyncio.create_task(resolve_base_model_off_loop("Qwen/Qwen3-0.6B", sys.argv[1]))
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # the loop runs meanwhile
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        print("cancelled", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_download_in_progress_leaves_the_loop_running_and_a_cancel_ends_it_at_once(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    fake_hub.gate.clear()  # every file download hangs until the gate opens
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env = {**clean, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": fake_hub.endpoint}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CANCEL, str(tmp_path / "cache")],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert fake_hub.waiting.wait(60), "the download never started"
+        child.stdin.write("cancel\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "cancelled\n"  # while the download still hangs
+        assert not fake_hub.gate.is_set()
+        fake_hub.gate.set()  # the files in flight finish; the process exits after them
+        assert child.wait(60) == 0, child.stderr.read()
+    finally:
+        child.kill()
+        child.communicate()
