@@ -18,7 +18,7 @@ also cost ~0.6 ms per request (benchmarks/RESULTS.md). The routes need none of i
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -189,11 +189,10 @@ Endpoint = Callable[["Request", bytes], Awaitable["Response"]]
 class SignedRouter:
     """The agent's routes, each behind the signature check of `verifier` and a body cap.
 
-    `serve(route)` (and `post(path, body_model, max_body_bytes)` / `get(path)`) register a
-    handler that takes the parsed body (or nothing) and returns a pydantic model; `raw(path, endpoint, methods, ...)`
-    registers a Starlette endpoint that gets the request and its verified body (the hot routes,
-    which parse by hand). Paths are relative to `API_PREFIX`. `app(lifespan)` builds the
-    Starlette application.
+    `serve(route)` registers a handler that takes the parsed body (or nothing) and returns a
+    pydantic model; `raw(route, endpoint)` registers a Starlette endpoint that gets the request
+    and its verified body (the hot routes, which parse by hand). A `Route`'s path is relative to
+    `API_PREFIX`. `app(lifespan)` builds the Starlette application.
     """
 
     def __init__(self, verifier: Verifier, on_verified: Callable[[], None] | None = None) -> None:
@@ -223,17 +222,11 @@ class SignedRouter:
             self.on_verified()
         return body
 
-    def raw(
-        self,
-        path: str,
-        endpoint: Endpoint,
-        methods: Sequence[str],
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        unbound: bool = False,
-    ) -> None:
-        """Register `endpoint(request, body)`, called with the verified body only; `RouteError`
-        is answered. `unbound=True` (the identity route only) also accepts a request signed for
-        no agent (see `auth`)."""
+    def raw(self, route: Route[Any, Any], endpoint: Endpoint, unbound: bool = False) -> None:
+        """Serve `route` with `endpoint(request, body)`, called with the verified body only (it
+        parses the body itself: the hot routes); `RouteError` is answered. `unbound=True` (the
+        identity route only) also accepts a request signed for no agent (see `auth`)."""
+        max_body_bytes = route.max_body_bytes if route.method == "POST" else 0
 
         async def guarded(request: Request) -> Response:
             try:
@@ -243,44 +236,30 @@ class SignedRouter:
 
         from starlette.routing import Route as StarletteRoute
 
-        self.routes.append(StarletteRoute(API_PREFIX + path, guarded, methods=list(methods)))
-
-    def _add(
-        self, method: str, path: str, body_model: type[BaseModel] | None, handler: H, max_body_bytes: int
-    ) -> H:
-        async def endpoint(request: Request, raw: bytes) -> Response:
-            if body_model is None:
-                return json_reply(await handler())
-            try:
-                parsed = body_model.model_validate_json(raw)
-            except ValidationError as exc:
-                raise body_error(exc) from None
-            return json_reply(await handler(parsed))
-
-        self.raw(path, endpoint, [method], max_body_bytes)
-        return handler
+        self.routes.append(StarletteRoute(API_PREFIX + route.path, guarded, methods=[route.method]))
 
     def serve(self, route: Route[Any, Any]) -> Callable[[H], H]:
         """Decorator: serve `route` with the handler, which takes the body parsed as
-        `route.request` (no argument when it is None) and returns a `route.response`; a body
-        over `route.max_body_bytes` is refused with 413."""
-        max_body_bytes = route.max_body_bytes if route.method == "POST" else 0
-        return lambda handler: self._add(route.method, route.path, route.request, handler, max_body_bytes)
+        `route.request` (no argument when it is None: the body is then ignored once its
+        signature is checked) and returns a `route.response`; a body over
+        `route.max_body_bytes` is refused with 413, one that is not a `route.request` with 422."""
 
-    def post(
-        self,
-        path: str,
-        body_model: type[BaseModel] | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    ) -> Callable[[H], H]:
-        """Decorator: `POST path` runs the handler with the body parsed as `body_model` (None:
-        the handler takes no argument and the body is ignored once its signature is checked);
-        a body over `max_body_bytes` is refused with 413."""
-        return lambda handler: self._add("POST", path, body_model, handler, max_body_bytes)
+        def add(handler: H) -> H:
+            body_model = route.request
 
-    def get(self, path: str) -> Callable[[H], H]:
-        """Decorator: `GET path` runs the handler with no argument (a GET takes no body)."""
-        return lambda handler: self._add("GET", path, None, handler, 0)
+            async def endpoint(request: Request, raw: bytes) -> Response:
+                if body_model is None:
+                    return json_reply(await handler())
+                try:
+                    parsed = body_model.model_validate_json(raw)
+                except ValidationError as exc:
+                    raise body_error(exc) from None
+                return json_reply(await handler(parsed))
+
+            self.raw(route, endpoint)
+            return handler
+
+        return add
 
     def app(self, lifespan: Callable[[Any], AbstractAsyncContextManager[None]] | None = None) -> Starlette:
         """The Starlette application serving every registered route."""

@@ -13,7 +13,7 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from art_mega.agent.protocol import ChildStatus
@@ -173,10 +173,28 @@ async def stop_process(process: asyncio.subprocess.Process, grace_s: float = DEF
 
 
 class Supervisor:
-    """The set of children one agent owns."""
+    """The set of children one agent owns, and what its services stop when the agent closes.
 
-    def __init__(self) -> None:
+    `launch_id` names the launch these children serve (a service puts it in the names of the
+    scratch folders it makes, e.g. etcd's data dir).
+    """
+
+    def __init__(self, launch_id: str) -> None:
+        self.launch_id = launch_id
         self._children: dict[str, Child] = {}
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+
+    def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Run `closer()` at every `close`, before the children are stopped (in the order the
+        closers were added): a service stops there what it owns beyond its children (sockets,
+        file locks, etcd and its data dir). A closer may run more than once."""
+        self._closers.append(closer)
+
+    async def close(self) -> tuple[ChildStatus, ...]:
+        """The agent closes: run every closer, then stop every child; the children stopped."""
+        for closer in self._closers:
+            await closer()
+        return await self.stop(None)
 
     def add(self, child: Child) -> None:
         self._children[child.child_id] = child

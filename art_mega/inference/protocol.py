@@ -1,4 +1,4 @@
-"""How a vLLM replica is launched, and the agent's inference request/response bodies.
+"""How a vLLM replica is launched, and the agent's inference routes and their bodies.
 
 Pydantic models, JSON on the wire; `ReplicaLaunch` is what `replica.start_replica` needs beside
 the topology's `ReplicaSpec`.
@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from art_mega.agent.protocol import ShutdownResponse
+from art_mega.agent.routes import Route
 from art_mega.topology.compiled import ReplicaSpec
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -109,3 +111,7 @@ class InferenceStopRequest(_Body):
     """Stop these replicas by process name ("NAME-INDEX"; empty = every replica of this agent)."""
 
     names: tuple[str, ...] = ()
+
+
+INFERENCE_START = Route("POST", "/inference/start", InferenceStartRequest, InferenceStartResponse)
+INFERENCE_STOP = Route("POST", "/inference/stop", InferenceStopRequest, ShutdownResponse)

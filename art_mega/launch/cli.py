@@ -388,6 +388,7 @@ def worker(
         from art_mega.agent.app import agent_main
         from art_mega.agent.auth import load_secret
         from art_mega.agent.lease import parse_controller_lease
+        from art_mega.launch.agent_services import AGENT_SERVICES
 
         _check_address("--address", address)
         if exit_on_stdin_eof:
@@ -407,7 +408,7 @@ def worker(
         if launch_id is None and from_env:
             _check_launch_id(from_env, "ART_MEGA_LAUNCH_ID")
         chosen = launch_id or from_env or secrets.token_hex(8)
-        return agent_main(address, chosen, secret, exit_on_stdin_eof, lease_s)
+        return agent_main(address, chosen, secret, AGENT_SERVICES, exit_on_stdin_eof, lease_s)
 
     raise typer.Exit(_guarded(debug, body))
 

@@ -189,7 +189,6 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
     and the agent's close first closes their channels (`TrainerRanks.stop`)."""
     ranks = TrainerRanks(supervisor)
     supervisor.on_close(ranks.stop)
-    supervisor.on_close(ranks.stop)
 
     @router.serve(TRAINER_START)
     async def trainer_start(body: TrainerStartRequest) -> TrainerStartResponse:

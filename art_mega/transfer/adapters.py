@@ -20,8 +20,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from art_mega.errors import UserError
+from art_mega.errors import AdapterTransferError, UserError
 from art_mega.transfer.protocol import (
+    ADAPTERS_FETCH,
+    ADAPTERS_OFFER,
+    ADAPTERS_PRUNE,
+    ADAPTERS_RELEASE,
     COPY_MARKER,
     FetchRequest,
     FetchResponse,
@@ -29,24 +33,17 @@ from art_mega.transfer.protocol import (
     OfferRequest,
     OfferResponse,
     PruneRequest,
-    PruneResponse,
     ReleaseRequest,
-    ReleaseResponse,
 )
-from art_mega.transfer.routes import FETCH_PATH, OFFER_PATH, PRUNE_PATH, RELEASE_PATH
 
 if TYPE_CHECKING:
     from art_mega.agent.client import AgentClient
+    from art_mega.agent.routes import Req, Resp, Route
 
 DEFAULT_TIMEOUT_S = 120.0
 TRANSFER_METRIC = "time/adapter_transfer_s"
 
 log = logging.getLogger(__name__)
-
-
-class AdapterTransferError(Exception):
-    """An adapter did not reach a replica host intact; names the host, the transfer and the
-    file where one is at fault (e.g. a sha256 mismatch)."""
 
 
 @dataclass
@@ -101,9 +98,9 @@ class AdapterTransport:
         """Hosts that get a copy: every replica host but the exporter, each once, sorted."""
         return sorted({h for h in self.replica_hosts.values() if h != self.exporter_host})
 
-    async def _call(self, host: str, path: str, body: Any, model: type[Any]) -> Any:
+    async def _call(self, host: str, route: Route[Req, Resp], body: Req) -> Resp:
         # the agent's own bound covers NIXL; the HTTP bound adds a margin for file I/O
-        return await self.clients[host]._request("POST", path, body, model, self.timeout_s + 30)
+        return await self.clients[host].call(route, body, timeout_s=self.timeout_s + 30)
 
     async def __call__(self, step: int, adapter_dir: str | os.PathLike[str]) -> dict[str, str]:
         """Copy `adapter_dir` (absolute, under artifact_root on the exporter) to every other
@@ -124,7 +121,7 @@ class AdapterTransport:
         report = TransferReport(step=step, transfer_id=transfer_id)
         offered: OfferResponse = await self._call(
             self.exporter_host,
-            OFFER_PATH,
+            ADAPTERS_OFFER,
             OfferRequest(
                 host=self.exporter_host,
                 root=self.artifact_root,
@@ -133,10 +130,9 @@ class AdapterTransport:
                 store=self.store,
                 timeout_s=self.timeout_s,
             ),
-            OfferResponse,
         )
         if not offered.ok or offered.offer is None:
-            raise AdapterTransferError(f"step {step}: {offered.error}")
+            raise AdapterTransferError(step, offered.error)
         report.offer_s = time.monotonic() - started
         dest = os.path.relpath(f"{source}{COPY_MARKER}{transfer_id}", self.artifact_root)
         try:
@@ -144,7 +140,7 @@ class AdapterTransport:
                 *(
                     self._call(
                         host,
-                        FETCH_PATH,
+                        ADAPTERS_FETCH,
                         FetchRequest(
                             host=host,
                             root=self.artifact_root,
@@ -153,7 +149,6 @@ class AdapterTransport:
                             store=self.store,
                             timeout_s=self.timeout_s,
                         ),
-                        FetchResponse,
                     )
                     for host in receivers
                 ),
@@ -174,7 +169,7 @@ class AdapterTransport:
                 self._copies.setdefault(step, {}).setdefault(host, []).append(reply.path)
         if errors:
             raise AdapterTransferError(
-                f"step {step}: the adapter did not reach every replica host: " + "; ".join(errors)
+                step, "the adapter did not reach every replica host: " + "; ".join(errors)
             )
         paths.update({name: received[host] for name, host in self.replica_hosts.items() if host in received})
         report.total_s = time.monotonic() - started
@@ -204,9 +199,8 @@ class AdapterTransport:
             *(
                 self._call(
                     host,
-                    PRUNE_PATH,
+                    ADAPTERS_PRUNE,
                     PruneRequest(host=host, root=self.artifact_root, paths=tuple(doomed[host])),
-                    PruneResponse,
                 )
                 for host in hosts
             ),
@@ -232,9 +226,7 @@ class AdapterTransport:
 
     async def _release(self, transfer_id: str) -> None:
         try:
-            await self._call(
-                self.exporter_host, RELEASE_PATH, ReleaseRequest(transfer_id=transfer_id), ReleaseResponse
-            )
+            await self._call(self.exporter_host, ADAPTERS_RELEASE, ReleaseRequest(transfer_id=transfer_id))
         except Exception:  # the exporter's agent frees it at shutdown anyway
             pass
 

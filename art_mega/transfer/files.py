@@ -2,8 +2,8 @@
 
 With a host-local artifact_root (`ClusterSpec.shared_artifact_root=False`) the controller puts
 files where trainer ranks on other hosts read them (each step's batch) and deletes what they wrote
-(old checkpoints) through these routes. `register_artifact_file_routes(app)` adds
-`POST /v1/artifacts/write` and `/v1/artifacts/remove`; the app's signature check guards them like
+(old checkpoints) through these routes. `register(router, supervisor)` adds
+`POST /v1/artifacts/write` and `/v1/artifacts/remove`; the router's signature check guards them like
 every other route. Paths are relative to the root and may not leave it.
 """
 
@@ -17,44 +17,19 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict
+from art_mega.errors import ArtifactFileError
+from art_mega.transfer.protocol import (
+    ARTIFACTS_REMOVE,
+    ARTIFACTS_WRITE,
+    ArtifactRemoveRequest,
+    ArtifactResponse,
+    ArtifactWriteRequest,
+)
 
 if TYPE_CHECKING:  # the agent imports this module too; it needs no HTTP client
     from art_mega.agent.client import AgentClient
     from art_mega.agent.routes import SignedRouter
-
-WRITE_PATH = "/artifacts/write"
-REMOVE_PATH = "/artifacts/remove"
-WRITE_MAX_BODY_BYTES = 1 << 30
-"""Body cap of /v1/artifacts/write (1 GiB of JSON: a file of up to 768 MiB in base64)."""
-
-
-class ArtifactWriteRequest(BaseModel):
-    """Write `data_b64` (base64 of the file's bytes) to `<root>/<path>`, replacing any file there."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    root: str
-    path: str
-    data_b64: str
-
-
-class ArtifactRemoveRequest(BaseModel):
-    """Remove `<root>/<path>` (a file or a folder with its contents; nothing when it is absent)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    root: str
-    path: str
-
-
-class ArtifactResponse(BaseModel):
-    """`ok`, or `error` naming the path and the reason; `bytes` written or `removed`."""
-
-    ok: bool
-    bytes: int = 0
-    removed: bool = False
-    error: str = ""
+    from art_mega.agent.supervisor import Supervisor
 
 
 def artifact_path(root: str, path: str) -> Path:
@@ -112,21 +87,18 @@ def remove_path(request: ArtifactRemoveRequest) -> ArtifactResponse:
         return ArtifactResponse(ok=False, error=f"removing {request.path}: {type(exc).__name__}: {exc}")
 
 
-def register_artifact_file_routes(router: SignedRouter) -> None:
+def register(router: SignedRouter, supervisor: Supervisor) -> None:
     """Add `POST /v1/artifacts/write` and `/v1/artifacts/remove` to the agent's `router`; each runs
-    in an agent thread and answers `ArtifactResponse` (failures in it, not as HTTP errors)."""
+    in an agent thread and answers `ArtifactResponse` (failures in it, not as HTTP errors). They
+    start no child, so `supervisor` is not used."""
 
-    @router.post(WRITE_PATH, ArtifactWriteRequest, max_body_bytes=WRITE_MAX_BODY_BYTES)
+    @router.serve(ARTIFACTS_WRITE)
     async def artifacts_write(body: ArtifactWriteRequest) -> ArtifactResponse:
         return await asyncio.to_thread(write_file, body)
 
-    @router.post(REMOVE_PATH, ArtifactRemoveRequest)
+    @router.serve(ARTIFACTS_REMOVE)
     async def artifacts_remove(body: ArtifactRemoveRequest) -> ArtifactResponse:
         return await asyncio.to_thread(remove_path, body)
-
-
-class ArtifactFileError(RuntimeError):
-    """An agent could not write or remove an artifact file; names the host and the path."""
 
 
 async def send_file(client: AgentClient, root: str, path: str, data: bytes, timeout_s: float = 120.0) -> int:
@@ -137,9 +109,9 @@ async def send_file(client: AgentClient, root: str, path: str, data: bytes, time
         AgentError: the agent did not answer.
     """
     body = ArtifactWriteRequest(root=root, path=path, data_b64=base64.b64encode(data).decode())
-    reply = await client._request("POST", WRITE_PATH, body, ArtifactResponse, timeout_s)
+    reply = await client.call(ARTIFACTS_WRITE, body, timeout_s=timeout_s)
     if not reply.ok:
-        raise ArtifactFileError(f"host {client.host}: {reply.error}")
+        raise ArtifactFileError(client.host, path, reply.error)
     return reply.bytes
 
 
@@ -150,9 +122,7 @@ async def remove_remote(client: AgentClient, root: str, path: str) -> bool:
         ArtifactFileError: the agent refused the path or could not remove it.
         AgentError: the agent did not answer.
     """
-    reply = await client._request(
-        "POST", REMOVE_PATH, ArtifactRemoveRequest(root=root, path=path), ArtifactResponse
-    )
+    reply = await client.call(ARTIFACTS_REMOVE, ArtifactRemoveRequest(root=root, path=path))
     if not reply.ok:
-        raise ArtifactFileError(f"host {client.host}: {reply.error}")
+        raise ArtifactFileError(client.host, path, reply.error)
     return reply.removed

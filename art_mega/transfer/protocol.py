@@ -1,4 +1,5 @@
-"""Bodies of the agent's adapter-transfer routes (`/v1/adapters/offer|fetch|release|prune`).
+"""Routes and bodies of the transfer service: adapter transfers (`/v1/adapters/offer|fetch|release|prune`)
+and artifact files (`/v1/artifacts/write|remove`).
 
 An offer is the sender's manifest: where its NIXL agent registered the adapter's bytes and the
 size and sha256 of every file in them. Pure pydantic; the NIXL work is in `transfer.nixl`.
@@ -10,12 +11,16 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from art_mega.agent.routes import Route
+
 COPY_MARKER = ".nixl-"
 """A received copy of adapter folder `A` is written as `A.nixl-<transfer id>`; prune deletes only
 folders whose name holds this marker."""
 
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+ARTIFACT_WRITE_MAX_BODY_BYTES = 1 << 30
+"""Body cap of /v1/artifacts/write (1 GiB of JSON: a file of up to 768 MiB in base64)."""
 
 
 class _Body(BaseModel):
@@ -148,3 +153,41 @@ class PruneResponse(_Body):
 
     removed: tuple[str, ...] = ()
     error: str = ""
+
+
+class ArtifactWriteRequest(BaseModel):
+    """Write `data_b64` (base64 of the file's bytes) to `<root>/<path>`, replacing any file there."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: str
+    path: str
+    data_b64: str
+
+
+class ArtifactRemoveRequest(BaseModel):
+    """Remove `<root>/<path>` (a file or a folder with its contents; nothing when it is absent)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: str
+    path: str
+
+
+class ArtifactResponse(BaseModel):
+    """`ok`, or `error` naming the path and the reason; `bytes` written or `removed`."""
+
+    ok: bool
+    bytes: int = 0
+    removed: bool = False
+    error: str = ""
+
+
+ADAPTERS_OFFER = Route("POST", "/adapters/offer", OfferRequest, OfferResponse)
+ADAPTERS_FETCH = Route("POST", "/adapters/fetch", FetchRequest, FetchResponse)
+ADAPTERS_RELEASE = Route("POST", "/adapters/release", ReleaseRequest, ReleaseResponse)
+ADAPTERS_PRUNE = Route("POST", "/adapters/prune", PruneRequest, PruneResponse)
+ARTIFACTS_WRITE = Route(
+    "POST", "/artifacts/write", ArtifactWriteRequest, ArtifactResponse, ARTIFACT_WRITE_MAX_BODY_BYTES
+)
+ARTIFACTS_REMOVE = Route("POST", "/artifacts/remove", ArtifactRemoveRequest, ArtifactResponse)

@@ -1,7 +1,7 @@
 """The agent's adapter-transfer routes: offer an adapter, fetch one from another host, release,
 prune received copies.
 
-`register_adapter_transport_routes(router, supervisor)` adds `POST /v1/adapters/offer`,
+`register(router, supervisor)` adds `POST /v1/adapters/offer`,
 `/v1/adapters/fetch`, `/v1/adapters/release` and `/v1/adapters/prune`; the router's signature check
 guards them like every other route. Transfers run in this host's NIXL process
 (`transfer.worker`), started on the first request as a supervised child (role "nixl"), so
@@ -23,6 +23,10 @@ from art_mega.agent.routes import RouteError, SignedRouter
 from art_mega.agent.supervisor import Child, Supervisor, spawn_child
 from art_mega.transfer.nixl import remove_copies
 from art_mega.transfer.protocol import (
+    ADAPTERS_FETCH,
+    ADAPTERS_OFFER,
+    ADAPTERS_PRUNE,
+    ADAPTERS_RELEASE,
     FetchRequest,
     FetchResponse,
     OfferRequest,
@@ -33,10 +37,6 @@ from art_mega.transfer.protocol import (
     ReleaseResponse,
 )
 
-OFFER_PATH = "/adapters/offer"
-FETCH_PATH = "/adapters/fetch"
-RELEASE_PATH = "/adapters/release"
-PRUNE_PATH = "/adapters/prune"
 ROLE = "nixl"
 STREAM_LIMIT = 64 * 1024 * 1024
 """Largest single message (bytes) between the agent and its NIXL process."""
@@ -127,7 +127,7 @@ class NixlWorker:
         return model.model_validate(answer["reply"])
 
 
-def register_adapter_transport_routes(router: SignedRouter, supervisor: Supervisor) -> None:
+def register(router: SignedRouter, supervisor: Supervisor) -> None:
     """Add the adapter-transfer routes to the agent's `router`; the NIXL process joins `supervisor`'s
     children, so the agent's shutdown stops it (its offers die with it).
 
@@ -142,18 +142,18 @@ def register_adapter_transport_routes(router: SignedRouter, supervisor: Supervis
         except NixlWorkerError as exc:
             raise RouteError(500, str(exc)) from None
 
-    @router.post(OFFER_PATH, OfferRequest)
+    @router.serve(ADAPTERS_OFFER)
     async def adapters_offer(body: OfferRequest) -> OfferResponse:
         return await call("offer", body, OfferResponse)
 
-    @router.post(FETCH_PATH, FetchRequest)
+    @router.serve(ADAPTERS_FETCH)
     async def adapters_fetch(body: FetchRequest) -> FetchResponse:
         return await call("fetch", body, FetchResponse)
 
-    @router.post(RELEASE_PATH, ReleaseRequest)
+    @router.serve(ADAPTERS_RELEASE)
     async def adapters_release(body: ReleaseRequest) -> ReleaseResponse:
         return await call("release", body, ReleaseResponse)
 
-    @router.post(PRUNE_PATH, PruneRequest)
+    @router.serve(ADAPTERS_PRUNE)
     async def adapters_prune(body: PruneRequest) -> PruneResponse:
         return await asyncio.to_thread(remove_copies, body)

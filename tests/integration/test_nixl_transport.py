@@ -33,13 +33,18 @@ import pytest
 import pytest_asyncio
 
 from art_mega.agent.ports import free_port
-from art_mega.errors import UserError
+from art_mega.errors import AdapterTransferError, UserError
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
-from art_mega.transfer.adapters import AdapterTransferError, adapter_transport_for
+from art_mega.transfer.adapters import adapter_transport_for
 from art_mega.transfer.nixl import AdapterTransfers
-from art_mega.transfer.protocol import FetchRequest, FetchResponse, OfferRequest, OfferResponse
-from art_mega.transfer.routes import FETCH_PATH, OFFER_PATH
+from art_mega.transfer.protocol import (
+    ADAPTERS_FETCH,
+    ADAPTERS_OFFER,
+    FetchRequest,
+    FetchResponse,
+    OfferRequest,
+)
 from tests.conftest import REPO, cli_env, wait_gone
 from tests.helpers import loopback_cluster
 from tests.inference.common import VLLM_PYTHON, make_adapter, vllm_unavailable_reason
@@ -149,14 +154,14 @@ async def fetch_on_host1(runtime, request: OfferRequest, offer) -> tuple[FetchRe
     """Ask host1's agent to fetch `offer` into `proj/<transfer>/copy`; the reply and that path."""
     dest = f"proj/{request.transfer_id}/copy"
     fetch = FetchRequest(host="host1", root=request.root, dest=dest, offer=offer, store=request.store)
-    reply = await runtime.clients["host1"]._request("POST", FETCH_PATH, fetch, FetchResponse)
+    reply = await runtime.clients["host1"].call(ADAPTERS_FETCH, fetch)
     return reply, Path(request.root) / dest
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_wrong_sha256_in_the_manifest_is_named_and_nothing_is_left(runtime):
     request = offer_request(runtime, "bad-manifest", "host0")
-    offered = await runtime.clients["host0"]._request("POST", OFFER_PATH, request, OfferResponse)
+    offered = await runtime.clients["host0"].call(ADAPTERS_OFFER, request)
     files = list(offered.offer.files)
     files[1] = files[1].model_copy(update={"sha256": "0" * 64})
     reply, copy = await fetch_on_host1(

@@ -19,6 +19,7 @@ from art_mega.agent.auth import (
 from art_mega.agent.protocol import HealthResponse
 from art_mega.agent.routes import DEFAULT_MAX_BODY_BYTES
 from art_mega.rollouts.protocol import CallableRef, RunRolloutRequest, RunRolloutResponse
+from art_mega.rollouts.routes import RolloutWorkers, register
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 REF = CallableRef(module="m", qualname="f", source_sha256="a" * 64)
@@ -38,12 +39,18 @@ class FakeWorker:
 
 
 @pytest.fixture
-async def agent():
+def rollouts():
+    """The test agent's rollout service (a list: filled once the agent is built)."""
+    return []
+
+
+@pytest.fixture
+async def agent(rollouts):
     state = AgentState("launch-x", SECRET, "tcp://127.0.0.1:1")
-    transport = httpx.ASGITransport(app=create_app(state))
+    rollouts.append(RolloutWorkers(state.supervisor))
+    transport = httpx.ASGITransport(app=create_app(state, [lambda router, _: rollouts[0].add_routes(router)]))
     async with httpx.AsyncClient(transport=transport, base_url="http://agent") as http:
         yield state, http
-    state.fs_probe.close()
 
 
 def run_body(worker_id: str = "rollout-0", args: list | None = None) -> bytes:
@@ -108,10 +115,10 @@ async def test_a_request_for_another_agent_or_incarnation_is_refused(agent):
     assert not state.shutdown_requested.is_set()
 
 
-async def test_run_refused_requests_execute_nothing(agent):
+async def test_run_refused_requests_execute_nothing(agent, rollouts):
     state, http = agent
     worker = FakeWorker({"ok": True, "result": 1})
-    state.workers["rollout-0"] = worker
+    rollouts[0].workers["rollout-0"] = worker
     body = run_body()
     assert (await http.post(RUN, content=body, headers=JSON)).json() == {"detail": "unsigned request"}
     reply = await http.post(RUN, content=run_body(args=[2]), headers=signed(state, "POST", RUN, body))
@@ -127,10 +134,10 @@ async def test_run_refused_requests_execute_nothing(agent):
     assert worker.messages == []
 
 
-async def test_run_forwards_to_the_worker_and_answers_its_reply(agent):
+async def test_run_forwards_to_the_worker_and_answers_its_reply(agent, rollouts):
     state, http = agent
     worker = FakeWorker({"id": 0, "ok": True, "result": {"x": [1, 2.5]}})
-    state.workers["rollout-0"] = worker
+    rollouts[0].workers["rollout-0"] = worker
     for i in range(2):
         reply = await post(state, http, RUN, run_body(args=[i]))
         assert reply.status_code == 200 and reply.headers["content-type"] == "application/json"
@@ -216,7 +223,7 @@ async def call_app(app, path: str, headers: dict[str, str], chunks: list[bytes])
 
 async def test_refusals_on_the_headers_and_over_the_cap_read_no_body():
     state = AgentState("launch-x", SECRET, "tcp://127.0.0.1:1")
-    app = create_app(state)
+    app = create_app(state, [register])
     chunk = b"x" * 65536
     try:
         big = {**JSON, "content-length": str(300 << 20)}
@@ -231,7 +238,7 @@ async def test_refusals_on_the_headers_and_over_the_cap_read_no_body():
         status, _, pulled = await call_app(app, STOP, chunked, [chunk] * 40)
         assert status == 413 and pulled == DEFAULT_MAX_BODY_BYTES // len(chunk) + 1
     finally:
-        state.fs_probe.close()
+        await state.close()
 
 
 async def test_only_bound_requests_renew_the_controller_lease(agent):

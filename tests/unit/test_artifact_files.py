@@ -11,15 +11,13 @@ import pytest
 from art_mega.agent.app import AgentState, create_app
 from art_mega.agent.auth import sign
 from art_mega.agent.routes import API_PREFIX
-from art_mega.transfer.files import (
-    REMOVE_PATH,
-    WRITE_PATH,
+from art_mega.transfer.files import artifact_path, register, remove_path, write_file
+from art_mega.transfer.protocol import (
+    ARTIFACTS_REMOVE,
+    ARTIFACTS_WRITE,
     ArtifactRemoveRequest,
     ArtifactResponse,
     ArtifactWriteRequest,
-    artifact_path,
-    remove_path,
-    write_file,
 )
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -85,7 +83,7 @@ def test_remove_takes_a_folder_or_a_file_and_says_whether_it_was_there(tmp_path)
 
 async def test_the_agent_routes_write_and_remove_for_signed_requests_only(tmp_path):
     state = AgentState("launch-x", SECRET, "tcp://127.0.0.1:1")
-    transport = httpx.ASGITransport(app=create_app(state))
+    transport = httpx.ASGITransport(app=create_app(state, [register]))
 
     async def post(http, path: str, body, secret: bytes = SECRET) -> httpx.Response:
         content = body.model_dump_json().encode()
@@ -98,17 +96,19 @@ async def test_the_agent_routes_write_and_remove_for_signed_requests_only(tmp_pa
     data = base64.b64encode(b"batch").decode()
     async with httpx.AsyncClient(transport=transport, base_url="http://agent") as http:
         write = ArtifactWriteRequest(root=str(tmp_path), path="b/dp1.safetensors", data_b64=data)
-        refused = await post(http, WRITE_PATH, write, secret=b"x" * 32)
+        refused = await post(http, ARTIFACTS_WRITE.path, write, secret=b"x" * 32)
         assert refused.status_code == 401 and not (tmp_path / "b").exists()
-        written = ArtifactResponse.model_validate_json((await post(http, WRITE_PATH, write)).content)
+        written = ArtifactResponse.model_validate_json(
+            (await post(http, ARTIFACTS_WRITE.path, write)).content
+        )
         assert (
             written.ok
             and written.bytes == 5
             and (tmp_path / "b" / "dp1.safetensors").read_bytes() == b"batch"
         )
         escape = ArtifactWriteRequest(root=str(tmp_path / "b"), path="../../x", data_b64=data)
-        reply = ArtifactResponse.model_validate_json((await post(http, WRITE_PATH, escape)).content)
+        reply = ArtifactResponse.model_validate_json((await post(http, ARTIFACTS_WRITE.path, escape)).content)
         assert not reply.ok and "leaves artifact_root" in reply.error and not (tmp_path.parent / "x").exists()
-        removed = await post(http, REMOVE_PATH, ArtifactRemoveRequest(root=str(tmp_path), path="b"))
+        removed = await post(http, ARTIFACTS_REMOVE.path, ArtifactRemoveRequest(root=str(tmp_path), path="b"))
         assert ArtifactResponse.model_validate_json(removed.content).removed and not (tmp_path / "b").exists()
-    state.fs_probe.close()
+    await state.close()
