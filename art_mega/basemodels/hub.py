@@ -92,7 +92,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
             reason = str(exc.__cause__ or exc).splitlines()[0]
             problem = (
                 f"{shown} could not be fetched from the Hugging Face Hub {constants.ENDPOINT} ({reason}) and "
-                f"the cache {cache} has no snapshot of it; check this machine's network access to "
+                f"the cache {cache} lacks it; check this machine's network access to "
                 f"{constants.ENDPOINT} (or HF_ENDPOINT) and try again"
             )
         raise BaseModelError(problem, repo_id, revision) from None
@@ -113,8 +113,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
     except RevisionNotFoundError:
         raise BaseModelError(
             f"{shown}: the repository has no revision {revision or constants.DEFAULT_REVISION!r} on the "
-            "Hugging Face Hub; name an "
-            "existing branch, tag or commit",
+            "Hugging Face Hub; name an existing branch, tag or commit",
             repo_id,
             revision,
         ) from None
@@ -122,7 +121,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
         reason = str(exc).splitlines()[0]
         raise BaseModelError(
             f"{shown} could not be downloaded from the Hugging Face Hub {constants.ENDPOINT} ({reason}); "
-            "try again later, or set HF_HUB_OFFLINE=1 once it is in the cache",
+            f"try again later (the files already fetched stay in the cache {cache})",
             repo_id,
             revision,
         ) from None

@@ -201,7 +201,7 @@ def test_an_unreachable_hub_falls_back_to_the_cache_or_is_refused(hf_home: Path,
         f"base_model 'Qwen/Qwen3-8B' could not be fetched from the Hugging Face Hub {endpoint} ("
     )
     assert missing["error"].endswith(
-        f"and the cache {hf_home / 'hub'} has no snapshot of it; check this machine's network access to "
+        f"and the cache {hf_home / 'hub'} lacks it; check this machine's network access to "
         f"{endpoint} (or HF_ENDPOINT) and try again"
     )
 
@@ -325,6 +325,14 @@ class FakeHub:
             repo, _, revision = path.removeprefix("/api/models/").partition("/revision/")
             if repo == "Org/gated":
                 return 403, {"X-Error-Code": "GatedRepo"}, b'{"error": "gated"}'
+            if repo == "Org/flaky":  # listed, but every file is refused
+                return (
+                    200,
+                    {},
+                    json.dumps(
+                        {"id": repo, "sha": COMMIT, "siblings": [{"rfilename": "config.json"}]}
+                    ).encode(),
+                )
             if repo != "Qwen/Qwen3-0.6B":
                 return 401, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}'
             if revision not in ("main", COMMIT):
@@ -337,6 +345,8 @@ class FakeHub:
             return 200, {"Content-Type": "application/json"}, json.dumps(info).encode()
         prefix = f"/Qwen/Qwen3-0.6B/resolve/{COMMIT}/"
         name = path.removeprefix(prefix)
+        if path.startswith("/Org/flaky/"):
+            return 403, {}, b"forbidden"
         if not path.startswith(prefix) or name not in self.files:
             return 404, {"X-Error-Code": "EntryNotFound"}, b""
         data = self.files[name]
@@ -380,8 +390,8 @@ def test_a_download_fetches_only_what_the_trainer_and_vllm_read(
 
 def test_unknown_gated_repos_and_revisions_on_the_hub_are_refused(fake_hub: FakeHub, tmp_path: Path) -> None:
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": fake_hub.endpoint}
-    cases = [("Org/private", None), ("Org/gated", None), ("Qwen/Qwen3-0.6B", "v9")]
-    private, gated, revision = (r["error"] for r in resolve_in(env, cases, tmp_path / "cache"))
+    cases = [("Org/private", None), ("Org/gated", None), ("Qwen/Qwen3-0.6B", "v9"), ("Org/flaky", None)]
+    private, gated, revision, flaky = (r["error"] for r in resolve_in(env, cases, tmp_path / "cache"))
     assert private == (
         f"base_model 'Org/private' is no model repository on the Hugging Face Hub {fake_hub.endpoint} that this "
         "machine may read; check the name, or set HF_TOKEN to a token that may read the private repo"
@@ -393,6 +403,12 @@ def test_unknown_gated_repos_and_revisions_on_the_hub_are_refused(fake_hub: Fake
     assert revision == (
         "base_model 'Qwen/Qwen3-0.6B' (revision 'v9'): the repository has no revision 'v9' on the Hugging Face "
         "Hub; name an existing branch, tag or commit"
+    )
+    assert flaky.startswith(
+        f"base_model 'Org/flaky' could not be fetched from the Hugging Face Hub {fake_hub.endpoint} ("
+    )
+    assert flaky.endswith(
+        f"and the cache {tmp_path / 'hf' / 'hub'} lacks it; check this machine's network access to {fake_hub.endpoint} (or HF_ENDPOINT) and try again"
     )
     assert fake_hub.fetched == []
 
