@@ -8,7 +8,6 @@ number passes `max_exceptions` (a count, or a fraction of all rollouts when a fl
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import math
 import numbers
@@ -17,11 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from art_mega.errors import RolloutExceptionsExceeded
-from art_mega.trajectories import PendingTrajectoryGroup, Trajectory, TrajectoryGroup
-
-_PROGRESS: contextvars.ContextVar[GatherProgress | None] = contextvars.ContextVar(
-    "art_mega_gather", default=None
-)
+from art_mega.trajectories import GROUP_PROGRESS, PendingTrajectoryGroup, Trajectory, TrajectoryGroup
 
 
 @dataclass
@@ -79,11 +74,6 @@ class GatherProgress:
             self._bar.stop()
 
 
-def current_progress() -> GatherProgress | None:
-    """The progress of the enclosing `gather_trajectory_groups`, if any (used by groups)."""
-    return _PROGRESS.get()
-
-
 def _limit(max_exceptions: int | float, total: int) -> float:
     if not isinstance(max_exceptions, numbers.Integral) and 0 < max_exceptions < 1:  # numpy's too
         return max_exceptions * total
@@ -121,7 +111,7 @@ async def gather_trajectory_groups(
     pending = list(groups)
     total = sum(_count(g) for g in pending)
     progress = GatherProgress(total=total, description=pbar_desc)
-    token = _PROGRESS.set(progress)
+    token = GROUP_PROGRESS.set(progress)
     progress.start()
 
     async def finish(group: Awaitable[TrajectoryGroup] | TrajectoryGroup) -> list[TrajectoryGroup]:
@@ -140,7 +130,7 @@ async def gather_trajectory_groups(
         finished = await asyncio.gather(*tasks)
     finally:
         progress.stop()
-        _PROGRESS.reset(token)
+        GROUP_PROGRESS.reset(token)
     if len(progress.exceptions) > _limit(max_exceptions, max(total, 1)):
         first = progress.exceptions[0]
         raise RolloutExceptionsExceeded(len(progress.exceptions), total, max_exceptions, first) from first

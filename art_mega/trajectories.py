@@ -7,11 +7,12 @@ returned; both survive a JSON round trip exactly (a Choice comes back as a Choic
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Protocol, Union
 
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
@@ -506,12 +507,26 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class GroupProgress(Protocol):
+    """What counts the rollouts of a gather in progress (`gather.GatherProgress`): each finished
+    trajectory and each rollout that raised."""
+
+    def on_trajectory(self, trajectory: Trajectory) -> None: ...
+
+    def on_exception(self, exc: BaseException) -> None: ...
+
+
+GROUP_PROGRESS: contextvars.ContextVar[GroupProgress | None] = contextvars.ContextVar(
+    "art_mega_gather", default=None
+)
+"""The progress of the enclosing `gather.gather_trajectory_groups`, if any: a group being
+awaited reports each of its rollouts to it."""
+
+
 async def _gather_group(
     cls: type[TrajectoryGroup], items: list[Any], kwargs: dict[str, Any]
 ) -> TrajectoryGroup:
-    from art_mega.gather import current_progress
-
-    progress = current_progress()
+    progress = GROUP_PROGRESS.get()
 
     async def one(item: Any) -> Any:
         try:
