@@ -24,7 +24,7 @@ hold any sender to the same ranges.
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -337,21 +337,53 @@ TRAINER_EVENTS = Route("POST", "/trainer/events", TrainerEventsRequest, TrainerE
 TRAINER_STOP = Route("POST", "/trainer/stop", None, ShutdownResponse)
 
 
-_UNION_TAGS = frozenset(
-    m.model_fields["kind"].default
-    for m in (PingJob, ExportJob, SFTJob, RLJob, Starting, Ready, Accepted, AdapterReady, Done, Failed, Exited)
-)
-"""The `kind`s of `TrainJob` and `RankEvent`: pydantic puts the member's tag into an error's
-location (job.rl.step), and a reader looks for the field's own path (job.step)."""
+_MEMBERS: dict[str, type[BaseModel]] = {
+    m.model_fields["kind"].default: m
+    for m in (
+        PingJob,
+        ExportJob,
+        SFTJob,
+        RLJob,
+        Starting,
+        Ready,
+        Accepted,
+        AdapterReady,
+        Done,
+        Failed,
+        Exited,
+    )
+}
+"""The members of `TrainJob` and `RankEvent` by `kind`: pydantic puts the member's tag into an
+error's location (job.rl.step), and a reader looks for the field's own path (job.step)."""
 
 
-def describe_invalid(what: str, exc: ValidationError) -> str:
+def _model_in(annotation: object) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    found = [m for a in get_args(annotation) if (m := _model_in(a)) is not None]
+    return found[0] if len(found) == 1 else None
+
+
+def _fields_at(root: type[BaseModel] | None, loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the model at `loc` under `root` (empty where it cannot be told)."""
+    current = root
+    for part in loc:
+        if isinstance(part, str) and part in _MEMBERS:
+            current = _MEMBERS[part]
+        elif isinstance(part, str) and current is not None:
+            field = current.model_fields.get(part)
+            current = None if field is None else _model_in(field.annotation)
+    return list(current.model_fields) if current is not None else []
+
+
+def describe_invalid(what: str, exc: ValidationError, root: type[BaseModel] | None = None) -> str:
     """One sentence naming the invalid field of message `what` (e.g. "trainer job"), its value
-    and the fix. An unknown field is named before the required field it was probably meant to be
-    (a misspelling is both) and the likeliest intended name is suggested."""
+    and the fix. An unknown field is named before any other error (a misspelling also leaves its
+    intended field missing), with the closest field name of its model (`root`: the model that was
+    validated; None for `RANK_EVENT`) suggested."""
     errors = exc.errors(include_url=False)
     first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    path = ".".join(str(p) for p in first["loc"] if p not in _UNION_TAGS) or "the message"
+    path = ".".join(str(p) for p in first["loc"] if p not in _MEMBERS) or "the message"
     shown = repr(first.get("input"))
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     if first["type"] == "union_tag_invalid":
@@ -360,10 +392,7 @@ def describe_invalid(what: str, exc: ValidationError) -> str:
         return f"{what}: unknown {noun}kind {ctx.get('tag')!r}; use one of {ctx.get('expected_tags')}."
     if first["type"] == "extra_forbidden":
         field = str(first["loc"][-1])
-        missing = [
-            str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]
-        ]
-        close = difflib.get_close_matches(field, missing, n=1)
+        close = difflib.get_close_matches(field, _fields_at(root, first["loc"][:-1]), n=1)
         fix = f"did you mean {close[0]}?" if close else "remove it or correct its name."
         return f"{what}: {path}={shown} is not a known field; {fix}"
     if first["type"] == "missing":

@@ -73,7 +73,7 @@ class Channel:
         try:
             return RankConfig.model_validate_json(line)
         except ValidationError as exc:
-            raise InvalidMessageError(describe_invalid("trainer rank config", exc)) from None
+            raise InvalidMessageError(describe_invalid("trainer rank config", exc, RankConfig)) from None
 
     def jobs(self) -> Iterator[TrainerJobRequest | InvalidMessageError]:
         """Each later line as a job request, or the error saying why it is not one."""
@@ -87,7 +87,7 @@ def parse_job(line: bytes) -> TrainerJobRequest | InvalidMessageError:
     try:
         return TrainerJobRequest.model_validate_json(line)
     except ValidationError as exc:
-        return InvalidMessageError(describe_invalid("trainer job", exc))
+        return InvalidMessageError(describe_invalid("trainer job", exc, TrainerJobRequest))
 
 
 def _init(config: RankConfig, rank: int) -> Any:
