@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import json
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import aiohttp
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from art_mega.agent.auth import (
     NONCE_HEADER,
@@ -41,9 +41,8 @@ from art_mega.agent.protocol import (
     LeaseRequest,
     ShutdownResponse,
 )
-from art_mega.agent.routes import API_PREFIX, Route
+from art_mega.agent.routes import API_PREFIX, Req, Resp, Route
 from art_mega.errors import (
-    AgentError,
     AgentFailedError,
     AgentRefusedError,
     AgentReplyError,
@@ -51,21 +50,6 @@ from art_mega.errors import (
     AgentUnreachableError,
     format_validation_error,
 )
-from art_mega.trainer.protocol import (
-    TrainerEventsRequest,
-    TrainerEventsResponse,
-    TrainerJobRequest,
-    TrainerJobResponse,
-    TrainerStartRequest,
-    TrainerStartResponse,
-)
-
-if TYPE_CHECKING:
-    from art_mega.inference.protocol import InferenceStartResponse, ReplicaLaunch
-    from art_mega.topology.compiled import ReplicaSpec
-
-Req = TypeVar("Req", bound=BaseModel)
-Resp = TypeVar("Resp", bound=BaseModel)
 
 MAX_CONNECTIONS = 1024
 """Connections an `AgentClient` keeps open to its agent at most (one per request in flight)."""
@@ -285,42 +269,6 @@ class AgentClient:
     async def shutdown(self, timeout_s: float | None = None) -> ShutdownResponse:
         """Stop every child of the agent, then the agent itself."""
         return await self.call(SHUTDOWN, timeout_s=... if timeout_s is None else timeout_s)
-
-    async def inference_start(self, replica: ReplicaSpec, launch: ReplicaLaunch) -> InferenceStartResponse:
-        from art_mega.inference.protocol import InferenceStartRequest, InferenceStartResponse
-
-        body = InferenceStartRequest(replica=replica, launch=launch)
-        route = Route("POST", "/inference/start", InferenceStartRequest, InferenceStartResponse)
-        return await self.call(route, body, timeout_s=launch.ready_timeout_s + 30)
-
-    async def inference_stop(self, names: tuple[str, ...] = ()) -> ShutdownResponse:
-        from art_mega.inference.protocol import InferenceStopRequest
-
-        route = Route("POST", "/inference/stop", InferenceStopRequest, ShutdownResponse)
-        return await self.call(route, InferenceStopRequest(names=names))
-
-    async def trainer_start(self, request: TrainerStartRequest) -> TrainerStartResponse:
-        reply = await self.call(
-            Route("POST", "/trainer/start", TrainerStartRequest, TrainerStartResponse), request
-        )
-        if reply.error:
-            raise AgentError(self.host, self.address, f"trainer ranks did not start: {reply.error}")
-        return reply
-
-    async def trainer_job(self, job: dict[str, Any]) -> int:
-        route = Route("POST", "/trainer/job", TrainerJobRequest, TrainerJobResponse)
-        return (await self.call(route, TrainerJobRequest(job=job))).sent
-
-    async def trainer_events(self, after: int, timeout_s: float) -> TrainerEventsResponse:
-        body = TrainerEventsRequest(after=after, timeout_s=timeout_s)
-        route = Route("POST", "/trainer/events", TrainerEventsRequest, TrainerEventsResponse)
-        return await self.call(route, body, timeout_s=timeout_s + 30)
-
-    async def trainer_stop(self) -> ShutdownResponse:
-        return await self.call(Route("POST", "/trainer/stop", None, ShutdownResponse))
-
-    async def _request(self, method: str, path: str, body: Any, model: Any, timeout_s: Any = ...) -> Any:
-        return await self.call(Route(method, path, type(body), model), body, timeout_s=timeout_s)
 
     def twin(self) -> AgentClient:
         """A new client of the same agent, secret and timeout, for another event loop (the
