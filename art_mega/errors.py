@@ -11,19 +11,21 @@ mistake in the user's input, 1 a failure, 130 an interrupt) and whether the repo
 traceback (a failure whose cause is in code, where the message alone does not help) or only the
 one sentence. `exit_code_for(exc)` and `describe(exc)` read it; `launch.cli._guarded` and
 `launch.controller.describe_failure` report through them, and nothing else maps an exception to
-an exit code (a signal's 128+N is the controller's, for a signal, not an exception).
+an exit code (a signal's 128+N is the controller's, for a signal, not an exception; click's own
+refusal of an option in `launch.cli.main` keeps click's code, 2).
 
 Exceptions that stay in their modules, because no user ever sees them:
 - `agent.auth.AuthError`: a refused signature, answered as HTTP 401 inside the agent; the
   controller sees `AgentUnauthorizedError`.
 - `agent.routes.RouteError`: a route's refusal, turned into its HTTP status by `SignedRouter`;
   the controller sees `AgentRefusedError` / `AgentFailedError`.
-- `agent.app._WorkerStartError`, `rollouts.worker._ValueRefused`: carry a worker's failure to the
-  reply that reports it (`RemoteFailure`).
+- `rollouts.routes._WorkerStartError`, `rollouts.worker._ValueRefused`: carry a worker's failure
+  to the reply that reports it (`RemoteFailure`).
 - `rollouts.wire.WireError`: a value that cannot travel; the controller raises
   `RolloutValueError` naming the rollout and host instead.
-- `trainer.jobs.StepOrderError`: a rank refusing a job's step number inside the rank process; the
-  controller sees it as the rank's `failed` event, a clean `TrainerJobError`.
+- `trainer.jobs.StepOrderError`, `trainer.rank_main.InvalidMessageError`: a rank refusing a job
+  (its step number, a malformed line on its socket) inside the rank process; the controller sees
+  the rank's `failed` event, a `TrainerJobError`.
 - `transfer.nixl.TransferError`, `transfer.routes.NixlWorkerError`: a NIXL step failing on the
   agent's side; the reply carries its text and the controller raises `AdapterTransferError`.
 """
@@ -493,7 +495,15 @@ class TopologyError(UserError):
     not divide the world, missing multi-host transport) and by lookups such as
     `ClusterSpec.host` for an unknown host id. Exit code 2; the message names the spec's field,
     the value and the fix.
+
+    Attributes:
+        field: the spec field at fault as the message names it, e.g. "TrainerSpec.host_ids",
+            "InferenceSpec(name='vllm').gpu_ids" or "ClusterSpec.nccl_transport".
     """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class HostLostError(ArtMegaError):

@@ -134,7 +134,8 @@ class ClusterSpec(SpecModel):
                 return host
         raise TopologyError(
             f"host_id {host_id!r} is not in ClusterSpec.hosts ({_quoted(self.host_ids)}); "
-            "use one of those ids."
+            "use one of those ids.",
+            "host_id",
         )
 
 

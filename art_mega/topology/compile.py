@@ -52,7 +52,8 @@ def compile_topology(
         if count > 1:
             raise TopologyError(
                 f"InferenceSpec.name {name!r} is used by {count} inference specs; "
-                "give each spec its own name."
+                "give each spec its own name.",
+                "InferenceSpec.name",
             )
     rollout_hosts = _resolve_hosts(cluster, rollout_host_ids, "rollout_host_ids", gpu_role=False)
     processes = [
@@ -125,10 +126,11 @@ def _resolve_hosts(
         if host_id not in known:
             raise TopologyError(
                 f"{where} names host {host_id!r}, which is not in ClusterSpec.hosts "
-                f"({_quoted(cluster.host_ids)}); use one of those ids."
+                f"({_quoted(cluster.host_ids)}); use one of those ids.",
+                where,
             )
         if count > 1:
-            raise TopologyError(f"{where} lists host {host_id!r} {count} times; list it once.")
+            raise TopologyError(f"{where} lists host {host_id!r} {count} times; list it once.", where)
     wanted = set(host_ids)
     hosts = tuple(host for host in cluster.hosts if host.host_id in wanted)
     if gpu_role:
@@ -137,7 +139,8 @@ def _resolve_hosts(
         if gpu and cpu:
             raise TopologyError(
                 f"{where} mixes GPU hosts ({_quoted(gpu)}) with CPU-only hosts ({_quoted(cpu)}); "
-                "list hosts of one kind."
+                "list hosts of one kind.",
+                where,
             )
     return hosts
 
@@ -148,13 +151,15 @@ def _require_nccl(cluster: ClusterSpec, why: str) -> None:
         raise TopologyError(
             f"ClusterSpec.nccl_transport is None but {why}; set nccl_transport="
             "NcclTransportSpec(net_name=...) to the NCCL net plugin of the hosts' fabric, "
-            "e.g. 'IB'."
+            "e.g. 'IB'.",
+            "ClusterSpec.nccl_transport",
         )
     if transport.is_socket:
         raise TopologyError(
             f"ClusterSpec.nccl_transport.net_name={transport.net_name!r} is refused because "
             f"{why} and TCP sockets are too slow for that; use the hosts' RDMA net plugin, "
-            "e.g. net_name='IB'."
+            "e.g. net_name='IB'.",
+            "ClusterSpec.nccl_transport.net_name",
         )
 
 
@@ -189,7 +194,8 @@ def _place_trainer(
         if world % size:
             raise TopologyError(
                 f"TrainerSpec {names} = {size} does not divide the trainer world size {world} "
-                f"(ranks per host: {layout}); choose sizes whose product divides {world}."
+                f"(ranks per host: {layout}); choose sizes whose product divides {world}.",
+                f"TrainerSpec({names})",
             )
     gpu_hosts = [host.host_id for host in hosts if host.has_gpus]
     if len(gpu_hosts) > 1:
@@ -264,7 +270,8 @@ class _GpuLedger:
         if holder is not None:
             raise TopologyError(
                 f"{where} names GPU {gpu!r} on host {host_id!r}, which replica {holder!r} "
-                "already uses; give each inference spec its own GPUs."
+                "already uses; give each inference spec its own GPUs.",
+                where,
             )
         rank = self.trainer.get((host_id, gpu))
         if rank is None or self.may_use(spec, host_id, gpu):
@@ -272,12 +279,14 @@ class _GpuLedger:
         if not spec.shared_gpus:
             raise TopologyError(
                 f"{where} names GPU {gpu!r} on host {host_id!r}, which trainer rank {rank} "
-                "uses; set shared_gpus=True to share the trainer's GPUs or name other GPUs."
+                "uses; set shared_gpus=True to share the trainer's GPUs or name other GPUs.",
+                where,
             )
         raise TopologyError(
             f"{where} names GPU {gpu!r} on host {host_id!r}, which trainer rank {rank} uses, "
             f"but InferenceSpec {self.shared_with_trainer!r} already shares the trainer's GPUs "
-            "and only one spec may; name other GPUs."
+            "and only one spec may; name other GPUs.",
+            where,
         )
 
     def take(self, spec: InferenceSpec, process: str, host_id: str, gpus: Sequence[GpuId]) -> None:
@@ -295,7 +304,8 @@ def _usable_gpus(spec: InferenceSpec, host: HostSpec, gpus: _GpuLedger) -> tuple
             listed = _quoted(host.gpu_ids) or "none"
             raise TopologyError(
                 f"InferenceSpec(name={spec.name!r}).gpu_ids names GPU {gpu!r}, which host "
-                f"{host.host_id!r} does not list (its gpu_ids: {listed}); name GPUs the host has."
+                f"{host.host_id!r} does not list (its gpu_ids: {listed}); name GPUs the host has.",
+                f"InferenceSpec(name={spec.name!r}).gpu_ids",
             )
         gpus.check_named(spec, host.host_id, gpu)
     return spec.gpu_ids
@@ -322,7 +332,8 @@ def _place_replicas(cluster: ClusterSpec, spec: InferenceSpec, gpus: _GpuLedger)
         raise TopologyError(
             f"{where} asks for tp*pp*dp = {needed} GPUs per replica but its hosts offer at "
             f"most {most}, and a replica spans hosts only when tp*pp exceeds one host; use "
-            "more replicas with a smaller dp."
+            "more replicas with a smaller dp.",
+            where,
         )
     layout: Layout = []
     start = 0
@@ -358,12 +369,14 @@ def _place_spanning(
         raise TopologyError(
             f"{where} has tp*pp = {model}, more GPUs than one host offers, so its replicas span "
             f"whole hosts, which must offer equal GPU counts (got {shown}); list hosts alike "
-            "in host_ids."
+            "in host_ids.",
+            where,
         )
     if model % per_host:
         raise TopologyError(
             f"{where} has tp*pp = {model}, which spans hosts and so must be a multiple of the "
-            f"{per_host} GPUs per host; choose tp*pp from {per_host * 2}, {per_host * 3}, ..."
+            f"{per_host} GPUs per host; choose tp*pp from {per_host * 2}, {per_host * 3}, ...",
+            where,
         )
     _require_nccl(
         cluster,
@@ -401,7 +414,8 @@ def _not_enough(
     raise TopologyError(
         f"InferenceSpec(name={spec.name!r}) has replicas={spec.replicas} of "
         f"{spec.gpus_per_replica} GPUs each but only {placed} fit (free GPUs per host: {shown}); "
-        f"{fix}."
+        f"{fix}.",
+        f"InferenceSpec(name={spec.name!r}).replicas",
     )
 
 
@@ -420,7 +434,8 @@ def _replicas(
         if port > 65535:
             raise TopologyError(
                 f"InferenceSpec(name={spec.name!r}).api_port={spec.api_port} gives replica "
-                f"{index} on host {head.host_id!r} port {port}, above 65535; lower api_port."
+                f"{index} on host {head.host_id!r} port {port}, above 65535; lower api_port.",
+                f"InferenceSpec(name={spec.name!r}).api_port",
             )
         replicas.append(
             ReplicaSpec(
@@ -492,6 +507,7 @@ def _check_ports(
         if earlier is not None:
             raise TopologyError(
                 f"port {port} at {machine} is taken by both {earlier[1]} (host {earlier[0]!r}) "
-                f"and {owner} (host {host_id!r}); change one of them."
+                f"and {owner} (host {host_id!r}); change one of them.",
+                owner,
             )
         seen[(machine, port)] = (host_id, owner)

@@ -130,7 +130,7 @@ class CompiledTopology(SpecModel):
         for process in self.processes:
             if process.name == name:
                 return process
-        raise TopologyError(f"the topology has no process named {name!r}.")
+        raise TopologyError(f"the topology has no process named {name!r}.", "name")
 
     def agent_endpoints(self) -> dict[str, EndpointSpec]:
         """Each host's agent address, keyed by host id in node-rank order."""

@@ -4,7 +4,9 @@ each exception the same way (code, sentence or traceback). A few go through the 
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 import socket
 from pathlib import Path
 
@@ -74,7 +76,7 @@ SAMPLES: dict[type[BaseException], BaseException] = {
     errors.RolloutExceptionsExceeded: errors.RolloutExceptionsExceeded(2, 4, 1, ValueError("bad")),
     errors.NonFiniteStepError: errors.NonFiniteStepError("loss/policy", float("nan"), 3),
     errors.TopologyError: errors.TopologyError(
-        "host_id 'h9' is not in ClusterSpec.hosts ('h0'); use one of those ids."
+        "host_id 'h9' is not in ClusterSpec.hosts ('h0'); use one of those ids.", "host_id"
     ),
 }
 
@@ -153,6 +155,20 @@ def test_the_messages_are_built_from_the_fields():
         "request to replica vllm-0 (http://127.0.0.1:9) for model tiny@2 failed: ConnectionResetError: reset"
     )
     assert SAMPLES[errors.AdapterPublishError].model == "tiny@4"
+    from art_mega.topology import ClusterSpec, HostSpec, TrainerSpec, compile_topology
+
+    one = ClusterSpec(
+        hosts=(HostSpec(host_id="h0", node_rank=0, worker_address="tcp://10.0.0.1:22222"),),
+        controller_host_id="h0",
+        artifact_root="/shared/art",
+        cache_root="/var/cache/art",
+    )
+    with pytest.raises(errors.TopologyError) as info:
+        compile_topology(one, trainer=TrainerSpec(host_ids=("h7",)))
+    assert info.value.field == "TrainerSpec.host_ids" and info.value.exit_code == 2
+    assert str(info.value).startswith(
+        "TrainerSpec.host_ids names host 'h7', which is not in ClusterSpec.hosts"
+    )
     assert (
         errors.describe(_validation_error())
         == "_Model.port='abc' is invalid: Input should be a valid integer, unable to parse string as an integer."
@@ -245,3 +261,26 @@ def test_the_real_cli_exits_as_the_table_says(tmp_path, make_args, cls, line):
     else:
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
         assert line in lines[0], lines[0]
+
+
+def _exception_classes_outside_errors() -> set[str]:
+    """`module.Class` (below art_mega) of every class deriving from an exception, found by ast."""
+    package = Path(errors.__file__).parent
+    found: set[str] = set()
+    for path in package.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == package:
+            continue
+        module = ".".join(path.relative_to(package).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
+                if any(re.search(r"(Error|Exception|Exceeded)$", base) for base in bases):
+                    found.add(f"{module}.{node.name}")
+    return found
+
+
+def test_the_exceptions_left_in_their_modules_are_the_ones_errors_names_as_internal():
+    internal = set(
+        re.findall(r"`([a-z_.]+\.[A-Za-z_]+(?:Error|Refused))`", errors.__doc__.split("stay in")[1])
+    )
+    assert internal and _exception_classes_outside_errors() == internal
