@@ -352,7 +352,16 @@ class BaseModelError(UserError):
 
 
 class PreflightError(UserError):
-    """The cluster failed a check before any model was allocated; names the host and the cause."""
+    """The cluster failed a check before any model was allocated; names the host and the cause.
+
+    Attributes:
+        hosts: the host ids the check found at fault, e.g. ("host1",), or both hosts of a pair
+            that disagree ("host0", "host1").
+    """
+
+    def __init__(self, message: str, hosts: Sequence[str]):
+        super().__init__(message)
+        self.hosts = tuple(hosts)
 
 
 class HostMismatchError(PreflightError):
@@ -366,7 +375,7 @@ class HostMismatchError(PreflightError):
     """
 
     def __init__(self, message: str, host: str, field: str, value: object):
-        super().__init__(message)
+        super().__init__(message, (host,))
         self.host = host
         self.field = field
         self.value = value

@@ -45,7 +45,8 @@ def check_fingerprints(facts: Mapping[str, HostFacts]) -> None:
     if differing:
         raise PreflightError(
             "hosts run different software (" + "; ".join(differing) + "); install the same art-mega "
-            "and packages on every host"
+            "and packages on every host",
+            tuple(facts),
         )
 
 
@@ -58,7 +59,8 @@ def check_kernels(facts: Mapping[str, HostFacts], allow_shared_kernel: bool) -> 
         if f.boot_id and f.boot_id in seen:
             raise PreflightError(
                 f"hosts {seen[f.boot_id]} and {host} share one kernel (boot_id {f.boot_id[:8]}); they are one "
-                "machine: list it once, or set ClusterSpec.allow_shared_kernel=True for test hosts"
+                "machine: list it once, or set ClusterSpec.allow_shared_kernel=True for test hosts",
+                (seen[f.boot_id], host),
             )
         seen[f.boot_id] = host
 
@@ -74,12 +76,16 @@ def check_gpu_identity(facts: Mapping[str, HostFacts], allow_shared_kernel: bool
             if gpu.parent_uuid is not None:
                 continue
             if gpu.uuid in by_uuid and by_uuid[gpu.uuid] != host:
-                raise PreflightError(f"GPU {gpu.uuid} is reported by both {by_uuid[gpu.uuid]} and {host}")
+                raise PreflightError(
+                    f"GPU {gpu.uuid} is reported by both {by_uuid[gpu.uuid]} and {host}",
+                    (by_uuid[gpu.uuid], host),
+                )
             if gpu.pci_bus_id in by_pci and by_pci[gpu.pci_bus_id] != host:
                 # PCI ids repeat across machines legitimately only when the machines differ (boot ids)
                 if facts[by_pci[gpu.pci_bus_id]].boot_id == f.boot_id:
                     raise PreflightError(
-                        f"GPU at PCI {gpu.pci_bus_id} is reported by both {by_pci[gpu.pci_bus_id]} and {host}"
+                        f"GPU at PCI {gpu.pci_bus_id} is reported by both {by_pci[gpu.pci_bus_id]} and {host}",
+                        (by_pci[gpu.pci_bus_id], host),
                     )
             by_uuid[gpu.uuid] = host
             by_pci.setdefault(gpu.pci_bus_id, host)
@@ -203,7 +209,8 @@ def check_named_gpus(topology: CompiledTopology, facts: Mapping[str, HostFacts])
             if gpu.parent_uuid in wholes:
                 raise PreflightError(
                     f"host {host.host_id}: MIG slice {gpu.uuid} and its whole GPU {gpu.parent_uuid} are both in the "
-                    "topology; use one or the other"
+                    "topology; use one or the other",
+                    (host.host_id,),
                 )
 
 
@@ -248,7 +255,8 @@ def check_nccl_env(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -
         if actual != transport.net_name:
             raise PreflightError(
                 f"host {host_id}: NCCL_NET is {actual!r} but ClusterSpec.nccl_transport.net_name is "
-                f"{transport.net_name!r}; set NCCL_NET={transport.net_name} on that host"
+                f"{transport.net_name!r}; set NCCL_NET={transport.net_name} on that host",
+                (host_id,),
             )
 
 
@@ -256,7 +264,7 @@ def admit(topology: CompiledTopology, facts: Mapping[str, HostFacts]) -> None:
     """Run every admission check, in order; raise `PreflightError` at the first that fails."""
     missing = [h for h in topology.cluster.host_ids if h not in facts]
     if missing:
-        raise PreflightError(f"hosts {missing} did not report their facts")
+        raise PreflightError(f"hosts {missing} did not report their facts", tuple(missing))
     allow = topology.cluster.allow_shared_kernel
     check_fingerprints(facts)
     check_kernels(facts, allow)

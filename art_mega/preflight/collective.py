@@ -111,14 +111,16 @@ async def run_collective(
         ):
             raise PreflightError(
                 f"preflight collective in {label}: rank {rank} reported {member}, expected host "
-                f"{host_ids[rank]} on {backend}"
+                f"{host_ids[rank]} on {backend}",
+                (host_ids[rank],),
             )
     versions = {m.get("torch") for m in members}
     if len(versions) > 1:
         each = ", ".join(f"host {m['host']} has torch {m.get('torch')}" for m in members)
         raise PreflightError(
             f"preflight collective in {label}: the ranks' torch versions differ ({each}); "
-            "install one torch version in that environment on every host"
+            "install one torch version in that environment on every host",
+            tuple(host_ids),
         )
     bandwidth: dict[str, float] = {}
     for result in results.values():
@@ -229,13 +231,15 @@ def _raise_for_failures(
         why = f" ({'; '.join(own)})" if own else ""
         raise PreflightError(
             f"preflight collective in {label}: {names} did not arrive within {timeout_s:g} s; "
-            f"every probe was stopped{why}"
+            f"every probe was stopped{why}",
+            tuple(host_ids[r] for r in sorted(missing)),
         )
     if failures:
         # a rank stuck after rendezvous blames its whole group: name where each one was stuck
         rest = "; the other ranks' probes were stopped" if stopped else ""
         raise PreflightError(
-            f"preflight collective in {label} failed on " + "; ".join(f for _, f in failures) + rest
+            f"preflight collective in {label} failed on " + "; ".join(f for _, f in failures) + rest,
+            tuple(host_ids[r] for r, _ in failures),
         )
 
 

@@ -264,11 +264,15 @@ async def check_from_every_host(clients: Mapping[str, AgentClient], endpoint: st
         # one cause (an endpoint that is not etcd, the wrong version): one sentence
         ((error, hosts),) = by_error.items()
         where = f"host {hosts[0]}" if len(hosts) == 1 else f"hosts {', '.join(hosts)}"
-        raise PreflightError(f"the metadata store {endpoint} is not usable from {where}: {error}")
+        raise PreflightError(
+            f"the metadata store {endpoint} is not usable from {where}: {error}",
+            tuple(hosts),
+        )
     if by_error:
         raise PreflightError(
             f"the metadata store {endpoint} is not usable from "
-            + "; ".join(f"host {', '.join(hosts)} ({error})" for error, hosts in by_error.items())
+            + "; ".join(f"host {', '.join(hosts)} ({error})" for error, hosts in by_error.items()),
+            tuple(h for hosts in by_error.values() for h in hosts),
         )
 
 
@@ -291,7 +295,10 @@ async def start_metadata_store(
     )
     reply = await agent.call(ETCD_START, request, timeout_s=request.timeout_s + 30)
     if not reply.ok:
-        raise PreflightError(f"host {controller_host}: the managed etcd did not start: {reply.error}")
+        raise PreflightError(
+            f"host {controller_host}: the managed etcd did not start: {reply.error}",
+            (controller_host,),
+        )
     try:
         await check_from_every_host(clients, reply.endpoint, launch_id)
     except BaseException:

@@ -107,7 +107,8 @@ async def _op(client: AgentClient, op: str, root: str, name: str, content: str =
     reply = await client.call(FS_OP, FsOpRequest(op=op, root=root, name=name, content=content))  # type: ignore[arg-type]
     if not reply.ok:
         raise PreflightError(
-            f"host {client.host}: artifact_root {root} cannot be used ({op} failed: {reply.error})"
+            f"host {client.host}: artifact_root {root} cannot be used ({op} failed: {reply.error})",
+            (client.host,),
         )
     return reply
 
@@ -145,7 +146,8 @@ async def probe_artifact_root(
                 raise PreflightError(
                     f"host {host} sees {seen} where host {writer_host} wrote {root}/{PROBE_DIR}/{folder}/probe.json: "
                     "artifact_root is not one shared filesystem there; mount it on every host or set "
-                    "ClusterSpec.shared_artifact_root=False"
+                    "ClusterSpec.shared_artifact_root=False",
+                    (host, writer_host),
                 )
         await _op(writer, "lock", root, f"{folder}/probe.lock")
         try:
@@ -156,7 +158,8 @@ async def probe_artifact_root(
                 if not reply.busy:
                     raise PreflightError(
                         f"host {host} does not see the lock host {writer_host} holds on {root}: file locks do not "
-                        "cross hosts on this filesystem; use a filesystem with working POSIX locks"
+                        "cross hosts on this filesystem; use a filesystem with working POSIX locks",
+                        (host, writer_host),
                     )
         finally:
             await _op(writer, "unlock", root, f"{folder}/probe.lock")
@@ -174,7 +177,10 @@ async def _check_local(client: AgentClient, root: str, folder: str) -> None:
     reply = await _op(client, "read", root, f"{folder}/probe.json")
     await client.call(FS_OP, FsOpRequest(op="cleanup", root=root, name=folder))
     if reply.content != token:
-        raise PreflightError(f"host {client.host}: artifact_root {root} does not read back what was written")
+        raise PreflightError(
+            f"host {client.host}: artifact_root {root} does not read back what was written",
+            (client.host,),
+        )
 
 
 async def files_missing(client: AgentClient, paths: tuple[str, ...]) -> tuple[str, ...]:
