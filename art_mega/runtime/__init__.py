@@ -1,6 +1,5 @@
 """The controller's runtime: `ArtRuntime` (connects to or starts the agents and sequences the
-services), the signed agent client (`client`), heartbeats (`monitor`), free ports (`ports`), the
-loopback agent (`local_agent`) and the control plane's bodies (`protocol`).
+services), heartbeats (`monitor`) and the loopback agent (`local_agent`).
 
-The agent itself is `art_mega.agent`; import submodules directly.
+The agent, its client and its own bodies are `art_mega.agent`; import submodules directly.
 """
