@@ -17,6 +17,13 @@ import numpy as np
 
 INT_FIELDS = ("input_ids", "segment_ids", "position_ids")
 FLOAT_FIELDS = ("loss_mask", "old_logprobs", "advantages", "weights")
+DTYPES: dict[str, type[np.generic]] = {
+    "input_ids": np.int64,
+    "segment_ids": np.int32,
+    "position_ids": np.int64,
+    **dict.fromkeys(FLOAT_FIELDS, np.float32),
+}
+"""The dtype of each `TrainBatch` field in its file, in field order (`TrainBatch.load` checks them)."""
 
 
 @dataclass
@@ -70,10 +77,29 @@ class TrainBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainBatch:
+        """Read the batch that `save` wrote to `path` (the controller writes it, a rank reads it).
+
+        Raises:
+            ValueError: the file lacks a field, holds a tensor that is none, or a field has
+                another dtype than `DTYPES` names or another shape (named, with the file).
+        """
         from safetensors.numpy import load_file
 
         data = load_file(str(path))
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        missing = [name for name in DTYPES if name not in data]
+        unknown = sorted(set(data) - set(DTYPES))
+        if missing or unknown:
+            raise ValueError(
+                f"batch file {path} is not a TrainBatch: it lacks {missing} and holds unknown "
+                f"tensors {unknown}; write it with TrainBatch.save"
+            )
+        for name, dtype in DTYPES.items():
+            if data[name].dtype != dtype:
+                raise ValueError(
+                    f"batch file {path}: {name} is {data[name].dtype}, a TrainBatch's is {np.dtype(dtype)}; "
+                    "write it with TrainBatch.save"
+                )
+        return cls(**{name: data[name] for name in DTYPES})
 
     def to_torch(self, device: Any = "cpu") -> dict[str, Any]:
         """The fields as torch tensors on `device` (int64/int32/float32 kept)."""

@@ -57,6 +57,20 @@ class _Rank:
     reader_task: asyncio.Task[None] | None = None
 
 
+def _rank_event(rank: int, line: bytes) -> RankEvent:
+    """Rank `rank`'s event `line`, or the `Failed` event that names why it is none (an `Exited`
+    is only ever the agent's to report: a rank that sent one would fake its own death)."""
+    try:
+        event: RankEvent = RANK_EVENT.validate_json(line)
+    except ValidationError as exc:
+        message = describe_invalid(f"trainer rank {rank}'s event", exc)
+    else:
+        if not isinstance(event, Exited):
+            return event
+        message = f"trainer rank {rank}'s event: kind 'exited' is reported by its agent, never by the rank."
+    return Failed(error=f"InvalidEvent: {message}", error_type="InvalidEvent", message=message)
+
+
 @dataclass
 class TrainerRanks:
     """This agent's trainer ranks and the ordered log of their events."""
@@ -130,14 +144,7 @@ class TrainerRanks:
                 line = await reader.readline()
                 if not line:
                     break
-                try:
-                    event: RankEvent = RANK_EVENT.validate_json(line)
-                except ValidationError as exc:
-                    message = describe_invalid(f"trainer rank {rank.rank}'s event", exc)
-                    event = Failed(
-                        error=f"InvalidEvent: {message}", error_type="InvalidEvent", message=message
-                    )
-                self._emit(rank.rank, event, rank.generation)
+                self._emit(rank.rank, _rank_event(rank.rank, line), rank.generation)
         finally:
             code = await rank.child.process.wait()
             self._emit(rank.rank, Exited(code=code, log_path=rank.child.log_path or ""), rank.generation)

@@ -142,11 +142,18 @@ class RankConfig(_Body):
 class LossSettings(_Body):
     """The GRPO loss of an `RLJob` (`trainer.loss.GRPOLossConfig`, which documents each)."""
 
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    loss_fn: Literal["ppo", "cispo"] = "ppo"
+    importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = "token"
     epsilon_low: Finite = Field(default=0.2, ge=0)
     epsilon_high: Finite | None = Field(default=None, ge=0)
     kl_beta: Finite = Field(default=0.0, ge=0)
     tis_cap: Finite | None = Field(default=None, gt=0)
+    truncated_importance_sampling: Finite | None = Field(default=None, gt=0)
+    mask_prob_ratio: bool = False
+    max_negative_advantage_importance_sampling_weight: Finite | None = Field(default=None, gt=0)
+    kimi_k2_tau: Finite | None = Field(default=None, ge=0)
+    kl_penalty_coef: Finite = Field(default=0.0, ge=0)
+    precalculate_logprobs: bool = False
 
 
 class PingJob(_Body):
@@ -398,4 +405,6 @@ def describe_invalid(what: str, exc: ValidationError, root: type[BaseModel] | No
     if first["type"] == "missing":
         return f"{what}: {path} is required; set it."
     message = " ".join(str(first["msg"]).removeprefix("Value error, ").split())
+    if path == "the message":  # the whole message is wrong (not JSON, not an object)
+        return f"{what} {shown} is invalid: {message}."
     return f"{what}: {path}={shown} is invalid: {message}."

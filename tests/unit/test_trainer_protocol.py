@@ -177,3 +177,48 @@ def test_the_launch_config_round_trips_and_refuses_what_a_rank_cannot_start_with
     assert "rank_table holds ranks [0]; it must list ranks 0..1" in refusal(
         RankConfig, json.dumps(raw), "config"
     )
+
+
+def test_a_batch_file_a_rank_reads_is_held_to_the_trainbatch_fields_and_dtypes(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from art_mega.trainer.batch import Document, TrainBatch, pack
+
+    (batch,) = pack([Document([1, 5, 6, 2], [0, 0, 1, 1], [0, 0, -1.5, -2.0], 1.0, 0.5)], 8, 1)
+    batch.save(tmp_path / "dp0.safetensors")
+    back = TrainBatch.load(tmp_path / "dp0.safetensors")
+    assert np.array_equal(back.old_logprobs, batch.old_logprobs) and back.input_ids.dtype == np.int64
+
+    tensors = {name: np.ascontiguousarray(value) for name, value in vars(batch).items()}
+    save_file(
+        {("loss_msk" if k == "loss_mask" else k): v for k, v in tensors.items()}, str(tmp_path / "renamed")
+    )
+    with pytest.raises(
+        ValueError, match=r"it lacks \['loss_mask'\] and holds unknown tensors \['loss_msk'\]"
+    ):
+        TrainBatch.load(tmp_path / "renamed")
+    save_file({**tensors, "weights": tensors["weights"].astype(np.float64)}, str(tmp_path / "wide"))
+    with pytest.raises(ValueError, match="weights is float64, a TrainBatch's is float32"):
+        TrainBatch.load(tmp_path / "wide")
+
+
+def test_the_agent_turns_a_rank_line_that_is_no_rank_event_into_a_failed_naming_it():
+    from art_mega.trainer.host import _rank_event
+
+    done = Done(job="ab12", metrics={"sum": 3.0})
+    assert _rank_event(1, done.model_dump_json().encode()) == done
+    for line, message in (
+        (b"not json\n", "trainer rank 1's event b'not json\\n' is invalid: Invalid JSON: "),
+        (
+            b'{"kind": "done", "job": "ab12", "rank": 0}',
+            "trainer rank 1's event: rank=0 is not a known field; ",
+        ),
+        (
+            Exited(code=0, log_path="x").model_dump_json().encode(),
+            "trainer rank 1's event: kind 'exited' is ",
+        ),
+    ):
+        failed = _rank_event(1, line)
+        assert isinstance(failed, Failed) and failed.error_type == "InvalidEvent" and failed.dirty
+        assert failed.message.startswith(message), failed.message
