@@ -799,8 +799,6 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
 """Exception class -> its `Exit`. A class not listed takes its nearest listed base's row (its
 MRO order); an exception with none (a bug, or the program's own error) is `Exit(1, traceback=True)`."""
 
-_UNLISTED = _TRACEBACK_FAILURE
-
 
 def exit_row(exc: BaseException) -> Exit:
     """`exc`'s row of `EXIT_CODES`: its class's, else its nearest listed base's, else (1, traceback)."""
@@ -808,7 +806,7 @@ def exit_row(exc: BaseException) -> Exit:
         row = EXIT_CODES.get(cls)
         if row is not None:
             return row
-    return _UNLISTED
+    return _TRACEBACK_FAILURE
 
 
 def exit_code_for(exc: BaseException) -> int:
