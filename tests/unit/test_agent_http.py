@@ -16,8 +16,8 @@ from art_mega.agent.auth import (
     reply_is_signed,
     sign,
 )
-from art_mega.agent.protocol import HealthResponse
-from art_mega.agent.routes import DEFAULT_MAX_BODY_BYTES
+from art_mega.agent.protocol import HealthResponse, LeaseRequest
+from art_mega.agent.routes import API_PREFIX, DEFAULT_MAX_BODY_BYTES, Route
 from art_mega.rollouts.protocol import CallableRef, RunRolloutRequest, RunRolloutResponse
 from art_mega.rollouts.routes import RolloutWorkers, register
 
@@ -252,3 +252,30 @@ async def test_only_bound_requests_renew_the_controller_lease(agent):
     assert state.lease.silent_s() >= 5.0
     assert (await http.get("/v1/health", headers=signed(state, "GET", "/v1/health"))).status_code == 200
     assert state.lease.silent_s() < 5.0
+
+
+def test_a_get_route_takes_no_body():
+    with pytest.raises(ValueError, match="route GET /x: a GET takes no body"):
+        Route("GET", "/x", LeaseRequest, HealthResponse)
+
+
+async def test_a_served_route_holds_its_own_body_cap():
+    state = AgentState("launch-x", SECRET, "tcp://127.0.0.1:1")
+    small = Route("POST", "/small", LeaseRequest, LeaseRequest, max_body_bytes=16)
+
+    def service(router, _) -> None:
+        @router.serve(small)
+        async def echo(body: LeaseRequest) -> LeaseRequest:
+            return body
+
+    app = create_app(state, [service])
+    path = API_PREFIX + small.path
+    fits = b'{"hold": false}'
+    status, _, _ = await call_app(
+        app, path, {**signed(state, "POST", path, fits), "content-length": "15"}, [fits]
+    )
+    assert status == 200
+    over = b'{"hold":  false}!'
+    headers = {**signed(state, "POST", path, over), "content-length": str(len(over))}
+    status, headers, pulled = await call_app(app, path, headers, [over])
+    assert (status, headers["connection"], pulled) == (413, "close", 0)
