@@ -311,12 +311,23 @@ class TrainerRankLaunch(_Body):
 
 
 class TrainerStartRequest(_Body):
-    """Start this host's trainer ranks with `config`."""
+    """Start this host's trainer ranks with `config`: each launch names a distinct rank of its
+    `rank_table`."""
 
     ranks: tuple[TrainerRankLaunch, ...]
     config: RankConfig
     python: str | None = None
     sys_path: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _ranks_of_the_world(self) -> TrainerStartRequest:
+        ranks = [launch.rank for launch in self.ranks]
+        if len(set(ranks)) != len(ranks) or any(r >= self.config.world_size for r in ranks):
+            raise ValueError(
+                f"ranks {ranks} must be distinct ranks of the world of {self.config.world_size} "
+                f"(0..{self.config.world_size - 1})"
+            )
+        return self
 
 
 class TrainerStartResponse(_Body):
@@ -405,6 +416,8 @@ def describe_invalid(what: str, exc: ValidationError, root: type[BaseModel] | No
     if first["type"] == "missing":
         return f"{what}: {path} is required; set it."
     message = " ".join(str(first["msg"]).removeprefix("Value error, ").split())
+    if first["type"] == "value_error":  # a model's own check: its message names the values
+        return f"{what}: {message}" if path == "the message" else f"{what}: {path}: {message}"
     if path == "the message":  # the whole message is wrong (not JSON, not an object)
         return f"{what} {shown} is invalid: {message}."
     return f"{what}: {path}={shown} is invalid: {message}."

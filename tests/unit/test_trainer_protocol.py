@@ -169,8 +169,14 @@ def test_the_launch_config_round_trips_and_refuses_what_a_rank_cannot_start_with
     )
     raw = json.loads(config.model_dump_json())
     raw["engine"]["warm_start"] = "/adapters/sft"
-    assert "resume_dir='/run/checkpoints/0001' and warm_start='/adapters/sft' are both set" in refusal(
-        RankConfig, json.dumps(raw), "config"
+    assert refusal(RankConfig, json.dumps(raw), "config") == (
+        "config: engine: resume_dir='/run/checkpoints/0001' and warm_start='/adapters/sft' are both set; "
+        "a rank resumes a checkpoint or warm-starts an adapter, so set one of them"
+    )
+    launch = {"rank": 2, "env": {}, "log_path": "/run/logs/trainer-rank2.log"}
+    raw = {"ranks": [launch], "config": json.loads(config.model_dump_json())}
+    assert refusal(TrainerStartRequest, json.dumps(raw), "trainer start") == (
+        "trainer start: ranks [2] must be distinct ranks of the world of 2 (0..1)"
     )
     raw = json.loads(config.model_dump_json())
     raw["rank_table"] = raw["rank_table"][:1]
