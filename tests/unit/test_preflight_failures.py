@@ -17,7 +17,7 @@ from art_mega.errors import AgentError
 from art_mega.preflight.admission import PreflightError
 from art_mega.preflight.collective import _raise_for_failures, environment_label, failed_on_its_own
 from art_mega.preflight.probe import WARM_FLAG
-from art_mega.preflight.protocol import PreflightRunResponse
+from art_mega.preflight.protocol import PREFLIGHT_RUN, PreflightRunResponse
 
 AGENTS = "the trainer environment (each agent's Python)"
 
@@ -113,7 +113,8 @@ class _Answers:
     async def free_port(self, host: str) -> int:
         return 29500
 
-    async def preflight_run(self, request) -> PreflightRunResponse:
+    async def call(self, route, body=None, *, timeout_s=...) -> PreflightRunResponse:
+        assert route is PREFLIGHT_RUN, route
         return PreflightRunResponse(
             exit_code=0,
             result={"ok": True, "rank": self.rank, "host": self.host, "members": self.members},
