@@ -281,28 +281,88 @@ DEFAULT_LEARNING_RATE = 5e-6
 
 GRPO_OPTIONS = (
     "learning_rate",
+    "loss_fn",
     "importance_sampling_level",
     "epsilon",
     "epsilon_high",
     "kl_beta",
     "tis_cap",
     "scale_rewards",
+    "normalize_advantages",
+    "advantage_balance",
+    "kl_penalty_coef",
+    "truncated_importance_sampling",
+    "precalculate_logprobs",
+    "mask_prob_ratio",
+    "max_negative_advantage_importance_sampling_weight",
+    "kimi_k2_tau",
+    "num_trajectories_learning_rate_multiplier_power",
     "config",
     "allow_stale",
     "drop_nonfinite_rewards",
     "allow_training_without_logprobs",
 )
-"""The keywords `MegatronBackend.train` takes."""
+"""The keywords `MegatronBackend.train` takes (ART's `LocalBackend.train` names mean what they
+mean there; `kl_beta`, `tis_cap`, `allow_stale` and `drop_nonfinite_rewards` are art-mega's)."""
 
-ART_OPTION_HINTS = {
-    "kl_penalty_coef": "art-mega calls it kl_beta",
-    "truncated_importance_sampling": "art-mega calls it tis_cap",
-    "logprob_calculation_chunk_size": (
+
+@dataclass(frozen=True)
+class RefusedOption:
+    """An ART `train` option art-mega does not implement: accepted only at `off` (where ART does
+    nothing either), else refused with `why` (what it does in ART and what to do instead)."""
+
+    off: tuple[Any, ...]
+    why: str
+
+    def is_off(self, value: Any) -> bool:
+        return any(value is o or (type(value) is type(o) and value == o) for o in self.off)
+
+
+_NO_MOE = "art-mega neither records nor replays MoE routing, so remove it"
+_KL_BASE = (
+    "art-mega's KL reference is the base model (LoRA disabled), so remove it or train with "
+    "kl_penalty_coef against the base model"
+)
+ART_OPTION_HINTS: dict[str, RefusedOption] = {
+    "logprob_calculation_chunk_size": RefusedOption(
+        (),
         "art-mega computes logprobs one microbatch at a time (size it with MegatronBackend(micro_batch_rows=...)), "
-        "so remove it"
+        "so remove it",
+    ),
+    "loss_fn_config": RefusedOption(
+        (None,), "ART's LocalBackend refuses it too; choose the objective with loss_fn='cispo' or 'ppo'"
+    ),
+    "adam_params": RefusedOption((None,), "ART's LocalBackend refuses it too; remove it"),
+    "kl_penalty_reference_step": RefusedOption((None,), _KL_BASE),
+    "kl_ref_adapter_path": RefusedOption((None,), _KL_BASE),
+    "scale_learning_rate_by_reward_std_dev": RefusedOption(
+        (False,),
+        "ART 0.5.18 takes it but no longer applies it (its LocalBackend ignores it); scale "
+        "learning_rate yourself",
+    ),
+    "packed_sequence_length": RefusedOption(
+        (None,), "art-mega packs rows of MegatronBackend(seq_len=...) tokens, so set the length there"
+    ),
+    "plot_tensors": RefusedOption((False,), "art-mega does not plot the packed tensors, so remove it"),
+    "save_checkpoint": RefusedOption(
+        (True,),
+        "every art-mega step commits its checkpoint (the served adapter is read from it), so remove it",
+    ),
+    "verbose": RefusedOption((False,), "art-mega reports each step in its metrics and logs, so remove it"),
+    "grad_accumulation_sequences": RefusedOption(
+        (None,),
+        "art-mega takes one optimizer step per train call over all its groups (ART takes one per "
+        "grad_accumulation_sequences packed sequences), so remove it",
+    ),
+    "moe_routing_replay_bundle": RefusedOption((None,), _NO_MOE),
+    "moe_routing_replay_path": RefusedOption((None,), _NO_MOE),
+    "moe_routing_replay_strict": RefusedOption((False,), _NO_MOE),
+    "ppo": RefusedOption(
+        (),
+        "backend.train takes ART's loss_fn='ppo' or 'cispo' (ppo is the dev.TrainConfig key of model.train(_config=...))",
     ),
 }
-"""ART `train` keywords art-mega does not take under that name: what to do instead."""
+"""ART `train` options art-mega does not implement, with the value at which each does nothing."""
 
 
 def check_grpo_options(
@@ -319,27 +379,47 @@ def check_grpo_options(
     drop_nonfinite_rewards: Any,
     unknown: Mapping[str, Any],
     allow_training_without_logprobs: Any = False,
+    loss_fn: Any = "cispo",
+    normalize_advantages: Any = True,
+    advantage_balance: Any = 0.0,
+    kl_penalty_coef: Any = 0.0,
+    truncated_importance_sampling: Any = None,
+    precalculate_logprobs: Any = False,
+    mask_prob_ratio: Any = False,
+    max_negative_advantage_importance_sampling_weight: Any = None,
+    kimi_k2_tau: Any = None,
+    num_trajectories_learning_rate_multiplier_power: Any = 0.0,
 ) -> tuple[float, dict[str, Any]]:
     """Check `backend.train`'s options before anything runs; returns (learning rate, the
-    `GRPOLossConfig` fields of the job).
+    `LossSettings` fields of the job).
 
-    learning_rate: finite > 0; epsilon, kl_beta: finite >= 0; epsilon_high: None or finite
-    >= 0; tis_cap: None or finite > 0; importance_sampling_level: "token" or "sequence";
-    scale_rewards, allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs: bools
-    (the last changes only the tokenization, not the job); config: None or a `TrainConfig`,
-    whose learning_rate replaces `learning_rate` (a `learning_rate` other than the default must
-    agree with it) and whose beta is the KL coefficient unless `kl_beta` is non-zero (then
-    they must agree).
+    learning_rate: finite > 0; loss_fn: "cispo" (ART's default) or "ppo"; epsilon,
+    epsilon_high: None (ART's default for loss_fn: cispo 1.0 and 4.0, ppo 0.2 and epsilon) or
+    finite >= 0; importance_sampling_level: token, sequence, average or geometric_average;
+    kl_beta, kl_penalty_coef, kimi_k2_tau (or None): finite >= 0; tis_cap,
+    truncated_importance_sampling, max_negative_advantage_importance_sampling_weight: None or
+    finite > 0 (not tis_cap and truncated_importance_sampling together); advantage_balance:
+    in [-1, 1]; num_trajectories_learning_rate_multiplier_power: finite; the flags: bools.
+    config: None or a `TrainConfig`, whose learning_rate replaces `learning_rate` (a
+    `learning_rate` other than the default must agree with it), whose beta is `kl_beta` and
+    whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree).
+    `unknown` holds the other keywords: an ART option of `ART_OPTION_HINTS` at its off value
+    passes, any other is refused.
 
     Raises:
-        HyperParameterError: the first option out of range or of the wrong type, or the first
-            keyword of `unknown` (named, with ART's renamed options pointed to their names here).
+        HyperParameterError: the first option out of range or of the wrong type, an ART option
+            art-mega does not implement (with what to do instead), or an unknown keyword.
     """
     from art_mega.errors import HyperParameterError
     from art_mega.hyperparams import (
+        IMPORTANCE_SAMPLING_LEVELS,
+        LOSS_FNS,
+        between_problem,
         bool_problem,
         check,
+        finite_problem,
         nonnegative_problem,
+        one_of_problem,
         optional,
         positive_problem,
     )
@@ -347,8 +427,15 @@ def check_grpo_options(
 
     where = "backend.train"
     for name, value in unknown.items():
-        hint = ART_OPTION_HINTS.get(name, f"use one of {', '.join(GRPO_OPTIONS)}")
-        raise HyperParameterError(f"{where} got an unknown keyword {name}={value!r}; {hint}", name, value)
+        refused = ART_OPTION_HINTS.get(name)
+        if refused is None:
+            raise HyperParameterError(
+                f"{where} got an unknown keyword {name}={value!r}; use one of {', '.join(GRPO_OPTIONS)}",
+                name,
+                value,
+            )
+        if not refused.is_off(value):
+            raise HyperParameterError(f"{where} got ART's {name}={value!r}; {refused.why}", name, value)
     if config is not None:
         if not isinstance(config, TrainConfig):
             raise HyperParameterError(
@@ -365,40 +452,137 @@ def check_grpo_options(
                 learning_rate,
             )
         learning_rate = config.learning_rate
-        if config.beta and kl_beta and config.beta != kl_beta:
-            raise HyperParameterError(
-                f"{where}(kl_beta={kl_beta!r}) disagrees with config.beta={config.beta!r}; set one of them",
-                "kl_beta",
-                kl_beta,
-            )
+        for name, mine, theirs in (
+            ("kl_beta", kl_beta, "beta"),
+            ("kl_penalty_coef", kl_penalty_coef, "kl_penalty_coef"),
+        ):
+            given = getattr(config, theirs)
+            if given and mine and given != mine:
+                raise HyperParameterError(
+                    f"{where}({name}={mine!r}) disagrees with config.{theirs}={given!r}; set one of them",
+                    name,
+                    mine,
+                )
         kl_beta = kl_beta or config.beta
+        kl_penalty_coef = kl_penalty_coef or config.kl_penalty_coef
+        accumulate = ART_OPTION_HINTS["grad_accumulation_sequences"]
+        if not accumulate.is_off(config.grad_accumulation_sequences):
+            raise HyperParameterError(
+                f"{where}(config.grad_accumulation_sequences={config.grad_accumulation_sequences!r}) "
+                f"is ART's; {accumulate.why}",
+                "grad_accumulation_sequences",
+                config.grad_accumulation_sequences,
+            )
     check(where, "learning_rate", learning_rate, positive_problem, "5e-6")
-    if importance_sampling_level not in ("token", "sequence"):
+    check(where, "loss_fn", loss_fn, one_of_problem(*LOSS_FNS), "'cispo'")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise HyperParameterError(
             f"{where}(importance_sampling_level={importance_sampling_level!r}) must be 'token' or "
-            "'sequence' (GSPO)",
+            "'sequence' (GSPO), or ART's 'average' or 'geometric_average'",
             "importance_sampling_level",
             importance_sampling_level,
         )
-    check(where, "epsilon", epsilon, nonnegative_problem, "0.2")
+    check(where, "epsilon", epsilon, optional(nonnegative_problem), "0.2")
     check(where, "epsilon_high", epsilon_high, optional(nonnegative_problem), "0.28")
     check(where, "kl_beta", kl_beta, nonnegative_problem, "0.04")
+    check(where, "kl_penalty_coef", kl_penalty_coef, nonnegative_problem, "0.1")
     check(where, "tis_cap", tis_cap, optional(positive_problem), "2.0")
+    check(
+        where,
+        "truncated_importance_sampling",
+        truncated_importance_sampling,
+        optional(positive_problem),
+        "2.0",
+    )
+    if tis_cap is not None and truncated_importance_sampling is not None:
+        raise HyperParameterError(
+            f"{where}(tis_cap={tis_cap!r}) and truncated_importance_sampling={truncated_importance_sampling!r} "
+            "are two TIS caps; set one (tis_cap=C is truncated_importance_sampling=C with precalculate_logprobs=True)",
+            "tis_cap",
+            tis_cap,
+        )
+    check(
+        where,
+        "max_negative_advantage_importance_sampling_weight",
+        max_negative_advantage_importance_sampling_weight,
+        optional(positive_problem),
+        "2.0",
+    )
+    check(where, "kimi_k2_tau", kimi_k2_tau, optional(nonnegative_problem), "0.5")
+    check(where, "advantage_balance", advantage_balance, between_problem(-1.0, 1.0), "0.0")
+    check(
+        where,
+        "num_trajectories_learning_rate_multiplier_power",
+        num_trajectories_learning_rate_multiplier_power,
+        finite_problem,
+        "0.5",
+    )
     for name, value in (
         ("scale_rewards", scale_rewards),
+        ("normalize_advantages", normalize_advantages),
+        ("precalculate_logprobs", precalculate_logprobs),
+        ("mask_prob_ratio", mask_prob_ratio),
         ("allow_stale", allow_stale),
         ("drop_nonfinite_rewards", drop_nonfinite_rewards),
         ("allow_training_without_logprobs", allow_training_without_logprobs),
     ):
         check(where, name, value, bool_problem, "True")
+    ppo = loss_fn == "ppo"
+    epsilon = (0.2 if ppo else 1.0) if epsilon is None else epsilon
+    epsilon_high = (None if ppo else 4.0) if epsilon_high is None else epsilon_high
     loss = {
+        "loss_fn": loss_fn,
         "importance_sampling_level": importance_sampling_level,
         "epsilon_low": float(epsilon),
         "epsilon_high": None if epsilon_high is None else float(epsilon_high),
         "kl_beta": float(kl_beta),
         "tis_cap": None if tis_cap is None else float(tis_cap),
+        "truncated_importance_sampling": (
+            None if truncated_importance_sampling is None else float(truncated_importance_sampling)
+        ),
+        "mask_prob_ratio": mask_prob_ratio,
+        "max_negative_advantage_importance_sampling_weight": (
+            None
+            if max_negative_advantage_importance_sampling_weight is None
+            else float(max_negative_advantage_importance_sampling_weight)
+        ),
+        "kimi_k2_tau": None if kimi_k2_tau is None else float(kimi_k2_tau),
+        "kl_penalty_coef": float(kl_penalty_coef),
+        "precalculate_logprobs": precalculate_logprobs,
     }
     return float(learning_rate), loss
+
+
+def trajectories_learning_rate(learning_rate: float, documents: int, power: float) -> float:
+    """ART's `num_trajectories_learning_rate_multiplier_power`: `learning_rate` * documents **
+    power, where `documents` is the number of tokenized trajectories (histories) trained in the
+    step (ART counts those packed into each optimizer step's sequence; art-mega's step is one
+    over all of them). A step with no document keeps `learning_rate` (it trains nothing).
+
+    Raises:
+        HyperParameterError: the product is not a float32 learning rate > 0 (named, with the count).
+    """
+    import math
+
+    from art_mega.errors import HyperParameterError
+    from art_mega.hyperparams import positive_problem
+
+    if documents == 0 or power == 0:
+        return learning_rate
+    try:
+        scaled = learning_rate * float(documents) ** power
+    except OverflowError:
+        scaled = math.inf
+    why = positive_problem(scaled)
+    if why is not None:
+        raise HyperParameterError(
+            f"backend.train(num_trajectories_learning_rate_multiplier_power={power!r}) makes the "
+            f"learning rate {learning_rate!r} * {documents} ** {power!r} = {scaled!r}, which {why}; "
+            "use a smaller power",
+            "num_trajectories_learning_rate_multiplier_power",
+            power,
+        )
+    return scaled
 
 
 def checked_groups(
@@ -916,12 +1100,22 @@ class MegatronBackend:
         trajectory_groups: Any,
         *,
         learning_rate: float = DEFAULT_LEARNING_RATE,
+        loss_fn: str = "cispo",
         importance_sampling_level: str = "token",
-        epsilon: float = 0.2,
+        epsilon: float | None = None,
         epsilon_high: float | None = None,
         kl_beta: float = 0.0,
         tis_cap: float | None = None,
         scale_rewards: bool = True,
+        normalize_advantages: bool = True,
+        advantage_balance: float = 0.0,
+        kl_penalty_coef: float = 0.0,
+        truncated_importance_sampling: float | None = None,
+        precalculate_logprobs: bool = False,
+        mask_prob_ratio: bool = False,
+        max_negative_advantage_importance_sampling_weight: float | None = None,
+        kimi_k2_tau: float | None = None,
+        num_trajectories_learning_rate_multiplier_power: float = 0.0,
         config: Any = None,
         allow_stale: bool = False,
         drop_nonfinite_rewards: bool = False,
@@ -929,6 +1123,22 @@ class MegatronBackend:
         **unknown: Any,
     ) -> TrainResult:
         """One GRPO step on these groups; returns the new step and its metrics.
+
+        ART's options (`LocalBackend.train`) mean what they mean in ART (`trainer.loss.grpo_loss`
+        gives each term): `loss_fn` "cispo" (ART's default, epsilon 1.0 / epsilon_high 4.0) or
+        "ppo" (clipped, epsilon 0.2, epsilon_high = epsilon); `importance_sampling_level`,
+        `mask_prob_ratio`, `max_negative_advantage_importance_sampling_weight`, `kimi_k2_tau`,
+        `truncated_importance_sampling`, `precalculate_logprobs` (the trainer recomputes the
+        old logprobs; the sampled ones are then TIS's), `kl_penalty_coef` (KL-penalised
+        advantages against the base model); `scale_rewards` / `normalize_advantages` (False:
+        centred, not divided by the group's std); `advantage_balance` (then every advantage is
+        divided by their mean magnitude, as ART's packing does: `tokenize.balance_advantages`);
+        `num_trajectories_learning_rate_multiplier_power` (`trajectories_learning_rate`). The
+        ART options art-mega does not implement (`ART_OPTION_HINTS`) pass only at the value
+        where they do nothing, else each is refused with what to use. art-mega's own: `kl_beta`
+        (a k3 KL loss term), `tis_cap` (= truncated_importance_sampling with
+        precalculate_logprobs), `allow_stale`, `drop_nonfinite_rewards`. One call is one
+        optimizer step over all its groups (ART takes one per packed sequence).
 
         Every choice sampled through `model.openai_client()` carries the policy step that served
         it. The step is on-policy for the current step only; `allow_stale=True` trains on older
@@ -967,7 +1177,7 @@ class MegatronBackend:
             TrainerJobError: a rank failed or died (named); the last commit stays usable, and the
                 next call retries the same step on ranks restarted from it.
         """
-        from art_mega.trainer.tokenize import grpo_documents
+        from art_mega.trainer.tokenize import balance_advantages, grpo_documents
 
         self._require(model)
         learning_rate, loss = check_grpo_options(
@@ -983,13 +1193,28 @@ class MegatronBackend:
             drop_nonfinite_rewards=drop_nonfinite_rewards,
             unknown=unknown,
             allow_training_without_logprobs=allow_training_without_logprobs,
+            loss_fn=loss_fn,
+            normalize_advantages=normalize_advantages,
+            advantage_balance=advantage_balance,
+            kl_penalty_coef=kl_penalty_coef,
+            truncated_importance_sampling=truncated_importance_sampling,
+            precalculate_logprobs=precalculate_logprobs,
+            mask_prob_ratio=mask_prob_ratio,
+            max_negative_advantage_importance_sampling_weight=max_negative_advantage_importance_sampling_weight,
+            kimi_k2_tau=kimi_k2_tau,
+            num_trajectories_learning_rate_multiplier_power=num_trajectories_learning_rate_multiplier_power,
         )
+        scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
         async with self._lock:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(
                 self.tokenizer(), groups, scale_rewards, allow_training_without_logprobs
+            )
+            documents = balance_advantages(documents, float(advantage_balance))
+            learning_rate = trajectories_learning_rate(
+                learning_rate, len(documents), float(num_trajectories_learning_rate_multiplier_power)
             )
             metrics = {
                 **stats.as_metrics(),

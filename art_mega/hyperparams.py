@@ -23,6 +23,14 @@ FLOAT32_MAX = 3.4028234663852886e38
 """The largest float32: the trainer computes in float32 (bfloat16 has the same range), so a
 larger value becomes inf there (Adam: "value cannot be converted to type float without overflow")."""
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "average", "geometric_average")
+"""ART's `importance_sampling_level`s (`art/loss.py`): the ratio per token, per sequence (GSPO),
+their mean, or their geometric mean."""
+
+LOSS_FNS = ("ppo", "cispo")
+"""ART's `loss_fn`s: PPO's clipped surrogate, or CISPO (the clipped ratio as a weight on the
+REINFORCE term; ART's default)."""
+
 FLOAT32_TINY = 1.1754943508222875e-38
 """The smallest normal float32: a positive value below it is a subnormal or 0 to the trainer."""
 
@@ -62,6 +70,35 @@ def fraction_problem(value: Any) -> str | None:
     if why is None and not 0 <= float(value) <= 1:
         why = "outside [0, 1]"
     return None if why is None else f"must be a number from 0 to 1 ({why})"
+
+
+def finite_problem(value: Any) -> str | None:
+    """None when `value` is a real number, finite and within float32 (any sign)."""
+    why = _not_a_number(value)
+    return None if why is None else f"must be a finite number ({why})"
+
+
+def between_problem(low: float, high: float) -> Problem:
+    """A check that `value` is a real number in [`low`, `high`]."""
+
+    def problem(value: Any) -> str | None:
+        why = _not_a_number(value)
+        if why is None and not low <= float(value) <= high:
+            why = f"outside [{low:g}, {high:g}]"
+        return None if why is None else f"must be a number from {low:g} to {high:g} ({why})"
+
+    return problem
+
+
+def one_of_problem(*choices: str) -> Problem:
+    """A check that `value` is one of the strings `choices`."""
+
+    def problem(value: Any) -> str | None:
+        if isinstance(value, str) and value in choices:
+            return None
+        return f"must be one of {', '.join(repr(c) for c in choices)}"
+
+    return problem
 
 
 def whole_problem(minimum: int) -> Problem:

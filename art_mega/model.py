@@ -5,6 +5,7 @@ They are plain serializable descriptions until registered with a backend: nothin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +24,30 @@ def _check_name(value: str, field: str) -> str:
 
 
 class TrainConfig(BaseModel):
-    """ART's TrainConfig: the learning rate and the KL coefficient `beta` of one step.
+    """ART's TrainConfig: the learning rate of one step, ART's `kl_penalty_coef` (KL-penalised
+    advantages, see `backend.train`), `beta` (art-mega's k3 KL loss term, `kl_beta`) and ART's
+    `grad_accumulation_sequences` (only None: art-mega takes one optimizer step per call;
+    `backend.check_grpo_options` refuses another value with its sentence).
 
     Raises:
         pydantic.ValidationError: `learning_rate` is not a finite number > 0 (a string, NaN,
-            inf, 0 or a negative value) or `beta` is not a finite number >= 0.
+            inf, 0 or a negative value), `beta` or `kl_penalty_coef` is not a finite number
+            >= 0, or `grad_accumulation_sequences` is not None or a whole number >= 1.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = 5e-6
     beta: float = 0.0
+    kl_penalty_coef: float = 0.0
+    grad_accumulation_sequences: int | None = Field(default=None, ge=1, strict=True)
 
     @field_validator("learning_rate", mode="before")
     @classmethod
     def _learning_rate(cls, value: Any) -> Any:
         return pydantic_check(value, positive_problem, "5e-6")
 
-    @field_validator("beta", mode="before")
+    @field_validator("beta", "kl_penalty_coef", mode="before")
     @classmethod
     def _beta(cls, value: Any) -> Any:
         return pydantic_check(value, nonnegative_problem, "0.04")
@@ -151,14 +158,24 @@ class TrainableModel(Model):
         self._wandb.log(row)
         return row
 
-    async def train(self, trajectory_groups: Any, config: Any = None, **kwargs: Any) -> Any:
-        """ART's `model.train(groups, config=TrainConfig(...))`: one GRPO step through the backend.
+    async def train(
+        self, trajectory_groups: Any, config: Any = None, _config: Any = None, **kwargs: Any
+    ) -> Any:
+        """ART's `model.train(groups, config=TrainConfig(...), _config=dev.TrainConfig(...))`:
+        one GRPO step through the backend.
 
-        `config`'s learning rate and `beta` (as `kl_beta`) apply; a `learning_rate` or `kl_beta`
-        in `kwargs` must agree with them (see `backend.check_grpo_options`).
+        `config`'s learning rate, `kl_penalty_coef` and `beta` (as `kl_beta`) apply; a
+        `learning_rate`, `kl_penalty_coef` or `kl_beta` in `kwargs` must agree with them (see
+        `backend.check_grpo_options`). `_config` is ART's `dev.TrainConfig` (a dict): each key
+        becomes the `backend.train` keyword of that name, except `ppo` (True: `loss_fn="ppo"`,
+        False: "cispo") and `epsilon_high: None` (ART's "the same as epsilon"); a key of
+        `ART_DEV_TRAIN_KEYS` that art-mega does not implement is refused by the backend with its
+        sentence unless at its off value.
 
         Raises:
-            HyperParameterError: `config` is not a `TrainConfig`; and what `backend.train` raises.
+            HyperParameterError: `config` is not a `TrainConfig`; `_config` is not a dict, has a
+                key that is not ART's, a non-bool `ppo`, or a key also given as a keyword; and
+                what `backend.train` raises.
         """
         if config is not None:
             if not isinstance(config, TrainConfig):
@@ -169,6 +186,8 @@ class TrainableModel(Model):
                     config,
                 )
             kwargs["config"] = config  # the backend checks it against learning_rate / kl_beta
+        if _config is not None:
+            kwargs.update(dev_train_options(_config, kwargs))
         return await self._require_backend().train(self, trajectory_groups, **kwargs)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
@@ -190,6 +209,85 @@ class TrainableModel(Model):
                 "base_model must name an HF directory, a cached model, a PEFT adapter or a Hugging Face repo id"
             )
         return value
+
+
+ART_DEV_TRAIN_KEYS = (
+    "advantage_balance",
+    "allow_training_without_logprobs",
+    "epsilon",
+    "epsilon_high",
+    "importance_sampling_level",
+    "kimi_k2_tau",
+    "kl_penalty_coef",
+    "kl_ref_adapter_path",
+    "logprob_calculation_chunk_size",
+    "mask_prob_ratio",
+    "max_negative_advantage_importance_sampling_weight",
+    "moe_routing_replay_bundle",
+    "moe_routing_replay_path",
+    "moe_routing_replay_strict",
+    "num_trajectories_learning_rate_multiplier_power",
+    "packed_sequence_length",
+    "plot_tensors",
+    "ppo",
+    "precalculate_logprobs",
+    "scale_learning_rate_by_reward_std_dev",
+    "scale_rewards",
+    "truncated_importance_sampling",
+)
+"""The keys of ART's `dev.TrainConfig` (openpipe-art 0.5.18, `art/dev/train.py`)."""
+
+
+def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """ART's `dev.TrainConfig` dict as `backend.train` keywords (see `TrainableModel.train`).
+
+    ART reads absent keys as their defaults and `epsilon_high: None` as "epsilon"; its `ppo`
+    picks the objective, the rest keep their names. A key whose value ART treats as "off" (a
+    None `epsilon`, `kimi_k2_tau`, `truncated_importance_sampling`,
+    `max_negative_advantage_importance_sampling_weight`) is passed as None, which the backend
+    reads the same way.
+
+    Raises:
+        HyperParameterError: `dev_config` is not a dict, a key is not one of
+            `ART_DEV_TRAIN_KEYS`, `ppo` is not a bool, or a key is also in `given` (the keywords).
+    """
+    where = "model.train(_config)"
+    if not isinstance(dev_config, dict):
+        raise HyperParameterError(
+            f"model.train(_config={dev_config!r}) must be ART's dev.TrainConfig (a dict); pass e.g. "
+            "_config=art.dev.TrainConfig(ppo=True)",
+            "_config",
+            dev_config,
+        )
+    options: dict[str, Any] = {}
+    for key, value in dev_config.items():
+        if key not in ART_DEV_TRAIN_KEYS:
+            raise HyperParameterError(
+                f"{where} has the key {key!r}, which ART's dev.TrainConfig does not have; use one of "
+                f"{', '.join(ART_DEV_TRAIN_KEYS)}",
+                str(key),
+                value,
+            )
+        name = "loss_fn" if key == "ppo" else key
+        if name in given:
+            raise HyperParameterError(
+                f"{where} sets {key!r} and model.train got {name}= too; set it once",
+                name,
+                value,
+            )
+        if key == "ppo":
+            if not isinstance(value, bool):
+                raise HyperParameterError(
+                    f"{where}['ppo']={value!r} must be True or False; pass e.g. {{'ppo': True}}", "ppo", value
+                )
+            value = "ppo" if value else "cispo"
+        options[name] = value
+    if "epsilon_high" in options and options["epsilon_high"] is None:
+        epsilon = options.get("epsilon", given.get("epsilon"))
+        if epsilon is None:
+            epsilon = 0.2 if options.get("loss_fn", given.get("loss_fn", "cispo")) == "ppo" else 1.0
+        options["epsilon_high"] = epsilon
+    return options
 
 
 def _log_groups(value: Any) -> list[Any]:

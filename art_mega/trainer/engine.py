@@ -89,10 +89,16 @@ def _document_layout(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def _token_ratios(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """The importance ratios `grpo_loss` uses, at trained tokens only (1-D, detached)."""
     log_ratio = (new - old).detach()
-    if level == "sequence":
-        per_doc = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
-        log_ratio = per_doc[:, None].expand_as(new)
-    return torch.exp(log_ratio)[mask > 0]
+    token = torch.exp(log_ratio)
+    per_doc = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+    sequence = torch.exp(per_doc)[:, None].expand_as(new)
+    ratios = {
+        "token": token,
+        "sequence": sequence,
+        "average": (token + sequence) / 2,
+        "geometric_average": (token * sequence) ** 0.5,
+    }[level]
+    return ratios[mask > 0]
 
 
 class TrainerEngine:
@@ -265,10 +271,11 @@ class TrainerEngine:
         """One optimizer step on this DP rank's packed `batch` (every rank calls it with its own).
 
         GRPO (`loss.grpo_loss`): `batch.old_logprobs` are the sampling policy's logprobs and
-        `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` the reference
-        is the base model (LoRA disabled, computed before the step). With `loss_config.tis_cap`
-        the batch's logprobs are taken as the inference engine's: the trainer recomputes the old
-        policy's logprobs itself and the cap applies to their ratio. SFT (`loss.sft_loss`):
+        `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` or
+        `kl_penalty_coef > 0` the reference is the base model (LoRA disabled, computed before the
+        step). With `loss_config.tis_cap` or `precalculate_logprobs` the batch's logprobs are
+        taken as the inference engine's: the trainer recomputes the old policy's logprobs itself
+        (before the step) and a TIS cap applies to their ratio. SFT (`loss.sft_loss`):
         cross-entropy on `loss_mask` tokens weighted by `weights`.
 
         A step whose batches (over all DP ranks) have no trained token with non-zero weight
@@ -366,10 +373,10 @@ class TrainerEngine:
         if loss != "grpo":
             return _Microbatch(tensors)
         ref = old = inference = None
-        if loss_config.kl_beta > 0:
+        if loss_config.needs_reference:
             with lora_disabled(self.ddp.module):
                 ref = self._forward_logprobs(tensors)
-        if loss_config.tis_cap is not None:
+        if loss_config.recomputes_old:
             old = self._forward_logprobs(tensors)
             inference = tensors["old_logprobs"]
         return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)

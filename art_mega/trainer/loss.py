@@ -9,7 +9,8 @@ logprob that is NaN on a trained token is unknown (a plain assistant message tra
 logprob, detached, stands in for it, as in ART (`art/loss.py`), so that token's ratio is 1.
 
 GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3) with PPO's clipped surrogate (Schulman et al.
-2017, eq. 7), asymmetric clip bounds as in DAPO (Yu et al. 2025, "clip-higher"), the k3 KL
+2017, eq. 7) or ART's default CISPO objective (MiniMax 2025, "MiniMax-M1", eq. 4: the clipped,
+detached ratio weighing the REINFORCE term), each option as ART's `art/loss.py` applies it, asymmetric clip bounds as in DAPO (Yu et al. 2025, "clip-higher"), the k3 KL
 estimator (Schulman 2020, "Approximating KL divergence"; GRPO eq. 4), sequence-level importance
 ratios as in GSPO (Zheng et al. 2025, eq. 7-10), and truncated importance sampling against the
 inference engine's logprobs (Yao et al. 2025, "Your efficient RL framework secretly brings you
@@ -23,33 +24,76 @@ from typing import Literal
 
 import torch
 
+from art_mega.hyperparams import IMPORTANCE_SAMPLING_LEVELS, LOSS_FNS
+
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """Hyper-parameters of `grpo_loss`.
+    """Hyper-parameters of `grpo_loss`. The defaults here are the plain clipped-PPO objective;
+    `backend.train` sends ART's defaults (CISPO with epsilon 1.0 / epsilon_high 4.0).
 
     Attributes:
-        importance_sampling_level: "token" (PPO/GRPO ratio per token) or "sequence" (GSPO: one
-            length-normalised ratio per sequence, shared by its tokens).
-        epsilon_low: clip the ratio below at 1 - epsilon_low.
+        loss_fn: "ppo" (clipped surrogate) or "cispo" (ART's default objective, see `grpo_loss`).
+        importance_sampling_level: "token" (a ratio per token), "sequence" (GSPO: one
+            length-normalised ratio per sequence, shared by its tokens), "average" (the mean of
+            the two) or "geometric_average" (their geometric mean), as ART computes them.
+        epsilon_low: clip the ratio below at 1 - epsilon_low (ART's `epsilon`).
         epsilon_high: clip the ratio above at 1 + epsilon_high (None: epsilon_low).
-        kl_beta: weight of the k3 KL penalty against `ref_logprobs` (0 disables it).
-        tis_cap: cap C of truncated importance sampling min(pi_old / pi_inference, C); None disables it.
+        kl_beta: weight of art-mega's k3 KL loss term against `ref_logprobs` (0 disables it).
+        tis_cap: cap C of truncated importance sampling min(pi_old / pi_inference, C) against
+            the trainer's own recomputed old logprobs; None disables it. The same as ART's
+            `truncated_importance_sampling=C` with `precalculate_logprobs=True`.
+        truncated_importance_sampling: ART's cap C: each token's loss is multiplied by
+            min(r, C), no gradient, where r is exp(old - inference) when `inference_logprobs`
+            are given (ART's `precalculate_logprobs`), else the loss's own ratio; None disables it.
+        mask_prob_ratio: zero the ratio of tokens outside (1 - epsilon_low, 1 + epsilon_high).
+        max_negative_advantage_importance_sampling_weight: clamp every token's ratio at this
+            value from above (ART applies it whatever the advantage's sign); None disables it.
+        kimi_k2_tau: tau of Kimi K2's advantage correction A_t - tau (new_t - old_t), no
+            gradient; None disables it.
+        kl_penalty_coef: ART's KL-penalised advantages: A_t + coef (mean_kl - kl_t) with
+            kl_t = new_t - ref_t (no gradient) and mean_kl its mean over the trained tokens of
+            the call's batch (0 disables it; needs `ref_logprobs`).
+        precalculate_logprobs: the engine recomputes the old logprobs with the policy before
+            the step and passes the batch's as `inference_logprobs` (not read by `grpo_loss`).
     """
 
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    loss_fn: Literal["ppo", "cispo"] = "ppo"
+    importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = "token"
     epsilon_low: float = 0.2
     epsilon_high: float | None = None
     kl_beta: float = 0.0
     tis_cap: float | None = None
+    truncated_importance_sampling: float | None = None
+    mask_prob_ratio: bool = False
+    max_negative_advantage_importance_sampling_weight: float | None = None
+    kimi_k2_tau: float | None = None
+    kl_penalty_coef: float = 0.0
+    precalculate_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if self.importance_sampling_level not in ("token", "sequence"):
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r} must be 'token' or 'sequence'"
+                f"importance_sampling_level={self.importance_sampling_level!r} must be one of "
+                f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
             )
+        if self.loss_fn not in LOSS_FNS:
+            raise ValueError(f"loss_fn={self.loss_fn!r} must be 'ppo' or 'cispo'")
         if self.epsilon_low < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ValueError("epsilon_low and epsilon_high must be >= 0")
+        if self.tis_cap is not None and self.truncated_importance_sampling is not None:
+            raise ValueError("tis_cap and truncated_importance_sampling are two caps; set one of them")
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the loss reads `ref_logprobs` (k3 term or KL-penalised advantages)."""
+        return self.kl_beta > 0 or self.kl_penalty_coef > 0
+
+    @property
+    def recomputes_old(self) -> bool:
+        """True when the engine recomputes the old logprobs and the batch's are the inference
+        engine's (`tis_cap`, `precalculate_logprobs`)."""
+        return self.tis_cap is not None or self.precalculate_logprobs
 
 
 @dataclass(frozen=True)
@@ -63,6 +107,8 @@ class LossOutput:
     clipped_fraction: float
     kl: float
     entropy: float | None
+    kl_policy_ref: float | None = None
+    """ART's `loss/kl_policy_ref`: the mean of new - ref over trained tokens (with `kl_penalty_coef`)."""
 
 
 def _masked_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -79,6 +125,26 @@ def known_logprobs(logprobs: torch.Tensor, current: torch.Tensor, mask: torch.Te
     """
     logprobs = logprobs.detach()
     return torch.where(torch.isnan(logprobs) & (mask > 0), current.detach(), logprobs)
+
+
+def _sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(mean of `log_ratio` over each row's trained tokens), [B, 1], with its gradient (ART's
+    `group_aggregate(..., reduce="mean")` over a sequence)."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+    return torch.exp((log_ratio * mask).sum(dim=1, keepdim=True) / lengths)
+
+
+def _ratio(new: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The importance ratio of each token at `level` (see `GRPOLossConfig`)."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        # GSPO eq. 10: the value s_i, the gradient of s_i * new_t per token
+        return _sequence_ratio(log_ratio, mask).detach() * torch.exp(new - new.detach())
+    sequence = _sequence_ratio(log_ratio, mask)
+    if level == "average":
+        return (torch.exp(log_ratio) + sequence) / 2
+    return torch.exp(log_ratio) ** 0.5 * sequence**0.5
 
 
 def grpo_loss(
@@ -102,19 +168,26 @@ def grpo_loss(
         mask: [B, S] 1.0 on assistant tokens.
         weights: [B, S] per-token weights (default 1.0).
         config: see `GRPOLossConfig`.
-        ref_logprobs: [B, S] reference-policy logprobs, needed when `config.kl_beta > 0`.
-        inference_logprobs: [B, S] the inference engine's logprobs, needed when `config.tis_cap`;
-            NaN on a trained token: unknown, the old logprob is used (TIS weight 1 there).
+        ref_logprobs: [B, S] reference-policy logprobs, needed when `config.kl_beta > 0` or
+            `config.kl_penalty_coef > 0`.
+        inference_logprobs: [B, S] the inference engine's logprobs, needed when `config.tis_cap`
+            (and read by `config.truncated_importance_sampling` when given); NaN on a trained
+            token: unknown, the old logprob is used (TIS weight 1 there).
         entropy: [B, S] per-token policy entropy, reported only.
 
-    Per token t of sequence i, with A the advantage and r the ratio:
-        token level:     r_t = exp(new_t - old_t)
-        sequence level:  r_t = sg[s_i] * exp(new_t - sg[new_t]),
-                         s_i = exp(mean_{t in y_i}(new_t - old_t))            (GSPO eq. 7, 10)
-        surrogate_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)     (PPO eq. 7)
-        kl_t = exp(ref_t - new_t) - (ref_t - new_t) - 1                      (k3; GRPO eq. 4)
-        tis_t = min(exp(old_t - inference_t), C), no gradient                 (TIS)
-        loss = sum_t w_t m_t (tis_t * -surrogate_t + beta kl_t) / sum_t w_t m_t
+    Per token t of sequence i (ART's `art/loss.py` in this order), with A the advantage:
+        ratio r_t:  token: exp(new_t - old_t); sequence: s_i = exp(mean_{t in y_i}(new_t - old_t))
+                    (GSPO eq. 7, 10); average: (r_tok + s_i) / 2; geometric_average:
+                    sqrt(r_tok s_i); then min(r_t, max_negative_...) and, with mask_prob_ratio,
+                    0 outside (1 - eps_low, 1 + eps_high)
+        A_t -= tau (new_t - old_t), no gradient                              (kimi_k2_tau)
+        A_t += coef (mean_kl - kl_t), kl_t = sg[new_t] - ref_t              (kl_penalty_coef)
+        ppo:   l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)   (PPO eq. 7)
+        cispo: l_t = -clip(sg[r_t], 1 - eps_low, 1 + eps_high) A_t new_t       (ART's default)
+        l_t *= min(q_t, C), no gradient, q_t = exp(old_t - inference_t) (tis_cap, or
+               truncated_importance_sampling with inference logprobs) else r_t  (TIS)
+        k3_t = exp(ref_t - new_t) - (ref_t - new_t) - 1                      (kl_beta; GRPO eq. 4)
+        loss = sum_t w_t m_t (l_t + beta k3_t) / sum_t w_t m_t
     where a NaN old_t on a trained token is sg[new_t] (r_t = 1) and a NaN inference_t is old_t.
 
     Raises:
@@ -127,28 +200,50 @@ def grpo_loss(
         )
     if config.kl_beta > 0 and ref_logprobs is None:
         raise ValueError("kl_beta > 0 needs ref_logprobs")
+    if config.kl_penalty_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_penalty_coef > 0 needs ref_logprobs")
     if config.tis_cap is not None and inference_logprobs is None:
         raise ValueError("tis_cap needs inference_logprobs")
     mask = mask.to(new_logprobs.dtype)
+    # Untrained positions of the policy's (and reference's) logprobs never enter the loss, not
+    # even as NaN * 0: zeroed first, their gradient is 0 (ART's loss does the same).
+    new_logprobs = torch.where(mask > 0, new_logprobs, torch.zeros_like(new_logprobs))
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask > 0, ref_logprobs, torch.zeros_like(ref_logprobs))
+    if entropy is not None:
+        entropy = torch.where(mask > 0, entropy, torch.zeros_like(entropy))
     weights = mask if weights is None else weights.to(new_logprobs.dtype) * mask
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(new_logprobs)
     old = known_logprobs(old_logprobs, new_logprobs, mask)
     log_ratio = new_logprobs - old
-    if config.importance_sampling_level == "sequence":
-        lengths = mask.sum(dim=1).clamp_min(1.0)
-        seq_log_ratio = (log_ratio * mask).sum(dim=1) / lengths
-        ratio = torch.exp(seq_log_ratio.detach())[:, None] * torch.exp(new_logprobs - new_logprobs.detach())
-    else:
-        ratio = torch.exp(log_ratio)
+    ratio = _ratio(new_logprobs, log_ratio, mask, config.importance_sampling_level)
     eps_high = config.epsilon_low if config.epsilon_high is None else config.epsilon_high
-    clipped = torch.clamp(ratio, 1.0 - config.epsilon_low, 1.0 + eps_high)
-    surrogate = torch.minimum(ratio * adv, clipped * adv)
-    per_token = -surrogate
-    if config.tis_cap is not None:
-        assert inference_logprobs is not None
-        inference = known_logprobs(inference_logprobs, old, mask)
-        tis = torch.clamp(torch.exp(old - inference), max=config.tis_cap)
-        per_token = per_token * tis
+    low, high = 1.0 - config.epsilon_low, 1.0 + eps_high
+    if config.max_negative_advantage_importance_sampling_weight is not None:
+        ratio = torch.clamp(ratio, max=config.max_negative_advantage_importance_sampling_weight)
+    if config.mask_prob_ratio:
+        ratio = torch.where((ratio > low) & (ratio < high), ratio, torch.zeros_like(ratio))
+    if config.kimi_k2_tau is not None:
+        adv = adv - config.kimi_k2_tau * log_ratio.detach()
+    kl_policy_ref = None
+    if config.kl_penalty_coef > 0:
+        assert ref_logprobs is not None
+        kl_token = (new_logprobs - ref_logprobs).detach() * mask
+        mean_kl = kl_token.sum() / (mask.sum() + 1e-6)
+        adv = adv + config.kl_penalty_coef * (mean_kl - kl_token) * mask
+        kl_policy_ref = float(mean_kl)
+    if config.loss_fn == "ppo":
+        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+    else:
+        per_token = -(torch.clamp(ratio.detach(), low, high) * adv * new_logprobs)
+    cap = config.tis_cap if config.tis_cap is not None else config.truncated_importance_sampling
+    if cap is not None:
+        if inference_logprobs is not None:
+            inference = known_logprobs(inference_logprobs, old, mask)
+            weight = torch.exp(old - inference)
+        else:
+            weight = ratio.detach()
+        per_token = per_token * torch.clamp(weight, max=cap)
     kl = torch.zeros_like(new_logprobs)
     if ref_logprobs is not None:
         delta = ref_logprobs.detach() - new_logprobs
@@ -159,9 +254,7 @@ def grpo_loss(
         selected = ratio.detach()[mask > 0]
         if selected.numel() == 0:
             selected = torch.ones(1, dtype=ratio.dtype)
-        outside = ((ratio.detach() < 1.0 - config.epsilon_low) | (ratio.detach() > 1.0 + eps_high)).to(
-            mask.dtype
-        )
+        outside = ((ratio.detach() < low) | (ratio.detach() > high)).to(mask.dtype)
         return LossOutput(
             loss=loss,
             ratio_mean=float(selected.mean()),
@@ -170,6 +263,7 @@ def grpo_loss(
             clipped_fraction=float(_masked_mean(outside, mask)),
             kl=float(_masked_mean(kl.detach(), mask)),
             entropy=None if entropy is None else float(_masked_mean(entropy.detach(), mask)),
+            kl_policy_ref=kl_policy_ref,
         )
 
 

@@ -36,6 +36,7 @@ new sequence: each turn is then trained in its own history, as ART's `additional
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -635,6 +636,35 @@ def grpo_documents(
                 stats.trained_tokens += s.trained_tokens
                 documents.append(Document(s.input_ids, s.loss_mask, s.old_logprobs, advantage, weight))
     return documents, stats
+
+
+def balance_advantages(documents: Sequence[Document], advantage_balance: float = 0.0) -> list[Document]:
+    """GRPO `documents` with their advantages shaped as ART's packing shapes them
+    (`art/preprocessing/pack.py`): with `advantage_balance` b > 0 each negative advantage is
+    multiplied by 1 - b, with b < 0 each positive one by 1 + b (b = 1: positive ones only; -1:
+    negative ones only); then every advantage is divided by mean_t |A_t| w_t over all trained
+    tokens, w_t being the token weights scaled to mean 1 (ART's weights), which is
+    sum_d n_d w_d |A_d| / sum_d n_d w_d over documents d with n_d trained tokens. Left as they
+    are when that mean is 0 (every advantage 0: nothing to scale, the step's loss is 0).
+
+    Args:
+        documents: `grpo_documents`' output (advantage and weight per document).
+        advantage_balance: b in [-1, 1] (`backend.check_grpo_options` checks it).
+    """
+    shaped = []
+    for d in documents:
+        a = d.advantage
+        if advantage_balance > 0 and a < 0:
+            a *= 1.0 - advantage_balance
+        elif advantage_balance < 0 and a > 0:
+            a *= 1.0 + advantage_balance
+        shaped.append((d, a))
+    tokens = [float(sum(1 for m in d.loss_mask if m > 0)) * d.weight for d, _ in shaped]
+    total = sum(tokens)
+    scale = sum(n * abs(a) for n, (_, a) in zip(tokens, shaped)) / total if total > 0 else 0.0
+    if scale == 0.0:
+        return [dataclasses.replace(d, advantage=a) for d, a in shaped]
+    return [dataclasses.replace(d, advantage=a / scale) for d, a in shaped]
 
 
 def sft_documents(

@@ -71,6 +71,13 @@ def test_good_train_options_reach_the_job_as_floats() -> None:
         "epsilon_high": 0.28,
         "kl_beta": 1.0,
         "tis_cap": 2.0,
+        "loss_fn": "cispo",
+        "truncated_importance_sampling": None,
+        "mask_prob_ratio": False,
+        "max_negative_advantage_importance_sampling_weight": None,
+        "kimi_k2_tau": None,
+        "kl_penalty_coef": 0.0,
+        "precalculate_logprobs": False,
     }
     with pytest.raises(
         HyperParameterError, match=r"importance_sampling_level='seq'\) must be 'token' or 'sequence'"
@@ -99,12 +106,15 @@ def test_unknown_keywords_are_refused_by_backend_train() -> None:
     with pytest.raises(HyperParameterError) as info:
         train(learning_rat=1e-5)
     assert str(info.value) == (
-        "backend.train got an unknown keyword learning_rat=1e-05; use one of learning_rate, "
-        "importance_sampling_level, epsilon, epsilon_high, kl_beta, tis_cap, scale_rewards, config, "
+        "backend.train got an unknown keyword learning_rat=1e-05; use one of learning_rate, loss_fn, "
+        "importance_sampling_level, epsilon, epsilon_high, kl_beta, tis_cap, scale_rewards, "
+        "normalize_advantages, advantage_balance, kl_penalty_coef, truncated_importance_sampling, "
+        "precalculate_logprobs, mask_prob_ratio, max_negative_advantage_importance_sampling_weight, "
+        "kimi_k2_tau, num_trajectories_learning_rate_multiplier_power, config, "
         "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs"
     )
-    with pytest.raises(HyperParameterError, match="kl_penalty_coef=0.1; art-mega calls it kl_beta"):
-        train(kl_penalty_coef=0.1)
+    with pytest.raises(HyperParameterError, match="ppo=True; backend.train takes ART's loss_fn='ppo'"):
+        train(ppo=True)
     with pytest.raises(
         HyperParameterError, match="logprob_calculation_chunk_size=8; art-mega computes logprobs"
     ):
