@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from art_mega.dev.train import TRAIN_CONFIG_KEYS
 from art_mega.errors import HyperParameterError
 from art_mega.hyperparams import nonnegative_problem, positive_problem, pydantic_check
 
@@ -169,7 +170,7 @@ class TrainableModel(Model):
         `backend.check_grpo_options`). `_config` is ART's `dev.TrainConfig` (a dict): each key
         becomes the `backend.train` keyword of that name, except `ppo` (True: `loss_fn="ppo"`,
         False: "cispo") and `epsilon_high: None` (ART's "the same as epsilon"); a key of
-        `ART_DEV_TRAIN_KEYS` that art-mega does not implement is refused by the backend with its
+        `art_mega.dev.TrainConfig` that art-mega does not implement is refused by the backend with its
         sentence unless at its off value.
 
         Raises:
@@ -211,33 +212,6 @@ class TrainableModel(Model):
         return value
 
 
-ART_DEV_TRAIN_KEYS = (
-    "advantage_balance",
-    "allow_training_without_logprobs",
-    "epsilon",
-    "epsilon_high",
-    "importance_sampling_level",
-    "kimi_k2_tau",
-    "kl_penalty_coef",
-    "kl_ref_adapter_path",
-    "logprob_calculation_chunk_size",
-    "mask_prob_ratio",
-    "max_negative_advantage_importance_sampling_weight",
-    "moe_routing_replay_bundle",
-    "moe_routing_replay_path",
-    "moe_routing_replay_strict",
-    "num_trajectories_learning_rate_multiplier_power",
-    "packed_sequence_length",
-    "plot_tensors",
-    "ppo",
-    "precalculate_logprobs",
-    "scale_learning_rate_by_reward_std_dev",
-    "scale_rewards",
-    "truncated_importance_sampling",
-)
-"""The keys of ART's `dev.TrainConfig` (openpipe-art 0.5.18, `art/dev/train.py`)."""
-
-
 def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     """ART's `dev.TrainConfig` dict as `backend.train` keywords (see `TrainableModel.train`).
 
@@ -249,7 +223,7 @@ def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, An
 
     Raises:
         HyperParameterError: `dev_config` is not a dict, a key is not one of
-            `ART_DEV_TRAIN_KEYS`, `ppo` is not a bool, or a key is also in `given` (the keywords).
+            `TRAIN_CONFIG_KEYS`, `ppo` is not a bool, or a key is also in `given` (the keywords).
     """
     where = "model.train(_config)"
     if not isinstance(dev_config, dict):
@@ -261,10 +235,10 @@ def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, An
         )
     options: dict[str, Any] = {}
     for key, value in dev_config.items():
-        if key not in ART_DEV_TRAIN_KEYS:
+        if key not in TRAIN_CONFIG_KEYS:
             raise HyperParameterError(
                 f"{where} has the key {key!r}, which ART's dev.TrainConfig does not have; use one of "
-                f"{', '.join(ART_DEV_TRAIN_KEYS)}",
+                f"{', '.join(TRAIN_CONFIG_KEYS)}",
                 str(key),
                 value,
             )

@@ -20,8 +20,9 @@ from art_mega.backend import (  # noqa: E402
     check_grpo_options,
     trajectories_learning_rate,
 )
+from art_mega.dev.train import TRAIN_CONFIG_KEYS  # noqa: E402
 from art_mega.errors import HyperParameterError  # noqa: E402
-from art_mega.model import ART_DEV_TRAIN_KEYS, dev_train_options  # noqa: E402
+from art_mega.model import dev_train_options  # noqa: E402
 from art_mega.trainer.batch import Document  # noqa: E402
 from art_mega.trainer.loss import GRPOLossConfig, grpo_loss  # noqa: E402
 from art_mega.trainer.protocol import LossSettings  # noqa: E402
@@ -199,7 +200,9 @@ def test_advantages_are_balanced_then_divided_by_their_mean_magnitude() -> None:
         [1 / 0.5625, -0.5 / 0.5625, 0.5 / 0.5625, -0.25 / 0.5625]
     )
     # balance -1: only negative advantages train: 0, -1, 0, -0.5; mean |A| = 0.375
-    assert [d.advantage for d in balance_advantages(docs, -1.0)] == pytest.approx([0.0, -1 / 0.375, 0.0, -0.5 / 0.375])
+    assert [d.advantage for d in balance_advantages(docs, -1.0)] == pytest.approx(
+        [0.0, -1 / 0.375, 0.0, -0.5 / 0.375]
+    )
     assert [d.advantage for d in balance_advantages([doc(1.0, 2)], 1.0)] == [1.0]
     assert [d.advantage for d in balance_advantages([doc(-1.0, 2)], 1.0)] == [0.0]  # nothing to scale
     with pytest.raises(HyperParameterError, match=r"advantage_balance=1.5\) must be a number from -1 to 1"):
@@ -299,7 +302,7 @@ def test_every_art_option_is_implemented_or_refused() -> None:
         "num_trajectories_learning_rate_multiplier_power", "save_checkpoint", "verbose",
     }  # fmt: skip
     train_config = {"learning_rate", "kl_penalty_coef", "grad_accumulation_sequences"}
-    dev_keys = {"loss_fn" if k == "ppo" else k for k in ART_DEV_TRAIN_KEYS}
+    dev_keys = {"loss_fn" if k == "ppo" else k for k in TRAIN_CONFIG_KEYS}
     handled = set(GRPO_OPTIONS) | set(ART_OPTION_HINTS)
     assert (local_backend_train | dev_keys | train_config | {"ppo"}) - handled == set()
     assert set(art.TrainConfig.model_fields) == train_config | {"beta"}
