@@ -18,7 +18,7 @@ from typing import Any
 
 from art_mega.agent.client import AgentClient
 from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S
-from art_mega.errors import AgentError, HostLostError, UserError
+from art_mega.errors import EXIT_CODES, AgentError, HostLostError, UserError
 from art_mega.launch.context import ArtLaunchContext
 from art_mega.launch.controller import UNRESPONSIVE_AFTER_S, SignalGuard, report, supervise
 from art_mega.launch.program import ProgramRef
@@ -126,7 +126,7 @@ async def _start_host(
                 raise UserError(
                     f"{where}: --python {python} does not exist or cannot run there (exit {code}: {tail})"
                 )
-            if code == 2:
+            if code == EXIT_CODES[UserError].code:
                 reason = tail.removeprefix("art-mega: error: ")  # the agent's own one-sentence refusal
                 raise UserError(f"{where}: the agent refused to start: {reason}")
             raise UserError(f"{where}: the agent exited with code {code} before it was ready: {tail}")

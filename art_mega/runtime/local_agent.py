@@ -18,7 +18,7 @@ from art_mega.agent.client import AgentClient
 from art_mega.agent.listeners import has_listener, listener_pids
 from art_mega.agent.protocol import READY_PREFIX
 from art_mega.agent.supervisor import spawn_child, stop_process
-from art_mega.errors import AgentError, AgentStartError, UserError
+from art_mega.errors import EXIT_CODES, AgentError, AgentStartError, UserError
 from art_mega.topology import EndpointSpec
 
 
@@ -107,7 +107,7 @@ async def start_local_agent(
         raise
     if ready is None:
         code = await process.wait()
-        if code == 2:
+        if code == EXIT_CODES[UserError].code:  # the agent's own one-sentence refusal
             raise UserError(
                 f"host {host_id}: the agent refused to start on {endpoint.address} (see its message above)"
             )
