@@ -1,6 +1,6 @@
 """One vLLM OpenAI server process on this host: argv, environment, log file, readiness, stop.
 
-Used by the host agent (see `agent_routes`); the process runs in its own process group with a
+Used by the host agent (see `routes`); the process runs in its own process group with a
 parent-death signal, so the agent's death takes the replica with it.
 """
 

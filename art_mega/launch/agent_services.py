@@ -7,7 +7,7 @@ in this order, and at the agent's close stop what they hold in the same order.
 from __future__ import annotations
 
 from art_mega.agent.app import Service
-from art_mega.inference import agent_routes as inference_routes
+from art_mega.inference import routes as inference_routes
 from art_mega.preflight import routes as preflight_routes
 from art_mega.rollouts import routes as rollout_routes
 from art_mega.trainer import host as trainer_host
