@@ -27,9 +27,11 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from _netns import run_ssh  # noqa: E402
 from _results import report  # noqa: E402
 
+from art_mega.runtime.runtime import Phase  # noqa: E402
 from tests.integration.netns import NetnsCluster, netns_unavailable_reason  # noqa: E402
 
-PHASES = ("admission", "fs_probe", "metadata_store", "collective", "collective_run", "total")
+PHASES = (*Phase, "collective_run", "total")
+"""The runtime's proof phases in order, then two figures of the benchmark program's own."""
 LABELS = {"collective_run": "collective run (slowest rank, torch imported)"}
 
 

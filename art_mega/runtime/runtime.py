@@ -1,13 +1,14 @@
 """ArtRuntime: connects to (or starts) the agents of a compiled topology and sequences services.
 
-`start` only sequences: connect and check every agent, then hand out services (rollout
-executors now; admission, FS probe, etcd, preflight, trainer and replicas as they land).
+`start` only sequences: connect and check every agent, prove the cluster (the `Phase`s, in
+order), then hand out services (rollout executors; the backend starts trainer and replicas).
 `close` undoes everything it started, in reverse order, each step bounded by rpc_timeout_s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +32,32 @@ from art_mega.runtime.monitor import AgentMonitor
 from art_mega.topology import CompiledTopology, EndpointSpec
 
 
+class Phase(enum.StrEnum):
+    """The phases of the cluster proof (`ArtRuntime.prove`), in the order they run.
+
+    Each value is the phase's name in `PreflightReport.phases_s` and in what is printed or
+    recorded from it (benchmark figures, JSON): a `StrEnum`, so a member is equal to, hashes
+    like and formats as that string.
+    """
+
+    ADMISSION = "admission"
+    """Every agent's host facts read and checked against the topology (`preflight.admission`)."""
+    FS_PROBE = "fs_probe"
+    """artifact_root checked on every host: writable, and when shared, one host's file seen by
+    every other (`preflight.fs_probe`)."""
+    METADATA_STORE = "metadata_store"
+    """The NIXL metadata store (etcd) started or checked from every host; only when needed."""
+    COLLECTIVE = "collective"
+    """The preflight collective in every environment that needs it (cached ones cost 0 s)."""
+
+
 @dataclass(frozen=True)
 class PreflightReport:
-    """What the cluster proof measured: seconds per phase, the metadata store's URL if any, and
-    the collective of every proved environment (`collective`: the trainer's, else the first)."""
+    """What the cluster proof measured: seconds per phase (only the phases that ran), the
+    metadata store's URL if any, and the collective of every proved environment (`collective`:
+    the trainer's, else the first)."""
 
-    phases_s: dict[str, float] = field(default_factory=dict)
+    phases_s: dict[Phase, float] = field(default_factory=dict)
     metadata_store: str | None = None
     collective: CollectiveReport | None = None
     collectives: tuple[CollectiveReport, ...] = ()
@@ -345,14 +366,14 @@ class ArtRuntime:
 
         loop = asyncio.get_running_loop()
         cluster = self.topology.cluster
-        phases: dict[str, float] = {}
+        phases: dict[Phase, float] = {}
         started = loop.time()
         hosts = list(self._clients)
         facts = await asyncio.gather(*(self._clients[h].call(FACTS) for h in hosts))
         self.host_facts = dict(zip(hosts, facts))
         admit(self.topology, self.host_facts)
-        phases["admission"] = loop.time() - started
-        phases["fs_probe"] = await probe_artifact_root(
+        phases[Phase.ADMISSION] = loop.time() - started
+        phases[Phase.FS_PROBE] = await probe_artifact_root(
             self._clients,
             cluster.artifact_root,
             cluster.shared_artifact_root,
@@ -379,7 +400,7 @@ class ArtRuntime:
                 )
                 self._etcd_host, self._etcd_endpoint = controller.host_id, reply.endpoint
                 endpoint = reply.endpoint
-            phases["metadata_store"] = loop.time() - started
+            phases[Phase.METADATA_STORE] = loop.time() - started
         await warming
         reports: list[CollectiveReport] = []
         ran_s = 0.0
@@ -405,7 +426,7 @@ class ArtRuntime:
                     self._proved[key] = report
             reports.append(report)
         if environments:
-            phases["collective"] = ran_s
+            phases[Phase.COLLECTIVE] = ran_s
         trainer = next((r for r, e in zip(reports, environments) if "trainer" in e.names), None)
         self.preflight = PreflightReport(
             phases_s=phases,
