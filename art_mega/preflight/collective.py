@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from art_mega.agent.client import AgentClient
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import PreflightError
 from art_mega.preflight.protocol import (
     PREFLIGHT_DISCARD,
     PREFLIGHT_RUN,

@@ -28,8 +28,7 @@ import httpx
 from art_mega.agent.client import AgentClient
 from art_mega.agent.ports import free_port
 from art_mega.agent.supervisor import spawn_child, stop_process
-from art_mega.errors import AgentError
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import AgentError, PreflightError
 from art_mega.preflight.protocol import (
     ETCD_CHECK,
     ETCD_START,

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import PreflightError
 from art_mega.preflight.protocol import (
     FILES_CHECK,
     FILES_PER_CHECK,

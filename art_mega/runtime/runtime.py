@@ -486,7 +486,7 @@ class ArtRuntime:
     async def _recheck_managed_etcd(self) -> str | None:
         """On a proof again: this runtime's managed etcd, checked from every host, or None when
         there is none or it no longer serves (then it is stopped, and the caller starts another)."""
-        from art_mega.preflight.collective import PreflightError
+        from art_mega.errors import PreflightError
         from art_mega.preflight.etcd import check_from_every_host
 
         if self._etcd_endpoint is None:

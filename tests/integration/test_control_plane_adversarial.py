@@ -156,7 +156,7 @@ async def test_a_signed_body_whose_sender_leaves_early_runs_nothing_and_logs_no_
 
 async def test_a_metadata_store_port_that_closes_at_once_or_refuses_is_one_sentence(agent: LocalAgent):
     from art_mega.agent.client import AgentClient
-    from art_mega.preflight.admission import PreflightError
+    from art_mega.errors import PreflightError
     from art_mega.preflight.etcd import check_from_every_host
 
     closing = socket.socket()
@@ -198,7 +198,7 @@ async def test_a_metadata_store_port_that_closes_at_once_or_refuses_is_one_sente
 
 
 async def test_an_artifact_root_in_a_symlink_loop_is_named_not_an_agent_500(tmp_path):
-    from art_mega.preflight.admission import PreflightError
+    from art_mega.errors import PreflightError
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import ClusterSpec, HostSpec, compile_topology
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import PreflightError
 from art_mega.preflight.etcd import check_endpoint, check_from_every_host, find_binary, start_managed_etcd
 from art_mega.preflight.protocol import EtcdCheckRequest, EtcdStartRequest
 from tests.conftest import wait_gone

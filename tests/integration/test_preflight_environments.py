@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from art_mega import ArtRuntime, InferenceSpec, compile_topology
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import PreflightError
 from tests.conftest import REPO
 from tests.helpers import loopback_cluster
 

@@ -19,7 +19,7 @@ import pytest
 
 from art_mega.agent.ports import free_port
 from art_mega.backend import MegatronBackend
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import PreflightError
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
 from tests.integration.test_preflight_environments import broken_torch_interpreter

@@ -1,7 +1,7 @@
 import pytest
 
-from art_mega.errors import HostMismatchError
-from art_mega.preflight.admission import PreflightError, admit
+from art_mega.errors import HostMismatchError, PreflightError
+from art_mega.preflight.admission import admit
 from art_mega.preflight.protocol import GpuInfo, HostFacts
 from art_mega.topology import ClusterSpec, HostSpec, NcclTransportSpec, compile_topology
 

@@ -13,8 +13,7 @@ import sys
 
 import pytest
 
-from art_mega.errors import AgentError
-from art_mega.preflight.admission import PreflightError
+from art_mega.errors import AgentError, PreflightError
 from art_mega.preflight.collective import _raise_for_failures, environment_label, failed_on_its_own
 from art_mega.preflight.probe import WARM_FLAG
 from art_mega.preflight.protocol import PREFLIGHT_RUN, PreflightRunResponse
