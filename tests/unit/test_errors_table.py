@@ -280,3 +280,16 @@ def test_the_exceptions_left_in_their_modules_are_the_ones_errors_names_as_inter
         re.findall(r"`([a-z_.]+\.[A-Za-z_]+(?:Error|Refused))`", errors.__doc__.split("stay in")[1])
     )
     assert internal and _exception_classes_outside_errors() == internal
+
+
+def test_every_importer_takes_the_exceptions_from_errors_itself():
+    """No module hands an exception of errors.py on (a re-export left behind by a move)."""
+    names = {c.__name__ for c in CLASSES}
+    root = Path(errors.__file__).parent.parent
+    through = []
+    for path in [*(root / "art_mega").rglob("*.py"), *(root / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("art_mega"):
+                if node.module != "art_mega.errors" and names & {alias.name for alias in node.names}:
+                    through.append(f"{path.relative_to(root)}:{node.lineno} from {node.module}")
+    assert through == []
