@@ -173,14 +173,15 @@ class ExportJob(_Body):
 
 
 class SFTJob(_Body):
-    """One SFT optimizer step on `batch_dir/dp<r>.safetensors` at `learning_rate`, then the
-    checkpoint of `step` in `checkpoint_dir`."""
+    """One SFT optimizer step on `batch_dir/dp<r>.safetensors` at `learning_rate` (0 where a
+    decaying schedule ends, `sft.TrainSFTConfig.learning_rates`), then the checkpoint of `step` in
+    `checkpoint_dir`."""
 
     kind: Literal["sft"] = "sft"
     step: Step
     batch_dir: str = Field(min_length=1)
     checkpoint_dir: str = Field(min_length=1)
-    learning_rate: Finite = Field(gt=0)
+    learning_rate: Finite = Field(ge=0)
 
 
 class RLJob(_Body):

@@ -228,3 +228,11 @@ def test_the_agent_turns_a_rank_line_that_is_no_rank_event_into_a_failed_naming_
         failed = _rank_event(1, line)
         assert isinstance(failed, Failed) and failed.error_type == "InvalidEvent" and failed.dirty
         assert failed.message.startswith(message), failed.message
+
+
+def test_an_sft_step_may_take_the_zero_rate_a_decaying_schedule_ends_on():
+    assert SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rate=0.0).learning_rate == 0.0
+    with pytest.raises(ValidationError):
+        SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rate=-1e-5)
+    with pytest.raises(ValidationError):
+        RLJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rate=0.0)  # GRPO rates are > 0
