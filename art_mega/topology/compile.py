@@ -179,11 +179,12 @@ def _place_trainer(
     hosts = _resolve_hosts(cluster, trainer.host_ids, "TrainerSpec.host_ids", gpu_role=True)
     slots: list[tuple[HostSpec, int, GpuId | None]] = []
     for host in hosts:
-        devices = host.gpu_ids or (None,) * trainer.cpu_ranks_per_host
+        devices = _trainer_devices(trainer, host) or (None,) * trainer.cpu_ranks_per_host
         slots += [(host, local_rank, gpu) for local_rank, gpu in enumerate(devices)]
     world = len(slots)
     layout = ", ".join(
-        f"{host.host_id!r} {len(host.gpu_ids) or trainer.cpu_ranks_per_host}" for host in hosts
+        f"{host.host_id!r} {len(_trainer_devices(trainer, host)) or trainer.cpu_ranks_per_host}"
+        for host in hosts
     )
     dense = f"tp={trainer.tp} x cp={trainer.cp} x pp={trainer.pp}"
     expert = f"etp={trainer.etp} x ep={trainer.ep} x pp={trainer.pp}"
@@ -213,6 +214,22 @@ def _place_trainer(
         for rank, (host, local_rank, gpu) in enumerate(slots)
     )
     return ranks, parallel_groups(world, **sizes)
+
+
+def _trainer_devices(trainer: TrainerSpec, host: HostSpec) -> tuple[GpuId, ...]:
+    """The GPUs of `host` that get a trainer rank: `trainer.gpu_ids` (each one the host must
+    list) or every GPU the host lists; () on a CPU-only host."""
+    if trainer.gpu_ids is None:
+        return host.gpu_ids
+    for gpu in trainer.gpu_ids:
+        if gpu not in host.gpu_ids:
+            listed = _quoted(host.gpu_ids) or "none"
+            raise TopologyError(
+                f"TrainerSpec.gpu_ids names GPU {gpu!r}, which host {host.host_id!r} does not list "
+                f"(its gpu_ids: {listed}); name GPUs the host has.",
+                "TrainerSpec.gpu_ids",
+            )
+    return trainer.gpu_ids
 
 
 def _trainer_processes(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from art_mega.topology.base import Integer, ListenPort, SpecModel, unique_names
+from art_mega.topology.base import GpuId, Integer, ListenPort, SpecModel, unique_gpu_ids, unique_names
 
 
 class TrainerSpec(SpecModel):
@@ -18,9 +18,11 @@ class TrainerSpec(SpecModel):
     `cpu_ranks_per_host` ranks on a host without GPUs; then dp = world / (tp*cp*pp) and the
     expert data-parallel size = world / (etp*ep*pp), and `compile_topology` raises
     `TopologyError` when either does not divide. `host_ids` None means every host with GPUs (or
-    every host when none has GPUs). `master_port` is the torch.distributed rendezvous port on
-    rank 0's host. Raises `ValidationError` for sizes < 1, an empty or repeated host id or a
-    port outside 1..65535.
+    every host when none has GPUs). `gpu_ids` restricts which GPUs of each trainer host get a
+    rank (None: every GPU the host lists), so one host can hold the trainer on some GPUs and
+    replicas on others. `master_port` is the torch.distributed rendezvous port on rank 0's
+    host. Raises `ValidationError` for sizes < 1, an empty or repeated host or GPU id or a port
+    outside 1..65535.
     """
 
     tp: Integer = Field(default=1, ge=1)
@@ -29,6 +31,7 @@ class TrainerSpec(SpecModel):
     etp: Integer = Field(default=1, ge=1)
     pp: Integer = Field(default=1, ge=1)
     host_ids: tuple[str, ...] | None = None
+    gpu_ids: tuple[GpuId, ...] | None = None
     cpu_ranks_per_host: Integer = Field(default=1, ge=1)
     master_port: ListenPort = 29500
 
@@ -40,6 +43,15 @@ class TrainerSpec(SpecModel):
         if not value:
             raise ValueError("host_ids is empty; list at least one host or use None for all")
         return unique_names(value, "host_ids")
+
+    @field_validator("gpu_ids")
+    @classmethod
+    def _check_gpu_ids(cls, value: tuple[int | str, ...] | None) -> tuple[int | str, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("gpu_ids is empty; list at least one GPU or use None for all")
+        return unique_gpu_ids(value, "gpu_ids")
 
     @property
     def model_parallel_size(self) -> int:
