@@ -285,7 +285,7 @@ class TrainerEngine:
         `loss/grad_norm` (before clipping), `loss/tokens` (trained tokens, all DP ranks),
         `loss/nothing_trainable`, `loss/learning_rate`, `loss/entropy` (nats per token, when
         computed) and for GRPO `loss/kl`, `loss/ratio_mean`, `loss/ratio_p95`, `loss/ratio_p99`,
-        `loss/clipped_fraction`.
+        `loss/clipped_fraction` and, with `kl_penalty_coef`, ART's `loss/kl_policy_ref`.
 
         The step is aborted before the optimizer update when the loss or the gradient norm
         (both the same on every rank: summed over DP, the norm over every rank's shards) is NaN
@@ -327,7 +327,9 @@ class TrainerEngine:
             micro_batch_size=self.micro_batch_rows,
             forward_only=False,
         )
-        metrics.update(self._reduce_metrics(outputs, loss, tokens))
+        metrics.update(
+            self._reduce_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
+        )
         # Megatron's step() clips with the norm and updates in one call (and only fp16's loss
         # scaler checks for inf), so the norm is computed here first: `prepare_grads` hands the
         # gradients to the main parameters (a copy that step() repeats), nothing is updated yet.
@@ -453,22 +455,27 @@ class TrainerEngine:
             config=loss_config,
             ref_logprobs=None if micro.ref_logprobs is None else docs(micro.ref_logprobs),
             inference_logprobs=None if micro.inference_logprobs is None else docs(micro.inference_logprobs),
+            packed_rows=rows[:, 0],
         )
         value = out.loss * local_denominator / denominator
         count = float(tokens)
         info.update(
             loss_sum=float(value.detach()),
+            kl_policy_ref_sum=(out.kl_policy_ref or 0.0) * count,
             kl_sum=out.kl * count,
             clipped_sum=out.clipped_fraction * count,
             ratios=_token_ratios(new, old, mask, loss_config.importance_sampling_level).cpu(),
         )
         return value, tokens.to(torch.int), info
 
-    def _reduce_metrics(self, outputs: list[dict[str, Any]], loss: str, tokens: float) -> dict[str, float]:
-        """Step metrics from every microbatch's diagnostics, summed over DP ranks."""
-        keys = ["loss_sum", "entropy_sum", "kl_sum", "clipped_sum"]
+    def _reduce_metrics(
+        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool = False
+    ) -> dict[str, float]:
+        """Step metrics from every microbatch's diagnostics, summed over DP ranks
+        (`kl_policy_ref`: report ART's `loss/kl_policy_ref`, the token mean of new - ref)."""
+        keys = ["loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "kl_policy_ref_sum"]
         local = [sum(float(out.get(key, 0.0)) for out in outputs) for key in keys]
-        loss_sum, entropy_sum, kl_sum, clipped_sum = self._dp_sum(local)
+        loss_sum, entropy_sum, kl_sum, clipped_sum, kl_policy_ref_sum = self._dp_sum(local)
         count = max(tokens, 1.0)
         metrics = {"loss/policy" if loss == "grpo" else "loss/sft": loss_sum}
         if self.compute_entropy:
@@ -485,6 +492,8 @@ class TrainerEngine:
                     "loss/ratio_p99": float(torch.quantile(ratios.double(), 0.99)),
                 }
             )
+            if kl_policy_ref:
+                metrics["loss/kl_policy_ref"] = kl_policy_ref_sum / count
         return metrics
 
     # ------------------------------------------------------------------ adapters and state

@@ -53,7 +53,9 @@ class GRPOLossConfig:
             gradient; None disables it.
         kl_penalty_coef: ART's KL-penalised advantages: A_t + coef (mean_kl - kl_t) with
             kl_t = new_t - ref_t (no gradient) and mean_kl its mean over the trained tokens of
-            the call's batch (0 disables it; needs `ref_logprobs`).
+            the packed row (ART: of the packed sequence; see `grpo_loss`'s `packed_rows`), so
+            the step does not depend on how rows are split into microbatches or DP ranks (0
+            disables it; needs `ref_logprobs`).
         precalculate_logprobs: the engine recomputes the old logprobs with the policy before
             the step and passes the batch's as `inference_logprobs` (not read by `grpo_loss`).
     """
@@ -157,6 +159,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     inference_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    packed_rows: torch.Tensor | None = None,
 ) -> LossOutput:
     """GRPO policy loss, token-mean over assistant tokens with `weights`.
 
@@ -174,6 +177,9 @@ def grpo_loss(
             (and read by `config.truncated_importance_sampling` when given); NaN on a trained
             token: unknown, the old logprob is used (TIS weight 1 there).
         entropy: [B, S] per-token policy entropy, reported only.
+        packed_rows: [B] int64, the packed row each sequence came from: `kl_penalty_coef`'s
+            mean_kl is taken per packed row, as ART takes it per packed sequence (default: all
+            B sequences are one row).
 
     Per token t of sequence i (ART's `art/loss.py` in this order), with A the advantage:
         ratio r_t:  token: exp(new_t - old_t); sequence: s_i = exp(mean_{t in y_i}(new_t - old_t))
@@ -181,7 +187,8 @@ def grpo_loss(
                     sqrt(r_tok s_i); then min(r_t, max_negative_...) and, with mask_prob_ratio,
                     0 outside (1 - eps_low, 1 + eps_high)
         A_t -= tau (new_t - old_t), no gradient                              (kimi_k2_tau)
-        A_t += coef (mean_kl - kl_t), kl_t = sg[new_t] - ref_t              (kl_penalty_coef)
+        A_t += coef (mean_kl - kl_t), kl_t = sg[new_t] - ref_t, mean_kl over the trained
+               tokens of the sequence's packed row                           (kl_penalty_coef)
         ppo:   l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)   (PPO eq. 7)
         cispo: l_t = -clip(sg[r_t], 1 - eps_low, 1 + eps_high) A_t new_t       (ART's default)
         l_t *= min(q_t, C), no gradient, q_t = exp(old_t - inference_t) (tis_cap, or
@@ -229,9 +236,18 @@ def grpo_loss(
     if config.kl_penalty_coef > 0:
         assert ref_logprobs is not None
         kl_token = (new_logprobs - ref_logprobs).detach() * mask
-        mean_kl = kl_token.sum() / (mask.sum() + 1e-6)
+        rows = torch.zeros(mask.shape[0], dtype=torch.long) if packed_rows is None else packed_rows
+        rows = rows.to(mask.device)
+        count = int(rows.max()) + 1 if rows.numel() else 1
+        row_kl = torch.zeros(count, dtype=mask.dtype, device=mask.device).index_add_(
+            0, rows, kl_token.sum(dim=1)
+        )
+        row_tokens = torch.zeros(count, dtype=mask.dtype, device=mask.device).index_add_(
+            0, rows, mask.sum(dim=1)
+        )
+        mean_kl = (row_kl / (row_tokens + 1e-6))[rows][:, None]
         adv = adv + config.kl_penalty_coef * (mean_kl - kl_token) * mask
-        kl_policy_ref = float(mean_kl)
+        kl_policy_ref = float(kl_token.sum() / (mask.sum() + 1e-6))
     if config.loss_fn == "ppo":
         per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
     else:

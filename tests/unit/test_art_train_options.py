@@ -438,3 +438,19 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
 def train(backend: MegatronBackend, groups: Any, **options: Any) -> Any:
     options = {"allow_training_without_logprobs": True, **options}
     return asyncio.run(backend.train(backend._model, groups, **options))
+
+
+def test_kl_penalty_mean_is_per_packed_row() -> None:
+    """ART takes mean_kl per packed sequence; art-mega per packed row, whatever the microbatches."""
+    new = t([-1.0, -2.0], [-1.0, -3.0], [-0.5, -0.5])
+    ref = t([-1.5, -1.5], [-1.5, -1.5], [-1.0, -1.0])
+    mask = torch.ones(3, 2, dtype=torch.float64)
+    adv = torch.ones(3, dtype=torch.float64)
+    config = GRPOLossConfig(loss_fn="ppo", kl_penalty_coef=1.0)
+    # rows: sequences 0 and 1 share row 0 (kl 0.5, -0.5, 0.5, -1.5: mean -0.25), sequence 2 is row 1 (mean 0.5)
+    out = grpo_loss(
+        new, new.detach(), adv, mask, config=config, ref_logprobs=ref, packed_rows=torch.tensor([0, 0, 1])
+    )
+    shaped = [1 + (-0.25 - 0.5), 1 + (-0.25 + 0.5), 1 + (-0.25 - 0.5), 1 + (-0.25 + 1.5), 1.0, 1.0]
+    assert out.loss.item() == pytest.approx(-sum(shaped) / 6, abs=1e-6)  # every ratio 1
+    assert out.kl_policy_ref == pytest.approx((0.5 - 0.5 + 0.5 - 1.5 + 0.5 + 0.5) / 6, abs=1e-6)
