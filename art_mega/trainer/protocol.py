@@ -24,6 +24,7 @@ hold any sender to the same ranges.
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -173,15 +174,21 @@ class ExportJob(_Body):
 
 
 class SFTJob(_Body):
-    """One SFT optimizer step on `batch_dir/dp<r>.safetensors` at `learning_rate` (0 where a
-    decaying schedule ends, `sft.TrainSFTConfig.learning_rates`), then the checkpoint of `step` in
-    `checkpoint_dir`."""
+    """ART's `train_sft` on the ranks: one optimizer step per batch k, on
+    `sft_batch_file(batch_dir, k, r)` at `learning_rates[k]` (0 where a decaying schedule ends,
+    `sft.TrainSFTConfig.learning_rates`), then one checkpoint of `step` in `checkpoint_dir`."""
 
     kind: Literal["sft"] = "sft"
     step: Step
     batch_dir: str = Field(min_length=1)
     checkpoint_dir: str = Field(min_length=1)
-    learning_rate: Finite = Field(ge=0)
+    learning_rates: list[Annotated[Finite, Field(ge=0)]] = Field(min_length=1)
+
+
+def sft_batch_file(batch_dir: str | Path, index: int, dp_rank: int) -> Path:
+    """Where batch `index` (0-based) of an `SFTJob` is for DP rank `dp_rank`:
+    `<batch_dir>/<index:04d>/dp<dp_rank>.safetensors`."""
+    return Path(batch_dir) / f"{index:04d}" / f"dp{dp_rank}.safetensors"
 
 
 class RLJob(_Body):

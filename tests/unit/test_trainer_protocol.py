@@ -47,7 +47,12 @@ RL = {
 JOBS = [
     PingJob(),
     ExportJob(step=0, checkpoint_dir="/run/checkpoints/0000"),
-    SFTJob(step=2, batch_dir="/run/batches/0002", checkpoint_dir="/run/checkpoints/0002", learning_rate=1e-4),
+    SFTJob(
+        step=2,
+        batch_dir="/run/batches/0002",
+        checkpoint_dir="/run/checkpoints/0002",
+        learning_rates=[1e-4, 0.0],
+    ),
     RLJob(
         step=3,
         batch_dir="/run/batches/0003",
@@ -231,8 +236,10 @@ def test_the_agent_turns_a_rank_line_that_is_no_rank_event_into_a_failed_naming_
 
 
 def test_an_sft_step_may_take_the_zero_rate_a_decaying_schedule_ends_on():
-    assert SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rate=0.0).learning_rate == 0.0
+    assert SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rates=[0.0]).learning_rates == [0.0]
     with pytest.raises(ValidationError):
-        SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rate=-1e-5)
+        SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rates=[1e-4, -1e-5])
+    with pytest.raises(ValidationError):
+        SFTJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rates=[])  # no batch
     with pytest.raises(ValidationError):
         RLJob(step=4, batch_dir="b", checkpoint_dir="c", learning_rate=0.0)  # GRPO rates are > 0
