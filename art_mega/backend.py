@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,54 +83,6 @@ def replica_python(topology: Any, vllm_python: str | None) -> str:
     return next(iter(chosen), None) or vllm_python or default_vllm_python()
 
 
-def local_topology(artifact_root: str, vllm_python: str, startup_timeout_s: float = 900.0) -> Any:
-    """The embedded backend's `CompiledTopology`: one loopback host "local" (2 CPU slots) with
-    one CPU trainer rank and one vLLM replica run by `vllm_python`, on free ports; artifacts
-    under `artifact_root`, models in the default cache; start-up bounded by `startup_timeout_s`."""
-    from art_mega.launch.context import default_cache_root
-    from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
-
-    cluster = ClusterSpec(
-        hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
-        controller_host_id="local",
-        artifact_root=artifact_root,
-        cache_root=default_cache_root(),
-        startup_timeout_s=startup_timeout_s,
-    )
-    return compile_topology(
-        cluster,
-        trainer=TrainerSpec(cpu_ranks_per_host=1, master_port=free_port()),
-        inference=InferenceSpec(replicas=1, api_port=free_port(), python=vllm_python),
-    )
-
-
-def check_artifact_root_reach(topology: Any) -> None:
-    """Refuse a topology whose trainer rank 0 cannot share the controller's artifact_root.
-
-    The controller writes each step's batch and the commit pointer under its own artifact_root
-    and reads the manifest of rank 0's checkpoints there. With `ClusterSpec.shared_artifact_root=False`
-    that needs trainer rank 0 on the controller's host; ranks on other hosts get their batches
-    through their agents (`remote_trainer_hosts`), commit their own hosts' checkpoint folders
-    (`trainer.jobs.write_checkpoint`), and adapters reach replica hosts over NIXL.
-
-    Raises:
-        UserError: artifact_root is host-local and trainer rank 0 runs on another host.
-    """
-    cluster = topology.cluster
-    if cluster.shared_artifact_root:
-        return
-    controller = cluster.controller_host_id
-    rank0 = next(r for r in topology.trainer_ranks if r.rank == 0).host_id
-    if rank0 != controller:
-        raise UserError(
-            f"ClusterSpec.shared_artifact_root=False, but trainer rank 0 runs on host {rank0} while "
-            f"the controller runs on host {controller}, so the controller cannot read its checkpoints "
-            f"under the host-local artifact_root {cluster.artifact_root}; include host {controller} in "
-            "TrainerSpec.host_ids with the lowest node_rank among them (ranks follow node-rank order), "
-            f"name host {rank0} as ClusterSpec.controller_host_id, or set ClusterSpec.shared_artifact_root=True"
-        )
-
-
 def remote_trainer_hosts(topology: Any) -> dict[str, list[int]]:
     """With a host-local artifact_root: each trainer host other than the controller's -> the DP
     ranks whose batch files its ranks read (sorted); empty with a shared root."""
@@ -142,103 +94,6 @@ def remote_trainer_hosts(topology: Any) -> dict[str, list[int]]:
         if r.host_id != cluster.controller_host_id:
             needs.setdefault(r.host_id, set()).add(r.dp_rank)
     return {host: sorted(ranks) for host, ranks in needs.items()}
-
-
-async def check_controller_sees_artifact_root(runtime: Any) -> None:
-    """Refuse a controller process that does not see its host's artifact_root.
-
-    The controller writes batches and the commit pointer where the trainer ranks of its host
-    read and write (see `check_artifact_root_reach`); the FS probe only proved what the agents
-    see. Here the controller host's agent writes a token under `<root>/.art-mega-probe/` and
-    this process must read it back (one HTTP round trip).
-
-    Raises:
-        UserError: the token is not there (the controller runs on another machine or mount
-            namespace than `ClusterSpec.controller_host_id`'s agent).
-    """
-    import secrets
-
-    from art_mega.preflight.fs_probe import PROBE_DIR
-    from art_mega.preflight.protocol import FS_OP, FsOpRequest
-
-    cluster = runtime.topology.cluster
-    host, root = cluster.controller_host_id, cluster.artifact_root
-    client = runtime.clients[host]
-    folder, token = f"controller-{secrets.token_hex(6)}", secrets.token_hex(16)
-    written = await client.call(
-        FS_OP, FsOpRequest(op="write", root=root, name=f"{folder}/probe", content=token)
-    )
-    try:
-        probe = Path(root) / PROBE_DIR / folder / "probe"
-        seen = written.ok and probe.is_file() and probe.read_text() == token
-    finally:
-        await client.call(FS_OP, FsOpRequest(op="cleanup", root=root, name=folder))
-    if not seen:
-        raise UserError(
-            f"this controller process does not see the artifact_root {root} of its host {host} "
-            f"(ClusterSpec.controller_host_id={host!r}): a file host {host}'s agent wrote there is "
-            f"missing here; run the controller on host {host} (same machine and mounts) or name the "
-            "host it runs on as controller_host_id"
-        )
-
-
-async def check_hosts_see_model(
-    runtime: Any, model_dir: Path, warm_start: Path | None = None, hub_id: str | None = None
-) -> None:
-    """Refuse to start when a trainer or replica host cannot read the base model (or warm start).
-
-    The controller resolves `base_model` into a directory (under its `cache_root`, or the
-    snapshot of Hugging Face repo `hub_id` in its HF cache), and every trainer rank and vLLM
-    replica reads that same path on its own host. Each of those hosts' agents checks the
-    directory's top-level files (config, weights, tokenizer; an HF snapshot's links followed to
-    their blobs) are readable there: one signed call per host, in parallel, before any rank or
-    replica starts.
-
-    Raises:
-        UserError: a host misses some of the files (the first such host is named, with the
-            directory and how many of its files are missing).
-    """
-    topology = runtime.topology
-    hosts = [
-        h
-        for h in topology.cluster.host_ids
-        if any(r.host_id == h for r in topology.trainer_ranks)
-        or any(h in r.host_ids for r in topology.replicas)
-    ]
-    folders = {Path(model_dir): "base model directory"}
-    if warm_start is not None:
-        folders[Path(warm_start)] = "warm-start adapter directory"
-    files = tuple(str(f) for folder in folders for f in sorted(folder.iterdir()) if f.is_file() and _utf8(f))
-    from art_mega.preflight.fs_probe import files_missing
-
-    missing = await asyncio.gather(*(files_missing(runtime.clients[h], files) for h in hosts))
-    for host, lost in zip(hosts, missing):
-        if lost:
-            raise unreadable_model_error(host, lost, folders, {Path(model_dir): hub_id} if hub_id else None)
-
-
-def unreadable_model_error(
-    host: str, lost: Sequence[str], folders: Mapping[Path, str], hub_ids: Mapping[Path, str] | None = None
-) -> UserError:
-    """The one-sentence error for `host` missing the files `lost` (non-empty) of `folders`
-    (directory -> what it is, e.g. "base model directory"): names the folder of the first lost
-    file and counts that folder's lost files only. `hub_ids`: the folders that are Hugging Face
-    cache snapshots -> their repo id (the fix is then the HF cache's, not `cache_root`'s)."""
-    folder = Path(lost[0]).parent
-    count = sum(Path(p).parent == folder for p in lost)
-    hub_id = (hub_ids or {}).get(folder)
-    fix = (
-        "put ClusterSpec.cache_root on a filesystem every host mounts, or copy the directory "
-        f"to the same path on host {host}"
-        if hub_id is None
-        else f"it is the Hugging Face cache snapshot of {hub_id!r}: put the controller's HF cache "
-        f"(HF_HOME or HF_HUB_CACHE) on a filesystem every host mounts at the same path, or download "
-        f"{hub_id} on host {host} into a cache at that same path (hf download {hub_id})"
-    )
-    return UserError(
-        f"host {host} cannot read the {folders[folder]} {folder} ({count} of its files are "
-        f"missing there, e.g. {Path(lost[0]).name}), which its trainer ranks or replicas load; {fix}"
-    )
 
 
 async def check_runtime_idle(runtime: Any) -> None:
@@ -265,15 +120,6 @@ async def check_runtime_idle(runtime: Any) -> None:
                 host,
                 busy,
             )
-
-
-def _utf8(path: Path) -> bool:
-    """True when `path` is valid UTF-8 (a name that is not cannot travel in JSON; no loader reads it)."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 DEFAULT_LEARNING_RATE = 5e-6
@@ -800,6 +646,8 @@ class MegatronBackend:
         )
         self.dtype = dtype
         self.micro_batch_rows = int(micro_batch_rows)
+        self._placement: dict[str, Any] = {}
+        """The GPU placement fields of the model config the owned local runtime was built from."""
         self._shared: Any = None
         self._model: Any = None
         self._model_dir: Path | None = None
@@ -814,13 +662,73 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ set-up
 
-    async def _local_runtime(self) -> Any:
+    async def _local_runtime(self, model: Any) -> Any:
         from art_mega.launch.context import default_artifact_root
+
+        return await self._start_local(model, default_artifact_root())
+
+    async def _start_local(self, model: Any, artifact_root: str) -> Any:
+        """Start the loopback runtime `model` trains on, artifacts under `artifact_root`: its
+        topology from this host's facts (what its agent reports: GPUs, MIG slices,
+        CUDA_VISIBLE_DEVICES) and `model._internal_config` (`launch.local_topology.local_plan`:
+        CPU, ART's shared GPUs, or dedicated GPUs from trainer_gpu_ids / inference_gpu_ids).
+
+        Raises:
+            HyperParameterError, TopologyError: see `local_plan`; AgentStartError: see
+                `ArtRuntime.start_local`.
+        """
+        from art_mega.launch.context import default_cache_root
+        from art_mega.launch.local_topology import local_plan, placement_of
+        from art_mega.preflight.host_facts import collect_host_facts
         from art_mega.runtime.runtime import ArtRuntime
 
-        python = self._vllm_python or default_vllm_python()
-        topology = local_topology(default_artifact_root(), python, self.startup_timeout_s)
-        return await ArtRuntime.start_local(topology)
+        config = getattr(model, "_internal_config", None)
+        plan = local_plan(
+            collect_host_facts(),
+            config,
+            artifact_root=artifact_root,
+            cache_root=default_cache_root(),
+            vllm_python=self._vllm_python or default_vllm_python(),
+            master_port=free_port(),
+            api_port=free_port(),
+            startup_timeout_s=self.startup_timeout_s,
+        )
+        self._placement = placement_of(config)
+        return await ArtRuntime.start_local(plan.topology)
+
+    def _apply_model_config(self, model: Any) -> None:
+        """Check `model._internal_config` against this backend's runtime and take its
+        `init_args.max_seq_length` (the packed row length, replacing `seq_len`),
+        `engine_args.max_model_len` and `engine_args.gpu_memory_utilization` (replacing the
+        backend's) before anything starts.
+
+        Raises:
+            HyperParameterError: a value `launch.local_topology.engine_settings` refuses; GPU
+                placement (GPU id lists, tensor_parallel_size, enable_sleep_mode) set for a
+                runtime this backend did not build from it, whose topology places the processes.
+        """
+        from art_mega.errors import HyperParameterError
+        from art_mega.launch.local_topology import engine_settings, placement_of
+
+        config = getattr(model, "_internal_config", None) or {}
+        settings = engine_settings(config)
+        placement = placement_of(config)
+        if self._runtime is not None and placement != self._placement:
+            name, value = next(iter(placement.items()), next(iter(self._placement.items()), ("", None)))
+            built = "the given runtime's topology" if not self._owns_runtime else "the local runtime"
+            raise HyperParameterError(
+                f"TrainableModel(_internal_config=...) sets {name}={value!r}, but {built} already places "
+                f"the trainer and replicas as {self._placement or 'ART shared mode (no placement fields)'}; "
+                "set GPUs in the runtime's TrainerSpec/InferenceSpec, or use a new backend for this model",
+                name,
+                value,
+            )
+        if settings.max_seq_length is not None:
+            self.seq_len = settings.max_seq_length
+        if settings.max_model_len is not None:
+            self.max_model_len = settings.max_model_len
+        if settings.gpu_memory_utilization is not None:
+            self.gpu_memory_utilization = settings.gpu_memory_utilization
 
     async def register(self, model: Any) -> Path:
         """Start (or resume) training `model`; returns its run directory.
@@ -851,14 +759,20 @@ class MegatronBackend:
                 (named); nothing this call started is left running.
         """
         from art_mega.basemodels.resolve import resolve_base_model_off_loop
+        from art_mega.preflight.reach import (
+            check_artifact_root_reach,
+            check_controller_sees_artifact_root,
+            check_hosts_see_model,
+        )
         from art_mega.transfer.adapters import adapter_transport_for
 
         if self._model is not None:
             raise UserError(
                 f"this backend already trains model {self._model.name!r}; make one backend per model"
             )
+        self._apply_model_config(model)
         if self._runtime is None:
-            self._runtime = await self._local_runtime()
+            self._runtime = await self._local_runtime(model)
         topology = self._runtime.topology
         if not topology.trainer_ranks or not topology.replicas:
             raise UserError(

@@ -37,7 +37,7 @@ def test_a_hub_id_resolves_from_the_offline_cache_at_register(tiny_llama_dir, tm
 
 async def test_every_host_agent_reads_a_hub_snapshot_through_its_links(tiny_llama_dir, tmp_path):
     from art_mega.agent.ports import free_port
-    from art_mega.backend import check_hosts_see_model
+    from art_mega.preflight.reach import check_hosts_see_model
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
 

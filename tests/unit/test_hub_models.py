@@ -255,7 +255,7 @@ def test_an_adapter_on_a_hub_base_resolves_the_base_from_the_cache(hf_home: Path
 
 
 def test_a_host_that_cannot_read_a_hub_snapshot_is_told_about_the_hf_cache() -> None:
-    from art_mega.backend import unreadable_model_error
+    from art_mega.preflight.reach import unreadable_model_error
 
     snapshot = Path("/h/hub/models--Qwen--Qwen3-0.6B/snapshots") / COMMIT
     folders = {snapshot: "base model directory"}

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from art_mega.backend import check_artifact_root_reach, remote_trainer_hosts
+from art_mega.backend import remote_trainer_hosts
 from art_mega.errors import UserError
+from art_mega.preflight.reach import check_artifact_root_reach
 from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
 from art_mega.transfer.adapters import (
     AdapterTransport,

@@ -86,7 +86,7 @@ def test_unreadable_model_error_names_the_folder_of_the_lost_files() -> None:
 
     import numpy as np
 
-    from art_mega.backend import unreadable_model_error
+    from art_mega.preflight.reach import unreadable_model_error
 
     folders = {
         Path("/c/model"): "base model directory",
