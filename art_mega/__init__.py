@@ -16,6 +16,14 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 _EXPORTS = {
     "Trajectory": "art_mega.trajectories",
+    "LocalBackend": "art_mega.local.backend",
+    "Backend": "art_mega.types",
+    "Messages": "art_mega.types",
+    "MessagesAndChoices": "art_mega.types",
+    "Tools": "art_mega.types",
+    "retry": "art_mega.utils.retry",
+    "yield_trajectory": "art_mega.yield_trajectory",
+    "capture_yielded_trajectory": "art_mega.yield_trajectory",
     "TrajectoryGroup": "art_mega.trajectories",
     "gather_trajectory_groups": "art_mega.gather",
     "iterate_dataset": "art_mega.sft",
@@ -40,10 +48,17 @@ _EXPORTS = {
     "CompiledTopology": "art_mega.topology",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+_SUBMODULES = ("dev", "distributed", "local", "utils")
+"""ART's submodules that programs reach as attributes (`art.dev.TrainConfig`, `art.utils.retry`)."""
+
+__all__ = ["__version__", *_SUBMODULES, *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"art_mega.{name}")
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'art_mega' has no attribute {name!r}")

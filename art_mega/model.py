@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from art_mega.dev.train import TRAIN_CONFIG_KEYS
-from art_mega.errors import HyperParameterError
+from art_mega.errors import HyperParameterError, UserError
 from art_mega.hyperparams import nonnegative_problem, positive_problem, pydantic_check
 
 
@@ -54,28 +54,157 @@ class TrainConfig(BaseModel):
         return pydantic_check(value, nonnegative_problem, "0.04")
 
 
-class Model(BaseModel):
-    """A model served for inference: `name` within `project`, an optional run name."""
+ModelConfig = TypeVar("ModelConfig", bound="BaseModel | None")
+"""The type of a model's `config` (`TrainableModel[MyConfig]`): a pydantic model the rollout reads."""
+
+REPORT_TARGETS = ("wandb",)
+"""The names `report_metrics` may hold (ART's: where `model.log` rows go besides history.jsonl)."""
+
+
+class Model(BaseModel, Generic[ModelConfig]):
+    """A model a rollout calls, as ART's `art.Model`: `name` within `project`.
+
+    A prompted model (`art.Model(name=, project=, inference_base_url=, inference_api_key=,
+    inference_model_name=)`) is any OpenAI-compatible endpoint: `openai_client()` and
+    `litellm_completion_params()` point at it, so the rollout that samples a `TrainableModel`
+    evaluates it unchanged. `entity`, `id` and `run_id` are ART's W&B / server identifiers (kept
+    on the model, None by default); `config` is the program's own pydantic model (`Model[Cfg]`
+    types it); `base_path` is where an unregistered model's history goes
+    (`<base_path>/<project>/models/<name>`; ART's default is `.art`, art-mega's `.art-mega`);
+    `report_metrics`: None = W&B when WANDB_API_KEY is set (ART's default), [] = history.jsonl only,
+    ["wandb"] = W&B too.
+
+    Raises:
+        pydantic.ValidationError: a name that is empty or holds '/', '\\', '@', NUL or a line break;
+            `config` that is not a pydantic model (a dict is refused: ART's config is a model) or
+            not JSON-serializable; a `report_metrics` name other than "wandb"; an unknown field.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     name: str
     project: str
+    entity: str | None = None
+    id: str | None = None
+    run_id: str | None = None
     run_name: str | None = None
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: ModelConfig | None = None
+    trainable: bool = False
+    inference_api_key: str | None = None
+    inference_base_url: str | None = None
+    inference_model_name: str | None = None
+    base_path: str = ".art-mega"
+    report_metrics: list[str] | None = None
+    _openai_client: Any = PrivateAttr(default=None)
 
     @field_validator("name", "project")
     @classmethod
     def _names(cls, value: str, info: Any) -> str:
         return _check_name(value, info.field_name)
 
+    @field_validator("config", mode="before")
+    @classmethod
+    def _config(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        # Model[Cfg] validates a dict (e.g. a dumped model) into Cfg; a bare Model has no class for it
+        typed = bool(cls.__pydantic_generic_metadata__["args"])
+        if not isinstance(value, BaseModel) and not (typed and isinstance(value, dict)):
+            raise ValueError(
+                f"config must be a pydantic model instance (ART: config=MyConfig(...) with "
+                f"`class MyConfig(pydantic.BaseModel)`), not a {type(value).__name__}"
+            )
+        try:
+            value.model_dump_json() if isinstance(value, BaseModel) else None
+        except Exception as exc:  # pydantic's PydanticSerializationError, or a field's own error
+            raise ValueError(f"config {type(value).__name__} cannot be serialized to JSON ({exc})") from None
+        return value
 
-class TrainableModel(Model):
+    @field_validator("report_metrics")
+    @classmethod
+    def _report_metrics(cls, value: list[str] | None) -> list[str] | None:
+        unknown = [name for name in value or [] if name not in REPORT_TARGETS]
+        if unknown:
+            raise ValueError(
+                f"report_metrics names {unknown!r}, which art-mega does not report to; use ['wandb'], "
+                "[] (history.jsonl only) or None (W&B when WANDB_API_KEY is set)"
+            )
+        return value
+
+    @field_validator("base_path")
+    @classmethod
+    def _base_path(cls, value: str) -> str:
+        if not value.strip() or "\0" in value:
+            raise ValueError(f"base_path {value!r} must be a directory path, e.g. '.art'")
+        return value
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The name requests send as `model=`: `inference_model_name` (else `name`), with
+        `@<step>` appended when `step` is given (ART's checkpoint naming).
+
+        Raises:
+            HyperParameterError: `step` is not None or a whole number >= 0.
+        """
+        from art_mega.hyperparams import check, optional, whole_problem
+
+        check("get_inference_name", "step", step, optional(whole_problem(0)), "3")
+        base = self.inference_model_name or self.name
+        return base if step is None else f"{base}@{step}"
+
+    def _endpoint(self) -> tuple[str, str]:
+        if self.inference_base_url is None or self.inference_api_key is None:
+            raise UserError(
+                f"model {self.name!r} has no inference endpoint: pass art.Model(..., inference_base_url="
+                "'http://host:port/v1', inference_api_key='...') (any non-empty key for a server without one)"
+            )
+        return self.inference_base_url, self.inference_api_key
+
+    def openai_client(self) -> Any:
+        """An `openai.AsyncOpenAI` client of `inference_base_url` with `inference_api_key` (made once).
+
+        Raises:
+            UserError: the base URL or the API key is not set.
+        """
+        if self._openai_client is None:
+            from openai import AsyncOpenAI
+
+            base_url, api_key = self._endpoint()
+            self._openai_client = AsyncOpenAI(base_url=base_url, api_key=api_key)
+        return self._openai_client
+
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """`litellm.completion(**params, messages=...)` keywords for this model, as ART's:
+        `model` (`get_inference_name(step)`, prefixed `hosted_vllm/` for a trainable model),
+        `base_url`, `api_key` and `temperature` 1.
+
+        Raises:
+            UserError: the endpoint is not set (a trainable model before `register`).
+            HyperParameterError: `step` is not None or a whole number >= 0.
+        """
+        name = self.get_inference_name(step)
+        base_url, api_key = self._endpoint()
+        return {
+            "model": f"hosted_vllm/{name}" if self.trainable else name,
+            "base_url": base_url,
+            "api_key": api_key,
+            "temperature": 1,
+        }
+
+
+class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     """A model that art-mega trains: `base_model` is an HF directory, a cached name, an adapter, or a
     Hugging Face repo id ("Qwen/Qwen3-0.6B", from the HF cache or downloaded into it).
 
     Serializable without loading anything; the backend resolves `base_model` on `register`.
-    Until registered, `log` writes to `./.art-mega/<project>/models/<name>/history.jsonl`.
+    Until registered, `log` writes to `<base_path>/<project>/models/<name>/history.jsonl`
+    (`./.art-mega/...` by default). `_internal_config` is ART's `art.dev.InternalModelConfig`:
+    checked by `art_mega.dev.check_internal_config` (fields art-mega does not read are refused)
+    and kept as `model._internal_config` ({} when not given) for the backend. `register` fills
+    `inference_base_url`, `inference_api_key` and `inference_model_name` from the backend.
+
+    Raises:
+        HyperParameterError: an `_internal_config` field art-mega does not read, or of a wrong type.
+        pydantic.ValidationError: see `Model`; an empty `base_model`.
     """
 
     base_model: str
@@ -83,13 +212,21 @@ class TrainableModel(Model):
     _backend: Any = PrivateAttr(default=None)
     _output_dir: str | None = PrivateAttr(default=None)
     _wandb: Any = PrivateAttr(default=None)
+    _internal_config: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, _internal_config: Any = None, **fields: Any) -> None:
+        from art_mega.dev.model import check_internal_config
+
+        checked = {} if _internal_config is None else check_internal_config(_internal_config)
+        super().__init__(**fields)
+        self._internal_config = checked
 
     @property
     def output_dir(self) -> Path:
         """Where this model's history, checkpoints and report go."""
         if self._output_dir is not None:
             return Path(self._output_dir)
-        return Path(".art-mega").resolve() / self.project / "models" / self.name
+        return Path(self.base_path).resolve() / self.project / "models" / self.name
 
     def _require_backend(self) -> Any:
         if self._backend is None:
@@ -99,9 +236,13 @@ class TrainableModel(Model):
         return self._backend
 
     async def register(self, backend: Any) -> None:
-        """Attach to `backend`: it resolves the base model, sets the output dir, serves step 0."""
+        """Attach to `backend`: it resolves the base model, sets the output dir, serves the
+        current step; then `inference_base_url` / `inference_api_key` are one replica's and
+        `inference_model_name` is the served `<name>@<step>` (as ART sets them)."""
         self._backend = backend
         self._output_dir = str(await backend.register(self))
+        self.inference_base_url, self.inference_api_key = backend.inference_endpoint(self)
+        self.inference_model_name = backend.inference_name(self)
 
     def openai_client(self, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` client over the backend's replicas (`kwargs`: its options).
@@ -117,9 +258,21 @@ class TrainableModel(Model):
 
         return policy_client(self._require_backend().policy_router(self), **kwargs)
 
-    def get_inference_name(self) -> str:
-        """The served model name of the latest published policy: `<name>@<step>`."""
-        return self._require_backend().inference_name(self)
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The served model name: `<name>@<step>` of the latest published policy, or of `step`
+        (ART's naming; the replicas serve the newest `MegatronBackend(keep_adapters=)` steps,
+        a request for an older one fails with the replica's 404).
+
+        Raises:
+            RuntimeError: the model is not registered.
+            HyperParameterError: `step` is not None or a whole number >= 0.
+        """
+        from art_mega.hyperparams import check, optional, whole_problem
+        from art_mega.inference.router import inference_name
+
+        check("get_inference_name", "step", step, optional(whole_problem(0)), "3")
+        backend = self._require_backend()
+        return backend.inference_name(self) if step is None else inference_name(self.name, step)
 
     async def get_step(self) -> int:
         """The latest committed training step (0 before any training)."""
@@ -267,7 +420,7 @@ def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, An
 def _log_groups(value: Any) -> list[Any]:
     """`model.log`'s groups: a list of TrajectoryGroup as given; Trajectory items (and
     exceptions, counted as such) as one group, as ART does."""
-    from art_mega.trajectories import Trajectory, TrajectoryGroup, describe_exception
+    from art_mega.trajectories import Trajectory, TrajectoryGroup
 
     if value is None:
         return []
@@ -277,9 +430,7 @@ def _log_groups(value: Any) -> list[Any]:
     if items is not None and all(isinstance(i, TrajectoryGroup) for i in items):
         return items
     if items is not None and all(isinstance(i, (Trajectory, BaseException)) for i in items):
-        group = TrajectoryGroup([i for i in items if isinstance(i, Trajectory)])
-        group.exceptions.extend(describe_exception(i) for i in items if isinstance(i, BaseException))
-        return [group]
+        return [TrajectoryGroup(items)]  # exceptions become the group's exception records
     raise HyperParameterError(
         f"model.log(trajectory_groups) got {_shown(value)}; pass a list of art.TrajectoryGroup, a "
         "list of art.Trajectory, or None to log only metrics",

@@ -237,7 +237,9 @@ READ_KEYS: dict[str, frozenset[str] | None] = {
     "trainer_gpu_ids": None,
     "inference_gpu_ids": None,
     "init_args": frozenset({"max_seq_length"}),
-    "engine_args": frozenset({"gpu_memory_utilization", "max_model_len"}),
+    "engine_args": frozenset(
+        {"gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enable_sleep_mode"}
+    ),
 }
 """The `InternalModelConfig` fields art-mega reads (`LocalBackend.register`): a top-level field
 with None is read whole; a dict field with a set is read for those keys only."""

@@ -21,8 +21,8 @@ SERVICES = ("preflight", "rollouts", "transfer", "inference", "trainer")
 AGENT_PUBLIC = ("routes", "supervisor", "client", "protocol", "ports")
 """The agent modules a service may import (not app, listeners, lease, auth: the agent's insides)."""
 ABOVE_AGENT = (*SERVICES, "runtime", "launch", "backend")
-BACKEND_IMPORTERS = ("art_mega.local",)
-"""The modules that may import art_mega.backend: `art_mega.local` is ART's `LocalBackend` name for
+BACKEND_IMPORTERS = ("art_mega.local.backend",)
+"""The modules that may import art_mega.backend: `art_mega.local.backend` is ART's `LocalBackend` for
 it. (The root `__init__` exports it by name, importing it on first use.)"""
 
 
@@ -186,7 +186,7 @@ def test_nothing_below_the_backend_imports_it():
         for imp in IMPORTS
         if imp.imported == "art_mega.backend" and imp.importer not in (*BACKEND_IMPORTERS, "art_mega.backend")
     ]
-    assert wrong == [], "only art_mega.local may import art_mega.backend:\n" + "\n".join(map(str, wrong))
+    assert wrong == [], "only art_mega.local.backend may import art_mega.backend:\n" + "\n".join(map(str, wrong))
 
 
 def test_the_detector_finds_a_cycle_through_a_function_level_and_a_relative_import(tmp_path):
