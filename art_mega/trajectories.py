@@ -1,7 +1,9 @@
 """Trajectory and TrajectoryGroup: one scored rollout and a group of rollouts of one prompt.
 
 `messages_and_choices` holds chat messages (dicts) and the `openai` `Choice` objects the model
-returned; both survive a JSON round trip exactly (a Choice comes back as a Choice).
+returned; both survive a JSON round trip exactly (a Choice comes back as a Choice). The fields
+and methods are ART 0.5.18's (`art.trajectories`); where art-mega refuses more, the docstrings
+say so.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import contextvars
 import inspect
 import math
 import numbers
-from collections.abc import Iterable
+import time
+import traceback
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Annotated, Any, Protocol, Union
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator
 
 MetricValue = Union[float, int, bool]
 
@@ -33,7 +39,7 @@ def _message_kind(value: Any) -> str:
 
 
 HISTORY_KEYS = {"messages_and_choices", "tools"}
-"""The keys of one `Trajectory.additional_histories` entry (ART's History model)."""
+"""The keys of one `Trajectory.additional_histories` entry given as a dict (ART's History)."""
 
 
 def _check_metrics(value: Any) -> Any:
@@ -70,6 +76,105 @@ MessageOrChoice = Annotated[
 """A chat message dict ({"role": ..., "content": ...}) or an `openai` chat `Choice`."""
 
 
+def _check_items(value: Any) -> Any:
+    """`messages_and_choices` as given, unless an item is a pydantic object other than a Choice.
+
+    A ChatCompletionMessage (choice.message) is not a message dict: pydantic's union error listed
+    every member, and appending choice.message also drops the sampled tokens."""
+    if isinstance(value, list):
+        for m, item in enumerate(value):
+            if isinstance(item, BaseModel) and not isinstance(item, Choice):
+                raise ValueError(
+                    f"messages_and_choices[{m}] is a {type(item).__name__} object, not a chat "
+                    "message dict or an openai Choice; append the Choice itself (its sampled "
+                    "tokens train as sampled) or item.model_dump(exclude_none=True)"
+                )
+    return value
+
+
+def get_messages(messages_and_choices: Iterable[Any]) -> list[dict[str, Any]]:
+    """The conversation as plain chat messages, as ART's `get_messages` builds them: a Choice
+    becomes {"role": "assistant", "content": its content or "", "tool_calls": [...] (when it
+    called tools)}; a message dict is copied, a None or absent content made ""."""
+    out: list[dict[str, Any]] = []
+    for item in messages_and_choices:
+        if isinstance(item, Choice):
+            message: dict[str, Any] = {"role": "assistant", "content": item.message.content or ""}
+            if item.message.tool_calls:
+                message["tool_calls"] = [call.model_dump(mode="json") for call in item.message.tool_calls]
+        else:
+            message = dict(item)
+            if message.get("content") is None:  # chat templates expect a string
+                message["content"] = ""
+        out.append(message)
+    return out
+
+
+class History(BaseModel):
+    """One more conversation of a trajectory (`Trajectory.additional_histories`), trained as
+    its own sequences with the trajectory's reward (ART's `History`).
+
+    Attributes:
+        messages_and_choices: chat message dicts and sampled `Choice`s, in order.
+        tools: the tool schemas offered in this conversation, if any.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages_and_choices: list[MessageOrChoice]
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("messages_and_choices", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        return _check_items(value)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """This conversation as plain chat messages (see `get_messages`)."""
+        return get_messages(self.messages_and_choices)
+
+
+class PydanticException(BaseModel):
+    """A rollout exception as a `TrajectoryGroup` keeps it (ART's record): plain text, so that
+    it travels between hosts and into logs.
+
+    Attributes:
+        type: `str(type(exc))`, e.g. "<class 'ValueError'>" (ART's form).
+        message: `str(exc)`.
+        traceback: the formatted traceback; for a rollout that raised on a remote worker
+            (`errors.RemoteRolloutError`) the worker's own traceback.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    message: str
+    traceback: str
+
+
+def exception_record(exc: BaseException) -> PydanticException:
+    """`exc` as a `PydanticException` record (see its attributes)."""
+    from art_mega.errors import RemoteRolloutError
+
+    if isinstance(exc, RemoteRolloutError):  # the local re-raise's traceback shows nothing of the rollout
+        text = exc.traceback
+    else:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return PydanticException(type=str(type(exc)), message=str(exc), traceback=text)
+
+
+def _check_policy_version(value: Any) -> Any:
+    # pydantic turns True into 1 and "3" into 3 in silence; a policy version is a step number
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+            f"policy version {value!r} is not a training step; use a step number (int >= 0), "
+            "e.g. await model.get_step(), or None"
+        )
+    return int(value)
+
+
 class Trajectory(BaseModel):
     """One rollout: the conversation (messages and sampled choices), its reward and metrics.
 
@@ -77,36 +182,45 @@ class Trajectory(BaseModel):
         messages_and_choices: the conversation in order; `Choice` entries are what the policy
             sampled (they carry token ids and logprobs when the server returned them).
         tools: the tool schemas offered to the model, if any.
+        additional_histories: more conversations of this rollout (`History`; a dict with the
+            keys `messages_and_choices` and optional `tools` is validated into one), trained
+            with this trajectory's reward.
         reward: the scalar reward (any scale; advantages are normalised per group).
-        metrics: named numbers averaged in logs (e.g. {"correct": 1.0}).
+        initial_policy_version, final_policy_version: the training steps whose policy served
+            the rollout when it started and when it ended (None: not recorded). `backend.train`
+            counts a trajectory whose version differs from the current step as stale.
+        metrics: named numbers averaged in logs (e.g. {"correct": 1.0}); `finish()` adds
+            "duration" and `track_duration(name)` adds f"{name}_duration", in seconds.
         metadata: free-form scalars kept with the trajectory.
-        logs: free-form log lines.
+        logs: free-form log lines (`log()`).
+        start_time: when this object was built (local time; not serialized: a received
+            trajectory starts anew), the start of `finish()`'s duration.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=False, extra="forbid")
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
-    additional_histories: list[dict[str, Any]] = Field(default_factory=list)
+    additional_histories: list[History] = Field(default_factory=list)
     reward: float = 0.0
+    initial_policy_version: int | None = None
+    final_policy_version: int | None = None
     metrics: dict[str, MetricValue] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
+    start_time: datetime = Field(default_factory=datetime.now, exclude=True)
+    _started: float | None = PrivateAttr(default=None)
+    """time.monotonic() at construction when start_time was not given: finish() then measures
+    with a clock that a wall-clock step (NTP) cannot make negative."""
+
+    def model_post_init(self, context: Any) -> None:
+        if "start_time" not in self.model_fields_set:
+            self._started = time.monotonic()
 
     @field_validator("messages_and_choices", mode="before")
     @classmethod
     def _items(cls, value: Any) -> Any:
-        # a ChatCompletionMessage (choice.message) is a pydantic object, not a message dict: its
-        # union error listed every member; appending choice.message also drops the sampled tokens
-        if isinstance(value, list):
-            for m, item in enumerate(value):
-                if isinstance(item, BaseModel) and not isinstance(item, Choice):
-                    raise ValueError(
-                        f"messages_and_choices[{m}] is a {type(item).__name__} object, not a chat "
-                        "message dict or an openai Choice; append the Choice itself (its sampled "
-                        "tokens train as sampled) or item.model_dump(exclude_none=True)"
-                    )
-        return value
+        return _check_items(value)
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -128,6 +242,11 @@ class Trajectory(BaseModel):
                 f"reward {_magnitude(value)} is too large for a float; rescale the reward"
             ) from None
 
+    @field_validator("initial_policy_version", "final_policy_version", mode="before")
+    @classmethod
+    def _policy_version(cls, value: Any) -> Any:
+        return _check_policy_version(value)
+
     @field_validator("additional_histories", mode="before")
     @classmethod
     def _histories(cls, value: Any) -> Any:
@@ -135,6 +254,8 @@ class Trajectory(BaseModel):
         # them (e.g. {"messages": [...]}) trained nothing here, in silence
         if isinstance(value, list):
             for h, history in enumerate(value):
+                if isinstance(history, History):
+                    continue
                 keys = set(history) if isinstance(history, dict) else None
                 if keys is None or "messages_and_choices" not in keys or keys - HISTORY_KEYS:
                     shown = (
@@ -154,14 +275,8 @@ class Trajectory(BaseModel):
         return _check_metrics(value)
 
     def messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain chat messages (choices turned into assistant messages)."""
-        out: list[dict[str, Any]] = []
-        for item in self.messages_and_choices:
-            if isinstance(item, Choice):
-                out.append(item.message.model_dump(exclude_none=True))
-            else:
-                out.append(dict(item))
-        return out
+        """The conversation as plain chat messages (see `get_messages`)."""
+        return get_messages(self.messages_and_choices)
 
     def policy_steps(self) -> list[int | None]:
         """The policy steps of this trajectory's tagged choices, distinct, in order of first
@@ -176,40 +291,110 @@ class Trajectory(BaseModel):
         return steps
 
     def finish(self) -> Trajectory:
-        """Mark the rollout complete and return it (kept for ART compatibility)."""
+        """Record `metrics["duration"]`: seconds since `start_time` (ART's name); returns self."""
+        if self._started is not None:
+            self.metrics["duration"] = time.monotonic() - self._started
+        else:
+            self.metrics["duration"] = (datetime.now() - self.start_time).total_seconds()
         return self
+
+    @asynccontextmanager
+    async def track_duration(self, metric_name: str) -> AsyncIterator[None]:
+        """Add the seconds the `async with` body takes to `metrics[f"{metric_name}_duration"]`
+        (summed over uses; recorded when the body raises too), as ART does."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{metric_name}_duration"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.monotonic() - started
 
     def log(self, message: str) -> None:
         """Append one line to `logs`."""
         self.logs.append(message)
 
+    def for_logging(self) -> dict[str, Any]:
+        """ART's console/log form: reward, policy versions, metrics, metadata, tools, logs and
+        the messages, each marked `trainable` (True for a sampled Choice)."""
+        messages = []
+        for item in self.messages_and_choices:
+            if isinstance(item, Choice):
+                messages.append({**item.message.to_dict(), "trainable": True})
+            else:
+                messages.append({**item, "trainable": False})
+        return {
+            "reward": self.reward,
+            "initial_policy_version": self.initial_policy_version,
+            "final_policy_version": self.final_policy_version,
+            "metrics": self.metrics,
+            "metadata": self.metadata,
+            "messages": messages,
+            "tools": self.tools,
+            "logs": self.logs,
+        }
+
+    def __eq__(self, other: object) -> bool:
+        # start_time says when this object was built, not what the rollout was: a trajectory
+        # received from another host (or copied) equals the one sent
+        if not isinstance(other, Trajectory) or type(other) is not type(self):
+            return NotImplemented
+        mine = {k: v for k, v in self.__dict__.items() if k != "start_time"}
+        theirs = {k: v for k, v in other.__dict__.items() if k != "start_time"}
+        return mine == theirs and self.__pydantic_extra__ == other.__pydantic_extra__
+
+    def __str__(self) -> str:
+        return f"Trajectory(reward={self.reward}, metrics={self.metrics}, metadata={self.metadata})"
+
 
 class TrajectoryGroup(BaseModel):
     """Trajectories sampled for the same prompt; GRPO normalises rewards within a group.
 
-    `TrajectoryGroup(items)` with plain trajectories builds the group. Given awaitables (one
-    rollout coroutine per trajectory), it returns an awaitable instead, as in ART: awaiting it
-    runs the rollouts concurrently and builds the group; a rollout that raises is recorded in
-    `exceptions` ("Type: message") and left out of `trajectories`.
+    `TrajectoryGroup(items, *, exceptions=[], metadata=None, metrics=None, logs=None)`, as in
+    ART: `items` may mix trajectories and exceptions (each exception becomes a record in
+    `exceptions`, as do those of `exceptions=`). Given awaitables (one rollout coroutine per
+    trajectory), it returns a `PendingTrajectoryGroup` instead: awaiting it runs the rollouts
+    concurrently and builds the group; a rollout that raises is recorded in `exceptions` and
+    left out of `trajectories` while the enclosing gather's `max_exceptions` allows it, and
+    raised at once past it (outside a gather the limit is 0, as in ART).
 
     Attributes:
         trajectories: the group's trajectories.
-        metrics: group-level metrics (averaged over groups in logs).
+        exceptions: `PydanticException` records of this group's rollouts that raised.
         metadata: free-form scalars kept with the group.
-        exceptions: descriptions of rollouts of this group that raised.
+        metrics: group-level metrics (averaged over groups in logs).
+        logs: free-form log lines (`log()`).
+
+    Raises:
+        pydantic.ValidationError: an exception given as a string (pass the exception, or a
+            `PydanticException`), or a field that does not validate.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     trajectories: list[Trajectory] = Field(default_factory=list)
-    metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    exceptions: list[PydanticException] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
-    exceptions: list[str] = Field(default_factory=list)
+    metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
 
     @field_validator("metrics", mode="before")
     @classmethod
     def _metrics(cls, value: Any) -> Any:
         return _check_metrics(value)
+
+    @field_validator("exceptions", mode="before")
+    @classmethod
+    def _exceptions(cls, value: Any) -> Any:
+        # "ValueError: x" was art-mega's old form; ART records the exception's type, message and
+        # traceback, which a string cannot give
+        if isinstance(value, list):
+            for e, item in enumerate(value):
+                if isinstance(item, str):
+                    raise ValueError(
+                        f"exceptions[{e}] is the string {item!r}; pass the exception itself "
+                        "(exceptions=[exc]) or a PydanticException(type=..., message=..., traceback=...)"
+                    )
+        return value
 
     def __new__(cls, trajectories: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         items = None if trajectories is None else list(trajectories)
@@ -220,13 +405,30 @@ class TrajectoryGroup(BaseModel):
             instance.__dict__["_art_items"] = items  # a generator can only be read once
         return instance
 
-    def __init__(self, trajectories: Iterable[Trajectory] | None = None, **data: Any) -> None:
+    def __init__(
+        self,
+        trajectories: Iterable[Any] | None = None,
+        *,
+        exceptions: Iterable[BaseException | PydanticException] = (),
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, MetricValue] | None = None,
+        logs: list[str] | None = None,
+    ) -> None:
         items = self.__dict__.pop("_art_items", None)
-        if items is not None:
-            data["trajectories"] = items
-        elif trajectories is not None:
-            data["trajectories"] = list(trajectories)
-        super().__init__(**data)
+        if items is None:
+            items = [] if trajectories is None else list(trajectories)
+        raised = [i for i in items if isinstance(i, BaseException)] + list(exceptions)
+        super().__init__(
+            trajectories=[i for i in items if not isinstance(i, BaseException)],
+            exceptions=[exception_record(e) if isinstance(e, BaseException) else e for e in raised],
+            metadata={} if metadata is None else metadata,
+            metrics={} if metrics is None else metrics,
+            logs=[] if logs is None else logs,
+        )
+
+    def log(self, message: str) -> None:
+        """Append one line to `logs`."""
+        self.logs.append(message)
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)
@@ -251,16 +453,28 @@ class PendingTrajectoryGroup:
     def __await__(self):  # type: ignore[no-untyped-def]
         return _gather_group(self._cls, self._items, self._kwargs).__await__()
 
+    def close(self) -> None:
+        """Close the rollout coroutines of a group that will never be awaited (no 'never
+        awaited' warning)."""
+        for item in self._items:
+            if inspect.iscoroutine(item):
+                item.close()
+
 
 def off_policy(
     groups: Iterable[TrajectoryGroup], expected_step: int
 ) -> list[tuple[int, int, list[int | None]]]:
-    """The trajectories holding a choice served by a step other than `expected_step`, as
-    (group index, trajectory index, its `policy_steps()`), in order. Untagged ones pass."""
+    """The trajectories sampled by a step other than `expected_step`, as (group index,
+    trajectory index, steps), in order. `steps` are the trajectory's `policy_steps()` followed
+    by its `initial_policy_version` / `final_policy_version` when set and not already named;
+    a trajectory with no tagged choice and no policy version passes."""
     found = []
     for g, group in enumerate(groups):
         for t, trajectory in enumerate(group.trajectories):
             steps = trajectory.policy_steps()
+            for version in (trajectory.initial_policy_version, trajectory.final_policy_version):
+                if version is not None and version not in steps:
+                    steps.append(version)
             if any(step != expected_step for step in steps):
                 found.append((g, t, steps))
     return found
@@ -390,11 +604,19 @@ def check_conversation(
         TrainInputError: names `where` (argument, group, trajectory), the history and the message.
         NonFiniteValueError: names `where`, the message and the token index.
     """
+    from art_mega.errors import TrainInputError
+
     histories = [("messages_and_choices", trajectory.messages_and_choices)]
     for h, history in enumerate(trajectory.additional_histories):
-        histories.append(
-            (f"additional_histories[{h}].messages_and_choices", history.get("messages_and_choices", []))
-        )
+        if not isinstance(history, History):  # appended after validation: ART reads its attributes
+            raise TrainInputError(
+                f"{where}: additional_histories[{h}] is a {type(history).__name__}, not an "
+                "art.History; append art.History(messages_and_choices=[...], tools=...)",
+                argument,
+                group,
+                index,
+            )
+        histories.append((f"additional_histories[{h}].messages_and_choices", history.messages_and_choices))
     for name, items in histories:
         for m, item in enumerate(items):
             _check_item(item, f"{where}: {name}[{m}]", argument, group, index)
@@ -502,18 +724,14 @@ def without_trajectories(
     ]
 
 
-def describe_exception(exc: BaseException) -> str:
-    """`Type: message`, the form exceptions take in `TrajectoryGroup.exceptions`."""
-    return f"{type(exc).__name__}: {exc}"
-
-
 class GroupProgress(Protocol):
-    """What counts the rollouts of a gather in progress (`gather.GatherProgress`): each finished
-    trajectory and each rollout that raised."""
+    """What counts the rollouts of a gather in progress (`gather.GatherProgress`)."""
 
-    def on_trajectory(self, trajectory: Trajectory) -> None: ...
+    def on_trajectory(self, trajectory: Trajectory) -> None:
+        """One rollout returned `trajectory`."""
 
-    def on_exception(self, exc: BaseException) -> None: ...
+    def on_exception(self, exc: BaseException) -> bool:
+        """One rollout raised `exc`; True when that passes the gather's `max_exceptions`."""
 
 
 GROUP_PROGRESS: contextvars.ContextVar[GroupProgress | None] = contextvars.ContextVar(
@@ -521,6 +739,18 @@ GROUP_PROGRESS: contextvars.ContextVar[GroupProgress | None] = contextvars.Conte
 )
 """The progress of the enclosing `gather.gather_trajectory_groups`, if any: a group being
 awaited reports each of its rollouts to it."""
+
+
+def record_completion_tokens(trajectory: Trajectory) -> None:
+    """Set `metrics["completion_tokens"]` as ART's gather does: the mean number of sampled
+    tokens (logprob entries) per Choice that carries logprobs; nothing without such a Choice."""
+    counts = [
+        len(item.logprobs.content or item.logprobs.refusal or [])
+        for item in trajectory.messages_and_choices
+        if isinstance(item, Choice) and item.logprobs
+    ]
+    if counts:
+        trajectory.metrics["completion_tokens"] = sum(counts) / len(counts)
 
 
 async def _gather_group(
@@ -531,20 +761,27 @@ async def _gather_group(
     async def one(item: Any) -> Any:
         try:
             result = await item if inspect.isawaitable(item) else item
-        except Exception as exc:  # a failed rollout is recorded, not raised (see gather)
-            if progress is not None:
-                progress.on_exception(exc)
+        except Exception as exc:  # recorded while the gather's max_exceptions allows (ART)
+            if progress is None or progress.on_exception(exc):
+                raise
             return exc
-        if progress is not None and isinstance(result, Trajectory):
-            progress.on_trajectory(result)
+        if isinstance(result, Trajectory):
+            record_completion_tokens(result)
+            if progress is not None:
+                progress.on_trajectory(result)
         return result
 
-    results = await asyncio.gather(*(one(i) for i in items))
-    exceptions = [describe_exception(r) for r in results if isinstance(r, BaseException)]
-    trajectories = [r for r in results if not isinstance(r, BaseException)]
-    for value in trajectories:
-        if not isinstance(value, Trajectory):
+    tasks = [asyncio.ensure_future(one(i)) for i in items]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # the rest of the group stops with the rollout that raised
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    for value in results:
+        if not isinstance(value, (Trajectory, BaseException)):
             raise TypeError(f"a rollout returned {type(value).__name__}, expected Trajectory")
-    group = cls(trajectories, **kwargs)
-    group.exceptions.extend(exceptions)
-    return group
+    options = {k: v for k, v in kwargs.items() if k != "exceptions"}
+    raised = [*kwargs.get("exceptions", ()), *(r for r in results if isinstance(r, BaseException))]
+    return cls([r for r in results if isinstance(r, Trajectory)], exceptions=raised, **options)

@@ -546,27 +546,15 @@ def tokenize_trajectory(
     plain_assistant: PlainAssistant = "sft",
 ) -> list[TokenizedSequence]:
     """The sequences of the trajectory's main history, then of each `additional_histories` entry
-    (choices stored as dicts, as after a JSON round trip, are read back as Choices); plain
-    assistant messages train as `plain_assistant` says (see `tokenize_history`)."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from art_mega.errors import format_validation_error
-    from art_mega.trajectories import MessageOrChoice
-
+    (`History` objects, validated as the trajectory was); plain assistant messages train as
+    `plain_assistant` says (see `tokenize_history`)."""
     sequences = tokenize_history(
         tokenizer, trajectory.messages_and_choices, trajectory.tools, assistant_turns, where, plain_assistant
     )
-    adapter = TypeAdapter(list[MessageOrChoice])
     for h, history in enumerate(trajectory.additional_histories):
         name = f"{where}, additional_histories[{h}]"
-        try:
-            items = adapter.validate_python(history.get("messages_and_choices", []))
-        except ValidationError as exc:
-            raise TokenizationError(
-                f"{name}: {format_validation_error(exc, 'messages_and_choices')}", name, None
-            ) from None
         sequences += tokenize_history(
-            tokenizer, items, history.get("tools"), assistant_turns, name, plain_assistant
+            tokenizer, history.messages_and_choices, history.tools, assistant_turns, name, plain_assistant
         )
     return sequences
 

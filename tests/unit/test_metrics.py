@@ -14,7 +14,7 @@ def groups():
             metrics={"len": 4},
         ),
         TrajectoryGroup(
-            [Trajectory(reward=0.5), Trajectory(reward=0.5)], metrics={"len": 2}, exceptions=["ValueError: x"]
+            [Trajectory(reward=0.5), Trajectory(reward=0.5)], metrics={"len": 2}, exceptions=[ValueError("x")]
         ),
     ]
 

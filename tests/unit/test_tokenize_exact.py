@@ -234,9 +234,9 @@ def test_choices_in_additional_histories_survive_a_json_round_trip(tiny_tokenize
     trajectory = Trajectory(
         messages_and_choices=[USER, choice([5, 2], [-0.1, -0.1], "y")], additional_histories=[extra]
     )
-    # the rollout worker sends trajectories as JSON: the choice inside the history comes back a dict
+    # the rollout worker sends trajectories as JSON: the choice inside the History comes back a Choice
     returned = Trajectory.model_validate_json(trajectory.model_dump_json())
-    assert isinstance(returned.additional_histories[0]["messages_and_choices"][1], dict)
+    assert isinstance(returned.additional_histories[0].messages_and_choices[1], Choice)
     (_, history), _ = sft_documents(tiny_tokenizer, [returned])
     prompt = encode(tiny_tokenizer, HEAD)
     assert history.input_ids == prompt + [9, 9, 2]

@@ -15,7 +15,7 @@ import art_mega as art
 from art_mega.backend import MegatronBackend, checked_groups
 from art_mega.errors import NonFiniteValueError, TrainInputError
 from art_mega.trainer.advantages import group_advantages
-from art_mega.trajectories import check_sft_trajectories, check_train_groups
+from art_mega.trajectories import History, check_sft_trajectories, check_train_groups
 
 NAN, INF = float("nan"), float("inf")
 
@@ -149,7 +149,7 @@ def test_a_content_that_is_no_string_parts_or_none_is_refused(
 
 def test_additional_histories_are_checked_too() -> None:
     odd = trajectory(1.0)
-    odd.additional_histories.append({"messages_and_choices": [{"role": "narrator", "content": "x"}]})
+    odd.additional_histories.append(History(messages_and_choices=[{"role": "narrator", "content": "x"}]))
     with pytest.raises(
         TrainInputError, match=r"additional_histories\[0\]\.messages_and_choices\[0\] has the unknown role"
     ):
@@ -168,13 +168,13 @@ def test_valid_art_inputs_pass_the_checks() -> None:
         choice("done", logprobs=[-0.5, -1e-9, 0.0]),
     )
     rich.additional_histories.append(
-        {"messages_and_choices": [{"role": "system", "content": "s"}, choice().model_dump()]}
+        History(messages_and_choices=[{"role": "system", "content": "s"}, choice().model_dump()])
     )
     groups = [art.TrajectoryGroup([rich, trajectory(0.0)])]
     again = [art.TrajectoryGroup.model_validate_json(groups[0].model_dump_json())]  # a JSON round trip
     assert check_train_groups(groups) == groups and check_train_groups(again) == again
     assert check_train_groups(tuple(groups)) == groups  # any iterable of groups
-    failed = art.TrajectoryGroup([], exceptions=["ValueError: judge down"])  # every rollout raised
+    failed = art.TrajectoryGroup([], exceptions=[ValueError("judge down")])  # every rollout raised
     assert check_train_groups([failed, *groups])[0] is failed
     assert check_sft_trajectories([rich]) == [rich]
 
