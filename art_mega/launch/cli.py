@@ -110,8 +110,8 @@ def _guarded(debug: bool, body):  # type: ignore[no-untyped-def]
     --debug every exception propagates (its traceback, exit 1)."""
     try:
         return body()
-    except typer.Exit:
-        raise
+    except (typer.Exit, typer.Abort, _click_class("ClickException")):
+        raise  # click's own: `main` reports them
     except Exception as exc:
         if debug:
             raise
