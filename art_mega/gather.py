@@ -184,23 +184,9 @@ async def gather_trajectory_groups(
     )
 
     async def finish(index: int, item: Any) -> list[TrajectoryGroup]:
-        if isinstance(item, PendingTrajectoryGroup):
-            built = await item  # its rollouts report to `progress` themselves
-        elif isinstance(item, TrajectoryGroup):
-            built = item
-        else:
-            try:
-                built = await item
-            except Exception as exc:
-                if progress.on_exception(exc):
-                    raise
-                return []
-            if not isinstance(built, TrajectoryGroup):
-                raise TypeError(
-                    f"gather_trajectory_groups: group {index} returned a {type(built).__name__}, not "
-                    "an art.TrajectoryGroup; return art.TrajectoryGroup([...]) from it"
-                )
-        progress.advance(sum(progress.record(t) for t in built.trajectories))
+        built = await await_group(progress, item, index)
+        if built is None:
+            return []
         if after_each is None:
             return [built]
         result = after_each(built)
@@ -212,6 +198,38 @@ async def gather_trajectory_groups(
 
     finished = await _run(progress, [finish(i, g) for i, g in enumerate(pending)])
     return [g for batch in finished for g in batch]
+
+
+async def await_group(progress: GatherProgress, item: Any, index: int) -> TrajectoryGroup | None:
+    """`item` (a pending group, an awaitable of a group, or a built group; number `index` of
+    its gather) awaited with ART's semantics, its trajectories counted in `progress`; None
+    when a non-pending awaitable raised within `progress.max_exceptions`.
+
+    Must run where `GROUP_PROGRESS` is `progress` (see `_run`), so that a pending group's
+    rollouts report to it.
+
+    Raises:
+        Exception: the exception that passed `max_exceptions`, itself.
+        TypeError: an awaitable returned something other than a TrajectoryGroup.
+    """
+    if isinstance(item, PendingTrajectoryGroup):
+        built = await item  # its rollouts report to `progress` themselves
+    elif isinstance(item, TrajectoryGroup):
+        built = item
+    else:
+        try:
+            built = await item
+        except Exception as exc:
+            if progress.on_exception(exc):
+                raise
+            return None
+        if not isinstance(built, TrajectoryGroup):
+            raise TypeError(
+                f"gather_trajectory_groups: group {index} returned a {type(built).__name__}, not "
+                "an art.TrajectoryGroup; return art.TrajectoryGroup([...]) from it"
+            )
+    progress.advance(sum(progress.record(t) for t in built.trajectories))
+    return built
 
 
 async def gather_trajectories(
