@@ -1135,7 +1135,7 @@ class MegatronBackend:
                 "data/stale_trajectories": float(stale),
                 "data/trajectories_dropped_nonfinite_reward": float(dropped),
             }
-            return await self._step_with(documents, metrics, "rl", learning_rate, loss, started)
+            return await self._step_with([documents], metrics, "rl", [learning_rate], loss, started)
 
     def _check_policy_steps(self, groups: list[Any], allow_stale: bool) -> int:
         """How many trajectories were served by a step other than the current one; raises
@@ -1154,80 +1154,152 @@ class MegatronBackend:
         return len(stale)
 
     async def train_sft(
-        self, model: Any, trajectories: Any, config: Any = None, **kwargs: Any
+        self,
+        model: Any,
+        trajectories: Any,
+        config: Any = None,
+        _config: Any = None,
+        verbose: bool = False,
+        **kwargs: Any,
     ) -> TrainResult:
-        """One SFT step on these trajectories' assistant tokens.
+        """ART's `train_sft`: the trajectories in batches of `config.batch_size` (in order), one
+        optimizer step per batch at its learning rate (`TrainSFTConfig.learning_rates`), then
+        one checkpoint: the model's step moves by 1, as in ART.
 
-        `config` is an `SFTConfig`; without it `kwargs` are its fields (not both).
+        Each batch's loss is ART's: the cross-entropy summed over the batch's trained
+        (assistant) tokens divided by their number, so every trained token of a batch weighs
+        the same (`tokenize.sft_documents`). `config` is a `TrainSFTConfig`; without it `kwargs`
+        are its fields (not both). `_config` is ART's `dev.TrainSFTConfig` (a dict without
+        keys). `verbose` prints the batches and rates.
+
+        Returns the new step and its metrics: ART's `loss/train`, `loss/learning_rate`,
+        `loss/grad_norm` (each the mean over the batches), `data/step_num_trajectories`,
+        `data/step_trainer_tokens`, `data/step_num_gradient_steps` (batches),
+        `data/step_num_dropped_trajectories` (0: a trajectory longer than `seq_len` is refused,
+        not dropped), `time/step_trainer_s`, and art-mega's `data/*` and `time/*` rows.
 
         Raises:
             UserError: unregistered model, a trajectory longer than `seq_len`.
-            HyperParameterError: `config` is not an SFTConfig, or given together with `kwargs`.
-            pydantic.ValidationError: `kwargs` are not valid SFTConfig fields (names the field).
-            TrainInputError: `trajectories` is not a non-empty list of Trajectory, or a message
-                has an unknown role or a bad content (trajectory and message named).
+            HyperParameterError: `config` is not a TrainSFTConfig or comes with `kwargs`, a
+                keyword that is not a TrainSFTConfig field, `_config` not an empty dict,
+                `verbose` not a bool, or a list of learning rates that is not one per batch.
+            pydantic.ValidationError: `kwargs` are not valid TrainSFTConfig values (names the field).
+            TrainInputError: `trajectories` is not a non-empty iterable of Trajectory, or a
+                message has an unknown role or a bad content (trajectory and message named).
             NonFiniteValueError: a sampled Choice holds a NaN or inf logprob.
-            RankRefusedStepError, TrainerJobError: as for `train`.
+            RankRefusedStepError, TrainerJobError: as for `train` (a batch after the first
+                with a non-finite loss fails the job: the ranks restart from the last commit).
         """
         from art_mega.errors import HyperParameterError
-        from art_mega.sft import SFTConfig
-        from art_mega.trainer.tokenize import sft_documents
+        from art_mega.hyperparams import bool_problem, check
+        from art_mega.sft import TrainSFTConfig
+        from art_mega.trainer.tokenize import BatchStats, sft_documents
         from art_mega.trajectories import check_sft_trajectories
 
         self._require(model)
-        if config is not None and not isinstance(config, SFTConfig):
+        if config is not None and not isinstance(config, TrainSFTConfig):
             raise HyperParameterError(
-                f"train_sft(config={config!r}) must be an art_mega.sft.SFTConfig; pass e.g. "
-                "config=SFTConfig(learning_rate=1e-4)",
+                f"train_sft(config={config!r}) must be an art_mega.TrainSFTConfig; pass e.g. "
+                "config=art.TrainSFTConfig(learning_rate=5e-5)",
                 "config",
                 config,
             )
-        if config is not None and kwargs:
-            name = next(iter(kwargs))
+        for name, value in kwargs.items():
+            if name not in TrainSFTConfig.model_fields:
+                raise HyperParameterError(
+                    f"train_sft got the unknown keyword {name}={value!r}; use config=TrainSFTConfig"
+                    f"({', '.join(TrainSFTConfig.model_fields)}), _config or verbose",
+                    name,
+                    value,
+                )
+            if config is not None:
+                raise HyperParameterError(
+                    f"train_sft got config= and {name}= together; set {name} in the TrainSFTConfig",
+                    name,
+                    value,
+                )
+        if _config is not None and (not isinstance(_config, dict) or _config):
             raise HyperParameterError(
-                f"train_sft got config= and {name}= together; set {name} in the SFTConfig",
-                name,
-                kwargs[name],
+                f"train_sft(_config={_config!r}) must be ART's dev.TrainSFTConfig, which has no keys; "
+                "leave it out",
+                "_config",
+                _config,
             )
-        config = config or SFTConfig(**kwargs)
+        check("train_sft", "verbose", verbose, bool_problem, "True")
+        config = config or TrainSFTConfig(**kwargs)
         trajectories = check_sft_trajectories(trajectories)
+        size = config.resolved_batch_size()
+        rates = config.learning_rates(config.batch_count(len(trajectories)))
         async with self._lock:
             started = time.perf_counter()
-            documents, stats = sft_documents(self.tokenizer(), trajectories, config.assistant_turns)
-            return await self._step_with(
-                documents, stats.as_metrics(), "sft", config.learning_rate, {}, started
-            )
+            steps, total = [], BatchStats()
+            for k in range(len(rates)):
+                documents, stats = sft_documents(
+                    self.tokenizer(),
+                    trajectories[k * size : (k + 1) * size],
+                    config.assistant_turns,
+                    k * size,
+                )
+                steps.append(documents)
+                for name, value in stats.__dict__.items():
+                    setattr(total, name, getattr(total, name) + value)
+                if verbose:
+                    print(f"train_sft batch {k}: {len(documents)} sequences, lr {rates[k]:.3g}")
+            result = await self._step_with(steps, total.as_metrics(), "sft", rates, {}, started)
+        metrics = result.metrics
+        metrics["loss/train"] = metrics.pop("loss/sft", 0.0)
+        metrics.update(
+            {
+                "data/step_num_trajectories": float(len(trajectories)),
+                "data/step_trainer_tokens": float(total.trained_tokens),
+                "data/step_num_dropped_trajectories": 0.0,
+                "data/step_num_gradient_steps": float(len(rates)),
+                "time/step_trainer_s": metrics["time/train_s"],
+            }
+        )
+        if verbose:
+            print(f"train_sft: step {result.step}, loss/train {metrics['loss/train']:.4f}")
+        return result
 
     async def _step_with(
         self,
-        documents: list[Any],
+        steps: list[list[Any]],
         metrics: dict[str, float],
         kind: str,
-        learning_rate: float,
+        learning_rates: list[float],
         loss: dict[str, Any],
         started: float,
     ) -> TrainResult:
+        """One job on the ranks and its commit: an rl job (`steps` = [its documents], one rate)
+        or an sft job (one document list and one rate per optimizer step); returns the new step."""
         from art_mega.trainer.batch import pack
+        from art_mega.trainer.protocol import sft_batch_file
         from art_mega.transfer.adapters import transfer_metrics
 
         assert self._run_dir is not None
         step = self._step + 1
         dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
         try:
-            batches = pack(documents, self.seq_len, dp)
+            packed = [pack(documents, self.seq_len, dp) for documents in steps]
         except ValueError as exc:
             raise UserError(f"{exc} (MegatronBackend(seq_len=...))") from None
         batch_dir = self._run_dir / "batches" / f"{step:04d}"
-        batch_dir.mkdir(parents=True, exist_ok=True)
-        for rank, batch in enumerate(batches):
-            batch.save(batch_dir / f"dp{rank}.safetensors")
+        for k, batches in enumerate(packed):
+            for rank, batch in enumerate(batches):
+                file = (
+                    batch_dir / f"dp{rank}.safetensors"
+                    if kind == "rl"
+                    else sft_batch_file(batch_dir, k, rank)
+                )
+                file.parent.mkdir(parents=True, exist_ok=True)
+                batch.save(file)
         await self._send_batches(batch_dir)
         prepared = time.perf_counter()
         where = {"step": step, "batch_dir": str(batch_dir), "checkpoint_dir": str(self._checkpoint(step))}
         job = (
-            RLJob(**where, learning_rate=learning_rate, loss=LossSettings(**loss))
+            RLJob(**where, learning_rate=learning_rates[0], loss=LossSettings(**loss))
             if kind == "rl"
-            else SFTJob(**where, learning_rate=learning_rate)
+            else SFTJob(**where, learning_rates=learning_rates)
         )
         async with self._shared.asleep(metrics):  # replicas on the trainer's GPUs free them
             # after a failed step the ranks may be one update ahead: restart them from the last commit
@@ -1277,9 +1349,9 @@ class MegatronBackend:
         return deleted
 
     async def _send_batches(self, batch_dir: Path) -> None:
-        """With a host-local artifact_root, write `batch_dir/dp<r>.safetensors` on every other
-        trainer host whose ranks read DP rank r's batch, through its agent (same path under its
-        root); nothing with a shared root.
+        """With a host-local artifact_root, write each `dp<r>.safetensors` under `batch_dir` (an
+        sft job's are in one folder per batch) on every other trainer host whose ranks read DP
+        rank r's batches, through its agent (same path under its root); nothing with a shared root.
 
         Raises:
             ArtifactFileError, AgentError: an agent could not write it (named).
@@ -1288,14 +1360,10 @@ class MegatronBackend:
 
         root = self._runtime.topology.cluster.artifact_root
         sends = [
-            send_file(
-                self._runtime.clients[host],
-                root,
-                str((batch_dir / f"dp{dp}.safetensors").relative_to(root)),
-                (batch_dir / f"dp{dp}.safetensors").read_bytes(),
-            )
+            send_file(self._runtime.clients[host], root, str(file.relative_to(root)), file.read_bytes())
             for host, dp_ranks in remote_trainer_hosts(self._runtime.topology).items()
             for dp in dp_ranks
+            for file in sorted(batch_dir.rglob(f"dp{dp}.safetensors"))
         ]
         await asyncio.gather(*sends)
 

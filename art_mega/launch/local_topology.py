@@ -132,6 +132,19 @@ def engine_settings(config: Mapping[str, Any]) -> EngineSettings:
     return EngineSettings(**settings)
 
 
+def placement_of(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The fields of `config` that decide where the trainer and vLLM run (GPU id lists,
+    `engine_args.tensor_parallel_size` and `enable_sleep_mode`) that are set, by dotted name: a
+    runtime's topology decides them instead, so a backend given a runtime refuses them."""
+    config = config or {}
+    placement = {name: config[name] for name in ("trainer_gpu_ids", "inference_gpu_ids") if name in config}
+    engine = config.get("engine_args") or {}
+    for key in ("tensor_parallel_size", "enable_sleep_mode"):
+        if key in engine:
+            placement[f"engine_args.{key}"] = engine[key]
+    return placement
+
+
 def gpu_ids_of(config: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """`(trainer_gpu_ids, inference_gpu_ids)` of `config`, checked; None when neither is set.
 
@@ -285,10 +298,17 @@ def local_plan(
                 True,
                 "but this host has no GPU, and a CPU replica cannot sleep; leave it out",
             )
-        host_gpus: tuple[GpuId, ...] = ()
-        trainer = TrainerSpec(cpu_ranks_per_host=1, master_port=master_port)
-        inference = InferenceSpec(replicas=1, api_port=api_port, python=vllm_python)
-    elif chosen is None:
+        topology = cpu_topology(
+            artifact_root, cache_root, vllm_python, master_port, api_port, startup_timeout_s
+        )
+        return LocalPlan(
+            topology=topology,
+            mode=mode,
+            max_seq_length=settings.max_seq_length,
+            max_model_len=settings.max_model_len,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
+    if chosen is None:
         mode = "shared"
         if settings.enable_sleep_mode is False:
             raise _refuse(
@@ -342,28 +362,54 @@ def local_plan(
             api_port=api_port,
             python=vllm_python,
         )
-    cluster = ClusterSpec(
-        hosts=(
-            HostSpec(
-                host_id="local",
-                node_rank=0,
-                worker_address="tcp://127.0.0.1:0",
-                cpu_slots=2,
-                gpu_ids=host_gpus,
-            ),
-        ),
-        controller_host_id="local",
-        artifact_root=artifact_root,
-        cache_root=cache_root,
-        startup_timeout_s=startup_timeout_s,
-    )
     return LocalPlan(
-        topology=compile_topology(cluster, trainer=trainer, inference=inference),
+        topology=_compiled(host_gpus, trainer, inference, artifact_root, cache_root, startup_timeout_s),
         mode=mode,
         max_seq_length=settings.max_seq_length,
         max_model_len=settings.max_model_len,
         gpu_memory_utilization=settings.gpu_memory_utilization,
     )
+
+
+def cpu_topology(
+    artifact_root: str,
+    cache_root: str,
+    vllm_python: str,
+    master_port: int,
+    api_port: int,
+    startup_timeout_s: float = 900.0,
+) -> CompiledTopology:
+    """art-mega's CPU layout: the loopback host "local" (2 CPU slots) with one CPU trainer rank
+    (rendezvous on `master_port`) and one vLLM replica run by `vllm_python` on `api_port`."""
+    return _compiled(
+        (),
+        TrainerSpec(cpu_ranks_per_host=1, master_port=master_port),
+        InferenceSpec(replicas=1, api_port=api_port, python=vllm_python),
+        artifact_root,
+        cache_root,
+        startup_timeout_s,
+    )
+
+
+def _compiled(
+    gpu_ids: tuple[GpuId, ...],
+    trainer: TrainerSpec,
+    inference: InferenceSpec,
+    artifact_root: str,
+    cache_root: str,
+    startup_timeout_s: float,
+) -> CompiledTopology:
+    host = HostSpec(
+        host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2, gpu_ids=gpu_ids
+    )
+    cluster = ClusterSpec(
+        hosts=(host,),
+        controller_host_id="local",
+        artifact_root=artifact_root,
+        cache_root=cache_root,
+        startup_timeout_s=startup_timeout_s,
+    )
+    return compile_topology(cluster, trainer=trainer, inference=inference)
 
 
 def _listed(devices: Any) -> str:

@@ -46,10 +46,19 @@ class Setup:
 async def setup(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Setup]:
     """A registered tiny model: one agent, one trainer rank, one replica (LoRA rank 12)."""
     import art_mega as art
-    from art_mega.backend import MegatronBackend, local_topology
+    from art_mega.agent.ports import free_port
+    from art_mega.backend import MegatronBackend
+    from art_mega.launch.context import default_cache_root
+    from art_mega.launch.local_topology import cpu_topology
     from art_mega.runtime.runtime import ArtRuntime
 
-    topology = local_topology(str(tmp_path_factory.mktemp("backend-serving") / "artifacts"), vllm_python)
+    topology = cpu_topology(
+        str(tmp_path_factory.mktemp("backend-serving") / "artifacts"),
+        default_cache_root(),
+        vllm_python,
+        free_port(),
+        free_port(),
+    )
     runtime = await ArtRuntime.start_local(topology)
     backend = MegatronBackend(
         runtime,

@@ -60,11 +60,17 @@ async def test_failed_registers_leave_nothing_running_and_close_then_register_se
     vllm_python: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     import art_mega as art
-    from art_mega.backend import MegatronBackend, local_topology
+    from art_mega.agent.ports import free_port
+    from art_mega.backend import MegatronBackend
     from art_mega.errors import TrainerJobError
+    from art_mega.launch.context import default_cache_root
+    from art_mega.launch.local_topology import cpu_topology
     from art_mega.runtime.runtime import ArtRuntime
 
-    runtime = await ArtRuntime.start_local(local_topology(str(tmp_path / "artifacts"), vllm_python))
+    topology = cpu_topology(
+        str(tmp_path / "artifacts"), default_cache_root(), vllm_python, free_port(), free_port()
+    )
+    runtime = await ArtRuntime.start_local(topology)
     backend = MegatronBackend(runtime, seq_len=256, max_model_len=256, startup_timeout_s=600)
     run_logs = tmp_path / "artifacts" / "p" / "models" / "agent" / "logs"
     try:

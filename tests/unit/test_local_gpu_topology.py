@@ -398,3 +398,47 @@ def test_trainer_spec_gpu_ids_must_be_on_the_host():
         TrainerSpec(gpu_ids=())
     with pytest.raises(ValueError, match="lists GPU 1 twice"):
         TrainerSpec(gpu_ids=(1, 1))
+
+
+# ------------------------------------------------------------------ the backend
+
+
+class _GivenRuntime:
+    """A started runtime as far as `MegatronBackend.__init__` looks (register refuses first)."""
+
+    topology = clients = health = None
+
+
+def _model(config: dict[str, Any]) -> Any:
+    import art_mega as art
+
+    return art.TrainableModel(name="m", project="p", base_model="tiny", _internal_config=config)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"trainer_gpu_ids": [0], "inference_gpu_ids": [1]}, "trainer_gpu_ids"),
+        ({"engine_args": {"tensor_parallel_size": 2}}, "engine_args.tensor_parallel_size"),
+    ],
+)
+async def test_a_backend_given_a_runtime_refuses_gpu_placement_before_anything_starts(config, field):
+    from art_mega.backend import MegatronBackend
+
+    backend = MegatronBackend(_GivenRuntime())
+    with pytest.raises(HyperParameterError) as info:
+        await backend.register(_model(config))
+    assert info.value.name == field
+    assert "the given runtime's topology already places" in str(info.value)
+
+
+def test_register_takes_sequence_length_and_engine_args_from_the_model():
+    from art_mega.backend import MegatronBackend
+
+    backend = MegatronBackend(_GivenRuntime(), seq_len=1024, max_model_len=1024)
+    config = {
+        "init_args": {"max_seq_length": 3072},
+        "engine_args": {"max_model_len": 4096, "gpu_memory_utilization": 0.6},
+    }
+    backend._apply_model_config(_model(config))  # what register does first
+    assert (backend.seq_len, backend.max_model_len, backend.gpu_memory_utilization) == (3072, 4096, 0.6)
