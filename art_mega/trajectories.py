@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import inspect
 import math
 import numbers
@@ -429,6 +430,14 @@ class TrajectoryGroup(BaseModel):
     def log(self, message: str) -> None:
         """Append one line to `logs`."""
         self.logs.append(message)
+
+    def __copy__(self) -> TrajectoryGroup:
+        # ART's copy.copy gives the copy its own lists and dicts (pydantic's shares them):
+        # appending to one group's trajectories, exceptions or logs leaves the other as it was
+        copied = super().__copy__()
+        for name in ("trajectories", "exceptions", "logs", "metadata", "metrics"):
+            copied.__dict__[name] = copy.copy(self.__dict__[name])
+        return copied
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)

@@ -4,6 +4,7 @@ logs, History, finish() and track_duration(), policy versions; each through roll
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from datetime import datetime, timedelta
@@ -186,3 +187,16 @@ def test_messages_and_for_logging_as_art_builds_them():
     assert [m["trainable"] for m in logged["messages"]] == [False, True]
     assert logged["final_policy_version"] == 1 and logged["reward"] == 0.5
     assert str(trajectory) == "Trajectory(reward=0.5, metrics={}, metadata={})"
+
+
+def test_a_copied_group_has_its_own_lists_as_in_art():
+    group = TrajectoryGroup([Trajectory(reward=1.0)], exceptions=[ValueError("x")], logs=["a"])
+    copied = copy.copy(group)
+    copied.trajectories.append(Trajectory())
+    copied.exceptions.clear()
+    copied.log("b")
+    copied.metadata["k"] = 1
+    assert (len(group), len(group.exceptions), group.logs, group.metadata) == (1, 1, ["a"], {})
+    assert copied.trajectories[0] is group.trajectories[0]  # shallow: the same trajectories
+    deep = copy.deepcopy(group)
+    assert deep == group and deep.trajectories[0] is not group.trajectories[0]
