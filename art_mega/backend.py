@@ -31,6 +31,7 @@ from art_mega.trainer.protocol import (
     ExportJob,
     LoraSettings,
     LossSettings,
+    OptimizerConfig,
     RLJob,
     SFTJob,
 )
@@ -42,6 +43,13 @@ class TrainResult:
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalTrainResult(TrainResult):
+    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory."""
+
+    checkpoint_path: str | None = None
 
 
 def default_vllm_python() -> str:
@@ -399,6 +407,47 @@ def check_grpo_options(
     return float(learning_rate), loss
 
 
+ART_TRAINER_ARGS = {
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.99,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 0.1,
+    "max_grad_norm": 0.1,
+}
+"""ART's optimizer defaults for RL (`art/dev/get_model_config.py` trainer_args: AdamW betas
+(0.9, 0.99), HF's epsilon 1e-8, weight decay 0.1, gradient-norm clip 0.1); ART's SFT steps use
+weight decay 0 and clip 1.0 (`ART_SFT_OPTIMIZER`) with the same betas and epsilon."""
+
+ART_SFT_OPTIMIZER = {"weight_decay": 0.0, "clip_grad": 1.0}
+
+
+def art_optimizer(trainer_args: Mapping[str, Any]) -> tuple[Any, float, float]:
+    """The trainer ranks' optimizer from ART's `trainer_args` (InternalModelConfig; absent keys:
+    `ART_TRAINER_ARGS`): (`OptimizerConfig` with the betas and epsilon and SFT's decay and
+    clip, RL's weight decay, RL's clip), as ART trains: RL steps with `weight_decay` and
+    `max_grad_norm`, SFT steps with weight decay 0 and clip 1.0.
+
+    Raises:
+        HyperParameterError: a value out of its range (names the trainer_args key).
+    """
+    from art_mega.hyperparams import between_problem, check, nonnegative_problem, positive_problem
+
+    args = {**ART_TRAINER_ARGS, **{k: v for k, v in trainer_args.items() if k in ART_TRAINER_ARGS}}
+    where = "TrainableModel(_internal_config=...trainer_args)"
+    for name in ("adam_beta1", "adam_beta2"):
+        check(where, name, args[name], between_problem(0.0, 0.999999), "0.9")
+    check(where, "adam_epsilon", args["adam_epsilon"], positive_problem, "1e-8")
+    check(where, "weight_decay", args["weight_decay"], nonnegative_problem, "0.1")
+    check(where, "max_grad_norm", args["max_grad_norm"], nonnegative_problem, "0.1")
+    optimizer = OptimizerConfig(
+        beta1=float(args["adam_beta1"]),
+        beta2=float(args["adam_beta2"]),
+        eps=float(args["adam_epsilon"]),
+        **ART_SFT_OPTIMIZER,
+    )
+    return optimizer, float(args["weight_decay"]), float(args["max_grad_norm"])
+
+
 def trajectories_learning_rate(learning_rate: float, documents: int, power: float) -> float:
     """ART's `num_trajectories_learning_rate_multiplier_power`: `learning_rate` * documents **
     power, where `documents` is the number of tokenized trajectories (histories) trained in the
@@ -658,6 +707,7 @@ class MegatronBackend:
         self._recovery: Any = None
         self._tokenizer: Any = None
         self._step = 0
+        self._rl_optimizer = (ART_TRAINER_ARGS["weight_decay"], ART_TRAINER_ARGS["max_grad_norm"])
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ set-up
@@ -849,6 +899,8 @@ class MegatronBackend:
         from art_mega.inference.recovery import ReplicaRecovery
         from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
         from art_mega.inference.sleep import SharedGpuReplicas
+        from art_mega.inference.tool_calls import tool_call_parser
+        from art_mega.trainer.hf_checkpoint import read_hf_config
         from art_mega.trainer.service import TrainerService
 
         topology = self._runtime.topology
@@ -858,8 +910,12 @@ class MegatronBackend:
         checkpoint.clean_uncommitted(checkpoints)  # a crashed save's leftovers; no rank runs yet
         self._run_dir = run_dir
         on_gpu = any(r.gpu_id is not None for r in topology.trainer_ranks)
+        trainer_args = getattr(model, "_internal_config", {}).get("trainer_args") or {}
+        optimizer, rl_decay, rl_clip = art_optimizer(trainer_args)
+        self._rl_optimizer = (rl_decay, rl_clip)  # ART's RL steps decay and clip differently from SFT's
         config = EngineConfig(
             model_dir=str(resolved.model_dir),
+            optimizer=optimizer,
             lora=LoraSettings(
                 rank=self.lora["rank"], alpha=self.lora["alpha"], targets=tuple(self.lora["targets"])
             ),
@@ -878,6 +934,10 @@ class MegatronBackend:
             log_dir=str(run_dir / "logs"),
             ready_timeout_s=self.startup_timeout_s,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            # ART's server arguments: tool calling on (with the model family's parser) and
+            # vLLM's own sampling defaults rather than the model's generation_config.json
+            tool_call_parser=tool_call_parser(read_hf_config(resolved.model_dir).get("model_type")),
+            generation_config="vllm",
         )
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
         self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
@@ -1297,7 +1357,13 @@ class MegatronBackend:
         prepared = time.perf_counter()
         where = {"step": step, "batch_dir": str(batch_dir), "checkpoint_dir": str(self._checkpoint(step))}
         job = (
-            RLJob(**where, learning_rate=learning_rates[0], loss=LossSettings(**loss))
+            RLJob(
+                **where,
+                learning_rate=learning_rates[0],
+                loss=LossSettings(**loss),
+                weight_decay=self._rl_optimizer[0],
+                clip_grad=self._rl_optimizer[1],
+            )
             if kind == "rl"
             else SFTJob(**where, learning_rates=learning_rates)
         )
@@ -1326,7 +1392,7 @@ class MegatronBackend:
                 **transfer_metrics(self._publisher.stage, step),
             }
         )
-        return TrainResult(step=step, metrics=metrics)
+        return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(self._checkpoint(step)))
 
     async def delete_checkpoints(self, model: Any, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every committed checkpoint but the latest and the best by `best_checkpoint_metric`

@@ -351,9 +351,23 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         """
         return list(await self._require_backend().delete_checkpoints(self, best_checkpoint_metric))
 
-    async def train_sft(self, trajectories: Any, config: Any = None, **kwargs: Any) -> Any:
-        """Supervised fine-tuning on these trajectories' assistant turns (see the backend)."""
-        return await self._require_backend().train_sft(self, trajectories, config, **kwargs)
+    async def train_sft(
+        self, trajectories: Any, config: Any = None, _config: Any = None, verbose: bool = False, **kwargs: Any
+    ) -> Any:
+        """ART's `model.train_sft(trajectories, config=TrainSFTConfig(...), _config=, verbose=)`:
+        one optimizer step per batch, one new step (see `MegatronBackend.train_sft`), then, as
+        ART, one history row at the new step with the batches' mean metrics (`loss/train`,
+        `loss/learning_rate`, `loss/grad_norm`, `data/step_*`, `time/step_trainer_s`).
+
+        Returns the backend's TrainResult (ART returns None). `kwargs` are TrainSFTConfig fields.
+
+        Raises:
+            What `MegatronBackend.train_sft` raises (nothing is logged then).
+        """
+        backend = self._require_backend()
+        result = await backend.train_sft(self, trajectories, config, _config, verbose, **kwargs)
+        await self.log(None, split="train", metrics=result.metrics, step=result.step)
+        return result
 
     @field_validator("base_model")
     @classmethod

@@ -106,7 +106,7 @@ async def program(launch) -> None:
 
     import art_mega as art
     from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
-    from art_mega.sft import SFTConfig, read_sft_jsonl
+    from art_mega.sft import TrainSFTConfig, read_sft_jsonl
 
     rows = read_sft_jsonl(REPO / "examples" / "multinode" / "sft_yes_no.jsonl")[:8]
     cluster = launch.homogeneous_cluster(cpu_slots=2, allow_shared_kernel=True)
@@ -130,7 +130,7 @@ async def program(launch) -> None:
             )
             try:
                 await model.register(backend)
-                await model.train_sft(rows, SFTConfig(learning_rate=1e-4))
+                await model.train_sft(rows, TrainSFTConfig(learning_rate=1e-4, batch_size=8))
                 _report("train", {"layout": layout})
             finally:
                 await backend.close()

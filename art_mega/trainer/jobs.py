@@ -188,14 +188,51 @@ def checkpoint_hosts(config: RankConfig) -> list[str] | None:
     return [r.host_id for r in config.rank_table]  # in rank order (`RankConfig` checks it)
 
 
+def _sft_steps(job: SFTJob, state: Any, engine: Any, step: int) -> dict[str, float]:
+    """One optimizer step per batch of `job` (ART's `train_sft`); their metrics averaged over
+    the batches (ART's `average_metric_samples`), `time/batch_load_s` and `time/megatron_s`
+    summed, `loss/nothing_trainable` the fraction of batches with nothing to train.
+
+    Raises:
+        NonFiniteStepError: the first batch's loss or gradient norm is not finite (nothing
+            changed on the rank).
+        RuntimeError: a later batch's is (naming batch and step): the earlier batches have
+            updated the rank, so it is left dirty and restarts from the last commit.
+    """
+    from art_mega.errors import NonFiniteStepError
+    from art_mega.trainer.batch import TrainBatch
+    from art_mega.trainer.protocol import sft_batch_file
+
+    samples: list[dict[str, float]] = []
+    load_s = megatron_s = 0.0
+    for k, rate in enumerate(job.learning_rates):
+        started = time.perf_counter()
+        batch = TrainBatch.load(sft_batch_file(job.batch_dir, k, state.dp_rank))
+        loaded = time.perf_counter()
+        try:
+            samples.append(engine.train_step(batch, loss="sft", learning_rate=rate))
+        except NonFiniteStepError as exc:
+            if k == 0:
+                raise exc.at_step(step) from None
+            raise RuntimeError(f"SFT batch {k} of step {step}: {exc.at_step(step)}") from None
+        load_s += loaded - started
+        megatron_s += time.perf_counter() - loaded
+    keys = {key for sample in samples for key in sample}
+    metrics = {key: sum(s.get(key, 0.0) for s in samples) / len(samples) for key in sorted(keys)}
+    metrics["time/batch_load_s"] = load_s
+    metrics["time/megatron_s"] = megatron_s
+    return metrics
+
+
 def run_train_job(
     job: StepJob, state: Any, engine: Any, config: RankConfig, last_step: int | None = None
 ) -> tuple[dict[str, float], dict[str, Any] | None]:
     """Run an `rl`, `sft` or `export` job on this rank; returns its metrics and, on rank 0,
     `write_checkpoint`'s adapter_ready (None on other ranks).
 
-    The job's step must be `last_step + 1` (`check_job_step`); an rl or sft job trains on
-    `<batch_dir>/dp<r>.safetensors` (r: this rank's DP rank) first.
+    The job's step must be `last_step + 1` (`check_job_step`); an rl job trains on
+    `<batch_dir>/dp<r>.safetensors` (r: this rank's DP rank) first, an sft job on each of its
+    batches in turn (`_sft_steps`).
 
     Metrics, besides the engine's (seconds, this rank): `time/batch_load_s` (reading the batch
     file), `time/megatron_s` (`TrainerEngine.train_step`: forward/backward/optimizer and its DP
@@ -219,21 +256,24 @@ def run_train_job(
     step = check_job_step(job.kind, job.step, last_step)
     metrics: dict[str, float] = {}
     started = time.perf_counter()
-    if isinstance(job, RLJob | SFTJob):
+    if isinstance(job, RLJob):
         batch = TrainBatch.load(Path(job.batch_dir) / f"dp{state.dp_rank}.safetensors")
         loaded = time.perf_counter()
-        loss = GRPOLossConfig(**job.loss.model_dump()) if isinstance(job, RLJob) else GRPOLossConfig()
         try:
             metrics = engine.train_step(
                 batch,
-                loss="grpo" if isinstance(job, RLJob) else "sft",
-                loss_config=loss,
+                loss="grpo",
+                loss_config=GRPOLossConfig(**job.loss.model_dump()),
                 learning_rate=job.learning_rate,
+                weight_decay=job.weight_decay,
+                clip_grad=job.clip_grad,
             )
         except NonFiniteStepError as exc:
             raise exc.at_step(step) from None
         metrics["time/batch_load_s"] = loaded - started
         metrics["time/megatron_s"] = time.perf_counter() - loaded
+    elif isinstance(job, SFTJob):
+        metrics = _sft_steps(job, state, engine, step)
     metrics["time/rank_compute_s"] = time.perf_counter() - started
     saved = time.perf_counter()
     adapter = write_checkpoint(engine, state, step, job.checkpoint_dir, metrics, checkpoint_hosts(config))

@@ -656,23 +656,26 @@ def balance_advantages(documents: Sequence[Document], advantage_balance: float =
 
 
 def sft_documents(
-    tokenizer: Any, trajectories: Sequence[Trajectory], assistant_turns: Literal["all", "last"] = "all"
+    tokenizer: Any,
+    trajectories: Sequence[Trajectory],
+    assistant_turns: Literal["all", "last"] = "all",
+    first_index: int = 0,
 ) -> tuple[list[Document], BatchStats]:
-    """Each trajectory's assistant tokens as SFT documents (advantage 0, weight 1/its tokens),
-    one per sequence (see `tokenize_history`): plain assistant messages are trained (what SFT
-    is), with old logprob 0.0 (SFT reads none).
+    """Each trajectory's assistant tokens as SFT documents (advantage 0, weight 1 per token: as
+    in ART, a batch's loss is its summed token cross-entropy over its trained-token count, so a
+    long answer weighs more than a short one), one per sequence (see `tokenize_history`): plain
+    assistant messages are trained (what SFT is), with old logprob 0.0 (SFT reads none).
 
     Raises:
         TokenizationError: a conversation that cannot be tokenized exactly (names the
-            trajectory's index in `trajectories` and the message).
+            trajectory by `first_index` + its index in `trajectories`, and the message).
     """
     stats = BatchStats()
     documents: list[Document] = []
-    for t, trajectory in enumerate(trajectories):
+    for t, trajectory in enumerate(trajectories, start=first_index):
         sequences = tokenize_trajectory(tokenizer, trajectory, assistant_turns, f"trajectory {t}")
-        weight = token_weight(sum(s.trained_tokens for s in sequences))
         stats.trajectories_used += 1
         for s in sequences:
             stats.trained_tokens += s.trained_tokens
-            documents.append(Document(s.input_ids, s.loss_mask, s.old_logprobs, 0.0, weight))
+            documents.append(Document(s.input_ids, s.loss_mask, s.old_logprobs, 0.0, 1.0))
     return documents, stats

@@ -1,8 +1,8 @@
-"""ART's `art.utils.sft`: SFT helpers (re-exported from `art_mega.sft`)."""
+"""ART's `art.utils.sft`: the SFT helpers (defined in `art_mega.sft`)."""
 
 from art_mega.sft import (
-    SFTConfig,
-    SFTDatasetChunk,
+    SFTChunk,
+    TrainSFTConfig,
     create_lr_schedule,
     create_sft_dataset_iterator,
     iterate_file,
@@ -10,8 +10,8 @@ from art_mega.sft import (
 )
 
 __all__ = [
-    "SFTConfig",
-    "SFTDatasetChunk",
+    "SFTChunk",
+    "TrainSFTConfig",
     "create_lr_schedule",
     "create_sft_dataset_iterator",
     "iterate_file",

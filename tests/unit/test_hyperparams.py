@@ -1,5 +1,5 @@
 """Hyper-parameters are refused, never replaced by a default, before any job is sent:
-`backend.train`'s options and unknown keywords, `TrainConfig`, `SFTConfig`, `iterate_dataset`."""
+`backend.train`'s options and unknown keywords, `TrainConfig`, `TrainSFTConfig`, `iterate_dataset`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 import art_mega as art
 from art_mega.backend import MegatronBackend, check_grpo_options
 from art_mega.errors import HyperParameterError, format_validation_error
-from art_mega.sft import SFTConfig, iterate_dataset
+from art_mega.sft import TrainSFTConfig, iterate_dataset
 
 NAN, INF = float("nan"), float("inf")
 DEFAULTS = dict(
@@ -157,30 +157,30 @@ def test_train_config_refuses_bad_values(fields: dict[str, Any], expected: str) 
     [
         (
             {"learning_rate": "fast"},
-            "SFTConfig.learning_rate: 'fast' must be a finite number of at least 0 (a str)",
+            "TrainSFTConfig.learning_rate: 'fast' must be a finite number of at least 0 (a str)",
         ),
         (
             {"learning_rate": INF},
-            "SFTConfig.learning_rate: inf must be a finite number of at least 0 (not finite)",
+            "TrainSFTConfig.learning_rate: inf must be a finite number of at least 0 (not finite)",
         ),
         (
             {"learning_rate": -1e-4},
-            "SFTConfig.learning_rate: -0.0001 must be a finite number of at least 0 (negative)",
+            "TrainSFTConfig.learning_rate: -0.0001 must be a finite number of at least 0 (negative)",
         ),
         (
             {"batch_size": 1.5},
-            "SFTConfig.batch_size: 1.5 must be a whole number of at least 1 (a float); use e.g. 8.",
+            "TrainSFTConfig.batch_size: 1.5 must be a whole number of at least 1 (a float); use e.g. 2 or 'auto'.",
         ),
-        ({"batch_size": 0}, "SFTConfig.batch_size: 0 must be a whole number of at least 1 (below 1)"),
-        ({"batch_size": True}, "SFTConfig.batch_size: True must be a whole number of at least 1 (a bool)"),
+        ({"batch_size": 0}, "TrainSFTConfig.batch_size: 0 must be a whole number of at least 1 (below 1)"),
+        ({"batch_size": True}, "TrainSFTConfig.batch_size: True must be a whole number of at least 1 (a bool)"),
     ],
 )
 def test_sft_config_refuses_bad_values(fields: dict[str, Any], expected: str) -> None:
     with pytest.raises(ValidationError) as info:
-        SFTConfig(**fields)
+        TrainSFTConfig(**fields)
     assert format_validation_error(info.value).startswith(expected)
-    assert SFTConfig(batch_size=np.int64(4)).batch_size == 4
-    assert SFTConfig(learning_rate=0).learning_rate == 0.0  # the last step of a schedule decaying to 0
+    assert TrainSFTConfig(batch_size=np.int64(4)).batch_size == 4
+    assert TrainSFTConfig(learning_rate=0).learning_rate == 0.0  # the last step of a schedule decaying to 0
 
 
 def test_train_sft_refuses_a_config_that_is_not_one_or_comes_with_keywords() -> None:
@@ -188,11 +188,11 @@ def test_train_sft_refuses_a_config_that_is_not_one_or_comes_with_keywords() -> 
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     with pytest.raises(
         HyperParameterError,
-        match=r"train_sft\(config=\{'learning_rate': 1\}\) must be an art_mega.sft.SFTConfig",
+        match=r"train_sft\(config=\{'learning_rate': 1\}\) must be an art_mega.TrainSFTConfig",
     ):
         asyncio.run(backend.train_sft(backend._model, [], {"learning_rate": 1}))
     with pytest.raises(HyperParameterError, match="train_sft got config= and learning_rate= together"):
-        asyncio.run(backend.train_sft(backend._model, [], SFTConfig(), learning_rate=1e-3))
+        asyncio.run(backend.train_sft(backend._model, [], TrainSFTConfig(), learning_rate=1e-3))
     with pytest.raises(ValidationError):
         asyncio.run(backend.train_sft(backend._model, [], learning_rate=NAN))
 

@@ -19,10 +19,11 @@ from pydantic import ValidationError
 
 import art_mega as art
 from art_mega.backend import MegatronBackend
-from art_mega.errors import HyperParameterError, NonFiniteValueError, RolloutExceptionsExceeded, UserError
+from art_mega.errors import HyperParameterError, NonFiniteValueError, UserError
 from art_mega.gather import gather_trajectory_groups
-from art_mega.sft import SFTConfig, create_sft_dataset_iterator, iterate_dataset, iterate_file
+from art_mega.sft import TrainSFTConfig, create_sft_dataset_iterator, iterate_dataset, iterate_file
 from art_mega.trainer.advantages import group_advantages
+from art_mega.trajectories import History
 
 
 def trajectory(reward: Any = 1.0, *items: Any, **fields: Any) -> art.Trajectory:
@@ -40,8 +41,9 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     backend._model_dir = tiny_llama_dir
 
-    async def step_with(documents, metrics, kind, learning_rate, loss, started):  # noqa: ANN001
-        return {"documents": documents, "learning_rate": learning_rate, "loss": loss}
+    async def step_with(steps, metrics, kind, learning_rates, loss, started):  # noqa: ANN001
+        # an rl step is one document list and one rate (`_step_with` takes SFT's several)
+        return {"documents": steps[0], "learning_rate": learning_rates[0], "loss": loss}
 
     backend._step_with = step_with  # type: ignore[method-assign]
     return backend
@@ -91,7 +93,7 @@ def test_float32_bounds_themselves_and_numpy_rates_train(backend: MegatronBacken
     [
         (lambda: art.TrainConfig(learning_rate=1e39), "learning_rate"),
         (lambda: art.TrainConfig(beta=1e39), "beta"),
-        (lambda: SFTConfig(learning_rate=1e39), "learning_rate"),
+        (lambda: TrainSFTConfig(learning_rate=1e39), "learning_rate"),
     ],
 )
 def test_configs_refuse_values_above_float32(build: Any, field: str) -> None:
@@ -115,7 +117,7 @@ def test_sft_iterator_options_are_refused_when_called_not_at_the_first_batch() -
     chunks = list(
         create_sft_dataset_iterator([trajectory(), trajectory()], peak_lr=1e-4, schedule_type="constant")
     )
-    assert [c.config.learning_rate for c in chunks] == [1e-4, 1e-4]
+    assert [c.config.learning_rate for c in chunks] == [[1e-4]]  # ART's: one chunk of one batch of 2
 
 
 def test_unscaled_rewards_whose_advantages_overflow_float32_are_refused(backend: MegatronBackend) -> None:
@@ -306,7 +308,7 @@ def test_gather_takes_numpy_fractions_counts_and_no_limit() -> None:
         == 1
     )
     assert len(asyncio.run(gather_trajectory_groups(groups(), pbar_desc=None, max_exceptions=math.inf))) == 1
-    with pytest.raises(RolloutExceptionsExceeded):
+    with pytest.raises(ValueError, match="^no$"):  # the rollout's own exception (ART)
         asyncio.run(gather_trajectory_groups(groups(), pbar_desc=None, max_exceptions=np.float32(0.2)))
     with pytest.raises(HyperParameterError, match=r"after_each=3\) must be a function"):
         asyncio.run(gather_trajectory_groups([], after_each=3))  # type: ignore[arg-type]
@@ -429,7 +431,7 @@ def test_numbers_beyond_float_range_and_history_typos_are_refused_in_one_sentenc
     with pytest.raises(ValidationError, match=r"additional_histories\[0\] is a list; a history is"):
         trajectory(1.0, additional_histories=[[{"role": "user", "content": "x"}]])
     history = {"messages_and_choices": [{"role": "user", "content": "x"}], "tools": None}
-    assert trajectory(1.0, additional_histories=[history]).additional_histories == [history]
+    assert trajectory(1.0, additional_histories=[history]).additional_histories == [History(**history)]
 
 
 def test_model_log_refuses_a_metric_beyond_float_range(tmp_path, monkeypatch) -> None:  # noqa: ANN001

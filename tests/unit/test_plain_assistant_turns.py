@@ -160,8 +160,9 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     backend._model_dir = tiny_llama_dir
 
-    async def step_with(documents, metrics, kind, learning_rate, loss, started):  # noqa: ANN001
-        return {"documents": documents, "metrics": metrics, "loss": loss}
+    async def step_with(steps, metrics, kind, learning_rates, loss, started):  # noqa: ANN001
+        # an rl step is one document list (`_step_with` takes SFT's several)
+        return {"documents": steps[0], "metrics": metrics, "loss": loss}
 
     backend._step_with = step_with  # type: ignore[method-assign]
     return backend

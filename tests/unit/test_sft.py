@@ -169,7 +169,9 @@ def test_lr_schedules_by_hand():
 def test_sft_iterator_steps_epochs_and_resume(tmp_path):
     rows = read_sft_jsonl(write(tmp_path, GOOD, GOOD, TOOL))
     chunks = list(
-        create_sft_dataset_iterator(rows, epochs=2, batch_size=2, peak_lr=1.0, schedule_type="linear")
+        create_sft_dataset_iterator(
+            rows, chunk_size=1, epochs=2, batch_size=2, peak_lr=1.0, schedule_type="linear"
+        )
     )
     assert [(c.step, c.epoch, c.epoch_step, len(c.trajectories)) for c in chunks] == [
         (0, 0, 0, 2),
@@ -177,8 +179,12 @@ def test_sft_iterator_steps_epochs_and_resume(tmp_path):
         (2, 1, 0, 2),
         (3, 1, 1, 1),
     ]
-    assert [c.config.learning_rate for c in chunks] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
-    resumed = list(create_sft_dataset_iterator(rows, epochs=2, batch_size=2, initial_step=2))
+    assert [r for c in chunks for r in c.config.learning_rate] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+    # ART's default chunk_size=10: one train_sft call per epoch here, one rate per batch
+    chunks = list(create_sft_dataset_iterator(rows, epochs=2, batch_size=2, peak_lr=1.0))
+    assert [(c.step, c.epoch, c.epoch_step, len(c.trajectories)) for c in chunks] == [(0, 0, 0, 3), (2, 1, 0, 3)]
+    assert [r for c in chunks for r in c.config.learning_rate] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+    resumed = list(create_sft_dataset_iterator(rows, chunk_size=1, epochs=2, batch_size=2, initial_step=2))
     assert [c.step for c in resumed] == [2, 3]
 
 

@@ -240,9 +240,9 @@ def test_sft_documents_weight_by_the_turns_trained(tool_tokenizer):
     n_answer = len(tool_tokenizer.encode("it is sunny" + EOT, add_special_tokens=False))
     (everything,), stats = sft_documents(tool_tokenizer, [trajectory], "all")
     assert stats.trained_tokens == n_call + n_answer
-    assert everything.weight == pytest.approx(1 / (n_call + n_answer))
+    assert everything.weight == 1.0  # ART: every trained token of a batch weighs the same
     (last,), stats = sft_documents(tool_tokenizer, [trajectory], "last")
-    assert stats.trained_tokens == n_answer and last.weight == pytest.approx(1 / n_answer)
+    assert stats.trained_tokens == n_answer and last.weight == 1.0
 
 
 def test_a_template_that_cannot_render_a_turn_is_named(tiny_tokenizer):
