@@ -267,8 +267,14 @@ class TrainerEngine:
         loss: Literal["grpo", "sft"] = "grpo",
         loss_config: GRPOLossConfig = GRPOLossConfig(),
         learning_rate: float | None = None,
+        weight_decay: float | None = None,
+        clip_grad: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this DP rank's packed `batch` (every rank calls it with its own).
+
+        `learning_rate`, `weight_decay` (AdamW's, decoupled) and `clip_grad` (the global
+        gradient-norm clip, 0 disables it) apply to this step; None: the engine's
+        `OptimizerSettings` (ART trains RL and SFT with different decay and clip).
 
         GRPO (`loss.grpo_loss`): `batch.old_logprobs` are the sampling policy's logprobs and
         `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` or
@@ -311,8 +317,14 @@ class TrainerEngine:
             return metrics
 
         microbatches = [self._prepare(tensors, loss, loss_config) for tensors in self._microbatches(batch)]
+        decay = self.optimizer_settings.weight_decay if weight_decay is None else weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            group["weight_decay"] = decay * group.get("wd_mult", 1.0)  # Megatron's no-decay groups keep 0
+        clip = self.optimizer_settings.clip_grad if clip_grad is None else clip_grad
+        for sub in [self.optimizer, *_sub_optimizers(self.optimizer)]:
+            if getattr(sub, "config", None) is not None:
+                sub.config.clip_grad = clip
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         step = functools.partial(

@@ -201,6 +201,10 @@ class RLJob(_Body):
     checkpoint_dir: str = Field(min_length=1)
     learning_rate: Finite = Field(gt=0)
     loss: LossSettings = LossSettings()
+    weight_decay: Finite | None = Field(default=None, ge=0)
+    """AdamW's decoupled weight decay for this step (None: the engine's `OptimizerConfig`)."""
+    clip_grad: Finite | None = Field(default=None, ge=0)
+    """The global gradient-norm clip for this step, 0 disables it (None: the engine's)."""
 
 
 TrainJob = Annotated[PingJob | ExportJob | SFTJob | RLJob, Field(discriminator="kind")]

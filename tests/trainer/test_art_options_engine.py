@@ -76,3 +76,39 @@ def test_art_options_train_as_computed_by_hand(megatron_world, tiny_llama_dir: P
     assert metrics["loss/policy"] == pytest.approx(loss, abs=1e-5)
     assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert all(math.isfinite(v) for v in metrics.values()) and engine.steps == 3
+
+
+def test_a_step_takes_its_own_weight_decay_and_clip(megatron_world, tiny_llama_dir: Path) -> None:
+    """ART decays and clips RL steps (0.1, 0.1) unlike SFT steps (0, 1.0): the job's values hold
+    for that step only. At the first step B = 0, so A has no gradient and Adam leaves it: A moves
+    by decoupled weight decay alone, A <- A (1 - lr wd); a clip far below the gradient's norm
+    makes B's first Adam update ~ lr g / (|g| + eps) with |g| << eps, so B barely moves."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from art_mega.trainer.engine import TrainerEngine, _sub_optimizers
+    from art_mega.trainer.lora import lora_parameters
+    from art_mega.trainer.loss import GRPOLossConfig
+
+    batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
+    engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)
+    before = {n: p.detach().clone() for n, p in lora_parameters(engine.ddp.module).items()}
+    assert all(not bool(p.any()) for n, p in before.items() if n.endswith("lora_B"))
+    engine.train_step(batch, "grpo", GRPOLossConfig(**CISPO), weight_decay=0.5, clip_grad=1e-12)
+    after = {n: p.detach().clone() for n, p in lora_parameters(engine.ddp.module).items()}
+    shrink = 1 - OPTIMIZER.lr * 0.5
+    for name in before:
+        if name.endswith("lora_A"):
+            torch.testing.assert_close(after[name], before[name] * shrink, rtol=1e-6, atol=1e-9)
+        else:
+            assert float(after[name].abs().max()) < 1e-3 * OPTIMIZER.lr
+    # the next step without them is back at the engine's settings: B moves by ~lr
+    engine.train_step(batch, "grpo", GRPOLossConfig(**CISPO))
+    assert all(g["weight_decay"] == OPTIMIZER.weight_decay for g in engine.optimizer.param_groups)
+    assert all(sub.config.clip_grad == OPTIMIZER.clip_grad for sub in _sub_optimizers(engine.optimizer))
+    moved = max(
+        float(p.detach().abs().max())
+        for n, p in lora_parameters(engine.ddp.module).items()
+        if n.endswith("lora_B")
+    )
+    assert moved > 0.5 * OPTIMIZER.lr

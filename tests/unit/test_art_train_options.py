@@ -428,8 +428,11 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     backend._model_dir = tiny_llama_dir
 
-    async def step_with(documents, metrics, kind, learning_rate, loss, started):  # noqa: ANN001
-        return {"documents": documents, "learning_rate": learning_rate, "loss": loss}
+    async def step_with(steps, metrics, kind, learning_rate, loss, started):  # noqa: ANN001
+        # an rl step is one document list and one rate (`_step_with` also takes SFT's several)
+        documents = steps[0] if steps and isinstance(steps[0], list) else steps
+        rate = learning_rate[0] if isinstance(learning_rate, list) else learning_rate
+        return {"documents": documents, "learning_rate": rate, "loss": loss}
 
     backend._step_with = step_with  # type: ignore[method-assign]
     return backend
@@ -454,3 +457,31 @@ def test_kl_penalty_mean_is_per_packed_row() -> None:
     shaped = [1 + (-0.25 - 0.5), 1 + (-0.25 + 0.5), 1 + (-0.25 - 0.5), 1 + (-0.25 + 1.5), 1.0, 1.0]
     assert out.loss.item() == pytest.approx(-sum(shaped) / 6, abs=1e-6)  # every ratio 1
     assert out.kl_policy_ref == pytest.approx((0.5 - 0.5 + 0.5 - 1.5 + 0.5 + 0.5) / 6, abs=1e-6)
+
+
+def test_the_optimizer_follows_art_and_trainer_args_set_it() -> None:
+    from art_mega.backend import art_optimizer
+
+    optimizer, decay, clip = art_optimizer({})
+    assert (optimizer.beta1, optimizer.beta2, optimizer.eps) == (0.9, 0.99, 1e-8)
+    assert (optimizer.weight_decay, optimizer.clip_grad) == (0.0, 1.0)  # ART's SFT steps
+    assert (decay, clip) == (0.1, 0.1)  # ART's RL steps
+    optimizer, decay, clip = art_optimizer(
+        {
+            "adam_beta1": 0.8,
+            "adam_beta2": 0.95,
+            "adam_epsilon": 1e-6,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+        }
+    )
+    assert (optimizer.beta1, optimizer.beta2, optimizer.eps, decay, clip) == (0.8, 0.95, 1e-6, 0.0, 1.0)
+    with pytest.raises(
+        HyperParameterError, match=r"trainer_args\)\(adam_beta2=1.0\) must be a number from 0 to"
+    ):
+        art_optimizer({"adam_beta2": 1.0})
+    with pytest.raises(
+        HyperParameterError, match=r"\(max_grad_norm=-1\) must be a finite number of at least 0"
+    ):
+        art_optimizer({"max_grad_norm": -1})
+    assert MegatronBackend()._rl_optimizer == (0.1, 0.1)
