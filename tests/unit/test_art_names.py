@@ -336,3 +336,87 @@ def test_local_backend_takes_arts_arguments_and_refuses_what_has_no_meaning_here
         with pytest.raises(UserError) as caught:
             art.LocalBackend(**kwargs)
         assert fragment in str(caught.value)
+
+
+# ------------------------------------------------------------------ trajectory_group_batches
+
+
+def _group(reward: float) -> art.TrajectoryGroup:
+    return art.TrajectoryGroup(
+        [art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=reward)]
+    )
+
+
+async def _group_after(
+    reward: float, gate: asyncio.Event | None = None, fail: bool = False
+) -> art.TrajectoryGroup:
+    if gate is not None:
+        await gate.wait()
+    if fail:
+        raise ValueError(f"group {reward} failed")
+    return _group(reward)
+
+
+async def _batches(groups, between=None, **options) -> list[list[float]]:
+    got = []
+    async for batch in art.trajectory_group_batches(groups, pbar_desc=None, **options):
+        got.append([g.trajectories[0].reward for g in batch])
+        if between is not None:
+            between()
+    return got
+
+
+def test_trajectory_group_batches_yield_a_batch_while_later_groups_still_run():
+    async def main() -> list[list[float]]:
+        slow = asyncio.Event()  # set only once the first batch arrived: it cannot be in it
+        groups = [_group_after(0.0, slow), _group_after(1.0), _group_after(2.0), _group_after(3.0)]
+        return await _batches(groups, between=slow.set, batch_size=2)
+
+    assert asyncio.run(main()) == [[1.0, 2.0], [3.0, 0.0]]
+
+
+def test_trajectory_group_batches_skip_resumed_batches_and_bound_groups_in_flight():
+    rewards = [0.0, 1.0, 2.0, 3.0, 4.0]
+    resumed = asyncio.run(_batches([_group_after(r) for r in rewards], batch_size=2, skip_batches=1))
+    assert resumed == [[2.0, 3.0], [4.0]]  # the first two groups never ran
+
+    async def main() -> list[list[float]]:
+        gates = {r: asyncio.Event() for r in rewards}
+        running: list[float] = []
+
+        async def tracked(reward: float) -> art.TrajectoryGroup:
+            running.append(reward)
+            return await _group_after(reward, gates[reward])
+
+        def release_next() -> None:
+            waiting = len(running) - sum(g.is_set() for g in gates.values())
+            assert waiting <= 2, running  # batch_size 1 x max_concurrent_batches 2 in flight
+            for gate in gates.values():
+                if not gate.is_set():
+                    gate.set()
+                    return
+
+        gates[0.0].set()
+        return await _batches(
+            [tracked(r) for r in rewards], between=release_next, batch_size=1, max_concurrent_batches=2
+        )
+
+    assert asyncio.run(main()) == [[0.0], [1.0], [2.0], [3.0], [4.0]]
+
+
+def test_trajectory_group_batches_leave_out_groups_within_the_limit_and_raise_past_it():
+    groups = [_group_after(0.0), _group_after(1.0, fail=True), _group_after(2.0)]
+    assert asyncio.run(_batches(groups, batch_size=2, max_batch_exceptions=1)) == [[0.0, 2.0]]
+    groups = [_group_after(0.0, fail=True), _group_after(1.0), _group_after(2.0, fail=True)]
+    with pytest.raises(ValueError, match="group 2.0 failed"):  # ART raises the rollout's own exception
+        asyncio.run(_batches(groups, batch_size=3, max_batch_exceptions=1))
+    with pytest.raises(HyperParameterError, match=r"trajectory_group_batches\(batch_size=0\)"):
+        asyncio.run(_batches([], batch_size=0))
+
+
+def test_local_train_result_is_a_train_result_with_the_checkpoint_path():
+    result = art.LocalTrainResult(
+        step=2, metrics={"loss/train": 0.5}, checkpoint_path="/runs/m/checkpoints/0002"
+    )
+    assert isinstance(result, art.TrainResult)
+    assert (result.step, result.checkpoint_path) == (2, "/runs/m/checkpoints/0002")
