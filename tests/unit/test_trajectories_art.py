@@ -200,3 +200,17 @@ def test_a_copied_group_has_its_own_lists_as_in_art():
     assert copied.trajectories[0] is group.trajectories[0]  # shallow: the same trajectories
     deep = copy.deepcopy(group)
     assert deep == group and deep.trajectories[0] is not group.trajectories[0]
+
+
+def test_backend_train_refuses_a_trajectory_whose_policy_version_is_not_the_current_step():
+    from art_mega.backend import MegatronBackend
+    from art_mega.errors import UserError
+
+    backend = MegatronBackend()
+    backend._step = 4
+    groups = [TrajectoryGroup([Trajectory(initial_policy_version=4), Trajectory(initial_policy_version=3)])]
+    with pytest.raises(
+        UserError, match=r"^trajectory 1 of group 0 was sampled by policy step 3, but backend.train"
+    ):
+        backend._check_policy_steps(groups, allow_stale=False)
+    assert backend._check_policy_steps(groups, allow_stale=True) == 1
