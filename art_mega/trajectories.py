@@ -135,6 +135,11 @@ class History(BaseModel):
         return get_messages(self.messages_and_choices)
 
 
+LegacyHistory = History
+"""The name ART's documentation (Additional Histories) gives `History`:
+`from art.trajectories import LegacyHistory` runs unchanged."""
+
+
 class PydanticException(BaseModel):
     """A rollout exception as a `TrajectoryGroup` keeps it (ART's record): plain text, so that
     it travels between hosts and into logs.

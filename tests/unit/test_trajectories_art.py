@@ -214,3 +214,15 @@ def test_backend_train_refuses_a_trajectory_whose_policy_version_is_not_the_curr
     ):
         backend._check_policy_steps(groups, allow_stale=False)
     assert backend._check_policy_steps(groups, allow_stale=True) == 1
+
+
+def test_the_documentations_legacy_history_name_is_history():
+    from art_mega.trajectories import LegacyHistory
+
+    trajectory = Trajectory(
+        messages_and_choices=[{"role": "user", "content": "What is 2+2?"}],
+        additional_histories=[LegacyHistory(messages_and_choices=[{"role": "assistant", "content": "4"}])],
+    )
+    assert trajectory.additional_histories == [
+        History(messages_and_choices=[{"role": "assistant", "content": "4"}])
+    ]
