@@ -5,6 +5,7 @@ They are plain serializable descriptions until registered with a backend: nothin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -96,6 +97,9 @@ class Model(BaseModel, Generic[ModelConfig]):
     base_path: str = ".art-mega"
     report_metrics: list[str] | None = None
     _openai_client: Any = PrivateAttr(default=None)
+    _backend: Any = PrivateAttr(default=None)
+    _output_dir: str | None = PrivateAttr(default=None)
+    _wandb: Any = PrivateAttr(default=None)
 
     @field_validator("name", "project")
     @classmethod
@@ -137,6 +141,58 @@ class Model(BaseModel, Generic[ModelConfig]):
         if not value.strip() or "\0" in value:
             raise ValueError(f"base_path {value!r} must be a directory path, e.g. '.art'")
         return value
+
+    @property
+    def output_dir(self) -> Path:
+        """Where this model's history (and, once registered, checkpoints and report) go:
+        `<base_path>/<project>/models/<name>`, or the backend's run directory after `register`."""
+        if self._output_dir is not None:
+            return Path(self._output_dir)
+        return Path(self.base_path).resolve() / self.project / "models" / self.name
+
+    async def log(
+        self,
+        trajectory_groups: Any = None,
+        split: str = "train",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, Any]:
+        """Append a history.jsonl row for these groups to `output_dir` (and W&B as
+        `report_metrics` says), for a prompted model too (ART compares them so).
+
+        `trajectory_groups`: None, a list of TrajectoryGroup, or a list of Trajectory (and
+        exceptions) logged as one group, as in ART (whose argument order this follows: split
+        second, metrics and step by name). `metrics`: names -> numbers (a NaN would be left out
+        of the row, so it is refused; +-inf is logged as is). Returns the row written (see
+        `art_mega.metrics.history_row` for the names).
+
+        Raises:
+            HyperParameterError: a split that is not a non-empty name, a step that is not a
+                whole number >= 0, metrics that are not a dict of numbers or hold a NaN, or groups that
+                are not one of the forms above (named, one sentence).
+            UserError: report_metrics=['wandb'] without WANDB_API_KEY.
+        """
+        from art_mega.metrics import WandbMirror, append_history, history_row
+
+        groups = _log_groups(trajectory_groups)
+        _check_log_options(split, metrics, step)
+        if step is None:
+            step = await self.get_step() if self._backend is not None else 0
+        row = history_row(groups, split=split, step=step, metrics=metrics)
+        append_history(self.output_dir / "history.jsonl", row)
+        if self.report_metrics == []:  # ART's "history.jsonl only"
+            return row
+        if self.report_metrics is not None and not os.environ.get("WANDB_API_KEY"):
+            raise UserError(
+                f"model {self.name!r} has report_metrics={self.report_metrics!r} but WANDB_API_KEY is not "
+                "set; set it, or pass report_metrics=None (W&B only when the key is set) or []"
+            )
+        if self._wandb is None:
+            config = None if self.config is None else self.config.model_dump(mode="json")
+            self._wandb = WandbMirror(self.project, self.run_name or self.name, config)
+        self._wandb.log(row)
+        return row
 
     def get_inference_name(self, step: int | None = None) -> str:
         """The name requests send as `model=`: `inference_model_name` (else `name`), with
@@ -209,9 +265,6 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
 
     base_model: str
     trainable: bool = True
-    _backend: Any = PrivateAttr(default=None)
-    _output_dir: str | None = PrivateAttr(default=None)
-    _wandb: Any = PrivateAttr(default=None)
     _internal_config: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     def __init__(self, _internal_config: Any = None, **fields: Any) -> None:
@@ -220,13 +273,6 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         checked = {} if _internal_config is None else check_internal_config(_internal_config)
         super().__init__(**fields)
         self._internal_config = checked
-
-    @property
-    def output_dir(self) -> Path:
-        """Where this model's history, checkpoints and report go."""
-        if self._output_dir is not None:
-            return Path(self._output_dir)
-        return Path(self.base_path).resolve() / self.project / "models" / self.name
 
     def _require_backend(self) -> Any:
         if self._backend is None:
@@ -277,40 +323,6 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     async def get_step(self) -> int:
         """The latest committed training step (0 before any training)."""
         return int(await self._require_backend().get_step(self))
-
-    async def log(
-        self,
-        trajectory_groups: Any = None,
-        split: str = "train",
-        *,
-        metrics: dict[str, float] | None = None,
-        step: int | None = None,
-    ) -> dict[str, Any]:
-        """Append a history.jsonl row for these groups (and W&B when WANDB_API_KEY is set).
-
-        `trajectory_groups`: None, a list of TrajectoryGroup, or a list of Trajectory (and
-        exceptions) logged as one group, as in ART (whose argument order this follows: split
-        second, metrics and step by name). `metrics`: names -> numbers (a NaN would be left out
-        of the row, so it is refused; +-inf is logged as is). Returns the row written (see
-        `art_mega.metrics.history_row` for the names).
-
-        Raises:
-            HyperParameterError: a split that is not a non-empty name, a step that is not a
-                whole number >= 0, metrics that are not a dict of numbers or hold a NaN, or groups that
-                are not one of the forms above (named, one sentence).
-        """
-        from art_mega.metrics import WandbMirror, append_history, history_row
-
-        groups = _log_groups(trajectory_groups)
-        _check_log_options(split, metrics, step)
-        if step is None:
-            step = await self.get_step() if self._backend is not None else 0
-        row = history_row(groups, split=split, step=step, metrics=metrics)
-        append_history(self.output_dir / "history.jsonl", row)
-        if self._wandb is None:
-            self._wandb = WandbMirror(self.project, self.run_name or self.name, self.config)
-        self._wandb.log(row)
-        return row
 
     async def train(
         self, trajectory_groups: Any, config: Any = None, _config: Any = None, **kwargs: Any

@@ -420,3 +420,20 @@ def test_local_train_result_is_a_train_result_with_the_checkpoint_path():
     )
     assert isinstance(result, art.TrainResult)
     assert (result.step, result.checkpoint_path) == (2, "/runs/m/checkpoints/0002")
+
+
+def test_a_prompted_model_logs_its_evaluation_under_base_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    model = art.Model(name="gpt-4.1", project="p", base_path=str(tmp_path), report_metrics=[])
+    group = art.TrajectoryGroup(
+        [
+            art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=r)
+            for r in (0.25, 0.75)
+        ]
+    )
+    row = asyncio.run(model.log([group], split="val"))
+    assert row["val/reward"] == 0.5 and row["step"] == 0
+    assert (tmp_path / "p" / "models" / "gpt-4.1" / "history.jsonl").read_text().count("\n") == 1
+    wants_wandb = art.Model(name="gpt-4.1", project="p", base_path=str(tmp_path), report_metrics=["wandb"])
+    with pytest.raises(UserError, match=r"report_metrics=\['wandb'\] but WANDB_API_KEY is not set"):
+        asyncio.run(wants_wandb.log([group], split="val"))
