@@ -9,14 +9,14 @@ SFT shows what the warm-up taught. Runs unchanged under `art-mega local`, `ssh` 
 Environment knobs: ART_MEGA_SFT_EPOCHS (default 3), ART_MEGA_SFT_BATCH_SIZE (8), ART_MEGA_SFT_LR
 (peak learning rate, 5e-4), ART_MEGA_GROUP_SIZE (8), ART_MEGA_BASE_MODEL.
 The last line printed starts with ART_MEGA_SFT_DONE and gives the SFT loss of the first and the
-last epoch (mean token cross-entropy, nats) and the GRPO step's result.
+last epoch (mean token cross-entropy, nats), the SFT optimizer steps (one per batch; each epoch is
+one train_sft_from_file call, one model step) and the GRPO step's result.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from statistics import mean
 
 from train import TRAIN_QUESTIONS, rollout, validate
 
@@ -48,19 +48,29 @@ async def main(launch) -> None:
         val_base = await validate(model)
         print(f"step {await model.get_step()} (base): val/reward {val_base:.3f}", flush=True)
 
-        results = await train_sft_from_file(
-            model,
-            SFT_FILE,
-            epochs=epochs,
-            batch_size=batch_size,
-            peak_lr=peak_lr,
-            schedule_type="cosine",
-            warmup_ratio=0.1,
-            verbose=True,
-        )
-        per_epoch = len(results) // epochs
-        loss_first = mean(r.metrics["loss/sft"] for r in results[:per_epoch])
-        loss_last = mean(r.metrics["loss/sft"] for r in results[-per_epoch:])
+        # one train_sft_from_file call per epoch (ART's initial_step/final_step segments): each is
+        # one step whose loss/train is the mean over its batches, so the first and last compare
+        rows = sum(1 for line in SFT_FILE.open() if line.strip())
+        batches = -(-rows * epochs // batch_size)
+        results = []
+        for epoch in range(epochs):
+            results.append(
+                await train_sft_from_file(
+                    model,
+                    SFT_FILE,
+                    epochs=epochs,
+                    batch_size=batch_size,
+                    peak_lr=peak_lr,
+                    schedule_type="cosine",
+                    warmup_ratio=0.1,
+                    initial_step=epoch * batches // epochs,
+                    final_step=(epoch + 1) * batches // epochs,
+                    verbose=True,
+                )
+            )
+        loss_first = results[0].metrics["loss/train"]
+        loss_last = results[-1].metrics["loss/train"]
+        sft_steps = int(sum(r.metrics["data/step_num_gradient_steps"] for r in results))
         val_sft = await validate(model)
         print(f"step {await model.get_step()} (after SFT): val/reward {val_sft:.3f}", flush=True)
 
@@ -73,7 +83,7 @@ async def main(launch) -> None:
         val_rl = await validate(model)
         print(
             f"ART_MEGA_SFT_DONE sft_loss first_epoch={loss_first:.4f} last_epoch={loss_last:.4f} "
-            f"sft_steps={len(results)} grpo_step={result.step} grpo_loss={result.metrics.get('loss/policy', 0.0):.4f} "
+            f"sft_steps={sft_steps} grpo_step={result.step} grpo_loss={result.metrics.get('loss/policy', 0.0):.4f} "
             f"val/reward base={val_base:.3f} sft={val_sft:.3f} grpo={val_rl:.3f}",
             flush=True,
         )
