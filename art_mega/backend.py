@@ -899,7 +899,7 @@ class MegatronBackend:
         from art_mega.inference.recovery import ReplicaRecovery
         from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
         from art_mega.inference.sleep import SharedGpuReplicas
-        from art_mega.inference.tool_calls import tool_call_parser
+        from art_mega.inference.tool_calls import added_tokens, tool_call_parser
         from art_mega.trainer.hf_checkpoint import read_hf_config
         from art_mega.trainer.service import TrainerService
 
@@ -936,7 +936,9 @@ class MegatronBackend:
             gpu_memory_utilization=self.gpu_memory_utilization,
             # ART's server arguments: tool calling on (with the model family's parser) and
             # vLLM's own sampling defaults rather than the model's generation_config.json
-            tool_call_parser=tool_call_parser(read_hf_config(resolved.model_dir).get("model_type")),
+            tool_call_parser=tool_call_parser(
+                read_hf_config(resolved.model_dir).get("model_type"), added_tokens(resolved.model_dir)
+            ),
             generation_config="vllm",
         )
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]

@@ -6,7 +6,7 @@ the topology's `ReplicaSpec`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -48,6 +48,11 @@ class ReplicaLaunch(_Body):
     to the environment (e.g. the topology's `ProcessSpec.environ`). `gpu_memory_utilization`
     (GPU only) is the fraction of each GPU's memory vLLM may take (None: vLLM's default, 0.9);
     lower it when replicas share GPUs with trainer ranks whose weights stay resident.
+    `tool_call_parser` turns on vLLM's automatic tool choice with that parser (vLLM's name, e.g.
+    "hermes"; None: no tool calling); `generation_config` is vLLM's `--generation-config`
+    ("vllm": vLLM's own sampling defaults, not the model's generation_config.json; None: vLLM's
+    default); `chat_template_kwargs` are rendered into every chat request's template (a request
+    may override them; {}: none).
     """
 
     model: str
@@ -64,6 +69,9 @@ class ReplicaLaunch(_Body):
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    tool_call_parser: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    generation_config: str | None = Field(default=None, min_length=1)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("max_lora_rank")
     @classmethod

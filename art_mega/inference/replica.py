@@ -7,6 +7,7 @@ parent-death signal, so the agent's death takes the replica with it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import sys
@@ -71,6 +72,12 @@ def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
         argv += ["--enable-sleep-mode"]
     if launch.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
+    if launch.tool_call_parser is not None:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_call_parser]
+    if launch.generation_config is not None:
+        argv += ["--generation-config", launch.generation_config]
+    if launch.chat_template_kwargs:
+        argv += ["--default-chat-template-kwargs", json.dumps(launch.chat_template_kwargs, sort_keys=True)]
     return argv + list(launch.extra_args)
 
 
@@ -80,9 +87,11 @@ def vllm_env(
     *,
     on_cpu: bool = False,
     sleep_mode: bool = False,
+    gpus: tuple[int | str, ...] = (),
 ) -> dict[str, str]:
     """The replica's environment: `base` (default os.environ) without the launch secret, plus
-    runtime LoRA updating, the CPU KV-cache size (GiB) and `launch.env` (which wins).
+    runtime LoRA updating, the CPU KV-cache size (GiB), CUDA_VISIBLE_DEVICES = `gpus` (the
+    replica's GPUs on this host, when it has any) and `launch.env` (which wins).
 
     `sleep_mode` (a replica sharing the trainer's GPUs) sets `VLLM_SERVER_DEV_MODE=1`, which is
     what exposes vLLM's `/sleep` and `/wake_up` routes.
@@ -107,6 +116,8 @@ def vllm_env(
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if gpus:  # the topology's GPUs, not whatever the agent's own environment shows
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
     env.update(launch.env)
     return env
 
@@ -229,6 +240,7 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
                     launch,
                     on_cpu=not any(gpus for _, gpus in spec.gpu_ids),
                     sleep_mode=spec.shared_gpus,
+                    gpus=spec.gpu_ids[0][1],
                 ),
                 stdout=log.fileno(),
                 stderr=asyncio.subprocess.STDOUT,

@@ -7,6 +7,7 @@ that use `served` skip, with the set-up command, when that interpreter or vllm i
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from art_mega.agent.client import AgentClient
 from art_mega.agent.ports import free_port
 from art_mega.inference import ReplicaLaunch, start_replicas, stop_replicas
 from art_mega.inference.protocol import InferenceStartResponse
+from art_mega.inference.tool_calls import added_tokens, tool_call_parser
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.topology import EndpointSpec
 from art_mega.topology.compiled import ReplicaSpec
@@ -117,6 +119,11 @@ async def served(
         python=vllm_python,
         log_dir=str(run_dir / "logs"),
         ready_timeout_s=240.0,
+        # what MegatronBackend starts replicas with (ART's server arguments)
+        tool_call_parser=tool_call_parser(
+            json.loads((tiny_model / "config.json").read_text())["model_type"], added_tokens(tiny_model)
+        ),
+        generation_config="vllm",
     )
     started = time.monotonic()
     (answer,) = await start_replicas(agent.clients, [spec], launch)
