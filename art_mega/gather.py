@@ -303,7 +303,7 @@ async def _run(progress: GatherProgress, coroutines: list[Any]) -> list[Any]:
 
 
 def _trajectory_list(value: Any) -> list[Trajectory] | None:
-    if isinstance(value, (str, bytes, dict, TrajectoryGroup)) or not isinstance(value, Iterable):
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):  # a group: its trajectories
         return None
     items = list(value)
     return items if all(isinstance(t, Trajectory) for t in items) else None

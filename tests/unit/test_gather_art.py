@@ -147,6 +147,8 @@ async def test_gather_trajectories_returns_exceptions_in_place_within_the_limit(
     assert results[0].reward == 1.0
     assert isinstance(results[1], ValueError) and str(results[1]) == "fail 2.0"
     assert [t.reward for t in results[2]] == [3.0, 4.0]
+    (pending,) = await gather_trajectories([TrajectoryGroup([rollout(5.0)])], pbar_desc=None)
+    assert [t.reward for t in pending] == [5.0]  # a group is its trajectories, as in ART
     with pytest.raises(ValueError, match="^fail 2.0$"):
         await gather_trajectories([rollout(1.0), rollout(2.0, fail_after=0)], pbar_desc=None)
 
