@@ -77,13 +77,13 @@ def _refuse(field: str, value: Any, why: str) -> HyperParameterError:
     return HyperParameterError(f"{WHERE} sets {field}={value!r}, {why}", field, value)
 
 
-def _whole_number(field: str, value: Any, least: int) -> int:
+def _whole_number(field: str, value: Any, least: int, example: int) -> int:
     try:  # any integer type, numpy's too; not a bool and not a float
         number = None if "bool" in type(value).__name__ else operator.index(value)
     except TypeError:
         number = None
     if number is None or number < least:
-        raise _refuse(field, value, f"which must be a whole number of at least {least}")
+        raise _refuse(field, value, f"which must be a whole number of at least {least}, e.g. {example}")
     return number
 
 
@@ -106,14 +106,16 @@ def engine_settings(config: Mapping[str, Any]) -> EngineSettings:
                 )
     settings: dict[str, Any] = {}
     if "max_seq_length" in init:
-        settings["max_seq_length"] = _whole_number("init_args.max_seq_length", init["max_seq_length"], 1)
+        settings["max_seq_length"] = _whole_number(
+            "init_args.max_seq_length", init["max_seq_length"], 1, 2048
+        )
     if "max_model_len" in engine:
         settings["max_model_len"] = _whole_number(
-            "engine_args.max_model_len", engine["max_model_len"], MIN_MODEL_LEN
+            "engine_args.max_model_len", engine["max_model_len"], MIN_MODEL_LEN, 2048
         )
     if "tensor_parallel_size" in engine:
         settings["tensor_parallel_size"] = _whole_number(
-            "engine_args.tensor_parallel_size", engine["tensor_parallel_size"], 1
+            "engine_args.tensor_parallel_size", engine["tensor_parallel_size"], 1, 1
         )
     if "gpu_memory_utilization" in engine:
         value = engine["gpu_memory_utilization"]
@@ -337,7 +339,7 @@ def local_plan(
                         name,
                         list(ids),
                         f"but GPU {gpu} is not one CUDA can use here by index (usable: {_listed(usable)}; "
-                        f"CUDA_VISIBLE_DEVICES={facts.env.get('CUDA_VISIBLE_DEVICES')!r}); name those GPUs",
+                        f"CUDA_VISIBLE_DEVICES={facts.env.get('CUDA_VISIBLE_DEVICES')!r}); name GPUs from that list",
                     )
         if settings.enable_sleep_mode:
             raise _refuse(
