@@ -22,6 +22,8 @@ _EXPORTS = {
     "MessagesAndChoices": "art_mega.types",
     "Tools": "art_mega.types",
     "retry": "art_mega.utils.retry",
+    "auto_trajectory": "art_mega.captured",
+    "capture_auto_trajectory": "art_mega.captured",
     "yield_trajectory": "art_mega.yielded",
     "capture_yielded_trajectory": "art_mega.yielded",
     "TrajectoryGroup": "art_mega.trajectories",

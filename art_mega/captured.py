@@ -1,0 +1,164 @@
+"""ART's `auto_trajectory` / `capture_auto_trajectory`: build a rollout's trajectory from the chat
+completions its code makes, without the code building one.
+
+While `capture_auto_trajectory(coroutine)` runs, every chat completion answered over httpx or
+httpx2 (the OpenAI SDK's transports, so `model.openai_client()` and any `openai.AsyncOpenAI`) in its task
+appends the request's new messages and the first sampled `Choice` to the trajectory: to its main
+conversation when the request continues it (same messages so far, same tools), else to the
+`additional_histories` entry it continues, else to a new one (ART's rule). the Response classes are
+hooked once, at the first capture (not at import); outside a capture the hook only checks a context variable.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import Coroutine
+from typing import Any
+
+from art_mega.errors import UserError
+from art_mega.trajectories import History, Trajectory
+
+
+class _Capture:
+    """One `capture_auto_trajectory` call: its trajectory and the streamed replies it saw."""
+
+    def __init__(self) -> None:
+        self.trajectory = Trajectory()
+        self.streamed = 0
+
+    def add(self, request_body: bytes, response_body: bytes) -> None:
+        """Record one finished httpx exchange if it is a chat completion (else nothing)."""
+        from openai.types.chat.chat_completion import Choice
+
+        try:
+            request = json.loads(request_body)
+        except (ValueError, TypeError):
+            return
+        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+            return  # not a chat completion request
+        if request.get("stream"):
+            self.streamed += 1
+            return
+        try:
+            choice = Choice.model_validate(json.loads(response_body)["choices"][0])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return  # an error reply: the SDK raises it to the rollout
+        messages, tools = request["messages"], request.get("tools")
+        history: Trajectory | History = self.trajectory
+        seen = history.messages()
+        if not (
+            seen == messages[: len(seen)] and (history.tools == tools or (not seen and history.tools is None))
+        ):
+            for history in self.trajectory.additional_histories:
+                seen = history.messages()
+                if seen == messages[: len(seen)] and history.tools == tools:
+                    break
+            else:
+                history = History(messages_and_choices=[], tools=tools)
+                self.trajectory.additional_histories.append(history)
+        history.messages_and_choices.extend(messages[len(history.messages_and_choices) :])
+        history.messages_and_choices.append(choice)
+        history.tools = tools
+
+
+_CURRENT: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("auto_trajectory", default=None)
+_HOOKED = False
+
+
+def auto_trajectory(*, required: bool = False) -> Trajectory | None:
+    """The trajectory the enclosing `capture_auto_trajectory` is building (to set its reward or
+    metrics from inside the rollout); None outside one.
+
+    Raises:
+        RuntimeError: `required=True` outside `capture_auto_trajectory(...)`.
+    """
+    capture = _CURRENT.get()
+    if capture is None and required:
+        raise RuntimeError(
+            "No auto trajectory in context: auto_trajectory(required=True) must run inside "
+            "art.capture_auto_trajectory(...)"
+        )
+    return None if capture is None else capture.trajectory
+
+
+async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajectory:
+    """Await `coroutine` and return the trajectory of the chat completions it made (its return
+    value is discarded, as in ART), finished (`metrics["duration"]`).
+
+    Raises:
+        UserError: the coroutine streamed a chat completion (`stream=True`), which art-mega does
+            not rebuild into a Choice; request it without streaming.
+        What the coroutine raises.
+    """
+    _hook_httpx()
+    capture = _Capture()
+    token = _CURRENT.set(capture)
+    try:
+        await coroutine
+    finally:
+        _CURRENT.reset(token)
+        capture.trajectory.finish()
+    if capture.streamed:
+        raise UserError(
+            f"capture_auto_trajectory saw {capture.streamed} streamed chat completion(s) (stream=True), "
+            "which it does not capture; call chat.completions.create without stream=True inside it"
+        )
+    return capture.trajectory
+
+
+def _hook_httpx() -> None:
+    """Hook the Response class of httpx and of httpx2 (the OpenAI SDK's transport since 3.x),
+    whichever are installed, once per process (see `_hook_response`)."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    import importlib
+
+    for name in ("httpx", "httpx2"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        _hook_response(module.Response)
+    _HOOKED = True
+
+
+def _hook_response(response: Any) -> None:
+    """Wrap `response`'s byte iterators (to keep the body read so far while a capture runs) and
+    close/aclose (to hand the finished exchange to the capture)."""
+    iter_bytes, aiter_bytes = response.iter_bytes, response.aiter_bytes
+    close, aclose = response.close, response.aclose
+
+    def kept(self: Any, chunk: bytes) -> None:
+        if _CURRENT.get() is not None:
+            self.__dict__["_art_mega_body"] = self.__dict__.get("_art_mega_body", b"") + chunk
+
+    def hooked_iter_bytes(self: Any, chunk_size: int | None = None) -> Any:
+        for chunk in iter_bytes(self, chunk_size):
+            kept(self, chunk)
+            yield chunk
+
+    async def hooked_aiter_bytes(self: Any, chunk_size: int | None = None) -> Any:
+        async for chunk in aiter_bytes(self, chunk_size):
+            kept(self, chunk)
+            yield chunk
+
+    def handed(self: Any) -> None:
+        capture = _CURRENT.get()
+        body = self.__dict__.pop("_art_mega_body", b"")
+        if capture is not None and body:
+            capture.add(self.request.content, body)
+
+    def hooked_close(self: Any) -> None:
+        close(self)
+        handed(self)
+
+    async def hooked_aclose(self: Any) -> None:
+        await aclose(self)
+        handed(self)
+
+    response.iter_bytes = hooked_iter_bytes
+    response.aiter_bytes = hooked_aiter_bytes
+    response.close = hooked_close
+    response.aclose = hooked_aclose
