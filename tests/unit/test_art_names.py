@@ -44,6 +44,19 @@ def test_art_submodules_and_names_resolve_where_art_programs_import_them():
         art.ServerlessBackend  # noqa: B018
 
 
+def test_every_name_of_arts_all_but_the_serverless_ones_resolves():
+    art_0_5_18_all = [
+        "dev", "auto_trajectory", "capture_auto_trajectory", "gather_trajectories",
+        "gather_trajectory_groups", "trajectory_group_batches", "Backend", "LocalBackend",
+        "LocalTrainResult", "Messages", "MessagesAndChoices", "Tools", "Model", "TrainableModel",
+        "retry", "TrainSFTConfig", "TrainConfig", "TrainResult", "Trajectory", "TrajectoryGroup",
+        "capture_yielded_trajectory", "yield_trajectory",
+    ]  # fmt: skip
+    missing = [name for name in art_0_5_18_all if not hasattr(art, name)]
+    assert missing == []
+    assert callable(art.auto_trajectory) and callable(art.yield_trajectory)  # not their modules
+
+
 def test_dev_train_config_has_arts_keys():
     art_0_5_18 = {
         "advantage_balance", "allow_training_without_logprobs", "epsilon", "epsilon_high",
