@@ -116,7 +116,9 @@ class Model(BaseModel, Generic[ModelConfig]):
         if not isinstance(value, BaseModel) and not (typed and isinstance(value, dict)):
             raise ValueError(
                 f"config must be a pydantic model instance (ART: config=MyConfig(...) with "
-                f"`class MyConfig(pydantic.BaseModel)`), not a {type(value).__name__}"
+                f"`class MyConfig(pydantic.BaseModel)`), not a {type(value).__name__}; a dumped config "
+                "(e.g. a model sent to a rollout worker) validates back when the class is typed, "
+                "art.TrainableModel[MyConfig](...)"
             )
         try:
             value.model_dump_json() if isinstance(value, BaseModel) else None
