@@ -450,16 +450,3 @@ def test_a_prompted_model_logs_its_evaluation_under_base_path(tmp_path, monkeypa
     wants_wandb = art.Model(name="gpt-4.1", project="p", base_path=str(tmp_path), report_metrics=["wandb"])
     with pytest.raises(UserError, match=r"report_metrics=\['wandb'\] but WANDB_API_KEY is not set"):
         asyncio.run(wants_wandb.log([group], split="val"))
-
-
-def test_a_typed_model_crosses_the_rollout_wire_with_its_config():
-    from art_mega.rollouts.wire import WireError, decode, encode
-
-    typed = art.TrainableModel[Policy](name="m", project="p", base_model="b", config=Policy(max_turns=4))
-    back = decode(encode(typed))
-    assert type(back).__name__ == "TrainableModel[Policy]" and back.config == Policy(max_turns=4)
-    untyped = art.TrainableModel(name="m", project="p", base_model="b", config=Policy())
-    with pytest.raises(
-        WireError, match=r"validates back when the class is typed, art.TrainableModel\[MyConfig\]"
-    ):
-        decode(encode(untyped))
