@@ -23,6 +23,10 @@ Steps (in this order; `--steps` picks some, by name):
    inside `backend.train`) and a chat completion served by `<name>@1` (runs with grpo_lora).
 7. nccl_preflight: the preflight collective with backend NCCL over this host
    (`art_mega.preflight.collective.run_collective`), proved from the NCCL log ("Using network").
+8. local_backend: `LocalBackend()` as an ART program makes it, tiny Qwen3: its topology from this
+   host's facts (ART's shared mode: a trainer rank on every GPU, one replica on GPU 0 asleep
+   while training; a rehearsal gets the CPU layout), a chat request with `tool_choice="auto"`
+   served (tool calling on), one `backend.train` step.
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -78,6 +82,10 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("megatron.core", "vllm"),
     ),
     "nccl_preflight": ("the NCCL single-host preflight collective, proved from the NCCL log", ()),
+    "local_backend": (
+        "LocalBackend() on this host's GPUs (ART's shared mode), a tool-choice request, one GRPO step",
+        ("megatron.core", "vllm"),
+    ),
 }
 TE_TOLERANCE = 1e-3
 LOGITS_TOLERANCE = 1e-3
@@ -560,6 +568,71 @@ async def _grpo_and_publish(work: Path, log_dir: Path) -> list[tuple[str, float,
     return figures
 
 
+async def local_backend(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 8: `LocalBackend()` builds its own runtime from this host's facts; its topology is
+    checked (shared mode on every GPU, or the CPU layout in a rehearsal), a tool-choice request
+    is served and one GRPO step runs (the replica sleeping through it on GPUs)."""
+    import art_mega as art
+    from art_mega.local import LocalBackend
+
+    backend = LocalBackend(path=str(work / "local-backend"), seq_len=256, max_model_len=256)
+    model = art.TrainableModel(name="local-check", project="device-check", base_model=MODEL)
+    try:
+        started = time.perf_counter()
+        await model.register(backend)
+        register_s = time.perf_counter() - started
+        topology = backend._runtime.topology
+        ranks = [rank.gpu_id for rank in topology.trainer_ranks]
+        (replica,) = topology.replicas
+        ((_, replica_gpus),) = replica.gpu_ids
+        print(
+            f"local_backend: trainer GPUs {ranks}, replica GPUs {list(replica_gpus)}, shared={replica.shared_gpus}"
+        )
+        if rehearsing():
+            assert ranks == [None] and replica_gpus == () and not replica.shared_gpus, topology.replicas
+        else:
+            assert ranks and None not in ranks, f"trainer ranks without GPUs: {ranks}"
+            assert replica.shared_gpus and replica_gpus == (ranks[0],), topology.replicas
+        client = model.openai_client()
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "answer",
+                "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+            },
+        }
+        chosen = await client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=[{"role": "user", "content": "Answer with one word."}],
+            tools=[tool],
+            tool_choice="auto",
+            max_tokens=8,
+        )
+        assert chosen.choices[0].finish_reason in ("stop", "length", "tool_calls"), chosen
+
+        async def rollout(i: int) -> art.Trajectory:
+            messages = [{"role": "user", "content": "Is water wet? Answer with one word."}]
+            completion = await client.chat.completions.create(
+                model=model.get_inference_name(), messages=messages, max_tokens=8, temperature=1.0, seed=i
+            )
+            choice = completion.choices[0]
+            return art.Trajectory(
+                messages_and_choices=[*messages, choice], reward=float(len(choice.message.content or ""))
+            )
+
+        groups = await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(rollout(4 * g + i) for i in range(4)) for g in range(2)], pbar_desc=None
+        )
+        result = await backend.train(model, groups, learning_rate=1e-4)
+        assert result.step == 1, f"backend.train returned step {result.step}, expected 1"
+        if not rehearsing():
+            assert "time/sleep_s" in result.metrics, sorted(result.metrics)
+        print(f"local_backend: register {register_s:.1f} s, step {result.step}")
+    finally:
+        await backend.close()
+    return [(f"gpu: LocalBackend() register, {len(ranks)} GPU(s), tiny Qwen3", register_s, "s")]
+
+
 def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tuple[str, float, str]]]]:
     return {
         "megatron_logits": lambda: megatron_logits(work, log_dir),
@@ -568,6 +641,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "trainer_throughput": lambda: asyncio.run(trainer_throughput(work, log_dir)),
         "grpo_lora": lambda: asyncio.run(_grpo_and_publish(work, log_dir)),
         "nccl_preflight": lambda: asyncio.run(nccl_preflight(work, log_dir)),
+        "local_backend": lambda: asyncio.run(local_backend(work, log_dir)),
     }
 
 
