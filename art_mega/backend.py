@@ -765,13 +765,14 @@ class MegatronBackend:
         placement = placement_of(config)
         if self._runtime is not None and placement != self._placement:
             name, value = next(iter(placement.items()), next(iter(self._placement.items()), ("", None)))
-            built = "the given runtime's topology" if not self._owns_runtime else "the local runtime"
+            if self._owns_runtime:
+                where = f"this backend's local runtime was placed for {self._placement or 'ART shared mode'}"
+                fix = "close() the backend first or use a new backend for this model"
+            else:
+                where = "the given runtime's topology places the trainer and replicas"
+                fix = "set GPUs in that topology's TrainerSpec/InferenceSpec instead, or leave it out"
             raise HyperParameterError(
-                f"TrainableModel(_internal_config=...) sets {name}={value!r}, but {built} already places "
-                f"the trainer and replicas as {self._placement or 'ART shared mode (no placement fields)'}; "
-                "set GPUs in the runtime's TrainerSpec/InferenceSpec, or use a new backend for this model",
-                name,
-                value,
+                f"TrainableModel(_internal_config=...) sets {name}={value!r}, but {where}; {fix}", name, value
             )
         if settings.max_seq_length is not None:
             self.seq_len = settings.max_seq_length

@@ -429,7 +429,9 @@ async def test_a_backend_given_a_runtime_refuses_gpu_placement_before_anything_s
     with pytest.raises(HyperParameterError) as info:
         await backend.register(_model(config))
     assert info.value.name == field
-    assert "the given runtime's topology already places" in str(info.value)
+    assert "but the given runtime's topology places the trainer and replicas; set GPUs in that" in str(
+        info.value
+    )
 
 
 def test_register_takes_sequence_length_and_engine_args_from_the_model():
@@ -442,3 +444,19 @@ def test_register_takes_sequence_length_and_engine_args_from_the_model():
     }
     backend._apply_model_config(_model(config))  # what register does first
     assert (backend.seq_len, backend.max_model_len, backend.gpu_memory_utilization) == (3072, 4096, 0.6)
+
+
+def test_a_local_runtime_placed_for_one_config_refuses_another_until_closed():
+    from art_mega.backend import MegatronBackend
+
+    backend = MegatronBackend()
+    backend._runtime = _GivenRuntime()  # as _start_local leaves it for a dedicated-mode model
+    backend._placement = {"trainer_gpu_ids": [0], "inference_gpu_ids": [1]}
+    backend._apply_model_config(_model({"trainer_gpu_ids": [0], "inference_gpu_ids": [1]}))
+    with pytest.raises(HyperParameterError) as info:
+        backend._apply_model_config(_model({}))
+    assert info.value.name == "trainer_gpu_ids"
+    assert "local runtime was placed for {'trainer_gpu_ids': [0], 'inference_gpu_ids': [1]}" in str(
+        info.value
+    )
+    assert "close() the backend first" in str(info.value)
