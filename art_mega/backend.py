@@ -941,6 +941,8 @@ class MegatronBackend:
                 read_hf_config(resolved.model_dir).get("model_type"), added_tokens(resolved.model_dir)
             ),
             generation_config="vllm",
+            # on GPUs vLLM's default, as ART's engine runs: the model's own dtype; on CPU float32
+            dtype="auto" if any(gpus for r in topology.replicas for _, gpus in r.gpu_ids) else "float32",
         )
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
         self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
