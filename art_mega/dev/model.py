@@ -240,6 +240,8 @@ READ_KEYS: dict[str, frozenset[str] | None] = {
     "engine_args": frozenset(
         {"gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enable_sleep_mode"}
     ),
+    # the optimizer (backend.art_optimizer): AdamW's betas and epsilon, RL's decay and clip
+    "trainer_args": frozenset({"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm"}),
 }
 """The `InternalModelConfig` fields art-mega reads (`LocalBackend.register`): a top-level field
 with None is read whole; a dict field with a set is read for those keys only."""
@@ -259,7 +261,8 @@ _INSTEAD: dict[str, str] = {
     "init_args.model_name": "name the model with TrainableModel(base_model=...)",
     "init_args.revision": "pin the revision in the base model's cached directory",
     "trainer_args": "art-mega trains with Megatron, not TRL: pass the learning rate as "
-    "model.train(config=art.TrainConfig(learning_rate=...)) and the loss options to backend.train",
+    "model.train(config=art.TrainConfig(learning_rate=...)) and the loss options to backend.train "
+    "(of trainer_args it reads adam_beta1, adam_beta2, adam_epsilon, weight_decay, max_grad_norm)",
     "engine_args": "art-mega starts vLLM itself; MegatronBackend(max_model_len=, gpu_memory_utilization=) "
     "sets what it exposes",
     "rollout_weights_mode": "art-mega serves LoRA adapters ('lora'); leave it out",

@@ -485,3 +485,24 @@ def test_the_optimizer_follows_art_and_trainer_args_set_it() -> None:
     ):
         art_optimizer({"max_grad_norm": -1})
     assert MegatronBackend()._rl_optimizer == (0.1, 0.1)
+
+
+def test_trainer_args_of_the_internal_config_reach_the_optimizer() -> None:
+    """ART sets the optimizer through InternalModelConfig(trainer_args=...); register reads
+    model._internal_config['trainer_args'] through art_optimizer."""
+    from art_mega.backend import art_optimizer
+
+    model = art.TrainableModel(
+        name="m",
+        project="p",
+        base_model="tiny",
+        _internal_config={"trainer_args": {"adam_beta2": 0.95, "weight_decay": 0.0, "max_grad_norm": 1.0}},
+    )
+    optimizer, decay, clip = art_optimizer(model._internal_config["trainer_args"])
+    assert (optimizer.beta1, optimizer.beta2, decay, clip) == (0.9, 0.95, 0.0, 1.0)
+    with pytest.raises(
+        HyperParameterError, match="trainer_args.optim='adamw', which art-mega does not implement"
+    ):
+        art.TrainableModel(
+            name="m", project="p", base_model="tiny", _internal_config={"trainer_args": {"optim": "adamw"}}
+        )
