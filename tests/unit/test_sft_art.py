@@ -314,3 +314,41 @@ def test_train_sft_refuses_what_art_would_misread(backend: MegatronBackend) -> N
     assert not backend.jobs  # type: ignore[attr-defined]
     sft(backend, trajectories(1), None, {}, True)  # ART's empty dev.TrainSFTConfig() and verbose
     assert math.isclose(backend.jobs[0][2][0], 5e-5)  # type: ignore[attr-defined]
+
+
+def test_a_host_local_root_gets_each_sft_batch_of_its_dp_rank(tmp_path) -> None:  # noqa: ANN001
+    """With a host-local artifact_root the controller writes every batch's `dp<r>` file on the
+    host whose ranks read DP rank r, through the agent's artifact write (run here as the agent
+    runs it, `transfer.files.write_file`, into that host's own root)."""
+    from types import SimpleNamespace
+
+    from art_mega.topology import TrainerSpec, compile_topology
+    from art_mega.trainer.protocol import sft_batch_file
+    from art_mega.transfer.files import write_file
+    from tests.helpers import loopback_cluster
+
+    class HostAgent:
+        def __init__(self, host: str) -> None:
+            self.host = host
+
+        async def call(self, route, body, timeout_s=None):  # noqa: ANN001, ANN201
+            return write_file(body.model_copy(update={"root": str(tmp_path / self.host)}))
+
+    cluster = loopback_cluster(2, tmp=str(tmp_path / "controller"), shared_artifact_root=False)
+    topology = compile_topology(cluster, trainer=TrainerSpec(host_ids=("host0", "host1")))
+    backend = MegatronBackend()
+    backend._runtime = SimpleNamespace(topology=topology, clients={h: HostAgent(h) for h in cluster.host_ids})
+    batch_dir = tmp_path / "controller" / "artifacts" / "run" / "batches" / "0003"
+    for k in range(2):
+        for dp in range(2):
+            file = sft_batch_file(batch_dir, k, dp)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_bytes(f"batch {k} dp {dp}".encode())
+    asyncio.run(backend._send_batches(batch_dir))
+    received = sorted(p.relative_to(tmp_path / "host1") for p in (tmp_path / "host1").rglob("*.safetensors"))
+    assert [str(p) for p in received] == [
+        "run/batches/0003/0000/dp1.safetensors",
+        "run/batches/0003/0001/dp1.safetensors",
+    ]
+    assert (tmp_path / "host1" / received[1]).read_bytes() == b"batch 1 dp 1"
+    assert not (tmp_path / "host0").exists()  # the controller's own host reads its files in place
