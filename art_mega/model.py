@@ -120,10 +120,11 @@ class Model(BaseModel, Generic[ModelConfig]):
                 "(e.g. a model sent to a rollout worker) validates back when the class is typed, "
                 "art.TrainableModel[MyConfig](...)"
             )
-        try:
-            value.model_dump_json() if isinstance(value, BaseModel) else None
-        except Exception as exc:  # pydantic's PydanticSerializationError, or a field's own error
-            raise ValueError(f"config {type(value).__name__} cannot be serialized to JSON ({exc})") from None
+        if isinstance(value, BaseModel):  # a dict is validated (and so checked) by Cfg itself
+            try:
+                value.model_dump_json()
+            except Exception as exc:  # pydantic's PydanticSerializationError, or a field's own error
+                raise ValueError(f"config {type(value).__name__} cannot be serialized to JSON ({exc})") from None
         return value
 
     @field_validator("report_metrics")
