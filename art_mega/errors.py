@@ -715,25 +715,6 @@ class ArtifactFileError(ArtMegaError, RuntimeError):
         self.detail = detail
 
 
-class RolloutExceptionsExceeded(ArtMegaError, RuntimeError):
-    """More rollouts raised than `max_exceptions` allows (`gather.gather_trajectory_groups`);
-    chained to the first exception seen.
-
-    Attributes:
-        raised: how many rollouts raised; total: how many ran.
-        max_exceptions: the limit given (a count, or a fraction of `total`).
-    """
-
-    def __init__(self, raised: int, total: int, max_exceptions: int | float, first: BaseException) -> None:
-        super().__init__(
-            f"{raised} of {total} rollouts raised (max_exceptions={max_exceptions}); "
-            f"first: {type(first).__name__}: {first}"
-        )
-        self.raised = raised
-        self.total = total
-        self.max_exceptions = max_exceptions
-
-
 class Exit(NamedTuple):
     """How a report of an exception ends: the process exit code, and whether it shows the
     traceback (True) or only the exception's one sentence (False)."""
@@ -792,7 +773,6 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     AdapterPublishError: _TRACEBACK_FAILURE,
     AdapterTransferError: _TRACEBACK_FAILURE,
     ArtifactFileError: _TRACEBACK_FAILURE,
-    RolloutExceptionsExceeded: _TRACEBACK_FAILURE,
     # The user pressed Ctrl-C inside the program: 128 + SIGINT, as the shell counts it.
     KeyboardInterrupt: Exit(130, traceback=False),
 }

@@ -75,7 +75,6 @@ SAMPLES: dict[type[BaseException], BaseException] = {
     errors.AdapterPublishError: errors.AdapterPublishError(4, "tiny@4", {"vllm-0": _HTTP}),
     errors.AdapterTransferError: errors.AdapterTransferError(5, "host host0: offering failed"),
     errors.ArtifactFileError: errors.ArtifactFileError("host1", "a/b", "a/b is outside the artifact root"),
-    errors.RolloutExceptionsExceeded: errors.RolloutExceptionsExceeded(2, 4, 1, ValueError("bad")),
     errors.NonFiniteStepError: errors.NonFiniteStepError("loss/policy", float("nan"), 3),
     errors.TopologyError: errors.TopologyError(
         "host_id 'h9' is not in ClusterSpec.hosts ('h0'); use one of those ids.", "host_id"
@@ -141,9 +140,6 @@ def test_the_messages_are_built_from_the_fields():
     assert (
         str(SAMPLES[errors.NoReplicaUpError])
         == "no replica of tiny is up: vllm-0 (http://127.0.0.1:9): exited 1"
-    )
-    assert str(SAMPLES[errors.RolloutExceptionsExceeded]) == (
-        "2 of 4 rollouts raised (max_exceptions=1); first: ValueError: bad"
     )
     assert str(SAMPLES[errors.ArtifactFileError]) == "host host1: a/b is outside the artifact root"
     assert str(SAMPLES[errors.AdapterTransferError]) == "step 5: host host0: offering failed"
@@ -236,11 +232,11 @@ def _free_port() -> int:
             lambda tmp: [
                 "local",
                 "--program",
-                _program(tmp, "raise errors.RolloutExceptionsExceeded(3, 4, 0, ValueError('rollout bug'))"),
+                _program(tmp, "raise errors.TrainerJobError('trainer rank 0 on host host0 died', rank=0)"),
             ],
-            errors.RolloutExceptionsExceeded,
-            "RolloutExceptionsExceeded: 3 of 4 rollouts raised (max_exceptions=0); first: ValueError: rollout bug",
-            id="rollouts-failed",
+            errors.TrainerJobError,
+            "TrainerJobError: trainer rank 0 on host host0 died",
+            id="rank-died",
         ),
     ],
 )
