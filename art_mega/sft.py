@@ -259,6 +259,21 @@ def read_sft_jsonl(path: str | Path) -> list[Trajectory]:
     return trajectories
 
 
+def get_file_row_count(file_path: str | Path) -> int:
+    """ART's `get_file_row_count`: the non-blank lines of `file_path` (what `train_sft_from_file`
+    trains per epoch), without validating them.
+
+    Raises:
+        SFTFileError: the file is missing or unreadable (ART: OSError).
+    """
+    file = Path(file_path)
+    try:
+        with open(file, "rb") as handle:
+            return sum(1 for line in handle if line.strip())
+    except OSError as exc:
+        raise SFTFileError(f"SFT file {file} cannot be read ({exc.strerror})", str(file)) from None
+
+
 def iterate_file(
     file_path: str | Path,
     epochs: int = 1,

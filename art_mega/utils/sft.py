@@ -5,6 +5,7 @@ from art_mega.sft import (
     TrainSFTConfig,
     create_lr_schedule,
     create_sft_dataset_iterator,
+    get_file_row_count,
     iterate_file,
     train_sft_from_file,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "TrainSFTConfig",
     "create_lr_schedule",
     "create_sft_dataset_iterator",
+    "get_file_row_count",
     "iterate_file",
     "train_sft_from_file",
 ]

@@ -19,6 +19,7 @@ from art_mega.sft import (
     TrainSFTConfig,
     create_lr_schedule,
     create_sft_dataset_iterator,
+    get_file_row_count,
     iterate_dataset,
     iterate_file,
     train_sft_from_file,
@@ -130,6 +131,10 @@ def test_iterate_file_yields_arts_buffer_shuffled_order(tmp_path) -> None:  # no
     skipped = answers(iterate_file(path, epochs=2, shuffle_buffer_size=3, initial_skip=4))
     assert [int(a[1:]) for a in skipped] == [3, 4, 0, 2, 4, 1, 3, 5]
     assert answers(iterate_file(path, shuffle_buffer_size=1)) == [f"a{i}" for i in range(6)]
+    path.write_text(path.read_text() + "\n  \n")  # blank lines are not rows
+    assert get_file_row_count(path) == 6
+    with pytest.raises(SFTFileError, match="cannot be read"):
+        get_file_row_count(tmp_path / "missing.jsonl")
 
 
 def test_iterate_dataset_shuffles_as_art_and_takes_use_tqdm() -> None:
