@@ -151,6 +151,8 @@ GRPO_OPTIONS = (
     "max_negative_advantage_importance_sampling_weight",
     "kimi_k2_tau",
     "num_trajectories_learning_rate_multiplier_power",
+    "kl_ref_adapter_path",
+    "kl_penalty_reference_step",
     "config",
     "allow_stale",
     "drop_nonfinite_rewards",
@@ -173,10 +175,6 @@ class RefusedOption:
 
 
 _NO_MOE = "art-mega neither records nor replays MoE routing, so remove it"
-_KL_BASE = (
-    "art-mega's KL reference is the base model (LoRA disabled), so remove it or train with "
-    "kl_penalty_coef against the base model"
-)
 ART_OPTION_HINTS: dict[str, RefusedOption] = {
     "logprob_calculation_chunk_size": RefusedOption(
         (),
@@ -187,8 +185,6 @@ ART_OPTION_HINTS: dict[str, RefusedOption] = {
         (None,), "ART's LocalBackend refuses it too; choose the objective with loss_fn='cispo' or 'ppo'"
     ),
     "adam_params": RefusedOption((None,), "ART's LocalBackend refuses it too; remove it"),
-    "kl_penalty_reference_step": RefusedOption((None,), _KL_BASE),
-    "kl_ref_adapter_path": RefusedOption((None,), _KL_BASE),
     "scale_learning_rate_by_reward_std_dev": RefusedOption(
         (False,),
         "ART 0.5.18 takes it but no longer applies it (its LocalBackend ignores it); scale "
@@ -243,6 +239,7 @@ def check_grpo_options(
     max_negative_advantage_importance_sampling_weight: Any = None,
     kimi_k2_tau: Any = None,
     num_trajectories_learning_rate_multiplier_power: Any = 0.0,
+    kl_ref_adapter_path: Any = None,
 ) -> tuple[float, dict[str, Any]]:
     """Check `backend.train`'s options before anything runs; returns (learning rate, the
     `LossSettings` fields of the job).
@@ -253,7 +250,9 @@ def check_grpo_options(
     kl_beta, kl_penalty_coef, kimi_k2_tau (or None): finite >= 0; tis_cap,
     truncated_importance_sampling, max_negative_advantage_importance_sampling_weight: None or
     finite > 0 (not tis_cap and truncated_importance_sampling together); advantage_balance:
-    in [-1, 1]; num_trajectories_learning_rate_multiplier_power: finite; the flags: bools.
+    in [-1, 1]; num_trajectories_learning_rate_multiplier_power: finite; the flags: bools;
+    kl_ref_adapter_path: None or a PEFT adapter folder (or a checkpoint folder holding one in
+    `adapter/`) on this host, used as the reference when kl_penalty_coef or kl_beta is > 0.
     config: None or a `TrainConfig`, whose learning_rate replaces `learning_rate` (a
     `learning_rate` other than the default must agree with it), whose beta is `kl_beta` and
     whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree).
@@ -403,8 +402,50 @@ def check_grpo_options(
         "kimi_k2_tau": None if kimi_k2_tau is None else float(kimi_k2_tau),
         "kl_penalty_coef": float(kl_penalty_coef),
         "precalculate_logprobs": precalculate_logprobs,
+        "kl_ref_adapter_path": _reference_adapter(kl_ref_adapter_path, kl_penalty_coef or kl_beta),
     }
     return float(learning_rate), loss
+
+
+def _reference_adapter(path: Any, kl: float) -> str | None:
+    """`kl_ref_adapter_path` as the adapter folder the ranks read (a checkpoint folder's
+    `adapter/` when given the checkpoint), or None.
+
+    Raises:
+        HyperParameterError: not None, a str or a path; no adapter_config.json there; or no KL
+            term reads it (kl_penalty_coef and kl_beta both 0).
+    """
+    from art_mega.errors import HyperParameterError
+
+    if path is None:
+        return None
+    where = f"backend.train(kl_ref_adapter_path={path!r})"
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise HyperParameterError(
+            f"{where} must be the path of a PEFT adapter folder; pass e.g. "
+            "kl_ref_adapter_path='.art-mega/.../checkpoints/0003'",
+            "kl_ref_adapter_path",
+            path,
+        )
+    folder = Path(path)
+    inner = checkpoint.adapter_dir(folder)
+    if not (folder / "adapter_config.json").is_file() and (inner / "adapter_config.json").is_file():
+        folder = inner
+    if not (folder / "adapter_config.json").is_file():
+        raise HyperParameterError(
+            f"{where} holds no adapter_config.json (nor does its adapter/ folder); name a PEFT "
+            "LoRA adapter folder of this base model, or a committed checkpoint of it",
+            "kl_ref_adapter_path",
+            path,
+        )
+    if not kl:
+        raise HyperParameterError(
+            f"{where} is the KL reference, but no KL term reads it; set kl_penalty_coef (ART's "
+            "KL-penalised advantages) or kl_beta above 0, or remove it",
+            "kl_ref_adapter_path",
+            path,
+        )
+    return str(folder.resolve())
 
 
 ART_TRAINER_ARGS = {
@@ -1095,6 +1136,8 @@ class MegatronBackend:
         max_negative_advantage_importance_sampling_weight: float | None = None,
         kimi_k2_tau: float | None = None,
         num_trajectories_learning_rate_multiplier_power: float = 0.0,
+        kl_ref_adapter_path: str | None = None,
+        kl_penalty_reference_step: int | None = None,
         config: Any = None,
         allow_stale: bool = False,
         drop_nonfinite_rewards: bool = False,
@@ -1109,7 +1152,8 @@ class MegatronBackend:
         `mask_prob_ratio`, `max_negative_advantage_importance_sampling_weight`, `kimi_k2_tau`,
         `truncated_importance_sampling`, `precalculate_logprobs` (the trainer recomputes the
         old logprobs; the sampled ones are then TIS's), `kl_penalty_coef` (KL-penalised
-        advantages against the base model); `scale_rewards` / `normalize_advantages` (False:
+        advantages against the base model, or the adapter of `kl_ref_adapter_path` or of the
+        committed checkpoint `kl_penalty_reference_step`); `scale_rewards` / `normalize_advantages` (False:
         centred, not divided by the group's std); `advantage_balance` (then every advantage is
         divided by their mean magnitude, as ART's packing does: `tokenize.balance_advantages`);
         `num_trajectories_learning_rate_multiplier_power` (`trajectories_learning_rate`). The
@@ -1159,6 +1203,7 @@ class MegatronBackend:
         from art_mega.trainer.tokenize import balance_advantages, grpo_documents
 
         self._require(model)
+        kl_ref_adapter_path = self._reference_path(kl_ref_adapter_path, kl_penalty_reference_step)
         learning_rate, loss = check_grpo_options(
             learning_rate=learning_rate,
             importance_sampling_level=importance_sampling_level,
@@ -1182,6 +1227,7 @@ class MegatronBackend:
             max_negative_advantage_importance_sampling_weight=max_negative_advantage_importance_sampling_weight,
             kimi_k2_tau=kimi_k2_tau,
             num_trajectories_learning_rate_multiplier_power=num_trajectories_learning_rate_multiplier_power,
+            kl_ref_adapter_path=kl_ref_adapter_path,
         )
         scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
@@ -1201,6 +1247,40 @@ class MegatronBackend:
                 "data/trajectories_dropped_nonfinite_reward": float(dropped),
             }
             return await self._step_with([documents], metrics, "rl", [learning_rate], loss, started)
+
+    def _reference_path(self, path: Any, step: Any) -> Any:
+        """`kl_ref_adapter_path`, or the committed checkpoint folder of ART's
+        `kl_penalty_reference_step` (a step of this run, at most the current one).
+
+        Raises:
+            HyperParameterError: both given; the step not a whole number from 0 to the current
+                step; its checkpoint folder gone (`delete_checkpoints`).
+        """
+        from art_mega.errors import HyperParameterError
+        from art_mega.hyperparams import check, whole_problem
+
+        if step is None:
+            return path
+        where = "backend.train"
+        if path is not None:
+            raise HyperParameterError(
+                f"{where}(kl_penalty_reference_step={step!r}) and kl_ref_adapter_path={path!r} both "
+                "name the KL reference; set one of them",
+                "kl_penalty_reference_step",
+                step,
+            )
+        check(where, "kl_penalty_reference_step", step, whole_problem(0), "0")
+        root = None if self._run_dir is None else checkpoint.checkpoints_dir(self._run_dir)
+        folder = None if root is None else checkpoint.step_dir(root, step)
+        if step > self._step or folder is None or not folder.is_dir():
+            raise HyperParameterError(
+                f"{where}(kl_penalty_reference_step={step!r}) names no committed checkpoint of this "
+                f"run (the current step is {self._step}, and deleted checkpoints are gone); pass a "
+                "kept step from 0 to the current one",
+                "kl_penalty_reference_step",
+                step,
+            )
+        return str(folder)
 
     def _check_policy_steps(self, groups: list[Any], allow_stale: bool) -> int:
         """How many trajectories were served by a step other than the current one; raises

@@ -196,6 +196,8 @@ class TrainerEngine:
             [self.ddp],
         )
         self.steps = 0
+        self._reference_adapter: tuple[str, dict[str, torch.Tensor]] | None = None
+        """The last `kl_ref_adapter_path` and its LoRA weights (this rank's shards)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -388,12 +390,49 @@ class TrainerEngine:
             return _Microbatch(tensors)
         ref = old = inference = None
         if loss_config.needs_reference:
-            with lora_disabled(self.ddp.module):
+            with self._reference(loss_config.kl_ref_adapter_path):
                 ref = self._forward_logprobs(tensors)
         if loss_config.recomputes_old:
             old = self._forward_logprobs(tensors)
             inference = tensors["old_logprobs"]
         return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
+
+    @contextlib.contextmanager
+    def _reference(self, adapter_dir: str | None) -> Iterator[None]:
+        """Within the block the model is the reference policy: the base model (LoRA disabled),
+        or with `adapter_dir` the base model with that PEFT adapter (its weights read once and
+        kept for the next steps; the trained LoRA's own values are put back after the block).
+
+        Raises:
+            UserError: the adapter does not fit the trainer's LoRA (`peft_io.import_adapter`).
+        """
+        if adapter_dir is None:
+            with lora_disabled(self.ddp.module):
+                yield
+            return
+        params = lora_parameters(self.ddp.module)
+        own = {name: p.detach().clone() for name, p in params.items()}
+        try:  # a failed read leaves the trained LoRA as it was, too
+            if self._reference_adapter is None or self._reference_adapter[0] != adapter_dir:
+                from art_mega.trainer.peft_io import import_adapter
+
+                import_adapter(
+                    self.ddp.module,
+                    self.lora_config,
+                    adapter_dir,
+                    num_heads=self.model.args.num_heads,
+                    num_query_groups=self.model.args.num_query_groups,
+                    names=self.model.family.lora,
+                )
+                self._reference_adapter = (adapter_dir, {n: p.detach().clone() for n, p in params.items()})
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(self._reference_adapter[1][name])
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(own[name])
 
     def _forward_step(
         self,

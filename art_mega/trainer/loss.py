@@ -58,6 +58,8 @@ class GRPOLossConfig:
             disables it; needs `ref_logprobs`).
         precalculate_logprobs: the engine recomputes the old logprobs with the policy before
             the step and passes the batch's as `inference_logprobs` (not read by `grpo_loss`).
+        kl_ref_adapter_path: the reference policy is this PEFT adapter on the base model
+            instead of the base model alone (read by the engine, not by `grpo_loss`).
     """
 
     loss_fn: Literal["ppo", "cispo"] = "ppo"
@@ -72,6 +74,7 @@ class GRPOLossConfig:
     kimi_k2_tau: float | None = None
     kl_penalty_coef: float = 0.0
     precalculate_logprobs: bool = False
+    kl_ref_adapter_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -85,6 +88,8 @@ class GRPOLossConfig:
             raise ValueError("epsilon_low and epsilon_high must be >= 0")
         if self.tis_cap is not None and self.truncated_importance_sampling is not None:
             raise ValueError("tis_cap and truncated_importance_sampling are two caps; set one of them")
+        if self.kl_ref_adapter_path is not None and not self.needs_reference:
+            raise ValueError("kl_ref_adapter_path needs kl_penalty_coef > 0 or kl_beta > 0 to be read")
 
     @property
     def needs_reference(self) -> bool:

@@ -155,6 +155,7 @@ class LossSettings(_Body):
     kimi_k2_tau: Finite | None = Field(default=None, ge=0)
     kl_penalty_coef: Finite = Field(default=0.0, ge=0)
     precalculate_logprobs: bool = False
+    kl_ref_adapter_path: str | None = Field(default=None, min_length=1)
 
 
 class PingJob(_Body):

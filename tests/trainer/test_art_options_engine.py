@@ -112,3 +112,29 @@ def test_a_step_takes_its_own_weight_decay_and_clip(megatron_world, tiny_llama_d
         if n.endswith("lora_B")
     )
     assert moved > 0.5 * OPTIMIZER.lr
+
+
+def test_kl_against_a_reference_adapter(megatron_world, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """kl_ref_adapter_path: the reference is the base model with that adapter (the policy of an
+    earlier step here), and the trained LoRA is itself again after the reference pass."""
+    from transformers import AutoTokenizer
+
+    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.loss import GRPOLossConfig
+
+    batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
+    engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)
+    engine.train_step(batch, "grpo", GRPOLossConfig(**CISPO))
+    engine.export_adapter(tmp_path / "step1")
+    ref = engine.logprobs(batch)  # step 1's policy: what the adapter holds
+    engine.train_step(batch, "grpo", GRPOLossConfig(**CISPO))
+    new = engine.logprobs(batch)
+    assert not np.allclose(new[batch.loss_mask > 0], ref[batch.loss_mask > 0])
+    loss, mean_kl = by_hand(batch, new, ref, coef=0.5)
+    config = GRPOLossConfig(**CISPO, kl_penalty_coef=0.5, kl_ref_adapter_path=str(tmp_path / "step1"))
+    metrics = engine.train_step(batch, "grpo", config)
+    assert metrics["loss/policy"] == pytest.approx(loss, abs=1e-5)
+    assert metrics["loss/kl_policy_ref"] == pytest.approx(mean_kl, abs=1e-5)
+    # the update went to the trained LoRA (step 2's), not to the reference's
+    assert not np.allclose(engine.logprobs(batch)[batch.loss_mask > 0], ref[batch.loss_mask > 0])
+    assert not np.allclose(engine.logprobs(batch)[batch.loss_mask > 0], new[batch.loss_mask > 0])

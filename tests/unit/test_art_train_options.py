@@ -253,8 +253,6 @@ REFUSED = {
     "logprob_calculation_chunk_size": 1024,
     "loss_fn_config": {"clip": 0.1},
     "adam_params": {"beta1": 0.9},
-    "kl_penalty_reference_step": 3,
-    "kl_ref_adapter_path": "/ckpt/0003",
     "scale_learning_rate_by_reward_std_dev": True,
     "packed_sequence_length": 4096,
     "plot_tensors": True,
@@ -505,4 +503,46 @@ def test_trainer_args_of_the_internal_config_reach_the_optimizer() -> None:
     ):
         art.TrainableModel(
             name="m", project="p", base_model="tiny", _internal_config={"trainer_args": {"optim": "adamw"}}
+        )
+
+
+def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
+    step = tmp_path / "0003"
+    (step / "adapter").mkdir(parents=True)
+    (step / "adapter" / "adapter_config.json").write_text("{}")
+    # a checkpoint folder (ART's kl_ref_adapter_path) or its adapter/ folder itself
+    for given in (step, step / "adapter", str(step)):
+        job = train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=given)
+        assert job["loss"]["kl_ref_adapter_path"] == str((step / "adapter").resolve())
+        GRPOLossConfig(**LossSettings(**job["loss"]).model_dump())
+    assert train(backend, TRAINABLE, kl_beta=0.1, kl_ref_adapter_path=step)["loss"]["kl_ref_adapter_path"]
+    with pytest.raises(HyperParameterError, match="is the KL reference, but no KL term reads it"):
+        train(backend, TRAINABLE, kl_ref_adapter_path=step)
+    with pytest.raises(HyperParameterError, match="holds no adapter_config.json"):
+        train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=tmp_path)
+    with pytest.raises(HyperParameterError, match="must be the path of a PEFT adapter folder"):
+        train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=3)
+    with pytest.raises(ValueError, match="kl_ref_adapter_path needs kl_penalty_coef > 0 or kl_beta > 0"):
+        GRPOLossConfig(kl_ref_adapter_path=str(step))
+
+
+def test_kl_penalty_reference_step_names_a_committed_checkpoint(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
+    from art_mega.trainer import checkpoint
+
+    backend._run_dir, backend._step = tmp_path, 2
+    folder = checkpoint.step_dir(checkpoint.checkpoints_dir(tmp_path), 1)
+    checkpoint.adapter_dir(folder).mkdir(parents=True)
+    (checkpoint.adapter_dir(folder) / "adapter_config.json").write_text("{}")
+    job = train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_penalty_reference_step=1)
+    assert job["loss"]["kl_ref_adapter_path"] == str(checkpoint.adapter_dir(folder).resolve())
+    for bad in (3, 2):  # after the current step; the current one's folder deleted (never written here)
+        with pytest.raises(
+            HyperParameterError, match=rf"kl_penalty_reference_step={bad}\) names no committed"
+        ):
+            train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_penalty_reference_step=bad)
+    with pytest.raises(HyperParameterError, match=r"kl_penalty_reference_step=-1\) must be a whole number"):
+        train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_penalty_reference_step=-1)
+    with pytest.raises(HyperParameterError, match="both name the KL reference"):
+        train(
+            backend, TRAINABLE, kl_penalty_coef=0.1, kl_penalty_reference_step=1, kl_ref_adapter_path=folder
         )

@@ -78,6 +78,7 @@ def test_good_train_options_reach_the_job_as_floats() -> None:
         "kimi_k2_tau": None,
         "kl_penalty_coef": 0.0,
         "precalculate_logprobs": False,
+        "kl_ref_adapter_path": None,
     }
     with pytest.raises(
         HyperParameterError, match=r"importance_sampling_level='seq'\) must be 'token' or 'sequence'"
@@ -110,7 +111,8 @@ def test_unknown_keywords_are_refused_by_backend_train() -> None:
         "importance_sampling_level, epsilon, epsilon_high, kl_beta, tis_cap, scale_rewards, "
         "normalize_advantages, advantage_balance, kl_penalty_coef, truncated_importance_sampling, "
         "precalculate_logprobs, mask_prob_ratio, max_negative_advantage_importance_sampling_weight, "
-        "kimi_k2_tau, num_trajectories_learning_rate_multiplier_power, config, "
+        "kimi_k2_tau, num_trajectories_learning_rate_multiplier_power, kl_ref_adapter_path, "
+        "kl_penalty_reference_step, config, "
         "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs"
     )
     with pytest.raises(HyperParameterError, match="ppo=True; backend.train takes ART's loss_fn='ppo'"):
