@@ -256,14 +256,15 @@ def rank_state(checkpoint: Path) -> dict[str, Any]:
     return torch.load(checkpoint / "rank00000.pt", weights_only=False)
 
 
-async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Setup) -> None:
+async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Setup, tmp_path: Path) -> None:
     """A NaN reward is refused at the edge, and a step whose gradient norm overflows is aborted in
     the rank before the optimizer update (the checkpoint guard for non-finite weights is tested
     on a real engine in tests/trainer/test_nonfinite_step.py). After each, LATEST and the served
     step stay put, and the next good step trains from the last good weights."""
     import math
+    import shutil
 
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     from art_mega.errors import NonFiniteValueError, RankRefusedStepError
 
@@ -285,11 +286,29 @@ async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Se
     assert "trajectory 2 of group 1 has the reward nan" in str(refused.value)
     assert_nothing_moved()
 
-    # Unscaled advantages of +-1e37 pass the edge (finite), but the step's loss or gradient norm
-    # overflows: the rank aborts before the optimizer update and stays clean.
-    huge = with_rewards(groups, [[1e37, -1e37, 1e37, -1e37]] * 2)
+    # A step that passes every edge check but whose gradient norm overflows inside the rank is
+    # aborted before the optimizer update and leaves the rank clean. Huge rewards no longer do it:
+    # advantages are divided by their mean magnitude as ART packs them (balance_advantages). So
+    # the trigger is the k3 KL term with kl_beta=1e38, a weight the edge accepts (finite, within
+    # float32), against a reference adapter that differs from the policy (`step`'s adapter
+    # with B moved by 0.01): the policy's logprobs then differ from the reference's, and
+    # kl_beta * (1 - exp(ref - new)) * dnew/dtheta squares past float32 in the norm (inf).
+    # kl_beta=1e38 is not an edge gap: against a reference equal to the policy its term is 0.
+    reference = tmp_path / "reference"
+    shutil.copytree(checkpoints / f"{step:04d}" / "adapter", reference)
+    weights = load_file(reference / "adapter_model.safetensors")
+    save_file(
+        {k: v + 0.01 if "lora_B" in k else v for k, v in weights.items()},
+        reference / "adapter_model.safetensors",
+    )
     with pytest.raises(RankRefusedStepError) as aborted:
-        await backend.train(model, huge, learning_rate=1e-3, scale_rewards=False)
+        await backend.train(
+            model,
+            with_rewards(groups, good_rewards),
+            learning_rate=1e-3,
+            kl_beta=1e38,
+            kl_ref_adapter_path=str(reference),
+        )
     print(aborted.value)
     assert str(aborted.value).startswith(
         f"training step {step + 1} was aborted before the optimizer update because loss/"
