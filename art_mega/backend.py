@@ -29,8 +29,8 @@ from art_mega.trainer.protocol import (
     TRAINER_STOP,
     EngineConfig,
     ExportJob,
+    GRPOLossConfig,
     LoraSettings,
-    LossSettings,
     OptimizerConfig,
     RLJob,
     SFTJob,
@@ -242,7 +242,7 @@ def check_grpo_options(
     kl_ref_adapter_path: Any = None,
 ) -> tuple[float, dict[str, Any]]:
     """Check `backend.train`'s options before anything runs; returns (learning rate, the
-    `LossSettings` fields of the job).
+    `GRPOLossConfig` fields of the job).
 
     learning_rate: finite > 0; loss_fn: "cispo" (ART's default) or "ppo"; epsilon,
     epsilon_high: None (ART's default for loss_fn: cispo 1.0 and 4.0, ppo 0.2 and epsilon) or
@@ -1445,7 +1445,7 @@ class MegatronBackend:
             RLJob(
                 **where,
                 learning_rate=learning_rates[0],
-                loss=LossSettings(**loss),
+                loss=GRPOLossConfig(**loss),
                 weight_decay=self._rl_optimizer[0],
                 clip_grad=self._rl_optimizer[1],
             )

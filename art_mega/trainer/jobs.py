@@ -249,7 +249,6 @@ def run_train_job(
     """
     from art_mega.errors import NonFiniteStepError
     from art_mega.trainer.batch import TrainBatch
-    from art_mega.trainer.loss import GRPOLossConfig
 
     if engine is None:
         raise RuntimeError("this trainer was started without a model_dir")
@@ -263,7 +262,7 @@ def run_train_job(
             metrics = engine.train_step(
                 batch,
                 loss="grpo",
-                loss_config=GRPOLossConfig(**job.loss.model_dump()),
+                loss_config=job.loss,
                 learning_rate=job.learning_rate,
                 weight_decay=job.weight_decay,
                 clip_grad=job.clip_grad,

@@ -20,87 +20,10 @@ off-policy RL training").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from art_mega.hyperparams import IMPORTANCE_SAMPLING_LEVELS, LOSS_FNS
-
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    """Hyper-parameters of `grpo_loss`. The defaults here are the plain clipped-PPO objective;
-    `backend.train` sends ART's defaults (CISPO with epsilon 1.0 / epsilon_high 4.0).
-
-    Attributes:
-        loss_fn: "ppo" (clipped surrogate) or "cispo" (ART's default objective, see `grpo_loss`).
-        importance_sampling_level: "token" (a ratio per token), "sequence" (GSPO: one
-            length-normalised ratio per sequence, shared by its tokens), "average" (the mean of
-            the two) or "geometric_average" (their geometric mean), as ART computes them.
-        epsilon_low: clip the ratio below at 1 - epsilon_low (ART's `epsilon`).
-        epsilon_high: clip the ratio above at 1 + epsilon_high (None: epsilon_low).
-        kl_beta: weight of art-mega's k3 KL loss term against `ref_logprobs` (0 disables it).
-        tis_cap: cap C of truncated importance sampling min(pi_old / pi_inference, C) against
-            the trainer's own recomputed old logprobs; None disables it. The same as ART's
-            `truncated_importance_sampling=C` with `precalculate_logprobs=True`.
-        truncated_importance_sampling: ART's cap C: each token's loss is multiplied by
-            min(r, C), no gradient, where r is exp(old - inference) when `inference_logprobs`
-            are given (ART's `precalculate_logprobs`), else the loss's own ratio; None disables it.
-        mask_prob_ratio: zero the ratio of tokens outside (1 - epsilon_low, 1 + epsilon_high).
-        max_negative_advantage_importance_sampling_weight: clamp every token's ratio at this
-            value from above (ART applies it whatever the advantage's sign); None disables it.
-        kimi_k2_tau: tau of Kimi K2's advantage correction A_t - tau (new_t - old_t), no
-            gradient; None disables it.
-        kl_penalty_coef: ART's KL-penalised advantages: A_t + coef (mean_kl - kl_t) with
-            kl_t = new_t - ref_t (no gradient) and mean_kl its mean over the trained tokens of
-            the packed row (ART: of the packed sequence; see `grpo_loss`'s `packed_rows`), so
-            the step does not depend on how rows are split into microbatches or DP ranks (0
-            disables it; needs `ref_logprobs`).
-        precalculate_logprobs: the engine recomputes the old logprobs with the policy before
-            the step and passes the batch's as `inference_logprobs` (not read by `grpo_loss`).
-        kl_ref_adapter_path: the reference policy is this PEFT adapter on the base model
-            instead of the base model alone (read by the engine, not by `grpo_loss`).
-    """
-
-    loss_fn: Literal["ppo", "cispo"] = "ppo"
-    importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = "token"
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None
-    kl_beta: float = 0.0
-    tis_cap: float | None = None
-    truncated_importance_sampling: float | None = None
-    mask_prob_ratio: bool = False
-    max_negative_advantage_importance_sampling_weight: float | None = None
-    kimi_k2_tau: float | None = None
-    kl_penalty_coef: float = 0.0
-    precalculate_logprobs: bool = False
-    kl_ref_adapter_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r} must be one of "
-                f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
-            )
-        if self.loss_fn not in LOSS_FNS:
-            raise ValueError(f"loss_fn={self.loss_fn!r} must be 'ppo' or 'cispo'")
-        if self.epsilon_low < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ValueError("epsilon_low and epsilon_high must be >= 0")
-        if self.tis_cap is not None and self.truncated_importance_sampling is not None:
-            raise ValueError("tis_cap and truncated_importance_sampling are two caps; set one of them")
-        if self.kl_ref_adapter_path is not None and not self.needs_reference:
-            raise ValueError("kl_ref_adapter_path needs kl_penalty_coef > 0 or kl_beta > 0 to be read")
-
-    @property
-    def needs_reference(self) -> bool:
-        """True when the loss reads `ref_logprobs` (k3 term or KL-penalised advantages)."""
-        return self.kl_beta > 0 or self.kl_penalty_coef > 0
-
-    @property
-    def recomputes_old(self) -> bool:
-        """True when the engine recomputes the old logprobs and the batch's are the inference
-        engine's (`tis_cap`, `precalculate_logprobs`)."""
-        return self.tis_cap is not None or self.precalculate_logprobs
+from art_mega.trainer.protocol import GRPOLossConfig
 
 
 @dataclass(frozen=True)

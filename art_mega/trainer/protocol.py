@@ -27,7 +27,16 @@ import difflib
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from art_mega.agent.protocol import ShutdownResponse
 from art_mega.agent.routes import Route
@@ -140,22 +149,82 @@ class RankConfig(_Body):
 # --- jobs --------------------------------------------------------------------------------------
 
 
-class LossSettings(_Body):
-    """The GRPO loss of an `RLJob` (`trainer.loss.GRPOLossConfig`, which documents each)."""
+class GRPOLossConfig(_Body):
+    """The GRPO loss of an `RLJob`: the hyper-parameters of `trainer.loss.grpo_loss`. The defaults
+    are the plain clipped-PPO objective; `backend.train` sends ART's defaults (CISPO with epsilon
+    1.0 / epsilon_high 4.0).
+
+    Raises `ValidationError` (a `ValueError`) naming the field for a value out of its range, both
+    TIS caps set, or a `kl_ref_adapter_path` without a KL term to read it.
+    """
 
     loss_fn: Literal["ppo", "cispo"] = "ppo"
+    """"ppo" (clipped surrogate) or "cispo" (ART's default objective, see `grpo_loss`)."""
     importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = "token"
+    """"token" (a ratio per token), "sequence" (GSPO: one length-normalised ratio per sequence,
+    shared by its tokens), "average" (the mean of the two) or "geometric_average" (their geometric
+    mean), as ART computes them."""
     epsilon_low: Finite = Field(default=0.2, ge=0)
+    """Clip the ratio below at 1 - epsilon_low (ART's `epsilon`)."""
     epsilon_high: Finite | None = Field(default=None, ge=0)
+    """Clip the ratio above at 1 + epsilon_high (None: epsilon_low)."""
     kl_beta: Finite = Field(default=0.0, ge=0)
+    """Weight of art-mega's k3 KL loss term against `ref_logprobs` (0 disables it)."""
     tis_cap: Finite | None = Field(default=None, gt=0)
+    """Cap C of truncated importance sampling min(pi_old / pi_inference, C) against the trainer's
+    own recomputed old logprobs; None disables it. The same as ART's
+    `truncated_importance_sampling=C` with `precalculate_logprobs=True`."""
     truncated_importance_sampling: Finite | None = Field(default=None, gt=0)
+    """ART's cap C: each token's loss is multiplied by min(r, C), no gradient, where r is
+    exp(old - inference) when `inference_logprobs` are given (ART's `precalculate_logprobs`),
+    else the loss's own ratio; None disables it."""
     mask_prob_ratio: bool = False
+    """Zero the ratio of tokens outside (1 - epsilon_low, 1 + epsilon_high)."""
     max_negative_advantage_importance_sampling_weight: Finite | None = Field(default=None, gt=0)
+    """Clamp every token's ratio at this value from above (ART applies it whatever the
+    advantage's sign); None disables it."""
     kimi_k2_tau: Finite | None = Field(default=None, ge=0)
+    """Tau of Kimi K2's advantage correction A_t - tau (new_t - old_t), no gradient; None
+    disables it."""
     kl_penalty_coef: Finite = Field(default=0.0, ge=0)
+    """ART's KL-penalised advantages: A_t + coef (mean_kl - kl_t) with kl_t = new_t - ref_t (no
+    gradient) and mean_kl its mean over the trained tokens of the packed row (ART: of the packed
+    sequence; see `grpo_loss`'s `packed_rows`), so the step does not depend on how rows are split
+    into microbatches or DP ranks (0 disables it; needs `ref_logprobs`)."""
     precalculate_logprobs: bool = False
+    """The engine recomputes the old logprobs with the policy before the step and passes the
+    batch's as `inference_logprobs` (not read by `grpo_loss`)."""
     kl_ref_adapter_path: str | None = Field(default=None, min_length=1)
+    """The reference policy is this PEFT adapter on the base model instead of the base model
+    alone (read by the engine, not by `grpo_loss`)."""
+
+    @field_validator("loss_fn", "importance_sampling_level", mode="before")
+    @classmethod
+    def _known_choice(cls, value: object, info: ValidationInfo) -> object:
+        # pydantic's own literal error does not name the field; this sentence does
+        choices = get_args(cls.model_fields[str(info.field_name)].annotation)
+        if value not in choices:
+            raise ValueError(f"{info.field_name}={value!r} must be one of {', '.join(map(repr, choices))}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GRPOLossConfig:
+        if self.tis_cap is not None and self.truncated_importance_sampling is not None:
+            raise ValueError("tis_cap and truncated_importance_sampling are two caps; set one of them")
+        if self.kl_ref_adapter_path is not None and not self.needs_reference:
+            raise ValueError("kl_ref_adapter_path needs kl_penalty_coef > 0 or kl_beta > 0 to be read")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the loss reads `ref_logprobs` (k3 term or KL-penalised advantages)."""
+        return self.kl_beta > 0 or self.kl_penalty_coef > 0
+
+    @property
+    def recomputes_old(self) -> bool:
+        """True when the engine recomputes the old logprobs and the batch's are the inference
+        engine's (`tis_cap`, `precalculate_logprobs`)."""
+        return self.tis_cap is not None or self.precalculate_logprobs
 
 
 class PingJob(_Body):
@@ -201,7 +270,7 @@ class RLJob(_Body):
     batch_dir: str = Field(min_length=1)
     checkpoint_dir: str = Field(min_length=1)
     learning_rate: Finite = Field(gt=0)
-    loss: LossSettings = LossSettings()
+    loss: GRPOLossConfig = GRPOLossConfig()
     weight_decay: Finite | None = Field(default=None, ge=0)
     """AdamW's decoupled weight decay for this step (None: the engine's `OptimizerConfig`)."""
     clip_grad: Finite | None = Field(default=None, ge=0)

@@ -16,8 +16,8 @@ from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document, TrainBatch, pack
 from art_mega.trainer.engine import OptimizerSettings, TrainerEngine
 from art_mega.trainer.lora import LoraConfig, lora_parameters
-from art_mega.trainer.loss import GRPOLossConfig
 from art_mega.trainer.parallel import ParallelState
+from art_mega.trainer.protocol import GRPOLossConfig
 from tests.trainer.common import input_ids, megatron_logits
 
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)

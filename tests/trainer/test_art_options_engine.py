@@ -50,7 +50,7 @@ def test_art_options_train_as_computed_by_hand(megatron_world, tiny_llama_dir: P
     from transformers import AutoTokenizer
 
     from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.loss import GRPOLossConfig
+    from art_mega.trainer.protocol import GRPOLossConfig
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)
@@ -88,7 +88,7 @@ def test_a_step_takes_its_own_weight_decay_and_clip(megatron_world, tiny_llama_d
 
     from art_mega.trainer.engine import TrainerEngine, _sub_optimizers
     from art_mega.trainer.lora import lora_parameters
-    from art_mega.trainer.loss import GRPOLossConfig
+    from art_mega.trainer.protocol import GRPOLossConfig
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)
@@ -120,7 +120,7 @@ def test_kl_against_a_reference_adapter(megatron_world, tiny_llama_dir: Path, tm
     from transformers import AutoTokenizer
 
     from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.loss import GRPOLossConfig
+    from art_mega.trainer.protocol import GRPOLossConfig
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)

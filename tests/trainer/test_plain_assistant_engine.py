@@ -83,7 +83,7 @@ def test_a_plain_turn_under_the_flag_trains_finite_with_ratio_one(
     from art_mega.trainer.batch import TrainBatch, pack
     from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.lora import lora_parameters
-    from art_mega.trainer.loss import GRPOLossConfig
+    from art_mega.trainer.protocol import GRPOLossConfig
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     unknown = np.isnan(batch.old_logprobs)

@@ -16,7 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the trainer's losses need torch (the cpu extra)")
 
-from art_mega.trainer.loss import GRPOLossConfig, grpo_loss  # noqa: E402
+from art_mega.trainer.loss import grpo_loss  # noqa: E402
+from art_mega.trainer.protocol import GRPOLossConfig  # noqa: E402
 
 
 def _mask(seq_len: int = 8) -> torch.Tensor:

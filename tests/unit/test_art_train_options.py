@@ -24,8 +24,8 @@ from art_mega.dev.train import TRAIN_CONFIG_KEYS  # noqa: E402
 from art_mega.errors import HyperParameterError  # noqa: E402
 from art_mega.model import dev_train_options  # noqa: E402
 from art_mega.trainer.batch import Document  # noqa: E402
-from art_mega.trainer.loss import GRPOLossConfig, grpo_loss  # noqa: E402
-from art_mega.trainer.protocol import LossSettings  # noqa: E402
+from art_mega.trainer.loss import grpo_loss  # noqa: E402
+from art_mega.trainer.protocol import GRPOLossConfig  # noqa: E402
 from art_mega.trainer.tokenize import balance_advantages  # noqa: E402
 
 L = math.log
@@ -57,7 +57,7 @@ def test_cispo_is_the_default_with_epsilon_1_and_4() -> None:
     _, loss = check_grpo_options(**BASE)
     assert (loss["loss_fn"], loss["epsilon_low"], loss["epsilon_high"]) == ("cispo", 1.0, 4.0)
     logprobs = new(0.6, 0.3)  # ratios 1.2 and 0.6, inside [0, 5]
-    out = grpo_loss(logprobs, OLD, A, MASK, config=GRPOLossConfig(**LossSettings(**loss).model_dump()))
+    out = grpo_loss(logprobs, OLD, A, MASK, config=GRPOLossConfig(**loss))
     assert out.loss.item() == pytest.approx(-(1.2 * L(0.6) + 0.6 * L(0.3)) / 2, abs=1e-12)
     out.loss.backward()
     # d/d new_t = -r_t A / 2, the ratio carrying no gradient
@@ -79,7 +79,7 @@ def test_ppo_defaults_are_0_2_and_epsilon_high_follows_epsilon() -> None:
     _, loss = check_grpo_options(**{**BASE, "loss_fn": "ppo"})
     assert (loss["loss_fn"], loss["epsilon_low"], loss["epsilon_high"]) == ("ppo", 0.2, None)
     # ratios 1.2 and 0.6, A=+1: min(1.2, 1.2) and min(0.6, 0.8) -> -(1.8)/2
-    assert loss_of(GRPOLossConfig(**LossSettings(**loss).model_dump())).loss.item() == pytest.approx(-0.9)
+    assert loss_of(GRPOLossConfig(**loss)).loss.item() == pytest.approx(-0.9)
     # ART: epsilon set, epsilon_high unset -> cispo keeps 4.0, ppo follows epsilon
     _, loss = check_grpo_options(**{**BASE, "epsilon": 0.5})
     assert (loss["epsilon_low"], loss["epsilon_high"]) == (0.5, 4.0)
@@ -90,9 +90,8 @@ def test_ppo_defaults_are_0_2_and_epsilon_high_follows_epsilon() -> None:
 def test_epsilon_none_takes_the_default_and_reaches_a_valid_job(backend: MegatronBackend) -> None:
     """`epsilon=None` crashed a rank with a TypeError; it is ART's "default for loss_fn"."""
     job = train(backend, TRAINABLE, epsilon=None, epsilon_high=None)
-    settings = LossSettings(**job["loss"])
+    settings = GRPOLossConfig(**job["loss"])  # what the rank receives (jobs.run_train_job)
     assert (settings.epsilon_low, settings.epsilon_high) == (1.0, 4.0)
-    GRPOLossConfig(**settings.model_dump())  # what the rank builds (jobs.run_train_job)
     with pytest.raises(
         HyperParameterError, match=r"backend.train\(loss_fn='reinforce'\) must be one of 'ppo', 'cispo'"
     ):
@@ -514,7 +513,7 @@ def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBacken
     for given in (step, step / "adapter", str(step)):
         job = train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=given)
         assert job["loss"]["kl_ref_adapter_path"] == str((step / "adapter").resolve())
-        GRPOLossConfig(**LossSettings(**job["loss"]).model_dump())
+        GRPOLossConfig(**job["loss"])
     assert train(backend, TRAINABLE, kl_beta=0.1, kl_ref_adapter_path=step)["loss"]["kl_ref_adapter_path"]
     with pytest.raises(HyperParameterError, match="is the KL reference, but no KL term reads it"):
         train(backend, TRAINABLE, kl_ref_adapter_path=step)

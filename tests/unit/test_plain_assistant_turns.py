@@ -20,7 +20,8 @@ import art_mega as art
 from art_mega.backend import MegatronBackend
 from art_mega.errors import HyperParameterError, TokenizationError
 from art_mega.trainer.batch import TrainBatch, pack
-from art_mega.trainer.loss import GRPOLossConfig, grpo_loss, known_logprobs
+from art_mega.trainer.loss import grpo_loss, known_logprobs
+from art_mega.trainer.protocol import GRPOLossConfig
 from art_mega.trainer.tokenize import grpo_documents, sft_documents
 
 SYSTEM = {"role": "system", "content": "be brief"}

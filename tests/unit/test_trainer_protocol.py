@@ -19,8 +19,8 @@ from art_mega.trainer.protocol import (
     Exited,
     ExportJob,
     Failed,
+    GRPOLossConfig,
     LoraSettings,
-    LossSettings,
     PingJob,
     RankConfig,
     Ready,
@@ -58,7 +58,9 @@ JOBS = [
         batch_dir="/run/batches/0003",
         checkpoint_dir="/run/checkpoints/0003",
         learning_rate=5e-6,
-        loss=LossSettings(importance_sampling_level="sequence", epsilon_high=0.28, kl_beta=0.04, tis_cap=2.0),
+        loss=GRPOLossConfig(
+            importance_sampling_level="sequence", epsilon_high=0.28, kl_beta=0.04, tis_cap=2.0
+        ),
     ),
 ]
 
