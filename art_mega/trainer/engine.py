@@ -25,31 +25,10 @@ from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logpr
 from art_mega.trainer.lora import LoraConfig, apply_lora, lora_disabled, lora_parameters
 from art_mega.trainer.loss import grpo_loss, known_logprobs, sft_loss
 from art_mega.trainer.parallel import ParallelState
-from art_mega.trainer.protocol import GRPOLossConfig
+from art_mega.trainer.protocol import GRPOLossConfig, OptimizerConfig
 
 STATE_FORMAT = 1
 """Version of the per-rank state file written by `save_state`."""
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """AdamW over the LoRA parameters (Megatron's optimizer; decoupled weight decay).
-
-    Attributes:
-        lr: default learning rate (a `train_step` may pass its own).
-        weight_decay: AdamW weight decay (Megatron exempts biases and 1-D parameters; LoRA has none).
-        beta1, beta2, eps: Adam's moments and epsilon.
-        clip_grad: clip the global gradient norm (over all ranks) to this value; 0 disables.
-        distributed: use Megatron's distributed optimizer (state sharded over DP); None: when dp > 1.
-    """
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    distributed: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +87,7 @@ class TrainerEngine:
     `TrainerEngine(model_dir, parallel_state, lora=..., optimizer=...)` builds this rank's
     GPTModel from the HF directory (`build_megatron_model`), freezes it and adds LoRA
     (`apply_lora`), wraps it in Megatron's DDP (fp32 gradient buffers; the distributed optimizer
-    layout when `OptimizerSettings.distributed`) and builds Megatron's Adam over the LoRA
+    layout when `OptimizerConfig.distributed`) and builds Megatron's Adam over the LoRA
     parameters only (`get_megatron_optimizer`). Forward/backward runs through Megatron's
     `get_forward_backward_func()` schedule and `finalize_model_grads` (DP all-reduce or
     reduce-scatter). The model uses Megatron's local layer spec on CPU and GPU alike (see
@@ -146,13 +125,14 @@ class TrainerEngine:
         parallel_state: ParallelState,
         *,
         lora: LoraConfig = LoraConfig(),
-        optimizer: OptimizerSettings = OptimizerSettings(),
+        optimizer: OptimizerConfig = OptimizerConfig(),
         dtype: str = "float32",
         micro_batch_rows: int = 1,
         compute_entropy: bool = True,
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
 
         from art_mega.trainer.model_builder import build_megatron_model
 
@@ -182,7 +162,7 @@ class TrainerEngine:
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = _finalize_without_token_scaling
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
+            MegatronOptimizerConfig(
                 optimizer="adam",
                 lr=optimizer.lr,
                 weight_decay=optimizer.weight_decay,
@@ -277,7 +257,7 @@ class TrainerEngine:
 
         `learning_rate`, `weight_decay` (AdamW's, decoupled) and `clip_grad` (the global
         gradient-norm clip, 0 disables it) apply to this step; None: the engine's
-        `OptimizerSettings` (ART trains RL and SFT with different decay and clip).
+        `OptimizerConfig` (ART trains RL and SFT with different decay and clip).
 
         GRPO (`loss.grpo_loss`): `batch.old_logprobs` are the sampling policy's logprobs and
         `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` or

@@ -67,7 +67,7 @@ def check_job_step(kind: str, step: int, last_step: int | None) -> int:
 
 def build_engine(config: EngineConfig, state: Any) -> Any:
     """The rank's TrainerEngine from its `EngineConfig`, resumed or warm-started when it says so."""
-    from art_mega.trainer.engine import OptimizerSettings, TrainerEngine
+    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.lora import LoraConfig
 
     lora = config.lora
@@ -81,7 +81,7 @@ def build_engine(config: EngineConfig, state: Any) -> Any:
         config.model_dir,
         state,
         lora=lora_config,
-        optimizer=OptimizerSettings(**config.optimizer.model_dump()),
+        optimizer=config.optimizer,
         dtype=config.dtype,
         micro_batch_rows=config.micro_batch_rows,
     )

@@ -74,20 +74,23 @@ class LoraSettings(_Body):
 
 
 class OptimizerConfig(_Body):
-    """AdamW over the LoRA parameters (`trainer.engine.OptimizerSettings`, which documents each).
-
-    lr: the default learning rate (a job names its own); weight_decay, beta1, beta2, eps: AdamW's;
-    clip_grad: global gradient-norm clip (0 disables); distributed: Megatron's distributed
-    optimizer (None: when dp > 1).
-    """
+    """AdamW over the LoRA parameters (Megatron's optimizer; decoupled weight decay), built by
+    `trainer.engine.TrainerEngine`. `backend.art_optimizer` sends ART's defaults."""
 
     lr: Finite = Field(default=1e-5, gt=0)
+    """The default learning rate (a `train_step`, so each job, may pass its own)."""
     weight_decay: Finite = Field(default=0.0, ge=0)
+    """AdamW's weight decay (Megatron exempts biases and 1-D parameters; LoRA has none)."""
     beta1: Finite = Field(default=0.9, ge=0, lt=1)
+    """Adam's first-moment decay."""
     beta2: Finite = Field(default=0.999, ge=0, lt=1)
+    """Adam's second-moment decay."""
     eps: Finite = Field(default=1e-8, gt=0)
+    """Adam's epsilon."""
     clip_grad: Finite = Field(default=1.0, ge=0)
+    """Clip the global gradient norm (over all ranks) to this value; 0 disables it."""
     distributed: bool | None = None
+    """Megatron's distributed optimizer (state sharded over DP); None: when dp > 1."""
 
 
 class EngineConfig(_Body):

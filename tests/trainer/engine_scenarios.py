@@ -14,14 +14,14 @@ import torch
 
 from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document, TrainBatch, pack
-from art_mega.trainer.engine import OptimizerSettings, TrainerEngine
+from art_mega.trainer.engine import TrainerEngine
 from art_mega.trainer.lora import LoraConfig, lora_parameters
 from art_mega.trainer.parallel import ParallelState
-from art_mega.trainer.protocol import GRPOLossConfig
+from art_mega.trainer.protocol import GRPOLossConfig, OptimizerConfig
 from tests.trainer.common import input_ids, megatron_logits
 
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)
-OPTIMIZER = OptimizerSettings(lr=2e-2, clip_grad=1.0, weight_decay=0.01)
+OPTIMIZER = OptimizerConfig(lr=2e-2, clip_grad=1.0, weight_decay=0.01)
 SEQ_LEN = 32
 EXPORT_MODELS = ("llama", "qwen2_1kv")
 """Untied GQA with 2 KV heads; tied embeddings, q/k/v biases and fewer KV heads than TP=2."""
@@ -212,7 +212,7 @@ def grpo_learning(
         model_dir,
         state,
         lora=LoraConfig(rank=8, alpha=16.0),
-        optimizer=OptimizerSettings(lr=LEARNING_LR),
+        optimizer=OptimizerConfig(lr=LEARNING_LR),
         micro_batch_rows=16,
     )
     candidates = _candidate_batch()
