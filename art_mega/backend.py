@@ -30,7 +30,7 @@ from art_mega.trainer.protocol import (
     EngineConfig,
     ExportJob,
     GRPOLossConfig,
-    LoraSettings,
+    LoraConfig,
     OptimizerConfig,
     RLJob,
     SFTJob,
@@ -958,8 +958,10 @@ class MegatronBackend:
         config = EngineConfig(
             model_dir=str(resolved.model_dir),
             optimizer=optimizer,
-            lora=LoraSettings(
-                rank=self.lora["rank"], alpha=self.lora["alpha"], targets=tuple(self.lora["targets"])
+            lora=LoraConfig(
+                rank=self.lora["rank"],
+                alpha=self.lora["alpha"],
+                **({"targets": tuple(self.lora["targets"])} if self.lora["targets"] else {}),
             ),
             dtype=("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype,
             micro_batch_rows=self.micro_batch_rows,

@@ -322,7 +322,7 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.checkpoint import adapter_dir, checkpoints_dir, step_dir
-    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
+    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
     from art_mega.trainer.service import TrainerService
     from art_mega.trainer.tokenize import grpo_documents
 
@@ -339,7 +339,7 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     figures: list[tuple[str, float, str]] = []
     try:
         ready_s = await service.start(
-            EngineConfig(model_dir=str(model_dir), lora=LoraSettings(rank=8, alpha=16))
+            EngineConfig(model_dir=str(model_dir), lora=LoraConfig(rank=8, alpha=16))
         )
         first = step_dir(checkpoints_dir(run), 0)
         await service.run(ExportJob(step=0, checkpoint_dir=str(first)))
@@ -400,7 +400,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.batch import Document
     from art_mega.trainer.checkpoint import checkpoints_dir, step_dir
-    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
+    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
     from art_mega.trainer.service import TrainerService
 
     model_dir = _smollm2_shaped(work / "smollm2-shape")
@@ -423,7 +423,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
             await service.start(
                 EngineConfig(
                     model_dir=str(model_dir),
-                    lora=LoraSettings(rank=8, alpha=16),
+                    lora=LoraConfig(rank=8, alpha=16),
                     dtype=dtype,
                     micro_batch_rows=rows,
                 )

@@ -66,7 +66,7 @@ async def attach_trainer(backend: Any, model: Any) -> None:
     """`MegatronBackend.register`'s trainer half: resolve, start the ranks, export and commit step 0."""
     from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.trainer import checkpoint
-    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
+    from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
     from art_mega.trainer.service import TrainerService
 
     runtime = backend._runtime
@@ -76,8 +76,10 @@ async def attach_trainer(backend: Any, model: Any) -> None:
     checkpoint.checkpoints_dir(run_dir).mkdir(parents=True, exist_ok=True)
     backend._model, backend._model_dir, backend._run_dir = model, resolved.model_dir, run_dir
     backend._service = TrainerService(runtime.clients, runtime.topology, run_dir / "logs")
-    lora = LoraSettings(
-        rank=backend.lora["rank"], alpha=backend.lora["alpha"], targets=tuple(backend.lora["targets"])
+    lora = LoraConfig(
+        rank=backend.lora["rank"],
+        alpha=backend.lora["alpha"],
+        **({"targets": tuple(backend.lora["targets"])} if backend.lora["targets"] else {}),
     )
     await backend._service.start(EngineConfig(model_dir=str(resolved.model_dir), lora=lora))
     await backend._service.run(ExportJob(step=0, checkpoint_dir=str(backend._checkpoint(0))))

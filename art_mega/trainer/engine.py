@@ -22,10 +22,10 @@ from art_mega.errors import NonFiniteStepError
 from art_mega.trainer import checkpoint
 from art_mega.trainer.batch import TrainBatch
 from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
-from art_mega.trainer.lora import LoraConfig, apply_lora, lora_disabled, lora_parameters
+from art_mega.trainer.lora import apply_lora, lora_disabled, lora_parameters
 from art_mega.trainer.loss import grpo_loss, known_logprobs, sft_loss
 from art_mega.trainer.parallel import ParallelState
-from art_mega.trainer.protocol import GRPOLossConfig, OptimizerConfig
+from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig, OptimizerConfig
 
 STATE_FORMAT = 1
 """Version of the per-rank state file written by `save_state`."""

@@ -68,19 +68,11 @@ def check_job_step(kind: str, step: int, last_step: int | None) -> int:
 def build_engine(config: EngineConfig, state: Any) -> Any:
     """The rank's TrainerEngine from its `EngineConfig`, resumed or warm-started when it says so."""
     from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.lora import LoraConfig
 
-    lora = config.lora
-    lora_config = LoraConfig(
-        rank=lora.rank,
-        alpha=lora.alpha,
-        seed=lora.seed,
-        **({"targets": lora.targets} if lora.targets else {}),
-    )
     engine = TrainerEngine(
         config.model_dir,
         state,
-        lora=lora_config,
+        lora=config.lora,
         optimizer=config.optimizer,
         dtype=config.dtype,
         micro_batch_rows=config.micro_batch_rows,

@@ -39,55 +39,15 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from art_mega.errors import UserError
-from art_mega.trainer.families import LORA_NAMES
+from art_mega.trainer.protocol import LoraConfig
 
 ParallelKind = Literal["column", "row"]
 """How a Megatron linear is split over TP: by output rows (column) or by input columns (row)."""
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """LoRA hyper-parameters.
-
-    Attributes:
-        rank: r, the adapter's inner width (> 0).
-        alpha: scaling numerator: the update is (alpha / rank) * B A.
-        targets: Megatron layer names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF
-            module names (q_proj, ..., down_proj; a fused layer needs all of its HF names), as
-            every family names them (`families.LORA_NAMES`); normalised to Megatron names in
-            that order. Default: all four.
-        seed: seeds A's initialisation (per layer, independent of the TP layout).
-
-    Raises `UserError` for a rank < 1, an unknown target or a partial fused target.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = field(default=LORA_NAMES.targets)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise UserError(f"LoRA rank={self.rank} must be at least 1.")
-        if not self.targets:
-            raise UserError("LoRA targets are empty; name at least one layer.")
-        object.__setattr__(self, "targets", LORA_NAMES.normalise(tuple(self.targets)))
-
-    @property
-    def scaling(self) -> float:
-        """alpha / rank, the factor applied to the adapter's output."""
-        return self.alpha / self.rank
-
-    def hf_target_modules(self) -> list[str]:
-        """The HF module names the adapter covers, sorted (PEFT's `target_modules`)."""
-        return LORA_NAMES.hf_target_modules(self.targets)
 
 
 def _layer_seed(seed: int, name: str) -> int:

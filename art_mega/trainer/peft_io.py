@@ -28,8 +28,9 @@ import torch
 from art_mega.errors import UserError
 from art_mega.trainer.checkpoint import atomic_write
 from art_mega.trainer.families.spec import LoraNames
-from art_mega.trainer.lora import LoraConfig, LoraLinear, lora_layers
+from art_mega.trainer.lora import LoraLinear, lora_layers
 from art_mega.trainer.peft_config import ADAPTER_CONFIG, check_adapter_config, read_adapter_config
+from art_mega.trainer.protocol import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -194,7 +195,11 @@ def import_adapter(
     directory = Path(adapter_dir)
     found, tensors = read_adapter(directory)
     check_adapter_config(
-        found, directory, rank=config.rank, alpha=config.alpha, target_modules=names.hf_target_modules(config.targets)
+        found,
+        directory,
+        rank=config.rank,
+        alpha=config.alpha,
+        target_modules=names.hf_target_modules(config.targets),
     )
     for name, layer in lora_layers(module).items():
         a, b = names.from_peft(name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank)

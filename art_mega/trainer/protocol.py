@@ -40,8 +40,10 @@ from pydantic import (
 
 from art_mega.agent.protocol import ShutdownResponse
 from art_mega.agent.routes import Route
+from art_mega.errors import UserError
 from art_mega.topology.compiled import TrainerRank
 from art_mega.topology.trainer import TrainerSpec
+from art_mega.trainer.families import LORA_NAMES
 
 BODY_LIMIT = 64 * 1024 * 1024
 """Bytes one trainer message may take: a /trainer/start or /trainer/job body, or one line on a
@@ -59,18 +61,54 @@ Step = Annotated[int, Field(ge=0, strict=True)]
 # --- launch config ---------------------------------------------------------------------------
 
 
-class LoraSettings(_Body):
-    """The adapter's LoRA (`trainer.lora.LoraConfig`).
+class LoraConfig(_Body):
+    """The adapter's LoRA, applied on the rank by `trainer.lora.apply_lora`.
 
-    rank: r, the adapter's inner width; alpha: the update is (alpha / rank) * B A; targets:
-    Megatron or HF module names (empty: all of them, `families.LORA_NAMES.targets`); seed: seeds A's
-    initialisation.
+    Built in Python (the controller, a `TrainerEngine` user), a rank < 1, no target, an unknown
+    target or part of a fused layer's HF names raises `UserError` (one sentence); in a JSON
+    message (`model_validate_json`) the same values fail its validation (`ValidationError`,
+    which `describe_invalid` names for the rank).
     """
 
     rank: int = Field(default=8, ge=1, strict=True)
+    """r, the adapter's inner width."""
     alpha: Finite = Field(default=16.0, gt=0)
-    targets: tuple[str, ...] = ()
+    """The scaling numerator: the update is (alpha / rank) * B A."""
+    targets: tuple[str, ...] = LORA_NAMES.targets
+    """Megatron layer names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF module names
+    (q_proj, ..., down_proj; a fused layer needs all of its HF names), as every family names them
+    (`families.LORA_NAMES`); normalised to Megatron names in that order. Default: all four."""
     seed: int = Field(default=0, ge=0, strict=True)
+    """Seeds A's initialisation (per layer, independent of the TP layout)."""
+
+    @field_validator("rank", mode="before")
+    @classmethod
+    def _rank_sentence(cls, value: object, info: ValidationInfo) -> object:
+        # a Python caller gets art-mega's sentence; a JSON message the field check below it
+        if info.mode == "python" and type(value) is int and value < 1:
+            raise UserError(f"LoRA rank={value} must be at least 1.")
+        return value
+
+    @field_validator("targets")
+    @classmethod
+    def _megatron_names(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        try:
+            if not value:
+                raise UserError("LoRA targets are empty; name at least one layer.")
+            return LORA_NAMES.normalise(value)
+        except UserError as exc:
+            if info.mode == "python":
+                raise
+            raise ValueError(str(exc)) from None
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank, the factor applied to the adapter's output."""
+        return self.alpha / self.rank
+
+    def hf_target_modules(self) -> list[str]:
+        """The HF module names the adapter covers, sorted (PEFT's `target_modules`)."""
+        return LORA_NAMES.hf_target_modules(self.targets)
 
 
 class OptimizerConfig(_Body):
@@ -103,7 +141,7 @@ class EngineConfig(_Body):
     """
 
     model_dir: str = Field(min_length=1)
-    lora: LoraSettings = LoraSettings()
+    lora: LoraConfig = LoraConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
     micro_batch_rows: int = Field(default=1, ge=1, strict=True)

@@ -25,7 +25,7 @@ from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
-from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings, RLJob
+from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig, RLJob
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 
@@ -82,7 +82,7 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     checkpoints.mkdir(parents=True)
-    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8.0))
+    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraConfig(rank=4, alpha=8.0))
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, run / "logs")
     try:

@@ -19,7 +19,7 @@ from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
-from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
+from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import adapter_sha256, rl_job, wait_for
@@ -39,7 +39,7 @@ async def test_one_disk_declared_host_local_commits_once_and_survives_a_kill_mid
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     checkpoints.mkdir(parents=True)
-    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8.0))
+    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraConfig(rank=4, alpha=8.0))
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, run / "logs")
     try:

@@ -22,7 +22,7 @@ from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
-from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraSettings
+from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import rl_job
@@ -86,7 +86,7 @@ async def test_a_save_failing_on_one_rank_is_retried_from_the_last_commit(tmp_pa
     for run in (failing, never_failed):
         (run / "checkpoints").mkdir(parents=True)
     checkpoints = failing / "checkpoints"
-    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8.0))
+    base = EngineConfig(model_dir=str(tiny_llama_dir), lora=LoraConfig(rank=4, alpha=8.0))
     runtime = await ArtRuntime.start_local(topology)
     service = TrainerService(runtime.clients, topology, tmp_path / "logs")
     try:

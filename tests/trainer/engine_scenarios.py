@@ -15,9 +15,9 @@ import torch
 from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document, TrainBatch, pack
 from art_mega.trainer.engine import TrainerEngine
-from art_mega.trainer.lora import LoraConfig, lora_parameters
+from art_mega.trainer.lora import lora_parameters
 from art_mega.trainer.parallel import ParallelState
-from art_mega.trainer.protocol import GRPOLossConfig, OptimizerConfig
+from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig, OptimizerConfig
 from tests.trainer.common import input_ids, megatron_logits
 
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)

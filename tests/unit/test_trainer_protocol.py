@@ -20,7 +20,7 @@ from art_mega.trainer.protocol import (
     ExportJob,
     Failed,
     GRPOLossConfig,
-    LoraSettings,
+    LoraConfig,
     PingJob,
     RankConfig,
     Ready,
@@ -159,7 +159,7 @@ def test_an_event_of_an_unknown_kind_or_with_an_unknown_field_is_refused():
 
 
 def test_the_launch_config_round_trips_and_refuses_what_a_rank_cannot_start_with():
-    config = rank_config(lora=LoraSettings(rank=4, alpha=8.0), resume_dir="/run/checkpoints/0001")
+    config = rank_config(lora=LoraConfig(rank=4, alpha=8.0), resume_dir="/run/checkpoints/0001")
     start = TrainerStartRequest(ranks=(), config=config)
     assert TrainerStartRequest.model_validate_json(start.model_dump_json()) == start
     assert rank_config().engine is None  # a ping-only trainer

@@ -70,7 +70,7 @@ FAMILIES: dict[str, FamilySpec[Any]] = _by_model_type(_SPECS)
 def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
     """The LoRA names every family agrees on, with the union of their expert targets.
 
-    A LoRA config names its targets before the model is known (`trainer.lora.LoraConfig`,
+    A LoRA config names its targets before the model is known (`trainer.protocol.LoraConfig`,
     `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; a
     family naming a Megatron layer's HF modules differently fails here, at import.
     """
