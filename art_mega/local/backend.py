@@ -58,6 +58,15 @@ class LocalBackend(MegatronBackend):
         super().__init__(None, **options)
         self.path = path
 
+    def _artifact_root(self) -> Any:
+        """`path` (absolute) when given, else the default root; a started runtime's wins."""
+        import os
+        from pathlib import Path
+
+        if self._runtime is not None or self.path is None:
+            return super()._artifact_root()
+        return Path(os.path.abspath(self.path))
+
     async def _local_runtime(self, model: Any) -> Any:
         import os
 
