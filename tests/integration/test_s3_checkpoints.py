@@ -301,3 +301,45 @@ def test_pull_refuses_a_run_the_bucket_does_not_hold_and_an_absent_step(tmp_path
     )
     assert "holds the committed steps [1, 2, 4]; pass one of them" in text
     assert not (tmp_path / "b" / PROJECT / "models" / "m1").exists()
+
+
+def test_pull_refuses_a_local_step_that_differs_from_the_bucket_and_keeps_the_local_run(
+    tmp_path, s3, adapters
+):
+    trained_run(tmp_path / "a", "m1", adapters, steps=(1, 2))
+    run(backend_at(tmp_path / "a")._experimental_push_to_s3(M("m1"), s3_bucket=BUCKET))
+    local = trained_run(tmp_path / "b", "m1", {1: adapters[4]}, steps=(1,))  # another step 1
+    before = files_of(ckpt.checkpoints_dir(local))
+    text = _refusal(backend_at(tmp_path / "b")._experimental_pull_from_s3(M("m1"), s3_bucket=BUCKET))
+    assert "hold different checkpoints of step 1; pull into a model of another name" in text
+    assert files_of(ckpt.checkpoints_dir(local)) == before
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (
+            lambda b: b._experimental_push_to_s3(M("m1"), s3_bucket=BUCKET, delete=True),
+            "delete=True) is not supported",
+        ),
+        (
+            lambda b: b._experimental_pull_from_s3(M("m1"), exclude=["logs"]),
+            "exclude=['logs']) is not supported",
+        ),
+        (
+            lambda b: b._experimental_pull_from_s3(M("m1"), only_step=True),
+            "(only_step=True) must be a step number",
+        ),
+        (
+            lambda b: b._experimental_pull_from_s3(M("m1"), only_step=-1),
+            "(only_step=-1) must be a step number",
+        ),
+        (
+            lambda b: b._experimental_fork_checkpoint(M("f"), from_model="m1", not_after_step="3"),
+            "(not_after_step='3') must be a step number >= 0 or None",
+        ),
+        (lambda b: b._experimental_push_to_s3(M("ghost"), s3_bucket=BUCKET), "the run folder"),
+    ],
+)
+def test_arguments_art_mega_does_not_take_are_refused(tmp_path, s3, call, expected):
+    assert expected in _refusal(call(backend_at(tmp_path)))
