@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from art_mega.topology import ClusterSpec, EndpointSpec, HostSpec, compile_topology
 
 
@@ -28,3 +31,26 @@ def loopback_cluster(n: int, cpu_slots: int = 1, tmp: str = "/tmp/art-mega-test"
 
 def loopback_topology(n: int, cpu_slots: int = 1, **kw):
     return compile_topology(loopback_cluster(n, cpu_slots, **kw))
+
+
+def require_vllm() -> None:
+    """Skip the calling test when no vLLM interpreter is installed (the backend's own lookup)."""
+    import pytest
+
+    from art_mega.backend import default_vllm_python
+    from art_mega.errors import UserError
+
+    try:
+        default_vllm_python()
+    except UserError as exc:
+        pytest.skip(str(exc))
+
+
+def program_workdir(tmp_path: Path, monkeypatch: Any, *, without_wandb: bool = False) -> Path:
+    """Run an ART-style program in `tmp_path` (its `.art-mega/` lands there) with the shared
+    art-mega model cache; `without_wandb` unsets WANDB_API_KEY so nothing reports to W&B."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
+    if without_wandb:
+        monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return tmp_path

@@ -7,25 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import program_workdir, require_vllm
+
 pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
-
-
-def _vllm_or_skip() -> None:
-    from art_mega.backend import default_vllm_python
-    from art_mega.errors import UserError
-
-    try:
-        default_vllm_python()
-    except UserError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    return tmp_path
+    return program_workdir(tmp_path, monkeypatch, without_wandb=True)
 
 
 def _run_dir(workdir: Path, project: str, name: str) -> Path:
@@ -33,7 +22,7 @@ def _run_dir(workdir: Path, project: str, name: str) -> Path:
 
 
 async def test_multi_turn_game_with_retry_delete_checkpoints_and_train_config(workdir):
-    _vllm_or_skip()
+    require_vllm()
     from tests.art_compat import tic_tac_toe
 
     steps, deleted = await tic_tac_toe.main(steps=2)
@@ -46,7 +35,7 @@ async def test_multi_turn_game_with_retry_delete_checkpoints_and_train_config(wo
 
 
 async def test_typed_policy_config_and_a_prompted_model_on_the_same_rollout(workdir):
-    _vllm_or_skip()
+    require_vllm()
     from tests.art_compat import policy_config
 
     out = await policy_config.main(steps=2)

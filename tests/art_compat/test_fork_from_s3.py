@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import require_vllm
+
 pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
 pytest.importorskip("moto.server", reason="the S3 server is moto's (moto[server], the test extra)")
 
@@ -19,13 +21,7 @@ def bucket(tmp_path, monkeypatch):
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from art_mega.backend import default_vllm_python
-    from art_mega.errors import UserError
-
-    try:
-        default_vllm_python()
-    except UserError as exc:
-        pytest.skip(str(exc))
+    require_vllm()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import program_workdir, require_vllm
+
 pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
 
 ROWS = [
@@ -25,16 +27,8 @@ ROWS = [
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    from art_mega.backend import default_vllm_python
-    from art_mega.errors import UserError
-
-    try:
-        default_vllm_python()
-    except UserError as exc:
-        pytest.skip(str(exc))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    require_vllm()
+    program_workdir(tmp_path, monkeypatch, without_wandb=True)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
     return tmp_path

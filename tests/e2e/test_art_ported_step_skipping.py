@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import program_workdir, require_vllm
+
 pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
 
 import art_mega as art  # noqa: E402
@@ -35,16 +37,8 @@ def group(*rewards: float) -> art.TrajectoryGroup:
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    from art_mega.backend import default_vllm_python
-    from art_mega.errors import UserError
-
-    try:
-        default_vllm_python()
-    except UserError as exc:
-        pytest.skip(str(exc))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))
-    return tmp_path
+    require_vllm()
+    return program_workdir(tmp_path, monkeypatch)
 
 
 async def test_step_skipping(workdir: Path) -> None:
