@@ -876,7 +876,7 @@ class MegatronBackend:
         transport = adapter_transport_for(self._runtime)  # UserError, also before any start
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
-        run_dir = Path(cluster.artifact_root) / model.project / "models" / model.name
+        run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
         committed = checkpoint.read_commit(checkpoint.checkpoints_dir(run_dir))
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start, resolved.hub_id)
@@ -1530,7 +1530,7 @@ class MegatronBackend:
                 f"{where}: the runtime's artifact_root is host-local and trainer ranks run on other "
                 "hosts, which would not see the copied checkpoint; use a shared artifact_root"
             )
-        return self._artifact_root() / model.project / "models" / model.name
+        return checkpoint.run_dir(self._artifact_root(), model.project, model.name)
 
     async def _experimental_push_to_s3(
         self,
@@ -1558,7 +1558,7 @@ class MegatronBackend:
                 "objects from the bucket; leave delete out"
             )
         bucket = s3.bucket_name(s3_bucket, "_experimental_push_to_s3")
-        run_dir = self._artifact_root() / model.project / "models" / model.name
+        run_dir = checkpoint.run_dir(self._artifact_root(), model.project, model.name)
         await asyncio.to_thread(
             s3.push_run, run_dir, bucket, s3.run_key(model.project, model.name, prefix), verbose=verbose
         )
@@ -1670,7 +1670,7 @@ class MegatronBackend:
                 verbose=verbose,
             )
         else:
-            root = checkpoint.checkpoints_dir(self._artifact_root() / project / "models" / from_model)
+            root = checkpoint.checkpoints_dir(checkpoint.run_dir(self._artifact_root(), project, from_model))
             await asyncio.to_thread(
                 s3.fork_step,
                 root,

@@ -151,7 +151,9 @@ class Model(BaseModel, Generic[ModelConfig]):
         `<base_path>/<project>/models/<name>`, or the backend's run directory after `register`."""
         if self._output_dir is not None:
             return Path(self._output_dir)
-        return Path(self.base_path).resolve() / self.project / "models" / self.name
+        from art_mega.trainer.checkpoint import run_dir
+
+        return run_dir(Path(self.base_path).resolve(), self.project, self.name)
 
     async def log(
         self,

@@ -83,6 +83,12 @@ class Manifest(BaseModel):
 # ---------------------------------------------------------------------------- paths
 
 
+def run_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
+    """`<root>/<project>/models/<name>`: a model's run folder (history, logs, checkpoints) under
+    an artifact root (the backend's) or a base path (a model that is not registered)."""
+    return Path(root) / project / "models" / name
+
+
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
     """`<run>/checkpoints`: the folder holding a run's step folders and its commit pointer."""
     return Path(run_dir) / CHECKPOINTS
