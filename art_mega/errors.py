@@ -410,6 +410,25 @@ class ProgramImportError(UserError):
         self.cause = cause
 
 
+class MissingExtraError(UserError):
+    """A feature needs an optional dependency that is not installed.
+
+    Attributes:
+        feature: what needs it, e.g. "art_mega.mcp.list_tools".
+        package: the missing import, e.g. "mcp".
+        extra: the art-mega extra that installs it, e.g. "mcp".
+    """
+
+    def __init__(self, feature: str, package: str, extra: str):
+        super().__init__(
+            f"{feature} needs the {package!r} package, which is not installed; "
+            f"pip install 'art-mega[{extra}]'"
+        )
+        self.feature = feature
+        self.package = package
+        self.extra = extra
+
+
 class AgentError(ArtMegaError):
     """An agent could not be reached, refused a call, or answered it badly (`agent.client`).
 
@@ -513,6 +532,36 @@ class TopologyError(UserError):
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class MCPServerError(ArtMegaError):
+    """An MCP server could not be started, reached or asked (`art_mega.mcp`).
+
+    Attributes:
+        server: the server as `McpServer.describe()` names it (its command line or URL).
+        action: what was being done, e.g. "listing its tools".
+        detail: the reason, e.g. "ConnectError: connection refused".
+    """
+
+    def __init__(self, server: str, action: str, detail: str):
+        super().__init__(f"MCP server {server}: {action} failed: {detail}")
+        self.server = server
+        self.action = action
+        self.detail = detail
+
+
+class ScenarioGenerationError(ArtMegaError):
+    """The scenario generator's reply could not be used (`art_mega.mcp.generate_scenarios`).
+
+    Attributes:
+        model: the generator model's name.
+        detail: what was wrong with the reply (not JSON, a wrong count, a bad difficulty, ...).
+    """
+
+    def __init__(self, model: str, detail: str):
+        super().__init__(f"scenario generator {model}: {detail}")
+        self.model = model
+        self.detail = detail
 
 
 class HostLostError(ArtMegaError):
@@ -749,6 +798,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     HostMismatchError: _SENTENCE_USER,
     LoopbackAddressError: _SENTENCE_USER,
     ProgramImportError: _SENTENCE_USER,
+    MissingExtraError: _SENTENCE_USER,
     TopologyError: _SENTENCE_USER,
     RankRefusedStepError: _SENTENCE_USER,
     # A host or its agent failing: the sentence names it, exit 1.
@@ -760,6 +810,9 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     AgentReplyError: _SENTENCE_FAILURE,
     HostLostError: _SENTENCE_FAILURE,
     AgentStartError: _SENTENCE_FAILURE,
+    # An outside service a program talks to failing: the sentence names it, exit 1.
+    MCPServerError: _SENTENCE_FAILURE,
+    ScenarioGenerationError: _SENTENCE_FAILURE,
     # Failures whose cause is in code (the program's, a rollout's, a rank's, a replica's): the
     # traceback shows where the program met them, exit 1.
     ArtMegaError: _TRACEBACK_FAILURE,
