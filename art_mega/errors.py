@@ -429,6 +429,25 @@ class MissingExtraError(UserError):
         self.extra = extra
 
 
+class LangGraphUsageError(UserError):
+    """`art_mega.langgraph` refused a call: an `init_chat_model` argument art-mega does not take
+    or cannot honour, a chat model made outside a rollout wrapped by `wrap_rollout`, or a
+    wrapped rollout that returned no `Trajectory` or streamed a completion (no token ids to
+    train).
+
+    Attributes:
+        call: the refused call, e.g. "init_chat_model".
+        field: the argument or input at fault, e.g. "model_provider".
+        value: what was given.
+    """
+
+    def __init__(self, message: str, call: str, field: str, value: object):
+        super().__init__(message)
+        self.call = call
+        self.field = field
+        self.value = value
+
+
 class AgentError(ArtMegaError):
     """An agent could not be reached, refused a call, or answered it badly (`agent.client`).
 
@@ -799,6 +818,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     LoopbackAddressError: _SENTENCE_USER,
     ProgramImportError: _SENTENCE_USER,
     MissingExtraError: _SENTENCE_USER,
+    LangGraphUsageError: _SENTENCE_USER,
     TopologyError: _SENTENCE_USER,
     RankRefusedStepError: _SENTENCE_USER,
     # A host or its agent failing: the sentence names it, exit 1.
