@@ -157,6 +157,8 @@ GRPO_OPTIONS = (
     "allow_stale",
     "drop_nonfinite_rewards",
     "allow_training_without_logprobs",
+    "grad_accumulation_sequences",
+    "packed_sequence_length",
 )
 """The keywords `MegatronBackend.train` takes (ART's `LocalBackend.train` names mean what they
 mean there; `kl_beta`, `tis_cap`, `allow_stale` and `drop_nonfinite_rewards` are art-mega's)."""
@@ -190,20 +192,12 @@ ART_OPTION_HINTS: dict[str, RefusedOption] = {
         "ART 0.5.18 takes it but no longer applies it (its LocalBackend ignores it); scale "
         "learning_rate yourself",
     ),
-    "packed_sequence_length": RefusedOption(
-        (None,), "art-mega packs rows of MegatronBackend(seq_len=...) tokens, so set the length there"
-    ),
     "plot_tensors": RefusedOption((False,), "art-mega does not plot the packed tensors, so remove it"),
     "save_checkpoint": RefusedOption(
         (True,),
         "every art-mega step commits its checkpoint (the served adapter is read from it), so remove it",
     ),
     "verbose": RefusedOption((False,), "art-mega reports each step in its metrics and logs, so remove it"),
-    "grad_accumulation_sequences": RefusedOption(
-        (None,),
-        "art-mega takes one optimizer step per train call over all its groups (ART takes one per "
-        "grad_accumulation_sequences packed sequences), so remove it",
-    ),
     "moe_routing_replay_bundle": RefusedOption((None,), _NO_MOE),
     "moe_routing_replay_path": RefusedOption((None,), _NO_MOE),
     "moe_routing_replay_strict": RefusedOption((False,), _NO_MOE),
@@ -318,14 +312,6 @@ def check_grpo_options(
                 )
         kl_beta = kl_beta or config.beta
         kl_penalty_coef = kl_penalty_coef or config.kl_penalty_coef
-        accumulate = ART_OPTION_HINTS["grad_accumulation_sequences"]
-        if not accumulate.is_off(config.grad_accumulation_sequences):
-            raise HyperParameterError(
-                f"{where}(config.grad_accumulation_sequences={config.grad_accumulation_sequences!r}) "
-                f"is ART's; {accumulate.why}",
-                "grad_accumulation_sequences",
-                config.grad_accumulation_sequences,
-            )
     check(where, "learning_rate", learning_rate, positive_problem, "5e-6")
     check(where, "loss_fn", loss_fn, one_of_problem(*LOSS_FNS), "'cispo'")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -407,9 +393,89 @@ def check_grpo_options(
     return float(learning_rate), loss
 
 
+def check_packing(
+    grad_accumulation_sequences: Any,
+    packed_sequence_length: Any,
+    config: Any,
+    power: float,
+    seq_len: int,
+) -> tuple[int | None, int]:
+    """ART's `grad_accumulation_sequences` (the keyword, or `config`'s, a checked `TrainConfig`
+    or None) and `packed_sequence_length` for `backend.train`; returns (packed rows per
+    optimizer step over all DP ranks, None: one step over all rows; the row length in tokens).
+
+    grad_accumulation_sequences: None or a whole number >= 1 (a multiple of the DP ranks,
+    `check_accumulation`), not with a non-zero `power` (ART's
+    num_trajectories_learning_rate_multiplier_power scales a step's rate by the trajectories
+    it trains; ART's Megatron trainer, the one that accumulates, does not apply it);
+    packed_sequence_length: None (`seq_len`) or a whole number from 2 to `seq_len` (ART refuses
+    one above the model's max_seq_length too).
+
+    Raises:
+        HyperParameterError: the first of them out of range or of the wrong type, the keyword
+            and `config` disagreeing, or accumulation with a non-zero power.
+    """
+    from art_mega.errors import HyperParameterError
+    from art_mega.hyperparams import check, optional, whole_problem
+
+    where = "backend.train"
+    check(where, "grad_accumulation_sequences", grad_accumulation_sequences, optional(whole_problem(1)), "4")
+    check(where, "packed_sequence_length", packed_sequence_length, optional(whole_problem(2)), str(seq_len))
+    given = None if config is None else config.grad_accumulation_sequences
+    if given is not None and grad_accumulation_sequences is not None and given != grad_accumulation_sequences:
+        raise HyperParameterError(
+            f"{where}(grad_accumulation_sequences={grad_accumulation_sequences!r}) disagrees with "
+            f"config.grad_accumulation_sequences={given!r}; set one of them",
+            "grad_accumulation_sequences",
+            grad_accumulation_sequences,
+        )
+    accumulate = grad_accumulation_sequences if grad_accumulation_sequences is not None else given
+    if packed_sequence_length is not None and packed_sequence_length > seq_len:
+        raise HyperParameterError(
+            f"{where}(packed_sequence_length={packed_sequence_length!r}) exceeds the trainer's "
+            f"seq_len={seq_len}; pass at most {seq_len} or raise MegatronBackend(seq_len=...) "
+            "(init_args.max_seq_length)",
+            "packed_sequence_length",
+            packed_sequence_length,
+        )
+    if accumulate is not None and power != 0:
+        raise HyperParameterError(
+            f"{where}(num_trajectories_learning_rate_multiplier_power={power!r}) scales the rate "
+            f"of one step over all the call's trajectories, so it cannot be combined with "
+            f"grad_accumulation_sequences={accumulate!r} (ART's Megatron trainer does not apply it "
+            "either); set one of them",
+            "num_trajectories_learning_rate_multiplier_power",
+            power,
+        )
+    rows = seq_len if packed_sequence_length is None else int(packed_sequence_length)
+    return (None if accumulate is None else int(accumulate)), rows
+
+
+def check_accumulation(grad_accumulation_sequences: int, dp: int) -> int:
+    """`grad_accumulation_sequences` (packed rows per optimizer step, over all DP ranks) when
+    it splits evenly over the trainer's `dp` data-parallel ranks (ART's Megatron trainer
+    requires it too).
+
+    Raises:
+        HyperParameterError: it is not a multiple of `dp` (named, with the nearest ones).
+    """
+    from art_mega.errors import HyperParameterError
+
+    if grad_accumulation_sequences % dp:
+        lower = grad_accumulation_sequences // dp * dp
+        nearest = " or ".join(str(n) for n in (lower, lower + dp) if n > 0)
+        raise HyperParameterError(
+            f"backend.train(grad_accumulation_sequences={grad_accumulation_sequences!r}) does not "
+            f"split over the trainer's {dp} data-parallel ranks; pass a multiple of {dp}, e.g. {nearest}",
+            "grad_accumulation_sequences",
+            grad_accumulation_sequences,
+        )
+    return grad_accumulation_sequences
+
+
 def _reference_adapter(path: Any, kl: float) -> str | None:
-    """`kl_ref_adapter_path` as the adapter folder the ranks read (a checkpoint folder's
-    `adapter/` when given the checkpoint), or None.
+    """`kl_ref_adapter_path` as the adapter folder the ranks read (a checkpoint's step folder
+    is one), or None.
 
     Raises:
         HyperParameterError: not None, a str or a path; no adapter_config.json there; or no KL
@@ -427,14 +493,11 @@ def _reference_adapter(path: Any, kl: float) -> str | None:
             "kl_ref_adapter_path",
             path,
         )
-    folder = Path(path)
-    inner = checkpoint.adapter_dir(folder)
-    if not (folder / "adapter_config.json").is_file() and (inner / "adapter_config.json").is_file():
-        folder = inner
+    folder = checkpoint.adapter_dir(Path(path))
     if not (folder / "adapter_config.json").is_file():
         raise HyperParameterError(
-            f"{where} holds no adapter_config.json (nor does its adapter/ folder); name a PEFT "
-            "LoRA adapter folder of this base model, or a committed checkpoint of it",
+            f"{where} holds no adapter_config.json; name a PEFT LoRA adapter folder of this base "
+            "model, or a committed checkpoint (step folder) of it",
             "kl_ref_adapter_path",
             path,
         )
@@ -873,7 +936,8 @@ class MegatronBackend:
         replica_python(topology, self._vllm_python)  # UserError before any check that costs time
         check_artifact_root_reach(topology)  # before any trainer rank or replica starts
         await check_controller_sees_artifact_root(self._runtime)
-        transport = adapter_transport_for(self._runtime)  # UserError, also before any start
+        # UserError, also before any start; a step folder's rank state stays on the trainer's host
+        transport = adapter_transport_for(self._runtime, files=checkpoint.ADAPTER_FILES)
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
@@ -1144,9 +1208,11 @@ class MegatronBackend:
         allow_stale: bool = False,
         drop_nonfinite_rewards: bool = False,
         allow_training_without_logprobs: bool = False,
+        grad_accumulation_sequences: int | None = None,
+        packed_sequence_length: int | None = None,
         **unknown: Any,
     ) -> TrainResult:
-        """One GRPO step on these groups; returns the new step and its metrics.
+        """GRPO on these groups, one new step (one checkpoint); returns it and its metrics.
 
         ART's options (`LocalBackend.train`) mean what they mean in ART (`trainer.loss.grpo_loss`
         gives each term): `loss_fn` "cispo" (ART's default, epsilon 1.0 / epsilon_high 4.0) or
@@ -1162,8 +1228,19 @@ class MegatronBackend:
         ART options art-mega does not implement (`ART_OPTION_HINTS`) pass only at the value
         where they do nothing, else each is refused with what to use. art-mega's own: `kl_beta`
         (a k3 KL loss term), `tis_cap` (= truncated_importance_sampling with
-        precalculate_logprobs), `allow_stale`, `drop_nonfinite_rewards`. One call is one
-        optimizer step over all its groups (ART takes one per packed sequence).
+        precalculate_logprobs), `allow_stale`, `drop_nonfinite_rewards`.
+
+        Optimizer steps: the trajectories' token sequences are packed into rows of
+        `packed_sequence_length` tokens (None: `seq_len`; a longer sequence is refused, ART
+        drops it with a warning). With `grad_accumulation_sequences` G (the keyword or
+        `config`'s, a multiple of the trainer's DP ranks) the call takes ceil(rows / G)
+        optimizer steps of G rows each, longest rows first (`batch.pack_steps`; ART takes
+        ceil(packed sequences / G), in a shuffled order), every one at the learning rate, the
+        old policy of a recomputing loss (`precalculate_logprobs`, `tis_cap`) computed once
+        before the first; the metrics are the steps' means, and
+        `data/step_num_gradient_steps` counts them. Without G the call is one optimizer step
+        over all rows (ART: one per packed sequence on its LocalBackend, one per DP ranks'
+        worth on its MegatronBackend).
 
         Every choice sampled through `model.openai_client()` carries the policy step that served
         it. The step is on-policy for the current step only; `allow_stale=True` trains on older
@@ -1189,9 +1266,11 @@ class MegatronBackend:
         committed: either way the commit and the served step stay where they were.
 
         Raises:
-            UserError: unregistered model, a trajectory longer than `seq_len`, or (without
-                `allow_stale`) a trajectory served by a step other than the current one.
-            HyperParameterError: an option out of range or of the wrong type, or an unknown
+            UserError: unregistered model, a trajectory longer than `seq_len` (or
+                `packed_sequence_length`), or (without `allow_stale`) a trajectory served by a
+                step other than the current one.
+            HyperParameterError: an option out of range or of the wrong type
+                (`check_grpo_options`, `check_packing`, `check_accumulation`), or an unknown
                 keyword (named).
             TrainInputError: `trajectory_groups` is not a non-empty list of TrajectoryGroup, or
                 a message has an unknown role or a bad content (group and trajectory named).
@@ -1231,6 +1310,13 @@ class MegatronBackend:
             num_trajectories_learning_rate_multiplier_power=num_trajectories_learning_rate_multiplier_power,
             kl_ref_adapter_path=kl_ref_adapter_path,
         )
+        accumulate, row_len = check_packing(
+            grad_accumulation_sequences,
+            packed_sequence_length,
+            config,
+            num_trajectories_learning_rate_multiplier_power,
+            self.seq_len,
+        )
         scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
         async with self._lock:
@@ -1248,7 +1334,16 @@ class MegatronBackend:
                 "data/stale_trajectories": float(stale),
                 "data/trajectories_dropped_nonfinite_reward": float(dropped),
             }
-            return await self._step_with([documents], metrics, "rl", [learning_rate], loss, started)
+            return await self._step_with(
+                [documents],
+                metrics,
+                "rl",
+                [learning_rate],
+                loss,
+                started,
+                seq_len=None if packed_sequence_length is None else row_len,
+                rows_per_step=accumulate,
+            )
 
     def _reference_path(self, path: Any, step: Any) -> Any:
         """`kl_ref_adapter_path`, or the committed checkpoint folder of ART's
@@ -1416,20 +1511,41 @@ class MegatronBackend:
         learning_rates: list[float],
         loss: dict[str, Any],
         started: float,
+        *,
+        seq_len: int | None = None,
+        rows_per_step: int | None = None,
     ) -> TrainResult:
-        """One job on the ranks and its commit: an rl job (`steps` = [its documents], one rate)
-        or an sft job (one document list and one rate per optimizer step); returns the new step."""
-        from art_mega.trainer.batch import pack
+        """One job on the ranks and its commit: an rl job (`steps` = [its documents], one rate;
+        one optimizer step, or with `rows_per_step` one per that many packed rows over all DP
+        ranks, `check_accumulation`) or an sft job (one document list and one rate per
+        optimizer step); rows of `seq_len` tokens (None: `self.seq_len`, else it is
+        `backend.train`'s packed_sequence_length); returns the new step."""
+        from art_mega.trainer.batch import pack, pack_steps
         from art_mega.trainer.protocol import sft_batch_file
         from art_mega.transfer.adapters import transfer_metrics
 
         assert self._run_dir is not None
         step = self._step + 1
         dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
+        if rows_per_step is not None:
+            check_accumulation(rows_per_step, dp)
+        row_len = self.seq_len if seq_len is None else seq_len
         try:
-            packed = [pack(documents, self.seq_len, dp) for documents in steps]
+            if rows_per_step is None:
+                packed = [pack(documents, row_len, dp) for documents in steps]
+            else:
+                packed = [pack_steps(steps[0], row_len, dp, rows_per_step)]
         except ValueError as exc:
-            raise UserError(f"{exc} (MegatronBackend(seq_len=...))") from None
+            where = (
+                "MegatronBackend(seq_len=...)"
+                if seq_len is None
+                else "backend.train(packed_sequence_length=...)"
+            )
+            raise UserError(f"{exc} ({where})") from None
+        step_rows = None if rows_per_step is None else rows_per_step // dp
+        if kind == "rl":
+            height = packed[0][0].shape[0]
+            metrics["data/step_num_gradient_steps"] = float(height // (step_rows or height))
         batch_dir = self._run_dir / "batches" / f"{step:04d}"
         for k, batches in enumerate(packed):
             for rank, batch in enumerate(batches):
@@ -1450,6 +1566,7 @@ class MegatronBackend:
                 loss=GRPOLossConfig(**loss),
                 weight_decay=self._rl_optimizer[0],
                 clip_grad=self._rl_optimizer[1],
+                step_rows=step_rows,
             )
             if kind == "rl"
             else SFTJob(**where, learning_rates=learning_rates)

@@ -4,7 +4,8 @@ Every other module asks this one for paths and calls it to stage, place and comm
 file name of the layout. A run's checkpoints live in `<run>/checkpoints/` (`checkpoints_dir`):
 
     0003/                 the checkpoint of step 3 (`step_dir`: the step, zero-padded to 4 digits)
-      adapter/            an HF PEFT adapter (`adapter_dir`; written by `peft_io.export_adapter`)
+      adapter_config.json         the HF PEFT adapter, in the step folder itself as ART keeps
+      adapter_model.safetensors   it (`adapter_dir`, `ADAPTER_FILES`; `peft_io.export_adapter`)
       rank00000.pt        each global rank's LoRA shards, optimizer state and step count
                           (`rank_state_file`; written by `TrainerEngine.save_state`)
       manifest.json       `Manifest`: step, adapter sha256, base model, parallel layout
@@ -21,6 +22,12 @@ rename), last, so `LATEST` only ever names a whole checkpoint. A resume reads th
 (`read_commit`) and ignores every other folder: staging and trash folders of a crashed save
 (removed by `clean_uncommitted`) and step folders newer than the commit (a later save of the same
 step replaces them).
+
+The step folder is ART's (`art.utils.output_dirs.get_step_checkpoint_dir`): ART's tools, vLLM and
+`peft.PeftModel.from_pretrained` read it as an adapter directory, and ART's step count (the
+largest all-digit folder name) is the step. Checkpoints of art-mega before this layout kept the
+adapter in an `adapter/` sub-folder; `read_commit` refuses such a committed step with one sentence
+saying how to move it (`check_layout`).
 
 File I/O only; this module imports neither torch nor safetensors.
 """
@@ -42,7 +49,11 @@ from art_mega.errors import CheckpointFileError, format_validation_error
 CHECKPOINTS = "checkpoints"
 COMMIT_FILE = "LATEST"
 MANIFEST_FILE = "manifest.json"
-ADAPTER_DIR = "adapter"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""The adapter's files in a step folder, the names PEFT, vLLM and ART read; what an adapter
+transfer to another host sends (the rank state and manifest stay with the trainer)."""
+LEGACY_ADAPTER_DIR = "adapter"
+"""The sub-folder the adapter lived in before checkpoints took ART's layout (only refused)."""
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 LEADER_MARK = ".leader-rank"
@@ -106,8 +117,9 @@ def staging_dir(checkpoint: str | os.PathLike[str]) -> Path:
 
 
 def adapter_dir(checkpoint: str | os.PathLike[str]) -> Path:
-    """The PEFT adapter folder inside a checkpoint (or its staging folder)."""
-    return Path(checkpoint) / ADAPTER_DIR
+    """The PEFT adapter folder of a checkpoint (or of its staging folder): the folder itself, where
+    ART keeps `adapter_config.json` and `adapter_model.safetensors` (`ADAPTER_FILES`)."""
+    return Path(checkpoint)
 
 
 def rank_state_file(checkpoint: str | os.PathLike[str], rank: int) -> Path:
@@ -237,6 +249,24 @@ def read_manifest(checkpoint: str | os.PathLike[str]) -> Manifest:
         ) from None
 
 
+def check_layout(checkpoint: str | os.PathLike[str]) -> None:
+    """Refuse a step folder in art-mega's earlier layout (the adapter in `adapter/`, nothing at
+    ART's place), which neither ART's tools nor this trainer read.
+
+    Raises:
+        CheckpointFileError: `<checkpoint>/adapter/` holds the adapter and the folder itself does
+            not (the sentence says which two files to move up).
+    """
+    folder = Path(checkpoint)
+    legacy = folder / LEGACY_ADAPTER_DIR
+    if (legacy / ADAPTER_FILES[0]).is_file() and not (folder / ADAPTER_FILES[0]).is_file():
+        raise CheckpointFileError(
+            legacy,
+            f"is art-mega's earlier checkpoint layout (ART's tools and this trainer read the adapter "
+            f"from the step folder itself): move {' and '.join(ADAPTER_FILES)} from it up into {folder}",
+        )
+
+
 def read_commit(root: str | os.PathLike[str]) -> int | None:
     """The last committed step under `root` (a `checkpoints_dir`), the step a run resumes from.
 
@@ -244,8 +274,9 @@ def read_commit(root: str | os.PathLike[str]) -> int | None:
     (its folder was removed; the run then starts afresh). Uncommitted folders are never read.
 
     Raises:
-        CheckpointFileError: the pointer does not hold a step number, or the committed step's
-            manifest is malformed or names another step (named with its path).
+        CheckpointFileError: the pointer does not hold a step number, the committed step's
+            manifest is malformed or names another step (named with its path), or the committed
+            step is in art-mega's earlier layout (`check_layout`).
     """
     pointer = Path(root) / COMMIT_FILE
     if not pointer.is_file():
@@ -262,6 +293,7 @@ def read_commit(root: str | os.PathLike[str]) -> int | None:
         raise CheckpointFileError(
             manifest_file(folder), f"says step {found}, but the commit pointer {pointer} names step {step}"
         )
+    check_layout(folder)
     return step
 
 

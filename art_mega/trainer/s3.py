@@ -190,7 +190,7 @@ def _check_step(folder: Path, step: int, source: str) -> None:
     digest = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else "missing"
     if digest != manifest.adapter_sha256:
         raise CheckpointFileError(
-            f"{source}/{checkpoint.ADAPTER_DIR}/{ADAPTER_WEIGHTS}",
+            f"{source}/{ADAPTER_WEIGHTS}",
             f"has sha256 {digest}, not the manifest's {manifest.adapter_sha256}",
         )
 

@@ -70,6 +70,8 @@ class AdapterTransport:
         artifact_root: the (host-local) artifact_root, the same path on every host.
         store: NIXL's metadata store (the launch's etcd) and key prefix.
         timeout_s: bound on each agent's offer and fetch (seconds).
+        files: the names (relative to the adapter folder) to send, e.g. a checkpoint's
+            `checkpoint.ADAPTER_FILES`; None sends every file under it.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class AdapterTransport:
         artifact_root: str,
         store: MetadataStore,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        files: tuple[str, ...] | None = None,
     ) -> None:
         missing = sorted({h for h in [exporter_host, *replica_hosts.values()] if h not in clients})
         if missing:
@@ -90,6 +93,7 @@ class AdapterTransport:
         self.artifact_root = artifact_root
         self.store = store
         self.timeout_s = timeout_s
+        self.files = files
         self.last: TransferReport | None = None
         self._copies: dict[int, dict[str, list[str]]] = {}  # step -> host -> received copies
 
@@ -129,6 +133,7 @@ class AdapterTransport:
                 transfer_id=transfer_id,
                 store=self.store,
                 timeout_s=self.timeout_s,
+                files=self.files,
             ),
         )
         if not offered.ok or offered.offer is None:
@@ -231,9 +236,12 @@ class AdapterTransport:
             pass
 
 
-def adapter_transport_for(runtime: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> AdapterTransport | None:
+def adapter_transport_for(
+    runtime: Any, timeout_s: float = DEFAULT_TIMEOUT_S, files: tuple[str, ...] | None = None
+) -> AdapterTransport | None:
     """The transport a runtime's replicas need: None when artifact_root is shared (replicas read
-    the exported folder) or every replica runs on trainer rank 0's host.
+    the exported folder) or every replica runs on trainer rank 0's host. `files`: see
+    `AdapterTransport`.
 
     Raises:
         UserError: artifact_root is host-local and a replica runs on another host, but the
@@ -255,7 +263,9 @@ def adapter_transport_for(runtime: Any, timeout_s: float = DEFAULT_TIMEOUT_S) ->
             f"{exporter}; pass metadata_store=None (or True) so adapters can reach them"
         )
     store = MetadataStore(endpoint=endpoint, namespace=f"/art-mega/{runtime.launch_id}/nixl")
-    return AdapterTransport(runtime.clients, exporter, replica_hosts, cluster.artifact_root, store, timeout_s)
+    return AdapterTransport(
+        runtime.clients, exporter, replica_hosts, cluster.artifact_root, store, timeout_s, files
+    )
 
 
 def transfer_metrics(transport: AdapterTransport | None, step: int) -> dict[str, float]:

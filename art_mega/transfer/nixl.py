@@ -69,15 +69,22 @@ def inside(root: str, path: str, what: str) -> Path:
     return resolved
 
 
-def read_adapter(path: Path) -> tuple[bytearray, tuple[AdapterFile, ...]]:
-    """Every regular file under `path` (sorted by relative name) back to back in one buffer.
+def read_adapter(
+    path: Path, only: tuple[str, ...] | None = None
+) -> tuple[bytearray, tuple[AdapterFile, ...]]:
+    """Every regular file under `path` (sorted by relative name), or the files of `only` (names
+    relative to `path`) that exist, back to back in one buffer.
 
     Returns the buffer (uint8 bytes, length = sum of file sizes) and each file's name, size,
-    offset and sha256. Raises `TransferError` when `path` is not a directory or holds no data.
+    offset and sha256. Raises `TransferError` when `path` is not a directory or holds no data,
+    or a name of `only` leaves `path`.
     """
     if not path.is_dir():
         raise TransferError(f"adapter {path} is not a directory")
-    names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    if only is None:
+        names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    else:
+        names = sorted(n for n in only if inside(str(path), n, "adapter file").is_file())
     if not names:
         raise TransferError(f"adapter {path} holds no file")
     contents = [(path / name).read_bytes() for name in names]
@@ -275,7 +282,7 @@ class AdapterTransfers:
             if request.transfer_id in self._held:
                 raise TransferError(f"transfer {request.transfer_id} is offered already")
         source = inside(request.root, request.path, "adapter path")
-        buffer, files = read_adapter(source)
+        buffer, files = read_adapter(source, request.files)
         agent = self.endpoint.agent(request.store)
         address = _address(buffer)
         registration = agent.register_memory([(address, len(buffer), 0, "")], "DRAM")

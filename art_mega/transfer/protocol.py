@@ -88,7 +88,9 @@ class AdapterOffer(_Body):
 
 
 class OfferRequest(_Body):
-    """Register the adapter at `path` (absolute, inside `root`) for transfer `transfer_id`."""
+    """Register the adapter at `path` (absolute, inside `root`) for transfer `transfer_id`:
+    the files named in `files` (relative to `path`; a checkpoint's step folder also holds the
+    trainer's state, which stays), or every file under `path` when `files` is None."""
 
     host: str
     root: str
@@ -96,6 +98,7 @@ class OfferRequest(_Body):
     transfer_id: str
     store: MetadataStore
     timeout_s: float = Field(default=30.0, gt=0)
+    files: tuple[str, ...] | None = None
 
     @field_validator("transfer_id")
     @classmethod

@@ -26,7 +26,9 @@ async def test_rl_example_trains_two_steps(workdir):
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "2"
     manifest = json.loads((run / "checkpoints" / "0002" / "manifest.json").read_text())
     assert manifest["step"] == 2 and len(manifest["adapter_sha256"]) == 64
-    assert (run / "checkpoints" / "0002" / "adapter" / "adapter_config.json").is_file()
+    # ART's layout (art.utils.output_dirs.get_step_checkpoint_dir): the adapter in the step folder
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (run / "checkpoints" / "0002" / name).is_file()
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [0, 1]
     assert all("train/reward" in h and "train/length" in h for h in history)

@@ -151,7 +151,7 @@ async def test_three_publications_change_outputs_and_match_megatron(setup: Setup
     cases = []
     for step, reply in enumerate(served):
         prompt, tokens, _ = sequence(reply)
-        cases.append({"adapter": str(checkpoints / f"{step:04d}" / "adapter"), "token_ids": prompt + tokens})
+        cases.append({"adapter": str(checkpoints / f"{step:04d}"), "token_ids": prompt + tokens})
     reference = megatron_logprobs(setup, cases, tmp_path)
     worst = []
     for reply, expected in zip(served, reference):
@@ -295,7 +295,9 @@ async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Se
     # kl_beta * (1 - exp(ref - new)) * dnew/dtheta squares past float32 in the norm (inf).
     # kl_beta=1e38 is not an edge gap: against a reference equal to the policy its term is 0.
     reference = tmp_path / "reference"
-    shutil.copytree(checkpoints / f"{step:04d}" / "adapter", reference)
+    reference.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(checkpoints / f"{step:04d}" / name, reference / name)
     weights = load_file(reference / "adapter_model.safetensors")
     save_file(
         {k: v + 0.01 if "lora_B" in k else v for k, v in weights.items()},
@@ -328,8 +330,8 @@ async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Se
     good, new = checkpoints / f"{step:04d}", checkpoints / f"{step + 1:04d}"
     assert rank_state(new)["steps"] == rank_state(good)["steps"] + 1  # one update after the commit
     before, after = (
-        load_file(good / "adapter" / "adapter_model.safetensors"),
-        load_file(new / "adapter" / "adapter_model.safetensors"),
+        load_file(good / "adapter_model.safetensors"),
+        load_file(new / "adapter_model.safetensors"),
     )
     assert before.keys() == after.keys()
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)

@@ -59,7 +59,7 @@ def rl_job(run, step: int) -> RLJob:
 
 
 def adapter_sha256(checkpoint) -> str:
-    return hashlib.sha256((checkpoint / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest()
+    return hashlib.sha256((checkpoint / "adapter_model.safetensors").read_bytes()).hexdigest()
 
 
 async def wait_for(paths, job: asyncio.Task, timeout_s: float = 300) -> None:

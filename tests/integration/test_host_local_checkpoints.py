@@ -50,7 +50,8 @@ async def test_one_disk_declared_host_local_commits_once_and_survives_a_kill_mid
         write_commit(checkpoints, 1)
         committed_sha = adapter_sha256(checkpoints / "0001")
         assert sorted(p.name for p in (checkpoints / "0001").iterdir()) == [
-            "adapter",
+            "adapter_config.json",
+            "adapter_model.safetensors",
             "manifest.json",
             "rank00000.pt",
             "rank00001.pt",
@@ -82,7 +83,8 @@ async def test_one_disk_declared_host_local_commits_once_and_survives_a_kill_mid
         assert read_commit(checkpoints) == 2 and not staging.exists()
         assert result.adapter_ready[0].sha256 == adapter_sha256(checkpoints / "0002")
         assert sorted(p.name for p in (checkpoints / "0002").iterdir()) == [
-            "adapter",
+            "adapter_config.json",
+            "adapter_model.safetensors",
             "manifest.json",
             "rank00000.pt",
             "rank00001.pt",

@@ -98,7 +98,7 @@ def commit_step(run_dir: Path, step: int, adapter: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = ckpt.step_dir(root, step)
     staging = ckpt.prepare_staging(final)
-    shutil.copytree(adapter, ckpt.adapter_dir(staging))
+    shutil.copytree(adapter, ckpt.adapter_dir(staging), dirs_exist_ok=True)
     ckpt.rank_state_file(staging, 0).write_bytes(b"rank 0 state of step %d" % step)
     weights = (ckpt.adapter_dir(staging) / "adapter_model.safetensors").read_bytes()
     ckpt.write_manifest(
@@ -155,7 +155,7 @@ def test_push_then_pull_brings_the_committed_checkpoints_back_byte_equal(tmp_pat
 
     keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
     assert "team/proj/models/m1/checkpoints/LATEST" in keys
-    assert "team/proj/models/m1/checkpoints/0004/adapter/adapter_model.safetensors" in keys
+    assert "team/proj/models/m1/checkpoints/0004/adapter_model.safetensors" in keys
     assert not [k for k in keys if ".staging" in k]
 
     run(backend_at(tmp_path / "b")._experimental_pull_from_s3(M("m1"), s3_bucket=BUCKET, prefix="team"))

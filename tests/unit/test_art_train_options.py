@@ -253,11 +253,9 @@ REFUSED = {
     "loss_fn_config": {"clip": 0.1},
     "adam_params": {"beta1": 0.9},
     "scale_learning_rate_by_reward_std_dev": True,
-    "packed_sequence_length": 4096,
     "plot_tensors": True,
     "save_checkpoint": False,
     "verbose": True,
-    "grad_accumulation_sequences": 4,
     "moe_routing_replay_bundle": object(),
     "moe_routing_replay_path": "/replay",
     "moe_routing_replay_strict": True,
@@ -314,14 +312,6 @@ def test_an_unknown_option_is_refused(backend: MegatronBackend) -> None:
         HyperParameterError, match="has the key 'epsilon_hi', which ART's dev.TrainConfig does not have"
     ):
         dev_train_options({"epsilon_hi": 0.3}, {})
-
-
-def test_train_config_grad_accumulation_sequences_is_refused() -> None:
-    with pytest.raises(
-        HyperParameterError, match=r"config.grad_accumulation_sequences=4\) is ART's; art-mega takes one"
-    ):
-        check_grpo_options(**{**BASE, "config": art.TrainConfig(grad_accumulation_sequences=4)})
-    check_grpo_options(**{**BASE, "config": art.TrainConfig(grad_accumulation_sequences=None)})
 
 
 @pytest.mark.parametrize(
@@ -425,7 +415,7 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     backend._model_dir = tiny_llama_dir
 
-    async def step_with(steps, metrics, kind, learning_rate, loss, started):  # noqa: ANN001
+    async def step_with(steps, metrics, kind, learning_rate, loss, started, **packing):  # noqa: ANN001
         # an rl step is one document list and one rate (`_step_with` also takes SFT's several)
         documents = steps[0] if steps and isinstance(steps[0], list) else steps
         rate = learning_rate[0] if isinstance(learning_rate, list) else learning_rate
@@ -507,12 +497,12 @@ def test_trainer_args_of_the_internal_config_reach_the_optimizer() -> None:
 
 def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
     step = tmp_path / "0003"
-    (step / "adapter").mkdir(parents=True)
-    (step / "adapter" / "adapter_config.json").write_text("{}")
-    # a checkpoint folder (ART's kl_ref_adapter_path) or its adapter/ folder itself
-    for given in (step, step / "adapter", str(step)):
+    step.mkdir(parents=True)
+    (step / "adapter_config.json").write_text("{}")
+    # a checkpoint folder (ART's kl_ref_adapter_path: the adapter files are in it, as ART keeps them)
+    for given in (step, str(step)):
         job = train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=given)
-        assert job["loss"]["kl_ref_adapter_path"] == str((step / "adapter").resolve())
+        assert job["loss"]["kl_ref_adapter_path"] == str(step.resolve())
         GRPOLossConfig(**job["loss"])
     assert train(backend, TRAINABLE, kl_beta=0.1, kl_ref_adapter_path=step)["loss"]["kl_ref_adapter_path"]
     with pytest.raises(HyperParameterError, match="is the KL reference, but no KL term reads it"):

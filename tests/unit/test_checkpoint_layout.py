@@ -5,6 +5,7 @@ a malformed commit pointer or manifest. Plain files in tmp_path; no torch, no ra
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,6 @@ def save(root, step: int, commit: bool = True) -> None:
     """A save as the ranks and the controller do it: stage, manifest, place, then commit."""
     final = ckpt.step_dir(root, step)
     staging = ckpt.prepare_staging(final)
-    ckpt.adapter_dir(staging).mkdir()
     (ckpt.adapter_dir(staging) / "adapter_model.safetensors").write_bytes(b"w%d" % step)
     ckpt.rank_state_file(staging, 0).write_bytes(b"state")
     ckpt.write_manifest(staging, manifest(step))
@@ -43,7 +43,7 @@ def test_the_layout_names_every_file_of_a_checkpoint(tmp_path):
     assert ckpt.step_dir(root, 3) == root / "0003"
     assert ckpt.step_dir(root, 12345) == root / "12345"  # wider steps keep every digit
     assert ckpt.staging_dir(root / "0003") == root / ".staging-0003"
-    assert ckpt.adapter_dir(root / "0003") == root / "0003" / "adapter"
+    assert ckpt.adapter_dir(root / "0003") == root / "0003"  # ART's place: the step folder itself
     assert ckpt.rank_state_file(root / "0003", 7) == root / "0003" / "rank00007.pt"
     assert ckpt.manifest_file(root / "0003") == root / "0003" / "manifest.json"
 
@@ -54,7 +54,7 @@ def test_a_save_places_a_whole_folder_and_the_pointer_commits_it(tmp_path):
     assert (tmp_path / "LATEST").read_text() == "1\n"
     assert ckpt.read_commit(tmp_path) == 1
     assert sorted(p.name for p in (tmp_path / "0001").iterdir()) == [
-        "adapter",
+        "adapter_model.safetensors",
         "manifest.json",
         "rank00000.pt",
     ]
@@ -96,7 +96,7 @@ def test_a_step_saved_again_replaces_its_uncommitted_folder_whole(tmp_path):
     (tmp_path / "0001" / "rank00001.pt").write_bytes(b"from the failed attempt")
     save(tmp_path, 1)
     assert sorted(p.name for p in (tmp_path / "0001").iterdir()) == [
-        "adapter",
+        "adapter_model.safetensors",
         "manifest.json",
         "rank00000.pt",
     ]
@@ -209,6 +209,63 @@ def test_delete_keeps_the_latest_the_best_and_the_served_steps(tmp_path):
     assert ckpt.delete_step(tmp_path, 0) == tmp_path / "0000"
     assert ckpt.step_folders(tmp_path) == [1] and ckpt.read_commit(tmp_path) == 1
     ckpt.delete_step(tmp_path, 0)  # already gone: nothing to do
+
+
+def _art_last_checkpoint_dir(art_path, project: str, name: str):
+    """ART 0.5.18's lookup, transcribed (ART is not installed here): `utils.output_dirs.get_model_dir`,
+    `utils.get_model_step.get_step_from_dir` (the largest all-digit folder under checkpoints/) and
+    `local.checkpoints.get_last_checkpoint_dir` (`checkpoints/{step:04d}`)."""
+    import os
+
+    output_dir = f"{art_path}/{project}/models/{name}"
+    checkpoint_dir = os.path.join(output_dir, "checkpoints")
+    step = max((int(d) for d in os.listdir(checkpoint_dir) if d.isdigit()), default=0)
+    return os.path.join(checkpoint_dir, f"{step:04d}")
+
+
+def test_the_adapter_files_are_where_arts_code_reads_them(tmp_path):
+    run = ckpt.run_dir(tmp_path, "proj", "agent")
+    root = ckpt.checkpoints_dir(run)
+    root.mkdir(parents=True)
+    for step in (0, 1, 2):
+        final = ckpt.step_dir(root, step)
+        staging = ckpt.prepare_staging(final)
+        for name in ckpt.ADAPTER_FILES:
+            (ckpt.adapter_dir(staging) / name).write_bytes(b"%s of step %d" % (name.encode(), step))
+        ckpt.write_manifest(staging, manifest(step))
+        ckpt.place_folder(staging, final)
+        ckpt.write_commit(root, step)
+    last = _art_last_checkpoint_dir(tmp_path, "proj", "agent")
+    assert last == str(ckpt.step_dir(root, 2)) == str(ckpt.adapter_dir(ckpt.step_dir(root, 2)))
+    # ART's megatron service copies f"{lora_path}/adapter_model.safetensors" and reads
+    # adapter_config.json beside it; vLLM and PEFT load the same folder
+    assert (Path(last) / "adapter_model.safetensors").read_bytes() == b"adapter_model.safetensors of step 2"
+    assert (Path(last) / "adapter_config.json").read_bytes() == b"adapter_config.json of step 2"
+
+
+def test_a_committed_step_in_the_earlier_adapter_folder_layout_is_refused(tmp_path):
+    save(tmp_path, 0)
+    save(tmp_path, 1)
+    old = tmp_path / "0001" / "adapter"  # where an earlier art-mega wrote the adapter
+    old.mkdir()
+    (tmp_path / "0001" / "adapter_model.safetensors").rename(old / "adapter_model.safetensors")
+    (old / "adapter_config.json").write_text("{}")
+    with pytest.raises(CheckpointFileError) as caught:
+        ckpt.read_commit(tmp_path)
+    assert str(caught.value) == (
+        f"{old} is art-mega's earlier checkpoint layout (ART's tools and this trainer read the adapter "
+        "from the step folder itself): move adapter_config.json and adapter_model.safetensors from it "
+        f"up into {tmp_path / '0001'}; restore it from a copy, or give the model another name to start "
+        "a new run"
+    )
+    assert caught.value.path == str(old)
+    for name in ckpt.ADAPTER_FILES:  # moved up as the sentence says: the run resumes
+        (old / name).rename(tmp_path / "0001" / name)
+    assert ckpt.read_commit(tmp_path) == 1
+    (tmp_path / "0000" / "adapter_config.json").write_text("{}")
+    (tmp_path / "0000" / "adapter").mkdir()
+    (tmp_path / "0000" / "adapter" / "adapter_config.json").write_text("{}")
+    ckpt.check_layout(tmp_path / "0000")  # an adapter/ folder beside ART's files is left alone
 
 
 def test_the_module_imports_neither_torch_nor_safetensors():

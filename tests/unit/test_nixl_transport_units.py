@@ -62,6 +62,19 @@ def offer_for(folder: Path) -> tuple[bytearray, AdapterOffer]:
     return buffer, offer
 
 
+def test_a_checkpoint_step_folder_sends_only_its_adapter_files(tmp_path):
+    """The backend's transport names `checkpoint.ADAPTER_FILES`: the rank state and manifest in
+    the same step folder (ART's layout) stay on the trainer's host."""
+    from art_mega.trainer import checkpoint
+
+    content = make_tree(tmp_path / "0003")
+    (tmp_path / "0003" / "rank00000.pt").write_bytes(b"optimizer state")
+    (tmp_path / "0003" / "manifest.json").write_text("{}")
+    buffer, files = read_adapter(tmp_path / "0003", checkpoint.ADAPTER_FILES)
+    assert [f.name for f in files] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert bytes(buffer) == content["adapter_config.json"] + content["adapter_model.safetensors"]
+
+
 def test_read_adapter_lays_files_back_to_back_with_their_sha256(tmp_path):
     content = make_tree(tmp_path / "adapter")
     buffer, files = read_adapter(tmp_path / "adapter")

@@ -136,7 +136,7 @@ def test_resuming_a_run_with_another_lora_is_refused_naming_the_committed_step(t
 
     (tmp_path / "model").mkdir()
     model = ResolvedModel(_config(tmp_path / "model"))
-    adapter = tmp_path / "run" / "checkpoints" / "0003" / "adapter"
+    adapter = tmp_path / "run" / "checkpoints" / "0003"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text(
         json.dumps({"r": 4, "lora_alpha": 16, "target_modules": ALL})
