@@ -138,6 +138,58 @@ def pack(documents: list[Document], seq_len: int, dp_size: int = 1) -> list[Trai
     Returns:
         one TrainBatch per DP rank.
     """
+    rows = _rows(documents, seq_len)
+    per_rank: list[list[list[Document]]] = [[] for _ in range(dp_size)]
+    tokens = [0] * dp_size
+    for row in sorted(rows, key=lambda r: -sum(len(d) for d in r)):
+        rank = min(range(dp_size), key=lambda r: (tokens[r], len(per_rank[r])))
+        per_rank[rank].append(row)
+        tokens[rank] += sum(len(d) for d in row)
+    height = max(1, max(len(r) for r in per_rank))
+    return [_fill(rank_rows, height, seq_len) for rank_rows in per_rank]
+
+
+def pack_steps(documents: list[Document], seq_len: int, dp_size: int, rows_per_step: int) -> list[TrainBatch]:
+    """Pack documents for several optimizer steps of `rows_per_step` rows each (over all DP
+    ranks; ART's grad_accumulation_sequences packed sequences per step).
+
+    The rows are `pack`'s (first-fit decreasing into rows of `seq_len` tokens), longest first;
+    step s takes rows [s * rows_per_step, (s + 1) * rows_per_step), the last step's missing rows
+    all padding (at least one step, all padding when there is no document). Each step's rows are
+    dealt to the `dp_size` ranks, rows_per_step / dp_size to each, the next row to the rank
+    with the fewest tokens so far in that step.
+
+    Returns:
+        one TrainBatch per DP rank of steps * rows_per_step / dp_size rows: step s is its rows
+        [s * h, (s + 1) * h), h = rows_per_step / dp_size.
+
+    Raises:
+        ValueError: a document longer than `seq_len`, or `rows_per_step` not a positive
+            multiple of `dp_size`.
+    """
+    if rows_per_step < 1 or rows_per_step % dp_size:
+        raise ValueError(f"rows_per_step={rows_per_step} is not a positive multiple of dp_size={dp_size}")
+    rows = _rows(documents, seq_len)
+    height = rows_per_step // dp_size
+    per_rank: list[list[list[Document]]] = [[] for _ in range(dp_size)]
+    for first in range(0, max(len(rows), 1), rows_per_step):
+        dealt: list[list[list[Document]]] = [[] for _ in range(dp_size)]
+        tokens = [0] * dp_size
+        for row in rows[first : first + rows_per_step]:
+            rank = min((r for r in range(dp_size) if len(dealt[r]) < height), key=lambda r: tokens[r])
+            dealt[rank].append(row)
+            tokens[rank] += sum(len(d) for d in row)
+        for rank, step_rows in enumerate(dealt):
+            per_rank[rank] += step_rows + [[]] * (height - len(step_rows))
+    return [_fill(rank_rows, len(rank_rows), seq_len) for rank_rows in per_rank]
+
+
+def _rows(documents: list[Document], seq_len: int) -> list[list[Document]]:
+    """Documents first-fit decreasing by length into rows of at most `seq_len` tokens.
+
+    Raises:
+        ValueError: a document longer than `seq_len`.
+    """
     for doc in documents:
         if len(doc) > seq_len:
             raise ValueError(f"a sequence of {len(doc)} tokens does not fit seq_len={seq_len}; raise seq_len")
@@ -152,14 +204,7 @@ def pack(documents: list[Document], seq_len: int, dp_size: int = 1) -> list[Trai
         else:
             rows.append([doc])
             room.append(seq_len - len(doc))
-    per_rank: list[list[list[Document]]] = [[] for _ in range(dp_size)]
-    tokens = [0] * dp_size
-    for row in sorted(rows, key=lambda r: -sum(len(d) for d in r)):
-        rank = min(range(dp_size), key=lambda r: (tokens[r], len(per_rank[r])))
-        per_rank[rank].append(row)
-        tokens[rank] += sum(len(d) for d in row)
-    height = max(1, max(len(r) for r in per_rank))
-    return [_fill(rank_rows, height, seq_len) for rank_rows in per_rank]
+    return rows
 
 
 def _fill(rows: list[list[Document]], height: int, seq_len: int) -> TrainBatch:

@@ -213,8 +213,13 @@ class TrainerEngine:
         torch.distributed.all_gather(pieces, padded, group=group)
         return torch.cat([piece[: int(n)] for piece, n in zip(pieces, lengths)]).cpu()
 
-    def _microbatches(self, batch: TrainBatch) -> list[dict[str, torch.Tensor]]:
+    def _microbatches(
+        self, batch: TrainBatch, extra: dict[str, np.ndarray] | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """`micro_batch_rows` rows of `batch` at a time (with `extra`'s [B, S] arrays, by name)."""
         tensors = batch.to_torch(self.state.device)
+        for name, values in (extra or {}).items():
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(values)).to(self.state.device)
         rows = batch.shape[0]
         step = self.micro_batch_rows
         return [{k: v[i : i + step] for k, v in tensors.items()} for i in range(0, rows, step)]
@@ -252,6 +257,7 @@ class TrainerEngine:
         learning_rate: float | None = None,
         weight_decay: float | None = None,
         clip_grad: float | None = None,
+        old_policy_logprobs: np.ndarray | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this DP rank's packed `batch` (every rank calls it with its own).
 
@@ -264,7 +270,9 @@ class TrainerEngine:
         `kl_penalty_coef > 0` the reference is the base model (LoRA disabled, computed before the
         step). With `loss_config.tis_cap` or `precalculate_logprobs` the batch's logprobs are
         taken as the inference engine's: the trainer recomputes the old policy's logprobs itself
-        (before the step) and a TIS cap applies to their ratio. SFT (`loss.sft_loss`):
+        (before the step; `old_policy_logprobs`, float32 [B, S] as `logprobs` returns them: taken
+        instead, computed before the first of several steps as ART precalculates them once per
+        train call) and a TIS cap applies to their ratio. SFT (`loss.sft_loss`):
         cross-entropy on `loss_mask` tokens weighted by `weights`.
 
         A step whose batches (over all DP ranks) have no trained token with non-zero weight
@@ -299,7 +307,10 @@ class TrainerEngine:
             metrics["loss/nothing_trainable"] = 1.0
             return metrics
 
-        microbatches = [self._prepare(tensors, loss, loss_config) for tensors in self._microbatches(batch)]
+        old_policy = None if old_policy_logprobs is None else {"old_policy": old_policy_logprobs}
+        microbatches = [
+            self._prepare(tensors, loss, loss_config) for tensors in self._microbatches(batch, old_policy)
+        ]
         decay = self.optimizer_settings.weight_decay if weight_decay is None else weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -374,7 +385,7 @@ class TrainerEngine:
             with self._reference(loss_config.kl_ref_adapter_path):
                 ref = self._forward_logprobs(tensors)
         if loss_config.recomputes_old:
-            old = self._forward_logprobs(tensors)
+            old = tensors["old_policy"] if "old_policy" in tensors else self._forward_logprobs(tensors)
             inference = tensors["old_logprobs"]
         return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
 

@@ -180,6 +180,21 @@ def checkpoint_hosts(config: RankConfig) -> list[str] | None:
     return [r.host_id for r in config.rank_table]  # in rank order (`RankConfig` checks it)
 
 
+def _average(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per-step metrics averaged over the steps (ART's `average_metric_samples`)."""
+    keys = {key for sample in samples for key in sample}
+    return {key: sum(s.get(key, 0.0) for s in samples) / len(samples) for key in sorted(keys)}
+
+
+def _step_failed(exc: Any, k: int, what: str, step: int) -> Exception:
+    """The error of optimizer step `k` of job step `step` that aborted over a non-finite value:
+    the step's own `NonFiniteStepError` for the first (nothing changed on the rank), else a
+    RuntimeError naming `what` k (the earlier steps have updated the rank: it restarts)."""
+    if k == 0:
+        return exc.at_step(step)
+    return RuntimeError(f"{what} {k} of step {step}: {exc.at_step(step)}")
+
+
 def _sft_steps(job: SFTJob, state: Any, engine: Any, step: int) -> dict[str, float]:
     """One optimizer step per batch of `job` (ART's `train_sft`); their metrics averaged over
     the batches (ART's `average_metric_samples`), `time/batch_load_s` and `time/megatron_s`
@@ -204,15 +219,68 @@ def _sft_steps(job: SFTJob, state: Any, engine: Any, step: int) -> dict[str, flo
         try:
             samples.append(engine.train_step(batch, loss="sft", learning_rate=rate))
         except NonFiniteStepError as exc:
-            if k == 0:
-                raise exc.at_step(step) from None
-            raise RuntimeError(f"SFT batch {k} of step {step}: {exc.at_step(step)}") from None
+            raise _step_failed(exc, k, "SFT batch", step) from None
         load_s += loaded - started
         megatron_s += time.perf_counter() - loaded
-    keys = {key for sample in samples for key in sample}
-    metrics = {key: sum(s.get(key, 0.0) for s in samples) / len(samples) for key in sorted(keys)}
+    metrics = _average(samples)
     metrics["time/batch_load_s"] = load_s
     metrics["time/megatron_s"] = megatron_s
+    return metrics
+
+
+def _rl_steps(job: RLJob, state: Any, engine: Any, step: int) -> dict[str, float]:
+    """The optimizer steps of `job` on this rank's batch: one over all of it, or with
+    `job.step_rows` one per that many rows, in order (ART's grad accumulation: every step at
+    `job.learning_rate`). With several steps and a loss that recomputes the old policy
+    (`GRPOLossConfig.recomputes_old`) its logprobs are computed once, before the first step,
+    as ART precalculates them per train call. Metrics: the steps' averaged (ART's
+    `average_metric_samples`; `loss/nothing_trainable` the fraction of steps with nothing to
+    train), `time/batch_load_s`, `time/megatron_s` (every step and the precalculation).
+
+    Raises:
+        ValueError: the batch's height is not a multiple of `job.step_rows` (named).
+        NonFiniteStepError: the first step's loss or gradient norm is not finite (nothing
+            changed on the rank).
+        RuntimeError: a later step's is (naming it and the job's step): the earlier steps have
+            updated the rank, so it is left dirty and restarts from the last commit.
+    """
+    from art_mega.errors import NonFiniteStepError
+    from art_mega.trainer.batch import DTYPES, TrainBatch
+
+    started = time.perf_counter()
+    file = Path(job.batch_dir) / f"dp{state.dp_rank}.safetensors"
+    batch = TrainBatch.load(file)
+    loaded = time.perf_counter()
+    height = batch.shape[0]
+    rows = height if job.step_rows is None else job.step_rows
+    if height % rows:
+        raise ValueError(f"batch file {file} has {height} rows, not a multiple of the job's step_rows={rows}")
+    slices = [
+        TrainBatch(**{name: getattr(batch, name)[first : first + rows] for name in DTYPES})
+        for first in range(0, height, rows)
+    ]
+    old_policy = None
+    if len(slices) > 1 and job.loss.recomputes_old:
+        old_policy = engine.logprobs(batch)
+    samples: list[dict[str, float]] = []
+    for k, part in enumerate(slices):
+        try:
+            samples.append(
+                engine.train_step(
+                    part,
+                    loss="grpo",
+                    loss_config=job.loss,
+                    learning_rate=job.learning_rate,
+                    weight_decay=job.weight_decay,
+                    clip_grad=job.clip_grad,
+                    old_policy_logprobs=None if old_policy is None else old_policy[k * rows : (k + 1) * rows],
+                )
+            )
+        except NonFiniteStepError as exc:
+            raise _step_failed(exc, k, "optimizer step", step) from None
+    metrics = _average(samples)
+    metrics["time/batch_load_s"] = loaded - started
+    metrics["time/megatron_s"] = time.perf_counter() - loaded
     return metrics
 
 
@@ -223,8 +291,8 @@ def run_train_job(
     `write_checkpoint`'s adapter_ready (None on other ranks).
 
     The job's step must be `last_step + 1` (`check_job_step`); an rl job trains on
-    `<batch_dir>/dp<r>.safetensors` (r: this rank's DP rank) first, an sft job on each of its
-    batches in turn (`_sft_steps`).
+    `<batch_dir>/dp<r>.safetensors` (r: this rank's DP rank) first, in one or several optimizer
+    steps (`_rl_steps`), an sft job on each of its batches in turn (`_sft_steps`).
 
     Metrics, besides the engine's (seconds, this rank): `time/batch_load_s` (reading the batch
     file), `time/megatron_s` (`TrainerEngine.train_step`: forward/backward/optimizer and its DP
@@ -234,35 +302,21 @@ def run_train_job(
 
     Raises:
         StepOrderError: the job's step is not `last_step + 1` (nothing ran).
-        NonFiniteStepError: the step's loss or gradient norm is not finite (named with the
-            step); aborted before the optimizer update, so the rank's state is unchanged.
+        NonFiniteStepError: the (first optimizer) step's loss or gradient norm is not finite
+            (named with the step); aborted before the optimizer update, so the rank's state is
+            unchanged.
+        RuntimeError: a later optimizer step's is (the rank is ahead of the commit).
+        ValueError: an rl batch's height is not a multiple of the job's step_rows.
         NonFiniteCheckpointError: the updated LoRA or optimizer state is not finite; nothing was
             committed, but the rank's state is ahead of the commit (see `rank_main`).
     """
-    from art_mega.errors import NonFiniteStepError
-    from art_mega.trainer.batch import TrainBatch
-
     if engine is None:
         raise RuntimeError("this trainer was started without a model_dir")
     step = check_job_step(job.kind, job.step, last_step)
     metrics: dict[str, float] = {}
     started = time.perf_counter()
     if isinstance(job, RLJob):
-        batch = TrainBatch.load(Path(job.batch_dir) / f"dp{state.dp_rank}.safetensors")
-        loaded = time.perf_counter()
-        try:
-            metrics = engine.train_step(
-                batch,
-                loss="grpo",
-                loss_config=job.loss,
-                learning_rate=job.learning_rate,
-                weight_decay=job.weight_decay,
-                clip_grad=job.clip_grad,
-            )
-        except NonFiniteStepError as exc:
-            raise exc.at_step(step) from None
-        metrics["time/batch_load_s"] = loaded - started
-        metrics["time/megatron_s"] = time.perf_counter() - loaded
+        metrics = _rl_steps(job, state, engine, step)
     elif isinstance(job, SFTJob):
         metrics = _sft_steps(job, state, engine, step)
     metrics["time/rank_compute_s"] = time.perf_counter() - started

@@ -303,8 +303,9 @@ def sft_batch_file(batch_dir: str | Path, index: int, dp_rank: int) -> Path:
 
 
 class RLJob(_Body):
-    """One GRPO optimizer step on `batch_dir/dp<r>.safetensors` with `loss` at `learning_rate`,
-    then the checkpoint of `step` in `checkpoint_dir`."""
+    """GRPO optimizer steps on `batch_dir/dp<r>.safetensors` with `loss` at `learning_rate`,
+    then the checkpoint of `step` in `checkpoint_dir`: one step over the whole batch, or with
+    `step_rows` one per `step_rows` rows of it (ART's `grad_accumulation_sequences`)."""
 
     kind: Literal["rl"] = "rl"
     step: Step
@@ -316,6 +317,9 @@ class RLJob(_Body):
     """AdamW's decoupled weight decay for this step (None: the engine's `OptimizerConfig`)."""
     clip_grad: Finite | None = Field(default=None, ge=0)
     """The global gradient-norm clip for this step, 0 disables it (None: the engine's)."""
+    step_rows: int | None = Field(default=None, ge=1, strict=True)
+    """Rows of every rank's batch per optimizer step, in order (ART's grad_accumulation_sequences
+    / DP ranks; the batch's height a multiple of it, `batch.pack_steps`); None: one step."""
 
 
 TrainJob = Annotated[PingJob | ExportJob | SFTJob | RLJob, Field(discriminator="kind")]
