@@ -1281,6 +1281,7 @@ class MegatronBackend:
             TrainerJobError: a rank failed or died (named); the last commit stays usable, and the
                 next call retries the same step on ranks restarted from it.
         """
+        from art_mega.metrics import step_data_metrics
         from art_mega.trainer.tokenize import balance_advantages, grpo_documents
 
         self._require(model)
@@ -1331,6 +1332,7 @@ class MegatronBackend:
             )
             metrics = {
                 **stats.as_metrics(),
+                **step_data_metrics(groups, trainable=True),
                 "data/stale_trajectories": float(stale),
                 "data/trajectories_dropped_nonfinite_reward": float(dropped),
             }
@@ -1434,6 +1436,7 @@ class MegatronBackend:
         """
         from art_mega.errors import HyperParameterError
         from art_mega.hyperparams import bool_problem, check
+        from art_mega.metrics import art_train_metrics
         from art_mega.sft import TrainSFTConfig
         from art_mega.trainer.tokenize import BatchStats, sft_documents
         from art_mega.trajectories import check_sft_trajectories
@@ -1489,14 +1492,15 @@ class MegatronBackend:
                     print(f"train_sft batch {k}: {len(documents)} sequences, lr {rates[k]:.3g}")
             result = await self._step_with(steps, total.as_metrics(), "sft", rates, {}, started)
         metrics = result.metrics
-        metrics["loss/train"] = metrics.pop("loss/sft", 0.0)
+        renamed = art_train_metrics(metrics, kl_loss=False)
+        metrics.clear()
+        metrics.update(renamed)
         metrics.update(
             {
                 "data/step_num_trajectories": float(len(trajectories)),
                 "data/step_trainer_tokens": float(total.trained_tokens),
                 "data/step_num_dropped_trajectories": 0.0,
                 "data/step_num_gradient_steps": float(len(rates)),
-                "time/step_trainer_s": metrics["time/train_s"],
             }
         )
         if verbose:
@@ -1520,6 +1524,7 @@ class MegatronBackend:
         ranks, `check_accumulation`) or an sft job (one document list and one rate per
         optimizer step); rows of `seq_len` tokens (None: `self.seq_len`, else it is
         `backend.train`'s packed_sequence_length); returns the new step."""
+        from art_mega.metrics import art_train_metrics
         from art_mega.trainer.batch import pack, pack_steps
         from art_mega.trainer.protocol import sft_batch_file
         from art_mega.transfer.adapters import transfer_metrics
@@ -1596,6 +1601,7 @@ class MegatronBackend:
                 **transfer_metrics(self._publisher.stage, step),
             }
         )
+        metrics = art_train_metrics(metrics, kl_loss=float(loss.get("kl_beta", 0.0)) > 0)
         return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(self._checkpoint(step)))
 
     async def delete_checkpoints(self, model: Any, best_checkpoint_metric: str = "val/reward") -> list[int]:

@@ -6,6 +6,7 @@ They are plain serializable descriptions until registered with a backend: nothin
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -28,8 +29,8 @@ def _check_name(value: str, field: str) -> str:
 class TrainConfig(BaseModel):
     """ART's TrainConfig: the learning rate of one step, ART's `kl_penalty_coef` (KL-penalised
     advantages, see `backend.train`), `beta` (art-mega's k3 KL loss term, `kl_beta`) and ART's
-    `grad_accumulation_sequences` (only None: art-mega takes one optimizer step per call;
-    `backend.check_grpo_options` refuses another value with its sentence).
+    `grad_accumulation_sequences` (packed rows per optimizer step, see `backend.train`; None:
+    one optimizer step per call).
 
     Raises:
         pydantic.ValidationError: `learning_rate` is not a finite number > 0 (a string, NaN,
@@ -100,6 +101,11 @@ class Model(BaseModel, Generic[ModelConfig]):
     _backend: Any = PrivateAttr(default=None)
     _output_dir: str | None = PrivateAttr(default=None)
     _wandb: Any = PrivateAttr(default=None)
+    _builder: Any = PrivateAttr(default=None)
+    # ART's time/wall_clock_sec counts from the model's creation; time/step_wall_s between train rows
+    _run_started: float = PrivateAttr(default_factory=time.time)
+    _last_train_log: float = PrivateAttr(default_factory=time.monotonic)
+    _last_train_step: int | None = PrivateAttr(default=None)
 
     @field_validator("name", "project")
     @classmethod
@@ -124,7 +130,9 @@ class Model(BaseModel, Generic[ModelConfig]):
             try:
                 value.model_dump_json()
             except Exception as exc:  # pydantic's PydanticSerializationError, or a field's own error
-                raise ValueError(f"config {type(value).__name__} cannot be serialized to JSON ({exc})") from None
+                raise ValueError(
+                    f"config {type(value).__name__} cannot be serialized to JSON ({exc})"
+                ) from None
         return value
 
     @field_validator("report_metrics")
@@ -155,6 +163,53 @@ class Model(BaseModel, Generic[ModelConfig]):
 
         return run_dir(Path(self.base_path).resolve(), self.project, self.name)
 
+    def metrics_builder(self, cost_context: str | None = None) -> Any:
+        """ART's `model.metrics_builder()`: the model's `art_mega.metrics.MetricsBuilder` (cost
+        context "train"), or one for `cost_context` ("eval", ...) sharing its state. What it
+        holds goes into the next `model.log` row of its split (train -> "train", val/test ->
+        "eval"); its running totals persist in `<output_dir>/state.json` as ART's.
+
+        Raises:
+            HyperParameterError: an empty `cost_context`.
+            UserError: state.json is not a JSON object, or its builder state is malformed.
+        """
+        builder = self._metrics()
+        return builder if cost_context is None else builder.for_cost_context(cost_context)
+
+    def activate_metrics_context(self, cost_context: str) -> Any:
+        """`metrics_builder(cost_context).activate()`: the token to reset (ART's)."""
+        return self.metrics_builder(cost_context).activate()
+
+    def _metrics(self) -> Any:
+        """The model's builder, its totals loaded from state.json the first time."""
+        from art_mega.metrics import BUILDER_STATE_KEY, MetricsBuilder, read_state
+
+        if self._builder is None:
+            builder = MetricsBuilder("train")
+            saved = read_state(self.output_dir).get(BUILDER_STATE_KEY)
+            if saved is not None:
+                builder.load_state_dict(saved)
+            self._builder = builder
+        return self._builder
+
+    def _save_metrics_state(self) -> None:
+        from art_mega.metrics import BUILDER_STATE_KEY, read_state, write_state
+
+        state = read_state(self.output_dir)
+        state[BUILDER_STATE_KEY] = self._builder.state_dict()
+        write_state(self.output_dir, state)
+
+    def _automatic_metrics(self, split: str, step: int) -> dict[str, float]:
+        """ART's LocalBackend step metrics for a registered model's train rows:
+        `time/step_wall_s`, the seconds since the previous train row of another step (or since
+        the model was made); {} for other splits, unregistered models and a repeated step."""
+        if split != "train" or self._backend is None or self._last_train_step == step:
+            return {}
+        now = time.monotonic()
+        wall = max(0.0, now - self._last_train_log)
+        self._last_train_log, self._last_train_step = now, step
+        return {"time/step_wall_s": wall}
+
     async def log(
         self,
         trajectory_groups: Any = None,
@@ -163,41 +218,74 @@ class Model(BaseModel, Generic[ModelConfig]):
         metrics: dict[str, float] | None = None,
         step: int | None = None,
     ) -> dict[str, Any]:
-        """Append a history.jsonl row for these groups to `output_dir` (and W&B as
-        `report_metrics` says), for a prompted model too (ART compares them so).
+        """ART's `model.log`: one history.jsonl row in `output_dir` (and on W&B as
+        `report_metrics` says), for a prompted model too (ART compares them so); the groups
+        also go to `<output_dir>/trajectories/<split>/<step:04d>.parquet` (ART's file,
+        `art_mega.metrics_files`).
 
-        `trajectory_groups`: None, a list of TrajectoryGroup, or a list of Trajectory (and
-        exceptions) logged as one group, as in ART (whose argument order this follows: split
-        second, metrics and step by name). `metrics`: names -> numbers (a NaN would be left out
-        of the row, so it is refused; +-inf is logged as is). Returns the row written (see
-        `art_mega.metrics.history_row` for the names).
+        `trajectory_groups`: None (metrics only), a list of TrajectoryGroup, or a list of
+        Trajectory (and exceptions) logged as one group, as in ART (whose argument order this
+        follows: split second, metrics and step by name). `metrics`: names -> numbers (a NaN
+        would be left out of the row, so it is refused; +-inf is logged as is); `costs/*`,
+        `time/step_*`, `data/step_*` and `throughput/step_*` keys join the metrics builder's step
+        (`metrics_builder()`). `step`: None = the model's current step (0 unregistered). Returns
+        the row written (see `art_mega.metrics` for the names); {} and nothing written when there
+        is nothing to log (no groups, no metrics, nothing pending in the builder).
 
         Raises:
             HyperParameterError: a split that is not a non-empty name, a step that is not a
-                whole number >= 0, metrics that are not a dict of numbers or hold a NaN, or groups that
-                are not one of the forms above (named, one sentence).
-            UserError: report_metrics=['wandb'] without WANDB_API_KEY.
+                whole number >= 0, metrics that are not a dict of numbers or hold a NaN, a legacy
+                `costs_*` key, or groups that are not one of the forms above (named, one sentence).
+            UserError: report_metrics=['wandb'] without WANDB_API_KEY; pyarrow (the trajectories
+                extra) or, when reporting to W&B, wandb (the wandb extra) not installed.
         """
-        from art_mega.metrics import WandbMirror, append_history, history_row
+        from art_mega.metrics import WandbRun, append_history, history_row
+        from art_mega.metrics_files import trajectory_file, write_trajectory_groups
 
         groups = _log_groups(trajectory_groups)
         _check_log_options(split, metrics, step)
+        wandb = self._reports_to_wandb()
         if step is None:
             step = await self.get_step() if self._backend is not None else 0
-        row = history_row(groups, split=split, step=step, metrics=metrics)
-        append_history(self.output_dir / "history.jsonl", row)
-        if self.report_metrics == []:  # ART's "history.jsonl only"
+        builder = self._metrics()
+        if groups is not None:
+            write_trajectory_groups(groups, trajectory_file(self.output_dir, split, step))
+        automatic = self._automatic_metrics(split, step) if groups is not None or metrics is not None else {}
+        row = history_row(
+            groups,
+            split=split,
+            step=step,
+            metrics=metrics,
+            builder=builder,
+            automatic=automatic,
+            wall_clock_sec=time.time() - self._run_started,
+        )
+        if not row:
             return row
-        if self.report_metrics is not None and not os.environ.get("WANDB_API_KEY"):
+        append_history(self.output_dir / "history.jsonl", row)
+        self._save_metrics_state()
+        if wandb:
+            if self._wandb is None:
+                config = None if self.config is None else self.config.model_dump(mode="json")
+                self._wandb = WandbRun(self.project, self.name, self.entity, config, self.run_name)
+            self._wandb.log(row)
+        return row
+
+    def _reports_to_wandb(self) -> bool:
+        """ART's rule: report_metrics None -> W&B when WANDB_API_KEY is set; ['wandb'] -> W&B.
+
+        Raises:
+            UserError: ['wandb'] without WANDB_API_KEY (ART would log nothing to W&B in silence).
+        """
+        key = bool(os.environ.get("WANDB_API_KEY"))
+        if self.report_metrics is None:
+            return key
+        if "wandb" in self.report_metrics and not key:
             raise UserError(
                 f"model {self.name!r} has report_metrics={self.report_metrics!r} but WANDB_API_KEY is not "
                 "set; set it, or pass report_metrics=None (W&B only when the key is set) or []"
             )
-        if self._wandb is None:
-            config = None if self.config is None else self.config.model_dump(mode="json")
-            self._wandb = WandbMirror(self.project, self.run_name or self.name, config)
-        self._wandb.log(row)
-        return row
+        return "wandb" in self.report_metrics
 
     def get_inference_name(self, step: int | None = None) -> str:
         """The name requests send as `model=`: `inference_model_name` (else `name`), with
@@ -333,7 +421,9 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         self, trajectory_groups: Any, config: Any = None, _config: Any = None, **kwargs: Any
     ) -> Any:
         """ART's `model.train(groups, config=TrainConfig(...), _config=dev.TrainConfig(...))`:
-        one GRPO step through the backend.
+        one GRPO step through the backend (not logged: ART 0.5.18 trains through
+        `backend.train`, which does not log either; call `model.log(groups, metrics=result.metrics,
+        step=result.step, split="train")` as ART's documentation does).
 
         `config`'s learning rate, `kl_penalty_coef` and `beta` (as `kl_beta`) apply; a
         `learning_rate`, `kl_penalty_coef` or `kl_beta` in `kwargs` must agree with them (see
@@ -448,13 +538,13 @@ def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, An
     return options
 
 
-def _log_groups(value: Any) -> list[Any]:
-    """`model.log`'s groups: a list of TrajectoryGroup as given; Trajectory items (and
-    exceptions, counted as such) as one group, as ART does."""
+def _log_groups(value: Any) -> list[Any] | None:
+    """`model.log`'s groups: None as None (metrics only); a list of TrajectoryGroup as given;
+    Trajectory items (and exceptions, counted as such) as one group, as ART does."""
     from art_mega.trajectories import Trajectory, TrajectoryGroup
 
     if value is None:
-        return []
+        return None
     if isinstance(value, TrajectoryGroup):
         return [value]
     items = None if isinstance(value, (str, bytes, dict)) else _as_list(value)

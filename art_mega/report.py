@@ -87,8 +87,8 @@ def write_report(run_dir: str | Path) -> list[Path]:
     save(fig, "reward.png")
 
     plots = (
-        ("loss.png", ("loss/policy", "train/loss", "loss")),
-        ("kl.png", ("loss/kl", "train/kl", "kl")),
+        ("loss.png", ("loss/train", "train/loss", "loss")),
+        ("kl.png", ("loss/kl_div", "train/kl", "kl")),
         ("grad_norm.png", ("loss/grad_norm", "train/grad_norm", "grad_norm")),
     )
     for name, candidates in plots:

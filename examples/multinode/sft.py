@@ -83,7 +83,7 @@ async def main(launch) -> None:
         val_rl = await validate(model)
         print(
             f"ART_MEGA_SFT_DONE sft_loss first_epoch={loss_first:.4f} last_epoch={loss_last:.4f} "
-            f"sft_steps={sft_steps} grpo_step={result.step} grpo_loss={result.metrics.get('loss/policy', 0.0):.4f} "
+            f"sft_steps={sft_steps} grpo_step={result.step} grpo_loss={result.metrics.get('loss/train', 0.0):.4f} "
             f"val/reward base={val_base:.3f} sft={val_sft:.3f} grpo={val_rl:.3f}",
             flush=True,
         )

@@ -47,11 +47,11 @@ async def test_typed_policy_config_and_a_prompted_model_on_the_same_rollout(work
         for trajectory in group.trajectories:
             # answered by the external endpoint through a plain OpenAI client: a Choice with text
             assert trajectory.messages_and_choices[-1].message.role == "assistant"
-    assert out["val_row"]["val/num_trajectories"] == 4.0
+    assert out["val_row"]["data/step_num_trajectories"] == 4.0
     history = (
         Path(prompted.base_path).resolve() / "policy-demo" / "models" / "prompted-baseline" / "history.jsonl"
     )
-    assert json.loads(history.read_text().splitlines()[-1])["val/num_trajectories"] == 4.0
+    assert json.loads(history.read_text().splitlines()[-1])["data/step_num_trajectories"] == 4.0
     litellm = out["litellm"]
     assert litellm["model"] == "hosted_vllm/policy-001@2" and litellm["temperature"] == 1
     assert litellm["base_url"] == prompted.inference_base_url and litellm["base_url"].endswith("/v1")

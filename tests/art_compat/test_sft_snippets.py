@@ -68,4 +68,4 @@ async def test_sft_warmup_then_rl(workdir):
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "3"
     assert [h["step"] for h in history] == [1, 2, 3]  # the SFT row, then the two RL steps
     assert history[0]["data/step_num_gradient_steps"] == 3.0  # epochs=3, batch 2 (ART's default)
-    assert all(h["train/num_trajectories"] == 16.0 and "train/reward" in h for h in history[1:])
+    assert all(h["data/step_num_trajectories"] == 16.0 and "train/reward" in h for h in history[1:])

@@ -59,7 +59,7 @@ async def test_step_skipping(workdir: Path) -> None:
             allow_training_without_logprobs=True,
         )
         assert await model.get_step() == 1 and result.step == 1
-        assert result.metrics["data/groups"] == 5 and result.metrics["data/groups_skipped_zero_variance"] == 2
+        assert result.metrics["data/step_num_groups_submitted"] == 5 and result.metrics["data/groups_skipped_zero_variance"] == 2
         assert result.metrics["loss/nothing_trainable"] == 0.0
         assert (checkpoints / "0001").is_dir() and (checkpoints / "0000").is_dir()
 
@@ -79,7 +79,7 @@ async def test_step_skipping(workdir: Path) -> None:
             allow_training_without_logprobs=True,
         )
         assert await model.get_step() == 3 and result.step == 3
-        assert result.metrics["data/groups"] == 4 and result.metrics["data/groups_skipped_zero_variance"] == 2
+        assert result.metrics["data/step_num_groups_submitted"] == 4 and result.metrics["data/groups_skipped_zero_variance"] == 2
         assert (checkpoints / "LATEST").read_text().strip() == "3"
         assert sorted(p for p in os.listdir(checkpoints) if p.isdigit()) == ["0000", "0001", "0002", "0003"]
     finally:

@@ -53,4 +53,4 @@ def test_sft_then_grpo_example_under_art_mega_local(tmp_path):
     run = tmp_path / ".art-mega" / "artifacts" / "art-mega-quickstart" / "models" / "yes-no-sft"
     assert (run / "checkpoints" / "LATEST").read_text().strip() == str(2 + 1)
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
-    assert any("train/reward" in h and "loss/policy" in h for h in history)
+    assert any("train/reward" in h and "loss/train" in h for h in history)

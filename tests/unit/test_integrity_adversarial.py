@@ -41,7 +41,7 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     backend._model_dir = tiny_llama_dir
 
-    async def step_with(steps, metrics, kind, learning_rates, loss, started):  # noqa: ANN001
+    async def step_with(steps, metrics, kind, learning_rates, loss, started, **packing):  # noqa: ANN001
         # an rl step is one document list and one rate (`_step_with` takes SFT's several)
         return {"documents": steps[0], "learning_rate": learning_rates[0], "loss": loss}
 
@@ -241,7 +241,7 @@ def test_model_log_takes_arts_call_forms(tmp_path, monkeypatch) -> None:  # noqa
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     model = art.TrainableModel(name="m", project="p", base_model="tiny")
     row = asyncio.run(model.log([trajectory(1.0), trajectory(0.0), ValueError("x")], "val"))
-    assert row["val/reward"] == 0.5 and row["val/num_groups"] == 1.0
+    assert row["val/reward"] == 0.5 and row["data/step_num_groups_submitted"] == 1.0
     assert row["val/exception_rate"] == pytest.approx(1 / 3)
     row = asyncio.run(model.log(metrics={"loss/policy": np.float32(0.5), "flag": True}, step=2))
     assert (row["step"], row["loss/policy"], row["train/flag"]) == (2, 0.5, 1.0)
