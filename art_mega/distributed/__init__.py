@@ -1,10 +1,21 @@
-"""ART's `art.distributed`: the multi-host names a controller program imports.
+"""ART's `art.distributed`: the multi-host names a controller program imports, with ART's use.
 
-They are art-mega's own (`art_mega.launch`, `art_mega.runtime`, `art_mega.rollouts`,
-`art_mega.topology`), with art-mega's signatures: `ArtRuntime.start(launch, topology)` takes the
-launch context itself (ART: `launch.host_mesh`), `await runtime.rollout_executor(fn,
-target_workers=n)` is a coroutine and starts its workers at once (ART's returns an executor whose
-`set_workers` starts them). Names load on first use, as in `art_mega`.
+As the documentation's `examples/multinode/program.py` writes it::
+
+    runtime = await ArtRuntime.start(
+        launch.host_mesh, compile_topology(cluster=launch.homogeneous_cluster(cpu_slots=1))
+    )
+    executor = runtime.rollout_executor(
+        InstalledAsyncCallable.from_callable(rollout), target_workers=launch.host_count
+    )
+    executor.set_workers(tuple(range(launch.host_count)))
+    trajectory = await executor.run(0, rollout, model, scenario, None)
+
+`rollout_executor` returns at once; the worker processes start on the first `run` (or on
+`await executor`, which `await runtime.rollout_executor(...)` does). `set_workers` gives them
+ART's worker ids; `run(worker_id, fn, *args, **kwargs)` takes any arguments (ART's: model,
+scenario, config). The names are art-mega's own (`art_mega.launch`, `art_mega.runtime`,
+`art_mega.rollouts`, `art_mega.topology`) and load on first use, as in `art_mega`.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from typing import Any
 _EXPORTS = {
     "ArtLaunchContext": "art_mega.launch.context",
     "ArtRuntime": "art_mega.runtime.runtime",
+    "HostMesh": "art_mega.launch.context",
     "InstalledAsyncCallable": "art_mega.rollouts.installed",
     "RolloutExecutor": "art_mega.rollouts.executor",
     "compile_topology": "art_mega.topology",

@@ -28,6 +28,30 @@ def default_cache_root() -> str:
 
 
 @dataclass(frozen=True)
+class HostMesh:
+    """The agents of one launch, as `ArtRuntime.start` takes them (ART's `launch.host_mesh`).
+
+    Attributes:
+        worker_addresses: each agent's `tcp://HOST:PORT`, in node-rank order.
+        launch_id: the id every agent of this launch reports.
+        sys_path: import-path entries the program needs on every worker (its script folder).
+    """
+
+    worker_addresses: tuple[str, ...]
+    launch_id: str
+    sys_path: tuple[str, ...] = ()
+    _secret: bytes = field(default=b"", repr=False, compare=False)
+    _runtimes: list[Any] = field(default_factory=list, repr=False, compare=False)
+
+    def _secret_bytes(self) -> bytes:
+        return self._secret
+
+    def _register(self, runtime: ArtRuntime) -> None:
+        """Remember a runtime so the launcher can close it if the program did not."""
+        self._runtimes.append(runtime)
+
+
+@dataclass(frozen=True)
 class ArtLaunchContext:
     """The agents of this launch, one per host, and the controller's place among them.
 
@@ -49,6 +73,12 @@ class ArtLaunchContext:
     def host_count(self) -> int:
         """Number of hosts (agents) in this launch."""
         return len(self.worker_addresses)
+
+    @property
+    def host_mesh(self) -> HostMesh:
+        """This launch's agents for `ArtRuntime.start` (a runtime started on it is closed by the
+        launcher like one started on the context)."""
+        return HostMesh(self.worker_addresses, self.launch_id, self.sys_path, self._secret, self._runtimes)
 
     def _secret_bytes(self) -> bytes:
         return self._secret

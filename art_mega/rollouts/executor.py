@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +113,16 @@ def plan_workers(slots: Sequence[tuple[str, int]], target_workers: int | None) -
         (host_id, count) per host with count >= 1.
 
     Raises:
-        UserError: target_workers < 1 or more than the slots available.
+        UserError: target_workers not an int (or None), < 1 or more than the slots available.
     """
     total = sum(n for _, n in slots)
     if target_workers is None:
         target_workers = total
+    if type(target_workers) is not int:
+        raise UserError(
+            f"target_workers={target_workers!r} is not a number of worker processes; pass an int "
+            f"1..{total} or None for every cpu_slot"
+        )
     if target_workers < 1 or target_workers > total:
         raise UserError(
             f"target_workers={target_workers} is out of range: the rollout hosts have {total} cpu_slots; "
@@ -134,51 +139,210 @@ def plan_workers(slots: Sequence[tuple[str, int]], target_workers: int | None) -
 
 
 class RolloutExecutor:
-    """Rollout worker processes across hosts; `run` executes one call on a chosen worker."""
+    """Rollout worker processes across hosts; `run` executes one call on a chosen worker.
 
-    def __init__(self, clients: dict[str, AgentClient], workers: Sequence[RolloutWorker]) -> None:
+    `ArtRuntime.rollout_executor` returns it before any process exists (ART's executor is used
+    without await): the processes start on `await executor` (or `await executor.start()`), else
+    on the first `run` or `submit`. A worker id names one process: ids 0..target_workers-1 name
+    the processes in order until `set_workers` gives ART's own worker ids.
+    """
+
+    def __init__(
+        self,
+        clients: dict[str, AgentClient],
+        slots: Sequence[tuple[str, int]],
+        callables: Sequence[Callable[..., Any] | InstalledAsyncCallable],
+        target_workers: int | None = None,
+        sys_path: Sequence[str] = (),
+    ) -> None:
+        """Plan the workers of `target_workers` over `slots` ((host_id, cpu_slots) per rollout
+        host, in order; None = every slot) for `callables`; nothing starts here.
+
+        Raises:
+            UserError: a callable `InstalledAsyncCallable.from_callable` refuses; target_workers
+                not an int or out of range (see `plan_workers`).
+        """
+        installed = [InstalledAsyncCallable.from_callable(fn) for fn in callables]
+        self._plan = plan_workers(slots, target_workers)
         self._clients = clients
-        self.workers: tuple[RolloutWorker, ...] = tuple(workers)
-        self._installed: dict[Callable[..., Any], InstalledAsyncCallable] = {}
-        self._load = [0] * len(self.workers)
+        self.target_workers = sum(count for _, count in self._plan)
+        """Number of worker processes (started or to start)."""
+        roots = [r for r in (module_root(i.module) for i in installed) if r]
+        self._sys_path = tuple(dict.fromkeys([*sys_path, *roots]))
+        self._refs = tuple(i.ref() for i in installed)
+        self._installed: dict[Any, InstalledAsyncCallable] = dict(zip(callables, installed))
+        self._workers: tuple[RolloutWorker, ...] | None = None
+        self._starting: asyncio.Future[None] | None = None
+        self._assigned: dict[int, int] = {i: i for i in range(self.target_workers)}
+        """worker id -> process index"""
+        self._load = [0] * self.target_workers
         self._closed = False
 
-    def _ref(self, fn: Callable[..., Any]) -> InstalledAsyncCallable:
+    @property
+    def workers(self) -> tuple[RolloutWorker, ...]:
+        """The worker processes in index order (host by host as planned).
+
+        Raises:
+            UserError: they are not started yet.
+        """
+        if self._workers is None:
+            raise UserError(
+                "this rollout executor's workers are not started yet; `await executor` (or "
+                "`await executor.start()`) first, or run a rollout, which starts them"
+            )
+        return self._workers
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        """The ids `run` takes, ascending (0..target_workers-1 until `set_workers`)."""
+        return tuple(sorted(self._assigned))
+
+    def set_workers(self, worker_ids: Sequence[int]) -> None:
+        """Give the processes ART's worker ids: `run(worker_id, ...)` then runs on that id's process.
+
+        An id kept from the previous assignment keeps its process; new ids, ascending, take the
+        processes no kept id holds, lowest index first. Ids are any ints; ids left out are no
+        longer accepted by `run`, and `submit` picks among the processes of the ids given. The
+        processes themselves do not change (there are `target_workers` of them).
+
+        Raises:
+            UserError: `worker_ids` is not a tuple or list of ints, names an id twice, or names
+                more ids than `target_workers`.
+        """
+        if not isinstance(worker_ids, (tuple, list)) or any(type(i) is not int for i in worker_ids):
+            raise UserError(
+                f"set_workers(worker_ids={worker_ids!r}) takes a tuple of int worker ids; pass e.g. "
+                f"tuple(range({self.target_workers}))"
+            )
+        twice = sorted({i for i in worker_ids if worker_ids.count(i) > 1})
+        if twice:
+            raise UserError(
+                f"set_workers(worker_ids={worker_ids!r}) names worker {twice[0]} more than once; "
+                "give each id once"
+            )
+        if len(worker_ids) > self.target_workers:
+            raise UserError(
+                f"set_workers(worker_ids={worker_ids!r}) names {len(worker_ids)} workers, but the executor "
+                f"has target_workers={self.target_workers} processes; pass at most {self.target_workers} "
+                "ids or raise target_workers"
+            )
+        kept = {i: self._assigned[i] for i in worker_ids if i in self._assigned}
+        held = set(kept.values())
+        free = iter(p for p in range(self.target_workers) if p not in held)
+        new = {i: next(free) for i in sorted(set(worker_ids) - set(kept))}
+        self._assigned = {i: kept[i] if i in kept else new[i] for i in worker_ids}
+
+    def _ref(self, fn: Callable[..., Any] | InstalledAsyncCallable) -> InstalledAsyncCallable:
         installed = self._installed.get(fn)
         if installed is None:
             installed = InstalledAsyncCallable.from_callable(fn)
             self._installed[fn] = installed
         return installed
 
-    def _worker(self, worker: int | RolloutWorker) -> RolloutWorker:
-        index = worker.index if isinstance(worker, RolloutWorker) else worker
-        if not isinstance(index, int) or not 0 <= index < len(self.workers):
-            raise UserError(
-                f"worker={worker!r} is not a worker of this executor; use 0..{len(self.workers) - 1}"
+    def _index(self, worker: int | RolloutWorker) -> int:
+        """The process index of a worker id or of one of `workers`."""
+        if isinstance(worker, RolloutWorker):
+            if self._workers is not None and worker in self._workers:
+                return worker.index
+        elif type(worker) is int and worker in self._assigned:
+            return self._assigned[worker]
+        ids = self.worker_ids
+        named = f"0..{len(ids) - 1}" if ids == tuple(range(len(ids))) else str(list(ids))
+        raise UserError(
+            f"worker={worker!r} is not a worker of this executor; use a worker id ({named}, as "
+            "set_workers gives them) or one of executor.workers"
+        )
+
+    async def start(self) -> RolloutExecutor:
+        """Start the worker processes (once; a later call waits for that start) and return self.
+
+        Each worker imports and hash-checks the executor's callables before it counts as
+        started. All or nothing: if one host fails, the workers started elsewhere are stopped.
+
+        Raises:
+            UserError: a worker refused a callable (its module cannot be imported there, or
+                changed since hashed); every later call raises it again.
+            RemoteRolloutError: a worker failed to start for another reason.
+            AgentError: an agent did not answer.
+            RuntimeError: the executor is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this rollout executor is closed")
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        # shielded: one caller cancelled (e.g. one rollout of a gather) must not stop the start
+        # the other callers wait for
+        await asyncio.shield(self._starting)
+        return self
+
+    def __await__(self) -> Generator[Any, None, RolloutExecutor]:
+        return self.start().__await__()
+
+    async def _start(self) -> None:
+        plan, clients = self._plan, self._clients
+        results = await asyncio.gather(
+            *(
+                start_rollout_workers(clients[host], count, self._sys_path, self._refs)
+                for host, count in plan
+            ),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await asyncio.gather(
+                *(
+                    clients[host].call(STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=r.worker_ids))
+                    for (host, _), r in zip(plan, results)
+                    if not isinstance(r, BaseException)
+                ),
+                return_exceptions=True,
             )
-        return self.workers[index]
+            raise failures[0]
+        workers: list[RolloutWorker] = []
+        for (host, _), reply in zip(plan, results):
+            for worker_id, pid in zip(reply.worker_ids, reply.pids):
+                workers.append(RolloutWorker(index=len(workers), host_id=host, worker_id=worker_id, pid=pid))
+        self._workers = tuple(workers)
 
     async def run(
-        self, worker: int | RolloutWorker, fn: Callable[..., Any], *args: Any, **kwargs: Any
+        self,
+        worker: int | RolloutWorker,
+        fn: Callable[..., Any] | InstalledAsyncCallable,
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
-        """Run `await fn(*args, **kwargs)` on `worker` (an index or a `RolloutWorker`).
+        """Run `await fn(*args, **kwargs)` on `worker` (a worker id or one of `workers`),
+        starting the workers first if they are not.
 
-        Returns the result decoded from JSON (pydantic models come back as their class; what
-        travels and the conversions made are in `rollouts.wire`).
+        `fn` is a top-level async def or its `InstalledAsyncCallable`. Returns the result
+        decoded from JSON (pydantic models come back as their class; what travels and the
+        conversions made are in `rollouts.wire`).
 
         Raises:
             RolloutValueError: an argument or the result holds a value JSON cannot carry (a set,
                 bytes, a numpy array, ...), or the result cannot be rebuilt here; names the key
                 path and the host.
-            UserError: bad worker, `fn` not a top-level async def, or the worker refused `fn`
-                (its source changed).
+            UserError: an unknown worker, `fn` not a top-level async def, or the worker refused
+                `fn` (its source changed).
             RemoteRolloutError: `fn` raised on the worker (message and remote traceback kept).
             AgentError: the worker's agent did not answer.
+            What `start` raises.
         """
         if self._closed:
             raise RuntimeError("this rollout executor is closed")
-        target = self._worker(worker)
+        index = self._index(worker)
+        return await self._run(index, fn, args, kwargs)
+
+    async def _run(
+        self,
+        index: int,
+        fn: Callable[..., Any] | InstalledAsyncCallable,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         ref = self._ref(fn).ref()
+        await self.start()
+        target = self.workers[index]
         name, host = f"{ref.module}:{ref.qualname}", target.host_id
         where = f"host {host} (worker {target.worker_id})"
         try:
@@ -188,7 +352,7 @@ class RolloutExecutor:
             raise RolloutValueError(
                 f"an argument of rollout {name} cannot travel to {where}: {exc}", name, host, str(exc)
             ) from None
-        self._load[target.index] += 1
+        self._load[index] += 1
         try:
             result = await run_rollout(
                 self._clients[host], target.worker_id, ref, payload_args, payload_kwargs
@@ -198,7 +362,7 @@ class RolloutExecutor:
                 raise
             raise RolloutValueError(f"rollout {name} on {where} {exc}", name, host, str(exc)) from None
         finally:
-            self._load[target.index] -= 1
+            self._load[index] -= 1
         try:
             return wire.decode(result)
         except wire.WireError as exc:
@@ -209,18 +373,35 @@ class RolloutExecutor:
                 str(exc),
             ) from None
 
-    async def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run on the worker with the fewest calls in flight (ties: lowest index)."""
-        index = min(range(len(self.workers)), key=lambda i: self._load[i])
-        return await self.run(index, fn, *args, **kwargs)
+    async def submit(self, fn: Callable[..., Any] | InstalledAsyncCallable, *args: Any, **kwargs: Any) -> Any:
+        """Run on the process of a worker id with the fewest calls in flight (ties: lowest index).
+
+        Raises:
+            UserError: `set_workers(())` left no worker id; what `run` raises.
+        """
+        if self._closed:
+            raise RuntimeError("this rollout executor is closed")
+        indices = sorted(set(self._assigned.values()))
+        if not indices:
+            raise UserError(
+                "submit has no worker to run on: set_workers(()) named none; name at least one id"
+            )
+        index = min(indices, key=lambda i: self._load[i])
+        return await self._run(index, fn, args, kwargs)
 
     async def close(self, timeout_s: float = 30.0) -> None:
-        """Stop every worker process of this executor (idempotent)."""
+        """Stop every worker process of this executor (idempotent; a start in progress is
+        waited for, at most `timeout_s` seconds, then what it started is stopped)."""
         if self._closed:
             return
         self._closed = True
+        if self._starting is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._starting), timeout_s)
+            except Exception:  # a failed start stopped its own workers; a late one ends with its agent
+                pass
         by_host: dict[str, list[str]] = {}
-        for w in self.workers:
+        for w in self._workers or ():
             by_host.setdefault(w.host_id, []).append(w.worker_id)
 
         async def stop(host: str, ids: list[str]) -> None:
@@ -233,44 +414,3 @@ class RolloutExecutor:
                 pass
 
         await asyncio.gather(*(stop(h, ids) for h, ids in by_host.items()))
-
-
-async def start_executor(
-    clients: dict[str, AgentClient],
-    slots: Sequence[tuple[str, int]],
-    callables: Sequence[Callable[..., Any]],
-    target_workers: int | None,
-    sys_path: Sequence[str] = (),
-) -> RolloutExecutor:
-    """Start rollout workers on the rollout hosts; each imports and hash-checks `callables` first.
-
-    All or nothing: if one host fails, workers already started elsewhere are stopped.
-    """
-    installed = [InstalledAsyncCallable.from_callable(fn) for fn in callables]
-    roots = [r for r in (module_root(i.module) for i in installed) if r]
-    path = tuple(dict.fromkeys([*sys_path, *roots]))
-    refs = tuple(i.ref() for i in installed)
-    plan = plan_workers(slots, target_workers)
-    results = await asyncio.gather(
-        *(start_rollout_workers(clients[host], count, path, refs) for host, count in plan),
-        return_exceptions=True,
-    )
-    failures = [r for r in results if isinstance(r, BaseException)]
-    if failures:
-        await asyncio.gather(
-            *(
-                clients[host].call(STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=r.worker_ids))
-                for (host, _), r in zip(plan, results)
-                if not isinstance(r, BaseException)
-            ),
-            return_exceptions=True,
-        )
-        raise failures[0]
-    workers: list[RolloutWorker] = []
-    for (host, _), reply in zip(plan, results):
-        for worker_id, pid in zip(reply.worker_ids, reply.pids):
-            workers.append(RolloutWorker(index=len(workers), host_id=host, worker_id=worker_id, pid=pid))
-    executor = RolloutExecutor(clients, workers)
-    for fn, inst in zip(callables, installed):
-        executor._installed[fn] = inst
-    return executor

@@ -48,13 +48,22 @@ class InstalledAsyncCallable:
     source_sha256: str
 
     @classmethod
-    def from_callable(cls, fn: Callable[..., Any]) -> InstalledAsyncCallable:
-        """Record `fn`'s import reference and source hash.
+    def from_callable(cls, fn: Callable[..., Any] | InstalledAsyncCallable) -> InstalledAsyncCallable:
+        """Record `fn`'s import reference and source hash (an `InstalledAsyncCallable` is
+        returned as it is).
+
+        `fn` is a plain module-level `async def` (or what a decorator such as `art.retry` put
+        under its name): what workers find when they import `fn.__module__` and look up
+        `fn.__qualname__`.
 
         Raises:
             UserError: for a lambda, a closure or nested function (`<locals>`), a function that
-                is not `async def`, a function defined in `__main__`, or one without a source file.
+                is not `async def`, a function defined in `__main__`, one without a source file,
+                or one that is not what its module's name holds (a bound method, a copy
+                re-wrapped after definition).
         """
+        if isinstance(fn, InstalledAsyncCallable):
+            return fn
         name = _describe(fn)
         if not callable(fn) or not hasattr(fn, "__qualname__") or not hasattr(fn, "__module__"):
             raise UserError(f"rollout {name!r} is not a function; pass a top-level async def")
@@ -76,6 +85,14 @@ class InstalledAsyncCallable:
         path = getattr(module, "__file__", None)
         if not path:
             raise UserError(f"rollout {name} has no source file to pin; define it in a .py file")
+        named: Any = module
+        for part in fn.__qualname__.split("."):
+            named = getattr(named, part, None)
+        if named is not fn:
+            raise UserError(
+                f"rollout {name} is not what {fn.__module__}.{fn.__qualname__} names, so workers would "
+                "import something else; pass the module-level function itself (not a bound method or a copy)"
+            )
         return cls(fn.__module__, fn.__qualname__, source_sha256(path))
 
     def ref(self) -> CallableRef:

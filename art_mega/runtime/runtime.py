@@ -26,7 +26,8 @@ from art_mega.preflight.protocol import (
     HostFacts,
     PreflightPrepareRequest,
 )
-from art_mega.rollouts.executor import RolloutExecutor, start_executor
+from art_mega.rollouts.executor import RolloutExecutor
+from art_mega.rollouts.installed import InstalledAsyncCallable
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor
 from art_mega.topology import CompiledTopology, EndpointSpec
@@ -136,16 +137,31 @@ class ArtRuntime:
     ) -> ArtRuntime:
         """Attach to the launch's agents, then prove the cluster before anything is allocated.
 
+        `launch` is ART's `launch.host_mesh` (the launch's agents) or the `ArtLaunchContext`
+        itself; `topology` is `compile_topology(cluster=...)`'s result.
+
         Proof, in order (see `prove`): every agent answers with this launch's id; host admission;
         the artifact_root probe; the metadata store when needed (`metadata_store=None`: when
         artifact_root is host-local on several hosts or an explicit store is configured); the
         preflight collective in every environment that needs it (see `proof_environments`).
 
         Raises:
-            UserError: the topology's worker addresses are not the launch's (names both).
+            UserError: `launch` is not a host mesh or launch context, `topology` is not a
+                `CompiledTopology`, or the topology's worker addresses are not the launch's
+                (names both).
             PreflightError: a proof failed; the message names the host and the cause.
             AgentError: an agent does not answer or belongs to another launch.
         """
+        if not all(hasattr(launch, name) for name in ("worker_addresses", "launch_id", "_secret_bytes")):
+            raise UserError(
+                f"ArtRuntime.start(launch={type(launch).__name__}) needs the launch's agents; pass "
+                "launch.host_mesh (or launch) of the ArtLaunchContext your main(launch) received"
+            )
+        if not isinstance(topology, CompiledTopology):
+            raise UserError(
+                f"ArtRuntime.start(topology={type(topology).__name__}) needs a CompiledTopology; pass "
+                "compile_topology(cluster=launch.homogeneous_cluster(...))"
+            )
         hosts = topology.cluster.hosts
         wanted = tuple(h.worker_address.address for h in hosts)
         given = tuple(EndpointSpec.parse(a).address for a in launch.worker_addresses)
@@ -187,9 +203,15 @@ class ArtRuntime:
         picks a free port. The agents live until `close()` and are watched by heartbeats.
 
         Raises:
-            UserError: a non-loopback worker address, or an address that already has a listener.
+            UserError: `topology` is not a `CompiledTopology`; a non-loopback worker address, or an
+                address that already has a listener.
             AgentStartError: an agent did not become ready within startup_timeout_s seconds.
         """
+        if not isinstance(topology, CompiledTopology):
+            raise UserError(
+                f"ArtRuntime.start_local(topology={type(topology).__name__}) needs a CompiledTopology; "
+                "pass compile_topology(cluster=...)"
+            )
         cluster = topology.cluster
         for host in cluster.hosts:
             if not host.worker_address.is_loopback:
@@ -525,27 +547,35 @@ class ArtRuntime:
         replies = await asyncio.gather(*(c.health() for c in self._clients.values()))
         return dict(zip(self._clients, replies))
 
-    async def rollout_executor(
+    def rollout_executor(
         self,
-        callables: Callable[..., Any] | Sequence[Callable[..., Any]],
+        callables: Callable[..., Any]
+        | InstalledAsyncCallable
+        | Sequence[Callable[..., Any] | InstalledAsyncCallable],
         target_workers: int | None = None,
     ) -> RolloutExecutor:
-        """Start rollout worker processes on the topology's rollout hosts.
+        """A rollout executor over the topology's rollout hosts, returned at once (as ART's).
+
+        Its worker processes start on `await executor` (so `await runtime.rollout_executor(...)`
+        returns it started), else on its first `run` or `submit`; `close` stops them.
 
         Args:
-            callables: the async rollout function(s) workers must import and hash-check before
-                they count as started; other top-level async functions can still be run later.
+            callables: the async rollout function(s), or their `InstalledAsyncCallable`s, that
+                workers import and hash-check before they count as started; other top-level
+                async functions can still be run later.
             target_workers: total worker processes, spread round-robin over the rollout hosts up
                 to each host's cpu_slots; None = every slot.
 
         Raises:
-            UserError: a lambda, closure or non-async callable; target_workers out of range; a
-                worker refused the callable (its module cannot be imported or changed since hashed).
+            UserError: a lambda, closure, non-async or not module-level callable; target_workers
+                not an int or out of range. (A worker refusing a callable is raised by the start.)
+            RuntimeError: the runtime is closed.
+            HostLostError: a host was lost.
         """
         self._check_usable()
-        fns = [callables] if callable(callables) else list(callables)
+        fns = list(callables) if isinstance(callables, (list, tuple)) else [callables]
         slots = [(h, self.topology.cluster.host(h).cpu_slots) for h in self.topology.rollout_host_ids]
-        executor = await start_executor(self._clients, slots, fns, target_workers, self._sys_path)
+        executor = RolloutExecutor(self._clients, slots, fns, target_workers, self._sys_path)
         self._executors.append(executor)
         return executor
 

@@ -44,8 +44,15 @@ def compile_topology(
     replica API ports); multi-host GPU work (trainer on several GPU hosts, a replica spanning
     hosts) without `ClusterSpec.nccl_transport` or with its `net_name` "Socket"; too few free
     GPUs for the replicas; trainer sizes that do not divide the world (tp*cp*pp, etp*ep*pp);
-    tp*pp of a replica that spans hosts not a multiple of the GPUs per host.
+    tp*pp of a replica that spans hosts not a multiple of the GPUs per host; `cluster` that is
+    not a `ClusterSpec`.
     """
+    if not isinstance(cluster, ClusterSpec):
+        raise TopologyError(
+            f"compile_topology(cluster={type(cluster).__name__}) needs a ClusterSpec; pass "
+            "cluster=launch.homogeneous_cluster(...) or a ClusterSpec(hosts=...)",
+            "cluster",
+        )
     specs = (inference,) if isinstance(inference, InferenceSpec) else tuple(inference)
     names = Counter(spec.name for spec in specs)
     for name, count in names.items():

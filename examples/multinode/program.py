@@ -3,14 +3,20 @@
 Run it with `art-mega local --program examples/multinode/program.py:main` (or `ssh`/`skypilot`).
 For each answer yes/no/maybe, every host runs one rollout in its own worker process; the program
 checks the answers come back in order, with the expected rewards, each from its own process.
+It uses `art_mega.distributed` as ART's documented `examples/multinode/program.py` does
+(`launch.host_mesh`, an executor used without await, `set_workers`); unlike it, it allows hosts
+that share a kernel (the test launchers' network-namespace hosts). ART's program itself, changed
+only in its import, is `tests/art_compat/multinode_program.py`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
-from art_mega import ArtRuntime, Trajectory, TrajectoryGroup, compile_topology
+from art_mega import Trajectory, TrajectoryGroup
+from art_mega.distributed import ArtLaunchContext, ArtRuntime, InstalledAsyncCallable, compile_topology
 
 ANSWERS = ("yes", "no", "maybe")
 REWARDS = {"yes": 0.5, "no": 0.75, "maybe": 1.0}
@@ -28,18 +34,21 @@ async def answer_rollout(answer: str) -> Trajectory:
     )
 
 
-async def main(launch) -> None:
+async def main(launch: ArtLaunchContext) -> None:
     cluster = launch.homogeneous_cluster(cpu_slots=1, allow_shared_kernel=True)
-    topology = compile_topology(cluster)
-    runtime = await ArtRuntime.start(launch, topology)
+    runtime = await ArtRuntime.start(launch.host_mesh, compile_topology(cluster=cluster))
     try:
-        executor = await runtime.rollout_executor(answer_rollout)
-        if len(executor.workers) != launch.host_count:
-            raise RuntimeError(f"expected one worker per host, got {executor.workers}")
+        workers = tuple(range(launch.host_count))
+        executor = runtime.rollout_executor(
+            InstalledAsyncCallable.from_callable(answer_rollout), target_workers=launch.host_count
+        )
+        executor.set_workers(workers)
         groups = []
         for answer in ANSWERS:
-            trajectories = [await executor.run(w, answer_rollout, answer) for w in executor.workers]
+            trajectories = await asyncio.gather(*(executor.run(w, answer_rollout, answer) for w in workers))
             groups.append(TrajectoryGroup(trajectories))
+        if len({w.host_id for w in executor.workers}) != launch.host_count:
+            raise RuntimeError(f"expected one worker per host, got {executor.workers}")
         for answer, group in zip(ANSWERS, groups):
             for worker, trajectory in zip(executor.workers, group.trajectories):
                 said = trajectory.messages()[-1]["content"]
