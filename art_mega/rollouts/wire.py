@@ -10,14 +10,19 @@ naming the key path, e.g. `trajectory.metadata['scores'][2]`, never changed in s
   (an np.longdouble only where float64 holds its value exactly).
 - A pydantic model travels as {"__model__": "module:qualname", "data": ...}; the receiver
   re-imports the class, accepts it only if it is a `pydantic.BaseModel` subclass, and validates
-  the data. Its fields are encoded by their declared types: typed values pydantic restores
+  the data. A parametrized generic model (`TrainableModel[MyConfig]`, whose class pydantic
+  creates where it is first written) travels as its generic class and its type arguments,
+  {"__model__": "art_mega.model:TrainableModel", "args": ["my_module:MyConfig"], "data": ...}
+  (an argument that is itself parametrized as {"__model__": ..., "args": [...]}), and is
+  parametrized again on arrival; a type argument that is not a class (`list[int]`, a TypeVar)
+  is refused. Its fields are encoded by their declared types: typed values pydantic restores
   (datetime, set[int], Enum, ...) go through pydantic's JSON mode, values of untyped (`Any`)
   fields follow the rules above, and a model inside an untyped field is refused (it would
   arrive as a plain dict).
 
 Refused: bytes, sets, complex numbers, numpy arrays and any other object where no declared
 type restores it, and a dict shaped like a tag ({"__float__": ...} or {"__model__": ..., "data":
-...} alone), which would arrive as the tagged value. Nothing is pickled.
+...} alone, or with "args"), which would arrive as the tagged value. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Annotated, Any, Union
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 MODEL_TAG = "__model__"
+ARGS_KEY = "args"
+"""The key of a parametrized generic model's type arguments, beside MODEL_TAG."""
 FLOAT_TAG = "__float__"
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _UNTYPED: Any = Any
@@ -95,12 +102,7 @@ def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
     if isinstance(value, BaseModel):
         cls = type(value)
         if not in_model:
-            if "<locals>" in cls.__qualname__:
-                raise WireError(
-                    path,
-                    f"is a {cls.__qualname__}, a model class local to a function; define it at top level",
-                )
-            return {MODEL_TAG: f"{cls.__module__}:{cls.__qualname__}", "data": _model_data(value, path)}
+            return {**_class_tag(cls, cls, path), "data": _model_data(value, path)}
         if cls in _models_in(declared):
             return _model_data(value, path)
         raise WireError(
@@ -138,7 +140,43 @@ def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
 def _looks_tagged(value: dict[Any, Any]) -> bool:
     """True for a dict `decode` would read as a tagged float or model (see `decode`)."""
     keys = set(value)
-    return keys == {FLOAT_TAG} or keys == {MODEL_TAG, "data"}
+    return keys == {FLOAT_TAG} or keys in ({MODEL_TAG, "data"}, {MODEL_TAG, ARGS_KEY, "data"})
+
+
+def _class_tag(cls: type, model: type, path: str) -> dict[str, Any]:
+    """{MODEL_TAG: "module:qualname"} naming `cls` (a class in the type of the model class
+    `model`), with ARGS_KEY for a parametrized generic pydantic model (its generic class)."""
+    meta = getattr(cls, "__pydantic_generic_metadata__", None)
+    if meta is not None and meta["origin"] is not None:
+        args = [_type_arg(arg, model, path) for arg in meta["args"]]
+        return {**_class_tag(meta["origin"], model, path), ARGS_KEY: args}
+    if "<locals>" in cls.__qualname__:
+        what = "a model class" if cls is model else f"whose type argument {cls.__qualname__} is"
+        raise WireError(
+            path,
+            f"is a {model.__qualname__}, {what} local to a function; define it at top level",
+        )
+    return {MODEL_TAG: f"{cls.__module__}:{cls.__qualname__}"}
+
+
+def _type_arg(arg: Any, model: type, path: str) -> str | dict[str, Any] | None:
+    """A type argument of a parametrized model: "module:qualname", a parametrized model's tag,
+    or None for None."""
+    if arg is None or arg is type(None):
+        return None
+    if not isinstance(arg, type) or ("[" in arg.__qualname__ and not _parametrized(arg)):
+        raise WireError(
+            path,
+            f"is a {model.__qualname__}, whose type argument {arg!r} is not a class the wire can name; "
+            "parametrize the model with classes (e.g. pydantic models)",
+        )
+    tag = _class_tag(arg, model, path)
+    return tag if ARGS_KEY in tag else tag[MODEL_TAG]
+
+
+def _parametrized(cls: type) -> bool:
+    meta = getattr(cls, "__pydantic_generic_metadata__", None)
+    return meta is not None and meta["origin"] is not None
 
 
 def _refusal(value: Any, numpy: Any) -> str:
@@ -313,20 +351,71 @@ def _dump_typed(declared: Any, value: Any, path: str) -> Any:
         ) from None
 
 
-def _load_model(ref: str, path: str) -> type[BaseModel]:
+def _import_class(ref: Any, shown: str, role: str, path: str) -> type:
+    """The class "module:qualname" `ref` names; `shown` is the received model as messages name
+    it, `role` what `ref` is to it ("model" or "type argument")."""
+    if not isinstance(ref, str) or ":" not in ref:
+        raise WireError(path, f"names the class {ref!r}, which is not a 'module:qualname' reference")
     module_name, _, qualname = ref.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
+        what = "which" if role == "model" else f"whose type argument {ref}"
         raise WireError(
             path,
-            f"is a {ref} model, which cannot be imported here ({exc}); make its module importable on every host",
+            f"is a {shown} model, {what} cannot be imported here ({exc}); make its module importable "
+            "on every host",
         ) from None
-    if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
-        raise WireError(path, f"names {ref}, which is not a pydantic model class")
+    if not isinstance(obj, type):
+        raise WireError(
+            path, f"names {ref}, which is not a {'pydantic model class' if role == 'model' else 'class'}"
+        )
     return obj
+
+
+def _shown(tag: Any) -> str:
+    """A type tag as messages name it: "module:Qualname[module:Arg, ...]"."""
+    if isinstance(tag, dict):
+        args = tag.get(ARGS_KEY)
+        inner = f"[{', '.join(_shown(a) for a in args)}]" if isinstance(args, list) else ""
+        return f"{tag.get(MODEL_TAG)}{inner}"
+    return "None" if tag is None else str(tag)
+
+
+def _load_class(tag: Any, shown: str, role: str, path: str) -> Any:
+    """The class a type tag names: "module:qualname", or {MODEL_TAG: generic class, ARGS_KEY:
+    [type tags]} parametrized again here; None for a None type argument (spelled as the sender
+    most likely wrote it: pydantic keeps `Box[None]` and `Box[NoneType]` as two classes)."""
+    if tag is None and role == "type argument":
+        return None
+    if not isinstance(tag, dict):
+        return _import_class(tag, shown, role, path)
+    origin = _import_class(tag.get(MODEL_TAG), shown, role, path)
+    if ARGS_KEY not in tag:
+        return origin
+    args = tag[ARGS_KEY]
+    meta = getattr(origin, "__pydantic_generic_metadata__", None)
+    if not (meta and meta["parameters"]):
+        raise WireError(path, f"is a {shown} model, but {tag[MODEL_TAG]} is not a generic pydantic model")
+    if not isinstance(args, list) or not args:
+        raise WireError(path, f"is a {shown} model whose type arguments {args!r} are not a list of classes")
+    loaded = tuple(_load_class(arg, shown, "type argument", path) for arg in args)
+    try:
+        return origin[loaded]
+    except TypeError as exc:
+        raise WireError(path, f"is a {shown} model, which cannot be parametrized here ({exc})") from None
+
+
+def _load_model(tag: dict[str, Any], path: str) -> type[BaseModel]:
+    """The model class of a received model tag (its "data" aside)."""
+    type_tag = {k: v for k, v in tag.items() if k != "data"}
+    shown = _shown(type_tag)
+    cls = _load_class(type_tag, shown, "model", path)
+    if not issubclass(cls, BaseModel):
+        raise WireError(path, f"names {shown}, which is not a pydantic model class")
+    return cls
 
 
 def decode(value: Any, path: str = "result") -> Any:
@@ -341,8 +430,8 @@ def decode(value: Any, path: str = "result") -> Any:
     if isinstance(value, dict):
         if set(value) == {FLOAT_TAG} and value[FLOAT_TAG] in _NON_FINITE:
             return _NON_FINITE[value[FLOAT_TAG]]
-        if MODEL_TAG in value and set(value) == {MODEL_TAG, "data"}:
-            cls = _load_model(value[MODEL_TAG], path)
+        if _looks_tagged(value) and MODEL_TAG in value:
+            cls = _load_model(value, path)
             try:
                 return cls.model_validate(_floats(value["data"]))
             except ValidationError as exc:
