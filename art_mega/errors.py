@@ -583,6 +583,25 @@ class ScenarioGenerationError(ArtMegaError):
         self.detail = detail
 
 
+class RulerJudgeError(ArtMegaError):
+    """RULER's judge did not give a usable answer (`art_mega.rewards.ruler`): it could not be
+    reached or refused the request, or its reply did not parse as the scores asked for even
+    after the one retry.
+
+    Attributes:
+        judge: the judge as RULER names it (the LiteLLM model name, or the Model judge's
+            served name and model).
+        detail: what went wrong, e.g. "APIConnectionError: Connection refused".
+        attempts: the requests made (1, or 2 when an unparsable reply was asked again).
+    """
+
+    def __init__(self, judge: str, detail: str, attempts: int):
+        super().__init__(f"RULER judge {judge}: {detail}")
+        self.judge = judge
+        self.detail = detail
+        self.attempts = attempts
+
+
 class HostLostError(ArtMegaError):
     """An agent stopped answering or was replaced while the program ran (`runtime.monitor`).
 
@@ -833,6 +852,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     # An outside service a program talks to failing: the sentence names it, exit 1.
     MCPServerError: _SENTENCE_FAILURE,
     ScenarioGenerationError: _SENTENCE_FAILURE,
+    RulerJudgeError: _SENTENCE_FAILURE,
     # Failures whose cause is in code (the program's, a rollout's, a rank's, a replica's): the
     # traceback shows where the program met them, exit 1.
     ArtMegaError: _TRACEBACK_FAILURE,
