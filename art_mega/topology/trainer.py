@@ -33,6 +33,11 @@ class TrainerSpec(SpecModel):
     host_ids: tuple[str, ...] | None = None
     gpu_ids: tuple[GpuId, ...] | None = None
     cpu_ranks_per_host: Integer = Field(default=1, ge=1)
+    cpu_train_threads: Integer | None = Field(default=None, ge=1)
+    """Intra-op threads (torch.set_num_threads) a rank uses while it runs a train job; between
+    jobs it holds one. None: on a CPU rank, the cores of its CPU affinity divided among the CPU
+    ranks of its host (at least 1), because the replicas are idle while the trainer trains;
+    on a GPU rank, torch's default. More than the rank's cores is refused at its start."""
     master_port: ListenPort = 29500
 
     @field_validator("host_ids")

@@ -3,8 +3,9 @@
 Started by its host's agent (`trainer.host`) with its global rank as `--rank` and a socket as
 `--fd`, on which it reads newline-delimited JSON (`trainer.protocol`): first its `RankConfig`, then
 one `TrainerJobRequest` a line; it answers with `RankEvent` lines: starting, ready, accepted,
-adapter_ready, done, failed. End of file on `--fd` ends the rank. A config that is not a
-`RankConfig` fails the start, and a line that is not a `TrainerJobRequest` fails as a job (its
+adapter_ready, done, failed. End of file on `--fd` ends the rank. A train job runs with the intra-op threads of
+`train_threads` (the cores the idle replicas leave), every other moment with the one the rank
+started with. A config that is not a `RankConfig` fails the start, and a line that is not a `TrainerJobRequest` fails as a job (its
 `Failed` event names the invalid field); neither reaches the engine.
 The rank remembers the step of its last checkpoint (the one it resumed from, then each one it
 wrote) and fails a training job that names any step but the next (`jobs.check_job_step`).
@@ -22,6 +23,7 @@ update), or a ping, leaves it clean (`dirty: false`). A `failed` event names the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -105,6 +107,35 @@ def _init(config: RankConfig, rank: int) -> Any:
     )
 
 
+def train_threads(config: RankConfig, rank: int, cores: int | None = None) -> int | None:
+    """The intra-op threads this rank's train jobs run with (`TrainerSpec.cpu_train_threads`):
+    the set value, or for a CPU rank without one, `cores` (default: the rank's CPU affinity)
+    divided among the CPU ranks of its host, at least 1; None for a GPU rank without one
+    (torch's default stays). The synchronous loop leaves the replicas idle while the trainer
+    trains, so those cores are the trainer's for the job; it gives them back after it.
+
+    Raises:
+        UserError: the set value is more than the rank's cores.
+    """
+    me = config.rank_table[rank]
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    wanted = config.trainer.cpu_train_threads
+    if wanted is not None:
+        if wanted > cores:
+            from art_mega.errors import UserError
+
+            raise UserError(
+                f"TrainerSpec.cpu_train_threads={wanted} is more than the {cores} cores trainer rank "
+                f"{rank} may run on (host {me.host_id}); set at most {cores}, or None for the share "
+                "of its host's cores."
+            )
+        return wanted
+    if me.gpu_id is not None:
+        return None
+    sharing = sum(1 for r in config.rank_table if r.host_id == me.host_id and r.gpu_id is None)
+    return max(1, cores // sharing)
+
+
 def _ping(state: Any) -> dict[str, float]:
     """A diagnostic job: all-reduce rank+1 over the world (checks the ranks and their links)."""
     import torch
@@ -129,6 +160,24 @@ def _run(
         return metrics, []
     ready = AdapterReady(job=request.id, path=adapter["path"], step=adapter["step"], sha256=adapter["sha256"])
     return metrics, [ready]
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `count` (None: unchanged) for the block, then restored:
+    between jobs the rank holds what it started with (one on a CPU host, the service's
+    OMP_NUM_THREADS), so the cores go back to the replicas for the rollouts."""
+    if count is None:
+        yield
+        return
+    import torch
+
+    idle = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(idle)
 
 
 def _failed(exc: Exception, job: str | None, dirty: bool, stage: Literal["init", "job"] = "job") -> Failed:
@@ -158,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     last_step: int | None = None  # the last checkpoint's step: the next job must name the one after
     try:
         config = channel.config()
+        job_threads = train_threads(config, rank)
         state = _init(config, rank)
         engine = None
         if config.engine is not None:
@@ -182,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"trainer rank {rank} holds the uncommitted state of an earlier failed job; "
                     f"restart the trainer from the last committed checkpoint (step {last_step})"
                 )
-            metrics, events = _run(request, state, engine, config, last_step)
+            with _threads(job_threads if trains else None):
+                metrics, events = _run(request, state, engine, config, last_step)
         except Exception as exc:
             from art_mega.errors import NonFiniteStepError
             from art_mega.trainer.jobs import StepOrderError

@@ -154,8 +154,10 @@ class TrainerService:
                 self._log_of[r.rank] = log_path
                 env = dict(env_of.get(r.rank, {}))
                 if not self._topology.cluster.host(host).gpu_ids:
-                    # one thread per CPU rank: measured ~10x faster than torch's default on a
-                    # shared 2-core machine, where ranks and replicas compete for the cores
+                    # one thread per CPU rank between jobs (start-up, idle while the replicas
+                    # generate): torch's default, every core, was measured ~10x slower on a
+                    # shared 2-core machine where ranks and replicas compete for the cores. A
+                    # train job runs with TrainerSpec.cpu_train_threads (rank_main.train_threads).
                     env.setdefault("OMP_NUM_THREADS", "1")
                 launches.append(TrainerRankLaunch(rank=r.rank, env=env, log_path=log_path))
             request = TrainerStartRequest(
