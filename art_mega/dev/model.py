@@ -16,8 +16,10 @@ class InternalModelConfig(TypedDict, total=False):
     """ART's `TrainableModel(_internal_config=...)`: unstable per-model settings.
 
     art-mega reads the fields of `READ_KEYS` (GPU ids: CUDA device indices on the local host;
-    `init_args.max_seq_length`: tokens); `check_internal_config` refuses any other field that
-    is set to something other than ART's "off" value.
+    `init_args.max_seq_length`: tokens; `chat_template_kwargs`: extra chat-template variables
+    such as `enable_thinking`, JSON values, rendered into every request by the replicas and
+    into every conversation the trainer tokenizes); `check_internal_config` refuses any other
+    field that is set to something other than ART's "off" value.
     """
 
     init_args: InitArgs
@@ -242,6 +244,8 @@ READ_KEYS: dict[str, frozenset[str] | None] = {
     ),
     # the optimizer (backend.art_optimizer): AdamW's betas and epsilon, RL's decay and clip
     "trainer_args": frozenset({"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm"}),
+    # the replicas' --default-chat-template-kwargs and the trainer's tokenization (trainer.tokenize)
+    "chat_template_kwargs": None,
 }
 """The `InternalModelConfig` fields art-mega reads (`LocalBackend.register`): a top-level field
 with None is read whole; a dict field with a set is read for those keys only."""
@@ -341,4 +345,25 @@ def check_internal_config(
             field,
             error.get("input"),
         ) from None
+    _check_template_kwargs(checked.get("chat_template_kwargs", {}), where)
     return checked  # type: ignore[return-value]
+
+
+def _check_template_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    """Each `chat_template_kwargs` value is JSON (vLLM's --default-chat-template-kwargs is JSON).
+
+    Raises:
+        HyperParameterError: a value JSON cannot hold (named with its key).
+    """
+    import json
+
+    for key, item in kwargs.items():
+        try:
+            json.dumps(item, allow_nan=False)
+        except (TypeError, ValueError):
+            raise HyperParameterError(
+                f"{where} sets chat_template_kwargs.{key}={item!r}, which is not JSON (the replicas "
+                "take these as JSON); use a string, number, bool, None, list or dict",
+                f"chat_template_kwargs.{key}",
+                item,
+            ) from None

@@ -153,11 +153,12 @@ def pack_steps(documents: list[Document], seq_len: int, dp_size: int, rows_per_s
     """Pack documents for several optimizer steps of `rows_per_step` rows each (over all DP
     ranks; ART's grad_accumulation_sequences packed sequences per step).
 
-    The rows are `pack`'s (first-fit decreasing into rows of `seq_len` tokens), longest first;
-    step s takes rows [s * rows_per_step, (s + 1) * rows_per_step), the last step's missing rows
-    all padding (at least one step, all padding when there is no document). Each step's rows are
-    dealt to the `dp_size` ranks, rows_per_step / dp_size to each, the next row to the rank
-    with the fewest tokens so far in that step.
+    The rows are `pack`'s (first-fit decreasing into rows of `seq_len` tokens), in the order
+    they were opened (by their longest document); step s takes rows
+    [s * rows_per_step, (s + 1) * rows_per_step), the last step's missing rows all padding (at
+    least one step, all padding when there is no document). Each step's rows are dealt to the
+    `dp_size` ranks, rows_per_step / dp_size to each, the next row to the rank with the fewest
+    tokens so far in that step.
 
     Returns:
         one TrainBatch per DP rank of steps * rows_per_step / dp_size rows: step s is its rows

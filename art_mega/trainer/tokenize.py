@@ -90,11 +90,17 @@ def _render(
     generation_prompt: bool,
     where: str,
     turn: int,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The chat template's text for `messages` (the conversation before or through `turn`)."""
+    """The chat template's text for `messages` (the conversation before or through `turn`),
+    rendered with `template_kwargs` as extra template variables (vLLM's chat_template_kwargs)."""
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            messages,
+            tools=tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # the model's own Jinja template: any error is about this input
         through = (
@@ -461,6 +467,7 @@ def tokenize_history(
     assistant_turns: Literal["all", "last"] = "all",
     where: str = "the conversation",
     plain_assistant: PlainAssistant = "sft",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[TokenizedSequence]:
     """One conversation as the sequences that train each of its assistant turns exactly.
 
@@ -477,6 +484,8 @@ def tokenize_history(
         where: how errors name the conversation, e.g. "trajectory 3 of group 0".
         plain_assistant: how plain assistant messages (dicts) train (see `PlainAssistant`);
             with "context" only Choices are assistant turns here.
+        template_kwargs: extra chat-template variables (ART's `chat_template_kwargs`, e.g.
+            `enable_thinking`), the ones the replica renders every request with.
 
     Returns:
         the sequences in turn order; each trained assistant turn is trained in exactly one of them.
@@ -508,7 +517,7 @@ def tokenize_history(
         sampled = _is_choice(items[turn])
         prompt = _choice_prompt(tokenizer, items[turn], where, turn) if sampled else None
         if prompt is None:
-            prompt_text = _render(tokenizer, messages[:turn], tools, True, where, turn)
+            prompt_text = _render(tokenizer, messages[:turn], tools, True, where, turn, template_kwargs)
             prompt = _encode(tokenizer, prompt_text)
         if not sequences or prompt[: len(sequence.input_ids)] != sequence.input_ids:
             sequence = TokenizedSequence()
@@ -518,7 +527,7 @@ def tokenize_history(
             ids, logprobs = _choice_tokens(tokenizer, items[turn], where, turn)
             sequence.extend(ids, trained=True, logprobs=logprobs)
             continue
-        full_text = _render(tokenizer, messages[: turn + 1], tools, False, where, turn)
+        full_text = _render(tokenizer, messages[: turn + 1], tools, False, where, turn, template_kwargs)
         if not full_text.startswith(prompt_text):
             raise TokenizationError(
                 f"{where}: the chat template renders the assistant message messages_and_choices[{turn}] "
@@ -544,17 +553,30 @@ def tokenize_trajectory(
     assistant_turns: Literal["all", "last"] = "all",
     where: str = "the trajectory",
     plain_assistant: PlainAssistant = "sft",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[TokenizedSequence]:
     """The sequences of the trajectory's main history, then of each `additional_histories` entry
     (`History` objects, validated as the trajectory was); plain assistant messages train as
-    `plain_assistant` says (see `tokenize_history`)."""
+    `plain_assistant` says, the template renders with `template_kwargs` (see `tokenize_history`)."""
     sequences = tokenize_history(
-        tokenizer, trajectory.messages_and_choices, trajectory.tools, assistant_turns, where, plain_assistant
+        tokenizer,
+        trajectory.messages_and_choices,
+        trajectory.tools,
+        assistant_turns,
+        where,
+        plain_assistant,
+        template_kwargs,
     )
     for h, history in enumerate(trajectory.additional_histories):
         name = f"{where}, additional_histories[{h}]"
         sequences += tokenize_history(
-            tokenizer, history.messages_and_choices, history.tools, assistant_turns, name, plain_assistant
+            tokenizer,
+            history.messages_and_choices,
+            history.tools,
+            assistant_turns,
+            name,
+            plain_assistant,
+            template_kwargs,
         )
     return sequences
 
@@ -582,6 +604,7 @@ def grpo_documents(
     groups: Sequence[TrajectoryGroup],
     scale_rewards: bool = True,
     allow_training_without_logprobs: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Document], BatchStats]:
     """Advantages per group, zero-variance groups skipped, zero-advantage trajectories dropped
     (and those without assistant tokens, counted apart), then each kept trajectory tokenized with
@@ -592,7 +615,8 @@ def grpo_documents(
     only, unless `allow_training_without_logprobs`: then it is trained too, with old logprobs
     `UNKNOWN_LOGPROB` (the loss uses the current policy's). A trajectory with nothing to train
     counts in `trajectories_dropped_no_assistant_tokens`; when no trajectory is left the
-    documents are empty (the step trains nothing and reports `loss/nothing_trainable`).
+    documents are empty (the step trains nothing and reports `loss/nothing_trainable`). The
+    chat template renders with `template_kwargs` (ART's `chat_template_kwargs`).
 
     Raises:
         TokenizationError: a conversation that cannot be tokenized exactly (names group,
@@ -614,6 +638,7 @@ def grpo_documents(
                 trajectory,
                 where=f"trajectory {t} of group {g}",
                 plain_assistant="current_policy" if allow_training_without_logprobs else "context",
+                template_kwargs=template_kwargs,
             )
             weight = token_weight(sum(s.trained_tokens for s in sequences))
             if weight == 0.0:
@@ -660,11 +685,13 @@ def sft_documents(
     trajectories: Sequence[Trajectory],
     assistant_turns: Literal["all", "last"] = "all",
     first_index: int = 0,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Document], BatchStats]:
     """Each trajectory's assistant tokens as SFT documents (advantage 0, weight 1 per token: as
     in ART, a batch's loss is its summed token cross-entropy over its trained-token count, so a
     long answer weighs more than a short one), one per sequence (see `tokenize_history`): plain
-    assistant messages are trained (what SFT is), with old logprob 0.0 (SFT reads none).
+    assistant messages are trained (what SFT is), with old logprob 0.0 (SFT reads none). The
+    chat template renders with `template_kwargs` (ART's `chat_template_kwargs`).
 
     Raises:
         TokenizationError: a conversation that cannot be tokenized exactly (names the
@@ -673,7 +700,9 @@ def sft_documents(
     stats = BatchStats()
     documents: list[Document] = []
     for t, trajectory in enumerate(trajectories, start=first_index):
-        sequences = tokenize_trajectory(tokenizer, trajectory, assistant_turns, f"trajectory {t}")
+        sequences = tokenize_trajectory(
+            tokenizer, trajectory, assistant_turns, f"trajectory {t}", template_kwargs=template_kwargs
+        )
         stats.trajectories_used += 1
         for s in sequences:
             stats.trained_tokens += s.trained_tokens

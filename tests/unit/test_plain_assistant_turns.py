@@ -161,7 +161,7 @@ def backend(tiny_llama_dir) -> MegatronBackend:  # noqa: ANN001
     backend._model = art.TrainableModel(name="m", project="p", base_model="tiny")
     backend._model_dir = tiny_llama_dir
 
-    async def step_with(steps, metrics, kind, learning_rates, loss, started):  # noqa: ANN001
+    async def step_with(steps, metrics, kind, learning_rates, loss, started, **packing):  # noqa: ANN001
         # an rl step is one document list (`_step_with` takes SFT's several)
         return {"documents": steps[0], "metrics": metrics, "loss": loss}
 
