@@ -248,6 +248,9 @@ class Model(BaseModel, Generic[ModelConfig]):
         if step is None:
             step = await self.get_step() if self._backend is not None else 0
         builder = self._metrics()
+        if wandb and self._wandb is None:  # opened first: a missing wandb refuses before anything is written
+            config = None if self.config is None else self.config.model_dump(mode="json")
+            self._wandb = WandbRun(self.project, self.name, self.entity, config, self.run_name)
         if groups is not None:
             write_trajectory_groups(groups, trajectory_file(self.output_dir, split, step))
         automatic = self._automatic_metrics(split, step) if groups is not None or metrics is not None else {}
@@ -265,9 +268,6 @@ class Model(BaseModel, Generic[ModelConfig]):
         append_history(self.output_dir / "history.jsonl", row)
         self._save_metrics_state()
         if wandb:
-            if self._wandb is None:
-                config = None if self.config is None else self.config.model_dump(mode="json")
-                self._wandb = WandbRun(self.project, self.name, self.entity, config, self.run_name)
             self._wandb.log(row)
         return row
 
