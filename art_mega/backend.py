@@ -808,6 +808,8 @@ class MegatronBackend:
         self._service: Any = None
         self._router: Any = None
         self._publisher: Any = None
+        self._prefix_cache: dict[str, tuple[float, float]] = {}
+        """Each replica's (queried, hit) prefix-cache prompt tokens at the last step's read."""
         self._recovery: Any = None
         self._tokenizer: Any = None
         self._step = 0
@@ -1048,6 +1050,9 @@ class MegatronBackend:
                 read_hf_config(resolved.model_dir).get("model_type"), added_tokens(resolved.model_dir)
             ),
             generation_config="vllm",
+            # ART's chat_template_kwargs (e.g. enable_thinking) in every request's render; the
+            # trainer tokenizes with the same ones (`_template_kwargs`)
+            chat_template_kwargs=getattr(model, "_internal_config", {}).get("chat_template_kwargs") or {},
             # on GPUs vLLM's default, as ART's engine runs: the model's own dtype; on CPU float32
             dtype="auto" if any(gpus for r in topology.replicas for _, gpus in r.gpu_ids) else "float32",
         )
@@ -1150,6 +1155,11 @@ class MegatronBackend:
         if self._model is None or model.name != self._model.name:
             raise UserError(f"model {getattr(model, 'name', model)!r} is not registered with this backend")
 
+    def _template_kwargs(self) -> dict[str, Any]:
+        """The registered model's `_internal_config["chat_template_kwargs"]` ({} when unset):
+        the replicas render every request with them, so the trainer's tokenization does too."""
+        return dict(getattr(self._model, "_internal_config", {}).get("chat_template_kwargs") or {})
+
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
@@ -1234,7 +1244,7 @@ class MegatronBackend:
         `packed_sequence_length` tokens (None: `seq_len`; a longer sequence is refused, ART
         drops it with a warning). With `grad_accumulation_sequences` G (the keyword or
         `config`'s, a multiple of the trainer's DP ranks) the call takes ceil(rows / G)
-        optimizer steps of G rows each, longest rows first (`batch.pack_steps`; ART takes
+        optimizer steps of G rows each, in packing order (`batch.pack_steps`; ART takes
         ceil(packed sequences / G), in a shuffled order), every one at the learning rate, the
         old policy of a recomputing loss (`precalculate_logprobs`, `tis_cap`) computed once
         before the first; the metrics are the steps' means, and
@@ -1324,7 +1334,11 @@ class MegatronBackend:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(
-                self.tokenizer(), groups, scale_rewards, allow_training_without_logprobs
+                self.tokenizer(),
+                groups,
+                scale_rewards,
+                allow_training_without_logprobs,
+                template_kwargs=self._template_kwargs(),
             )
             documents = balance_advantages(documents, float(advantage_balance))
             learning_rate = trajectories_learning_rate(
@@ -1484,6 +1498,7 @@ class MegatronBackend:
                     trajectories[k * size : (k + 1) * size],
                     config.assistant_turns,
                     k * size,
+                    template_kwargs=self._template_kwargs(),
                 )
                 steps.append(documents)
                 for name, value in stats.__dict__.items():
@@ -1576,6 +1591,7 @@ class MegatronBackend:
             if kind == "rl"
             else SFTJob(**where, learning_rates=learning_rates)
         )
+        metrics.update(await self._prefix_cache_metrics())  # before a sleep, of this step's rollouts
         async with self._shared.asleep(metrics):  # replicas on the trainer's GPUs free them
             # after a failed step the ranks may be one update ahead: restart them from the last commit
             await self._service.recover(self._checkpoint(self._step))
@@ -1603,6 +1619,37 @@ class MegatronBackend:
         )
         metrics = art_train_metrics(metrics, kl_loss=float(loss.get("kl_beta", 0.0)) > 0)
         return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(self._checkpoint(step)))
+
+    async def _prefix_cache_metrics(self) -> dict[str, float]:
+        """`inference/prefix_cache_hit_rate`: the share (0..1) of the prompt tokens the replicas
+        were sent since the last step's read (the first: since they started) that their prefix
+        caches held, from each replica's /metrics; left out when none were sent. A replica whose
+        /metrics does not answer is left out of it and counted in
+        `inference/prefix_cache_unread_replicas` (the step itself does not depend on it)."""
+        from art_mega.errors import ReplicaHTTPError
+        from art_mega.inference.server_api import ReplicaClient
+
+        async def read(replica: Any) -> tuple[float, float] | None:
+            async with ReplicaClient(replica.name, replica.url, 10.0) as client:
+                try:
+                    return await client.prefix_cache_counts()
+                except ReplicaHTTPError:
+                    return None
+
+        replicas = self._router.replicas if self._router is not None else []
+        counts = await asyncio.gather(*(read(r) for r in replicas))
+        queried = hit = 0.0
+        for replica, now in zip(replicas, counts):
+            if now is None:
+                continue
+            before = self._prefix_cache.get(replica.name, (0.0, 0.0))
+            if now[0] < before[0]:  # restarted since: its counters began again at 0
+                before = (0.0, 0.0)
+            queried, hit = queried + now[0] - before[0], hit + now[1] - before[1]
+            self._prefix_cache[replica.name] = now
+        out = {"inference/prefix_cache_hit_rate": hit / queried} if queried > 0 else {}
+        unread = sum(now is None for now in counts)
+        return {**out, "inference/prefix_cache_unread_replicas": float(unread)} if unread else out
 
     async def delete_checkpoints(self, model: Any, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every committed checkpoint but the latest and the best by `best_checkpoint_metric`

@@ -50,6 +50,21 @@ class ReplicaClient:
         except ValueError:
             return response.text
 
+    async def prefix_cache_counts(self) -> tuple[float, float]:
+        """(queried, hit) prompt tokens of the replica's prefix cache since it started, read from
+        its `GET /metrics` (`replica.prefix_cache_counts`).
+
+        Raises:
+            ReplicaHTTPError: /metrics did not answer 200, or holds neither counter.
+        """
+        from art_mega.inference.replica import prefix_cache_counts
+
+        text = await self._call("read its metrics", "GET", "/metrics")
+        try:
+            return prefix_cache_counts(str(text))
+        except ValueError as exc:
+            raise ReplicaHTTPError(self.name, self.url, "read its metrics", 200, str(exc)) from exc
+
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         """True when `GET /health` answers 200 within `timeout_s` seconds; never raises."""
         try:
