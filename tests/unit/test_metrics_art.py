@@ -361,3 +361,21 @@ async def test_a_missing_extra_is_named(model: art.Model, monkeypatch: pytest.Mo
     with pytest.raises(UserError, match=r"wandb is not installed; pip install 'art-mega\[wandb\]'"):
         await model.log(metrics={"loss/train": 1.0})
     assert not (model.output_dir / "history.jsonl").exists()
+
+
+async def test_train_rows_of_a_registered_model_get_the_step_wall_time(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """ART's LocalBackend rows: `time/step_wall_s` once per train step (the seconds since the
+    previous train row), none for val rows or an unregistered model."""
+    from art_mega.backend import MegatronBackend
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    model = art.TrainableModel(name="m", project="p", base_model="tiny", base_path=str(tmp_path))
+    assert "time/step_wall_s" not in await model.log([group(1.0, 0.0)], split="train", step=0)
+    model._backend = MegatronBackend()  # in name only: the rows need no runtime
+    first = await model.log([group(1.0, 0.0)], split="train", step=0)
+    assert first["time/step_wall_s"] >= 0 and first["time/cum/wall_s"] == first["time/step_wall_s"]
+    again = await model.log(None, split="train", metrics={"loss/train": 1.0}, step=0)
+    assert "time/step_wall_s" not in again  # the same step: timed once
+    assert "time/step_wall_s" not in await model.log([group(1.0)], split="val", step=0)
+    given = await model.log(None, split="train", metrics={"time/step_wall_s": 7.0}, step=1)
+    assert given["time/step_wall_s"] == 7.0  # the caller's value replaces the automatic one
