@@ -26,6 +26,8 @@ Exceptions that stay in their modules, because no user ever sees them:
 - `trainer.jobs.StepOrderError`, `trainer.rank_main.InvalidMessageError`: a rank refusing a job
   (its step number, a malformed line on its socket) inside the rank process; the controller sees
   the rank's `failed` event, a `TrainerJobError`.
+- `rewards.ruler._ReplyError`: a judge's reply that is not the scores asked for; RULER asks once
+  more, then raises `RulerJudgeError`.
 - `transfer.nixl.TransferError`, `transfer.routes.NixlWorkerError`: a NIXL step failing on the
   agent's side; the reply carries its text and the controller raises `AdapterTransferError`.
 """

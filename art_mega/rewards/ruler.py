@@ -75,7 +75,7 @@ class _Reply(BaseModel):
     scores: list[TrajectoryScore]
 
 
-class _Unusable(Exception):
+class _ReplyError(Exception):
     """A reply that does not parse as the scores asked for."""
 
 
@@ -143,17 +143,19 @@ def parse_scores(content: str, ids: list[str]) -> list[TrajectoryScore]:
     Control characters inside strings are taken (a judge's raw newline in an explanation).
 
     Raises:
-        _Unusable: not JSON, not `{"scores": [...]}`, a score outside [0, 1], or ids that are not
+        _ReplyError: not JSON, not `{"scores": [...]}`, a score outside [0, 1], or ids that are not
             exactly `ids` (each once).
     """
     try:
         reply = _Reply.model_validate(json.loads(content, strict=False))
     except (json.JSONDecodeError, ValidationError) as exc:
         shown = content if len(content) <= 200 else content[:200] + "..."
-        raise _Unusable(f"the reply {shown!r} is not RULER's scores ({type(exc).__name__}: {exc})") from None
+        raise _ReplyError(
+            f"the reply {shown!r} is not RULER's scores ({type(exc).__name__}: {exc})"
+        ) from None
     got = [score.trajectory_id for score in reply.scores]
     if sorted(got) != sorted(ids):
-        raise _Unusable(f"the reply scores trajectories {got}, not {ids} (each once)")
+        raise _ReplyError(f"the reply scores trajectories {got}, not {ids} (each once)")
     by_id = {score.trajectory_id: score for score in reply.scores}
     return [by_id[i] for i in ids]
 
@@ -266,7 +268,7 @@ async def _judge(
         if cached is not None:
             try:
                 scores = parse_scores(cached.content, ids)
-            except _Unusable as exc:
+            except _ReplyError as exc:
                 log.warning(
                     "RULER cache entry %s does not parse (%s); asking the judge again", cached.key, exc
                 )
@@ -282,7 +284,7 @@ async def _judge(
         judging.record_spend(judge, reply)
         try:
             scores = parse_scores(reply.content, ids)
-        except _Unusable as exc:
+        except _ReplyError as exc:
             problem = str(exc)
             log.warning("RULER judge %s, attempt %d: %s", judge.shown, attempt, problem)
             continue
