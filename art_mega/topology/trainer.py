@@ -36,8 +36,9 @@ class TrainerSpec(SpecModel):
     cpu_train_threads: Integer | None = Field(default=None, ge=1)
     """Intra-op threads (torch.set_num_threads) a rank uses while it runs a train job; between
     jobs it holds one. None: on a CPU rank, the cores of its CPU affinity divided among the CPU
-    ranks of its host (at least 1), because the replicas are idle while the trainer trains;
-    on a GPU rank, torch's default. More than the rank's cores is refused at its start."""
+    ranks of its host, because the replicas are idle while the trainer trains, but no more than
+    the cores not busy at the job's start (at least 1; `trainer.rank_main.train_threads`); on a
+    GPU rank, torch's default. More than the rank's cores is refused at its start."""
     master_port: ListenPort = 29500
 
     @field_validator("host_ids")

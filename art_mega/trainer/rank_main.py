@@ -107,12 +107,19 @@ def _init(config: RankConfig, rank: int) -> Any:
     )
 
 
-def train_threads(config: RankConfig, rank: int, cores: int | None = None) -> int | None:
-    """The intra-op threads this rank's train jobs run with (`TrainerSpec.cpu_train_threads`):
-    the set value, or for a CPU rank without one, `cores` (default: the rank's CPU affinity)
-    divided among the CPU ranks of its host, at least 1; None for a GPU rank without one
-    (torch's default stays). The synchronous loop leaves the replicas idle while the trainer
-    trains, so those cores are the trainer's for the job; it gives them back after it.
+def train_threads(
+    config: RankConfig, rank: int, cores: int | None = None, running: int | None = None
+) -> int | None:
+    """The intra-op threads this rank's next train job runs with (`TrainerSpec.cpu_train_threads`).
+
+    The set value; or, for a CPU rank without one, its share of `cores` (default: the rank's
+    CPU affinity) among the CPU ranks of its host, but no more than the cores not busy at the
+    job's start (`cores` minus the `running` other runnable tasks, default from /proc/loadavg),
+    at least 1; None for a GPU rank without one (torch's default stays). In the synchronous
+    loop the replicas are idle while the trainer trains, so their cores are the trainer's for
+    the job; on a machine others keep busy, more threads than free cores make every OpenMP
+    barrier wait for a descheduled thread (measured 1.3-5x slower at 2 threads on 2 loaded
+    cores), hence the cap. The rank gives the threads back after the job (`_threads`).
 
     Raises:
         UserError: the set value is more than the rank's cores.
@@ -133,7 +140,18 @@ def train_threads(config: RankConfig, rank: int, cores: int | None = None) -> in
     if me.gpu_id is not None:
         return None
     sharing = sum(1 for r in config.rank_table if r.host_id == me.host_id and r.gpu_id is None)
-    return max(1, cores // sharing)
+    running = _other_runnable_tasks() if running is None else running
+    return max(1, min(cores // sharing, cores - running))
+
+
+def _other_runnable_tasks() -> int:
+    """Runnable tasks on this host besides the caller, from /proc/loadavg's 4th field
+    ("running/total", the caller's own thread included); 0 where it cannot be read."""
+    try:
+        with open("/proc/loadavg") as loadavg:
+            return max(0, int(loadavg.read().split()[3].split("/")[0]) - 1)
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _ping(state: Any) -> dict[str, float]:
@@ -207,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     last_step: int | None = None  # the last checkpoint's step: the next job must name the one after
     try:
         config = channel.config()
-        job_threads = train_threads(config, rank)
+        train_threads(config, rank)  # a set value above the rank's cores fails the start
         state = _init(config, rank)
         engine = None
         if config.engine is not None:
@@ -232,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"trainer rank {rank} holds the uncommitted state of an earlier failed job; "
                     f"restart the trainer from the last committed checkpoint (step {last_step})"
                 )
-            with _threads(job_threads if trains else None):
+            with _threads(train_threads(config, rank) if trains else None):
                 metrics, events = _run(request, state, engine, config, last_step)
         except Exception as exc:
             from art_mega.errors import NonFiniteStepError

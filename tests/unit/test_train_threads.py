@@ -3,6 +3,8 @@ the one it started with otherwise (`TrainerSpec.cpu_train_threads`, `rank_main.t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import ValidationError
 
@@ -35,11 +37,20 @@ def config(ranks: int, threads: int | None = None, gpu: bool = False) -> RankCon
     [(1, 2, 2), (2, 2, 1), (2, 16, 8), (3, 16, 5), (4, 2, 1)],
 )
 def test_a_cpu_rank_trains_on_its_share_of_the_cores(ranks, cores, expected):
-    assert [train_threads(config(ranks), r, cores) for r in range(ranks)] == [expected] * ranks
+    assert [train_threads(config(ranks), r, cores, running=0) for r in range(ranks)] == [expected] * ranks
+
+
+@pytest.mark.parametrize(("running", "expected"), [(0, 8), (9, 7), (14, 2), (15, 1), (40, 1)])
+def test_cores_others_keep_busy_at_the_jobs_start_are_left_to_them(running, expected):
+    assert train_threads(config(2), 0, cores=16, running=running) == expected
+
+
+def test_the_runnable_tasks_are_read_from_this_host():
+    assert train_threads(config(1), 0) in range(1, len(os.sched_getaffinity(0)) + 1)
 
 
 def test_a_set_thread_count_is_used_on_cpu_and_gpu_ranks():
-    assert train_threads(config(2, threads=3), 1, cores=4) == 3
+    assert train_threads(config(2, threads=3), 1, cores=4, running=3) == 3
     assert train_threads(config(1, threads=2, gpu=True), 0, cores=8) == 2
 
 
