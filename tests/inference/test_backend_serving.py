@@ -336,3 +336,31 @@ async def test_nonfinite_numbers_never_reach_a_checkpoint_or_a_replica(setup: Se
     assert before.keys() == after.keys()
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
     assert all(bool(after[k].isfinite().all()) for k in after) and 0.0 < moved < 0.05, moved
+
+
+async def test_grad_accumulation_sequences_takes_one_optimizer_step_per_packed_row(setup: Setup) -> None:
+    """ART's grad_accumulation_sequences=1 with packed_sequence_length P: one optimizer step per
+    row of P tokens the call's sequences pack into (counted here by packing them as the backend
+    does), all in one new checkpoint; the rank's update count moves by that many."""
+    from art_mega.trainer.batch import pack
+    from art_mega.trainer.tokenize import grpo_documents
+
+    backend, model = setup.backend, setup.model
+    step = await model.get_step()
+    checkpoints = backend._run_dir / "checkpoints"
+    groups = await rollout_groups(model)
+    documents, _ = grpo_documents(backend.tokenizer(), groups, True, False)
+    longest = max(len(d) for d in documents)
+    (rows,) = pack(documents, longest, 1)
+    assert 1 < rows.shape[0] <= len(documents)  # several steps, so the count can be wrong
+    result = await backend.train(
+        model, groups, learning_rate=1e-3, grad_accumulation_sequences=1, packed_sequence_length=longest
+    )
+    assert result.step == step + 1 and (checkpoints / "LATEST").read_text().strip() == str(step + 1)
+    assert result.metrics["data/step_num_gradient_steps"] == float(rows.shape[0])
+    updates = (
+        rank_state(checkpoints / f"{step + 1:04d}")["steps"]
+        - rank_state(checkpoints / f"{step:04d}")["steps"]
+    )
+    assert updates == rows.shape[0]
+    assert model.get_inference_name() == f"agent@{step + 1}"
