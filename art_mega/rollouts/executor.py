@@ -264,15 +264,25 @@ class RolloutExecutor:
                 changed since hashed); every later call raises it again.
             RemoteRolloutError: a worker failed to start for another reason.
             AgentError: an agent did not answer.
-            RuntimeError: the executor is closed.
+            RuntimeError: the executor is closed (or was closed while its workers started).
         """
         if self._closed:
             raise RuntimeError("this rollout executor is closed")
         if self._starting is None:
             self._starting = asyncio.ensure_future(self._start())
+            # its waiters get its exception; one left with none (all cancelled) is not an error
+            self._starting.add_done_callback(lambda task: task.cancelled() or task.exception())
         # shielded: one caller cancelled (e.g. one rollout of a gather) must not stop the start
         # the other callers wait for
-        await asyncio.shield(self._starting)
+        try:
+            await asyncio.shield(self._starting)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closed and not (current is not None and current.cancelling()):
+                raise RuntimeError(
+                    "this rollout executor was closed while its workers were starting"
+                ) from None
+            raise
         return self
 
     def __await__(self) -> Generator[Any, None, RolloutExecutor]:
@@ -280,29 +290,37 @@ class RolloutExecutor:
 
     async def _start(self) -> None:
         plan, clients = self._plan, self._clients
-        results = await asyncio.gather(
-            *(
-                start_rollout_workers(clients[host], count, self._sys_path, self._refs)
-                for host, count in plan
-            ),
-            return_exceptions=True,
-        )
+        starts = [
+            asyncio.ensure_future(start_rollout_workers(clients[host], count, self._sys_path, self._refs))
+            for host, count in plan
+        ]
+        try:
+            results = await asyncio.gather(*starts, return_exceptions=True)
+        except asyncio.CancelledError:  # closed while starting: stop what the hosts did start
+            await self._stop_started(starts)
+            raise
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            await asyncio.gather(
-                *(
-                    clients[host].call(STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=r.worker_ids))
-                    for (host, _), r in zip(plan, results)
-                    if not isinstance(r, BaseException)
-                ),
-                return_exceptions=True,
-            )
+            await self._stop_started(starts)
             raise failures[0]
         workers: list[RolloutWorker] = []
         for (host, _), reply in zip(plan, results):
             for worker_id, pid in zip(reply.worker_ids, reply.pids):
                 workers.append(RolloutWorker(index=len(workers), host_id=host, worker_id=worker_id, pid=pid))
         self._workers = tuple(workers)
+
+    async def _stop_started(self, starts: Sequence[asyncio.Future[StartRolloutWorkersResponse]]) -> None:
+        """Stop the workers of the hosts whose start (in plan order) finished with a reply."""
+        await asyncio.gather(
+            *(
+                self._clients[host].call(
+                    STOP_WORKERS, StopRolloutWorkersRequest(worker_ids=start.result().worker_ids)
+                )
+                for (host, _), start in zip(self._plan, starts)
+                if start.done() and not start.cancelled() and start.exception() is None
+            ),
+            return_exceptions=True,
+        )
 
     async def run(
         self,
@@ -391,15 +409,14 @@ class RolloutExecutor:
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Stop every worker process of this executor (idempotent; a start in progress is
-        waited for, at most `timeout_s` seconds, then what it started is stopped)."""
+        cancelled and stops what it started, within `timeout_s` seconds)."""
         if self._closed:
             return
         self._closed = True
         if self._starting is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._starting), timeout_s)
-            except Exception:  # a failed start stopped its own workers; a late one ends with its agent
-                pass
+            # a start in progress is cancelled, which stops what it started (a failed one did)
+            self._starting.cancel()
+            await asyncio.wait({self._starting}, timeout=timeout_s)
         by_host: dict[str, list[str]] = {}
         for w in self._workers or ():
             by_host.setdefault(w.host_id, []).append(w.worker_id)

@@ -88,3 +88,21 @@ async def test_a_type_argument_the_worker_cannot_import_is_one_sentence(runtime,
     ) in message
     assert "\n" not in message
     await executor.close()
+
+
+async def test_closing_while_the_workers_start_ends_the_waiting_run_with_one_sentence(runtime, tmp_module):
+    tmp_module(
+        "slow_to_import",
+        "import os, time\n\nif 'ART_MEGA_SYS_PATH' in os.environ:\n    time.sleep(5)\n\n"
+        "async def value():\n    return 1\n",
+    )
+    import slow_to_import
+
+    executor = runtime.rollout_executor(slow_to_import.value, target_workers=1)
+    waiting = asyncio.create_task(executor.run(0, slow_to_import.value))
+    await asyncio.sleep(0.5)
+    await executor.close()
+    with pytest.raises(
+        RuntimeError, match="^this rollout executor was closed while its workers were starting$"
+    ):
+        await waiting
