@@ -15,7 +15,9 @@ As the documentation's `examples/multinode/program.py` writes it::
 `await executor`, which `await runtime.rollout_executor(...)` does). `set_workers` gives them
 ART's worker ids; `run(worker_id, fn, *args, **kwargs)` takes any arguments (ART's: model,
 scenario, config). The names are art-mega's own (`art_mega.launch`, `art_mega.runtime`,
-`art_mega.rollouts`, `art_mega.topology`) and load on first use, as in `art_mega`.
+`art_mega.rollouts`, `art_mega.topology`; the specs ART's docs name, `ClusterSpec`, `HostSpec`,
+`EndpointSpec`, `NcclTransportSpec`, `NixlTransportSpec`, are here too) and load on first use,
+as in `art_mega`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ from typing import Any
 _EXPORTS = {
     "ArtLaunchContext": "art_mega.launch.context",
     "ArtRuntime": "art_mega.runtime.runtime",
+    "ClusterSpec": "art_mega.topology",
+    "EndpointSpec": "art_mega.topology",
     "HostMesh": "art_mega.launch.context",
+    "HostSpec": "art_mega.topology",
     "InstalledAsyncCallable": "art_mega.rollouts.installed",
+    "NcclTransportSpec": "art_mega.topology",
+    "NixlTransportSpec": "art_mega.topology",
     "RolloutExecutor": "art_mega.rollouts.executor",
     "compile_topology": "art_mega.topology",
 }

@@ -32,6 +32,10 @@ def test_the_names_are_arts():
     assert {"ArtLaunchContext", "ArtRuntime", "InstalledAsyncCallable", "compile_topology"} <= set(
         dir(art.distributed)
     )
+    from art_mega.distributed import ClusterSpec, NcclTransportSpec
+    from art_mega.topology import ClusterSpec as TopologyClusterSpec
+
+    assert ClusterSpec is TopologyClusterSpec and NcclTransportSpec(net_name="IB").net_name == "IB"
 
 
 def test_host_mesh_is_the_launchs_agents_and_registers_runtimes_with_the_launch():
