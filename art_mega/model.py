@@ -102,6 +102,7 @@ class Model(BaseModel, Generic[ModelConfig]):
     _output_dir: str | None = PrivateAttr(default=None)
     _wandb: Any = PrivateAttr(default=None)
     _builder: Any = PrivateAttr(default=None)
+    _wandb_config: dict[str, Any] = PrivateAttr(default_factory=dict)
     # ART's time/wall_clock_sec counts from the model's creation; time/step_wall_s between train rows
     _run_started: float = PrivateAttr(default_factory=time.time)
     _last_train_log: float = PrivateAttr(default_factory=time.monotonic)
@@ -249,7 +250,8 @@ class Model(BaseModel, Generic[ModelConfig]):
             step = await self.get_step() if self._backend is not None else 0
         builder = self._metrics()
         if wandb and self._wandb is None:  # opened first: a missing wandb refuses before anything is written
-            config = None if self.config is None else self.config.model_dump(mode="json")
+            config = {} if self.config is None else self.config.model_dump(mode="json")
+            config = _merge_wandb_config(config, self._wandb_config, "")
             self._wandb = WandbRun(self.project, self.name, self.entity, config, self.run_name)
         if groups is not None:
             write_trajectory_groups(groups, trajectory_file(self.output_dir, split, step))
@@ -286,6 +288,71 @@ class Model(BaseModel, Generic[ModelConfig]):
                 "set; set it, or pass report_metrics=None (W&B only when the key is set) or []"
             )
         return "wandb" in self.report_metrics
+
+    def read_state(self) -> dict[str, Any] | None:
+        """ART's persistent run state: `<output_dir>/state.json` (None when there is none).
+
+        Raises:
+            UserError: the file is not a JSON object.
+        """
+        from art_mega.metrics import STATE_FILE, read_state
+
+        return read_state(self.output_dir) if (self.output_dir / STATE_FILE).exists() else None
+
+    def overwrite_state(self, state: dict[str, Any]) -> None:
+        """Replace state.json with `state` (ART's; the metrics builder's totals are written back
+        at the next `log`).
+
+        Raises:
+            HyperParameterError: `state` is not a dict that JSON can hold.
+        """
+        from art_mega.metrics import write_state
+
+        write_state(self.output_dir, _json_state("overwrite_state", state))
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        """ART's deprecated name of `overwrite_state` (warns as ART does)."""
+        import warnings
+
+        warnings.warn(
+            "write_state() is deprecated. Use overwrite_state() or merge_state() instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.overwrite_state(state)
+
+    def merge_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Deep-merge `state` into state.json (nested dicts merge, other values replace, as in
+        ART) and return the merged state.
+
+        Raises:
+            HyperParameterError: `state` is not a dict that JSON can hold.
+            UserError: the existing file is not a JSON object.
+        """
+        from art_mega.metrics import write_state
+
+        merged = _deep_merge(self.read_state() or {}, _json_state("merge_state", state))
+        write_state(self.output_dir, merged)
+        return merged
+
+    def update_wandb_config(self, config: dict[str, Any]) -> None:
+        """Merge `config` into the W&B run's config (ART's: given to `wandb.init` when the run
+        opens, or updated on the open run). A key already set keeps its value: W&B config is
+        immutable, as in ART.
+
+        Raises:
+            HyperParameterError: `config` is not a dict, or changes a value already set (named by
+                its dotted path).
+        """
+        if not isinstance(config, dict):
+            raise HyperParameterError(
+                f"update_wandb_config(config={config!r}) must be a dict of names to values",
+                "config",
+                config,
+            )
+        self._wandb_config = _merge_wandb_config(self._wandb_config, config, "")
+        if self._wandb is not None:  # the merge kept every set leaf: a nested dict may only grow
+            self._wandb.run.config.update(self._wandb_config, allow_val_change=True)
 
     def get_inference_name(self, step: int | None = None) -> str:
         """The name requests send as `model=`: `inference_model_name` (else `name`), with
@@ -538,6 +605,59 @@ def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, An
     return options
 
 
+def _json_state(where: str, state: Any) -> dict[str, Any]:
+    """`state` when it is a dict JSON can hold.
+
+    Raises:
+        HyperParameterError: it is not (names the call).
+    """
+    import json
+
+    try:
+        if not isinstance(state, dict):
+            raise TypeError
+        json.dumps(state)
+    except (TypeError, ValueError):
+        raise HyperParameterError(
+            f"model.{where}(state=...) must be a dict of JSON values (str keys; str, numbers, bools, "
+            f"None, lists, dicts), not {_shown(state)}",
+            "state",
+            None,
+        ) from None
+    return state
+
+
+def _deep_merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in updates.items():
+        both = isinstance(merged.get(key), dict) and isinstance(value, dict)
+        merged[key] = _deep_merge(merged[key], value) if both else value
+    return merged
+
+
+def _merge_wandb_config(existing: dict[str, Any], updates: dict[str, Any], path: str) -> dict[str, Any]:
+    """ART's rule: new keys are added, dicts merge, and a set value may not change.
+
+    Raises:
+        HyperParameterError: a value already set changes (its dotted path named).
+    """
+    merged = dict(existing)
+    for key, value in updates.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in merged:
+            merged[key] = value
+        elif isinstance(merged[key], dict) and isinstance(value, dict):
+            merged[key] = _merge_wandb_config(merged[key], value, where)
+        elif merged[key] != value:
+            raise HyperParameterError(
+                f"update_wandb_config sets {where!r} to {value!r}, but it is already {merged[key]!r}; W&B "
+                "config is immutable once set (as in ART): use another key",
+                where,
+                value,
+            )
+    return merged
+
+
 def _log_groups(value: Any) -> list[Any] | None:
     """`model.log`'s groups: None as None (metrics only); a list of TrajectoryGroup as given;
     Trajectory items (and exceptions, counted as such) as one group, as ART does."""
@@ -594,7 +714,7 @@ def _check_log_options(split: Any, metrics: Any, step: Any) -> None:
     if not isinstance(metrics, dict):
         raise HyperParameterError(
             f"model.log(metrics={metrics!r}) must be a dict of names to numbers, e.g. "
-            "metrics={'loss/policy': 0.1}",
+            "metrics={'loss/train': 0.1}",
             "metrics",
             metrics,
         )

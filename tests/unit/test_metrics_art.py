@@ -330,6 +330,7 @@ def test_wandb_run_is_arts_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     model = art.Model(
         name="wb-run", project="wb-project", entity="my-team", base_path=str(tmp_path), run_name="shown"
     )
+    model.update_wandb_config({"rollout": {"turns": 3}})
 
     async def go() -> None:
         await model.log([group(1.0, 0.0)], split="train", step=0)
@@ -338,6 +339,10 @@ def test_wandb_run_is_arts_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     asyncio.run(go())
     run = model._wandb.run
     try:
+        model.update_wandb_config({"rollout": {"judge": "small"}})  # merged into the open run
+        assert dict(run.config)["rollout"] == {"turns": 3, "judge": "small"}
+        with pytest.raises(HyperParameterError, match=r"sets 'rollout.turns' to 4, but it is already 3"):
+            model.update_wandb_config({"rollout": {"turns": 4}})
         assert (run.id, run.name, run.project) == ("wb-run", "shown", "wb-project")
         assert run.settings.resume == "allow" and run.settings.entity == "my-team"
         assert run.summary["loss/train"] == 0.5 and run.summary["train/reward"] == 0.5
@@ -379,3 +384,25 @@ async def test_train_rows_of_a_registered_model_get_the_step_wall_time(tmp_path:
     assert "time/step_wall_s" not in await model.log([group(1.0)], split="val", step=0)
     given = await model.log(None, split="train", metrics={"time/step_wall_s": 7.0}, step=1)
     assert given["time/step_wall_s"] == 7.0  # the caller's value replaces the automatic one
+
+
+def test_run_state_is_arts_state_json(model: art.Model) -> None:
+    assert model.read_state() is None
+    model.overwrite_state({"step": 5, "data": {"offset": 100}})
+    assert model.merge_state({"data": {"seen": 3}, "note": "x"}) == {
+        "step": 5,
+        "data": {"offset": 100, "seen": 3},
+        "note": "x",
+    }
+    assert json.loads((model.output_dir / "state.json").read_text()) == model.read_state()
+    with pytest.warns(DeprecationWarning, match="write_state"):
+        model.write_state({"step": 6})
+    assert model.read_state() == {"step": 6}
+    with pytest.raises(
+        HyperParameterError, match=r"model.merge_state\(state=...\) must be a dict of JSON values"
+    ):
+        model.merge_state({"when": object()})
+    with pytest.raises(HyperParameterError, match=r"must be a dict of JSON values .* not a list"):
+        model.overwrite_state([1])
+    with pytest.raises(HyperParameterError, match=r"update_wandb_config\(config=3\) must be a dict"):
+        model.update_wandb_config(3)
