@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from art_mega.errors import ReplicaRequestError
+from art_mega.inference.fleet import affinity_key
 from art_mega.inference.router import PolicyRouter
 from art_mega.trajectories import POLICY_STEP_FIELD
 
@@ -39,7 +40,9 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
     """An `openai.AsyncOpenAI` over `router`'s replicas (`kwargs` go to its constructor).
 
     `chat.completions.create` and `completions.create` pick a replica per request
-    (`router.route()`: round-robin over the replicas that are up), tag each choice of a
+    (`router.route(inference.fleet.affinity_key(options))`: the replica already holding the
+    request's prompt prefix, else the least-loaded one that is up), count it in flight
+    there until it is answered, tag each choice of a
     non-streamed reply with its policy step (`tag_choices`), and turn an `openai.APIError`
     into `ReplicaRequestError` naming the replica. With `training_defaults`, chat completions
     ask for `logprobs=True` and `extra_body={"return_token_ids": True}` unless the caller says
@@ -58,10 +61,11 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
                 extra = dict(options.get("extra_body") or {})
                 extra.setdefault("return_token_ids", True)
                 options["extra_body"] = extra
-            route = router.route()
+            route = router.route(affinity_key(options))
             target = pick(client.with_options(base_url=route.base_url))
             try:
-                reply = await target.create(*args, **options)
+                with router.load.request(route.replica):
+                    reply = await target.create(*args, **options)
             except openai.APIError as exc:
                 raise ReplicaRequestError(route.replica, route.url, route.model, exc) from exc
             return reply if options.get("stream") else tag_choices(router, reply)

@@ -6,11 +6,11 @@ once every replica has loaded that step's adapter.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from art_mega.errors import NoReplicaUpError
+from art_mega.inference.fleet import FleetLoad
 from art_mega.topology.compiled import ReplicaSpec
 
 
@@ -48,7 +48,8 @@ def inference_name(model_name: str, step: int | None) -> str:
 
 
 class PolicyRouter:
-    """Round-robin routing over the replicas that are up, always to the latest served step.
+    """Least-loaded routing over the replicas that are up (ties round-robin; affinity keys
+    stay on one replica: `inference.fleet`), always to the latest served step.
 
     `model_name` is the replicas' `--served-model-name`. Before the first `advance`, requests go
     to the base model (`served_step` is None). A replica marked down (`mark_down`, e.g. it
@@ -65,7 +66,7 @@ class PolicyRouter:
         self.model_name = model_name
         self.replicas: tuple[ReplicaEndpoint, ...] = tuple(replicas)
         self._served_step: int | None = None
-        self._turn = itertools.cycle(range(len(self.replicas)))
+        self.load = FleetLoad(names)
         self._listeners: list[Callable[[int], None]] = []
         self._down: dict[str, str] = {}
 
@@ -78,16 +79,18 @@ class PolicyRouter:
         """The model name of the served step: `<model_name>@<served_step>`."""
         return inference_name(self.model_name, self._served_step)
 
-    def route(self) -> Route:
-        """The next replica that is up, in turn, with the served step's model name; record
-        `step` with the answer to know which policy produced it.
+    def route(self, key: str | None = None) -> Route:
+        """The replica that is up for a request with affinity `key` (`FleetLoad.pick`: the
+        key's replica, else the least-loaded, ties in turn), with the served step's model name;
+        record `step` with the answer to know which policy produced it. Count the request in
+        flight with `self.load.request(route.replica)`.
 
         Raises `NoReplicaUpError` (naming each replica and why it is down) when none is up.
         """
-        for _ in range(len(self.replicas)):
-            replica = self.replicas[next(self._turn)]
-            if replica.name not in self._down:
-                return Route(replica.name, replica.url, self.inference_name(), self._served_step)
+        up = [r.name for r in self.replicas if r.name not in self._down]
+        if up:
+            replica = self.endpoint(self.load.pick(up, key))
+            return Route(replica.name, replica.url, self.inference_name(), self._served_step)
         reasons = "; ".join(f"{r.name} ({r.url}): {self._down[r.name]}" for r in self.replicas)
         raise NoReplicaUpError(self.model_name, reasons)
 
