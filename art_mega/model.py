@@ -231,7 +231,7 @@ class Model(BaseModel, Generic[ModelConfig]):
         `time/step_*`, `data/step_*` and `throughput/step_*` keys join the metrics builder's step
         (`metrics_builder()`). `step`: None = the model's current step (0 unregistered). Returns
         the row written (see `art_mega.metrics` for the names); {} and nothing written when there
-        is nothing to log (no groups, no metrics, nothing pending in the builder).
+        is nothing to log (no groups and no metrics: the builder's pending step waits, as in ART).
 
         Raises:
             HyperParameterError: a split that is not a non-empty name, a step that is not a
@@ -245,6 +245,8 @@ class Model(BaseModel, Generic[ModelConfig]):
 
         groups = _log_groups(trajectory_groups)
         _check_log_options(split, metrics, step)
+        if groups is None and metrics is None:
+            return {}  # as ART: nothing to log, and the builder keeps its pending step
         wandb = self._reports_to_wandb()
         if step is None:
             step = await self.get_step() if self._backend is not None else 0

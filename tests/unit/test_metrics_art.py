@@ -183,7 +183,10 @@ async def test_rows_have_arts_names_totals_and_throughput(model: art.Model) -> N
     assert third["data/cum/trainer_tokens"] == 300.0 and third["time/cum/trainer_s"] == 9.0
     assert json.loads((model.output_dir / "state.json").read_text())["_metrics_builder_state"]["cum_state"]
     assert [r["step"] for r in read_history(model.output_dir / "history.jsonl")] == [0, 1, 2, 0, 0, 3]
-    assert await model.log() == {}  # nothing to log: no row, as in ART
+    with model.metrics_builder("train").activate_context():
+        record_latency("idle", 1.0)
+    assert await model.log() == {}  # nothing to log: no row, and the pending step waits (ART)
+    assert (await model.log(None, metrics={}, step=4))["time/step_idle_s"] == 1.0
 
 
 def test_history_row_leaves_out_what_it_cannot_compute() -> None:
