@@ -38,10 +38,17 @@ def _number_problem(value: Any, minimum: float, *, whole: bool, strict: bool) ->
 
 
 def _check(
-    name: str, value: Any, minimum: float, *, whole: bool = True, strict: bool = False, none: bool = False
+    name: str,
+    value: Any,
+    minimum: float,
+    *,
+    whole: bool = True,
+    strict: bool = False,
+    none: bool = False,
+    where: str = WHERE,
 ) -> None:
-    """Refuse `value` of `name` unless it is a number (an int when `whole`) at least `minimum`
-    (above it when `strict`), or None when `none`."""
+    """Refuse (`HyperParameterError`) `value` of `where`'s `name` unless it is a number (an
+    int when `whole`) at least `minimum` (above it when `strict`), or None when `none`."""
     if none and value is None:
         return
     if _number_problem(value, minimum, whole=whole, strict=strict):
@@ -49,7 +56,7 @@ def _check(
         bound = f"above {minimum}" if strict else f"at least {minimum}"
         also = " or None" if none else ""
         raise HyperParameterError(
-            f"{WHERE}({name}={value!r}) must be {kind} {bound}{also}; pass such a value", name, value
+            f"{where}({name}={value!r}) must be {kind} {bound}{also}; pass such a value", name, value
         )
 
 
@@ -67,7 +74,7 @@ def make_group_rollout_fn(
         HyperParameterError: `n` is not a whole number of at least 1 (ART returns an empty
             group for n <= 0, which training could only skip).
     """
-    _check("n", n, 1)
+    _check("n", n, 1, where="make_group_rollout_fn")
 
     async def group_rollout(model: Any, scenario: ScenarioT, config: ConfigT) -> TrajectoryGroup:
         results = await asyncio.gather(
