@@ -1272,14 +1272,13 @@ class MegatronBackend:
         Optimizer steps: the trajectories' token sequences are packed into rows of
         `packed_sequence_length` tokens (None: `seq_len`; a longer sequence is refused, ART
         drops it with a warning). With `grad_accumulation_sequences` G (the keyword or
-        `config`'s, a multiple of the trainer's DP ranks) the call takes ceil(rows / G)
-        optimizer steps of G rows each, in packing order (`batch.pack_steps`; ART takes
-        ceil(packed sequences / G), in a shuffled order), every one at the learning rate, the
-        old policy of a recomputing loss (`precalculate_logprobs`, `tis_cap`) computed once
-        before the first; the metrics are the steps' means, and
-        `data/step_num_gradient_steps` counts them. Without G the call is one optimizer step
-        over all rows (ART: one per packed sequence on its LocalBackend, one per DP ranks'
-        worth on its MegatronBackend).
+        `config`'s, a multiple of the trainer's DP ranks; None: the DP ranks, as ART's
+        MegatronBackend, so on one DP rank one step per packed row, as ART's LocalBackend) the
+        call takes ceil(rows / G) optimizer steps of G rows each, in packing order
+        (`batch.pack_steps`; ART takes ceil(packed sequences / G), in an unseeded shuffled
+        order), every one at the learning rate, the old policy of a recomputing loss
+        (`precalculate_logprobs`, `tis_cap`) computed once before the first; the metrics are
+        the steps' means, and `data/step_num_gradient_steps` counts them.
 
         Every choice sampled through `model.openai_client()` carries the policy step that served
         it. The step is on-policy for the current step only; `allow_stale=True` trains on older
@@ -1564,10 +1563,11 @@ class MegatronBackend:
         rows_per_step: int | None = None,
     ) -> TrainResult:
         """One job on the ranks and its commit: an rl job (`steps` = [its documents], one rate;
-        one optimizer step, or with `rows_per_step` one per that many packed rows over all DP
-        ranks, `check_accumulation`) or an sft job (one document list and one rate per
-        optimizer step); rows of `seq_len` tokens (None: `self.seq_len`, else it is
-        `backend.train`'s packed_sequence_length); returns the new step."""
+        one optimizer step per `rows_per_step` packed rows over all DP ranks,
+        `check_accumulation`; None: the DP ranks, one row per rank and step, ART's
+        MegatronBackend default) or an sft job (one document list and one rate per optimizer
+        step); rows of `seq_len` tokens (None: `self.seq_len`, else it is `backend.train`'s
+        packed_sequence_length); returns the new step."""
         from art_mega.metrics import art_train_metrics
         from art_mega.trainer.batch import pack, pack_steps
         from art_mega.trainer.protocol import sft_batch_file
@@ -1576,14 +1576,14 @@ class MegatronBackend:
         assert self._run_dir is not None
         step = self._step + 1
         dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
-        if rows_per_step is not None:
-            check_accumulation(rows_per_step, dp)
+        if kind == "rl":
+            rows_per_step = check_accumulation(dp if rows_per_step is None else rows_per_step, dp)
         row_len = self.seq_len if seq_len is None else seq_len
         try:
-            if rows_per_step is None:
-                packed = [pack(documents, row_len, dp) for documents in steps]
-            else:
+            if kind == "rl":
                 packed = [pack_steps(steps[0], row_len, dp, rows_per_step)]
+            else:
+                packed = [pack(documents, row_len, dp) for documents in steps]
         except ValueError as exc:
             where = (
                 "MegatronBackend(seq_len=...)"
@@ -1593,8 +1593,7 @@ class MegatronBackend:
             raise UserError(f"{exc} ({where})") from None
         step_rows = None if rows_per_step is None else rows_per_step // dp
         if kind == "rl":
-            height = packed[0][0].shape[0]
-            metrics["data/step_num_gradient_steps"] = float(height // (step_rows or height))
+            metrics["data/step_num_gradient_steps"] = float(packed[0][0].shape[0] // step_rows)
         batch_dir = self._run_dir / "batches" / f"{step:04d}"
         for k, batches in enumerate(packed):
             for rank, batch in enumerate(batches):
