@@ -244,7 +244,9 @@ def parse_scenarios(response: Any, model: str, num_scenarios: int) -> GeneratedS
             "max_completion_tokens, lower num_scenarios or set task_max_length",
         )
     try:
-        data = json.loads(content)
+        # strict=False: a control character (a tab, a newline) inside a string is kept; guided
+        # decoding lets a small model write one there, and the task text is still the task
+        data = json.loads(content, strict=False)
     except ValueError as exc:
         raise ScenarioGenerationError(model, f"the reply is not JSON ({exc}): {content[:200]!r}") from None
     scenarios = data.get("scenarios") if isinstance(data, dict) else None
