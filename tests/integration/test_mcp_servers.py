@@ -161,3 +161,51 @@ def test_a_missing_mcp_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
         "art_mega.mcp.connect needs the 'mcp' package, which is not installed; pip install 'art-mega[mcp]'"
     )
     assert info.value.exit_code == 2 and info.value.extra == "mcp"
+
+
+async def test_the_policys_wrong_calls_are_answered_as_tool_results(tmp_path: Path) -> None:
+    """What `rollout_with_tools` answers each kind of call the policy makes (openai's own
+    tool-call objects, the real server): a wrong call is the policy's mistake, answered with the
+    reason; only a well-formed call of an offered tool reaches the server."""
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    from art_mega.mcp import complete_task_tool
+    from art_mega.mcp.rollout import _answer
+    from art_mega.trajectories import Trajectory
+
+    def call(name: str, arguments: str) -> ChatCompletionMessageToolCall:
+        return ChatCompletionMessageToolCall.model_validate(
+            {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
+
+    calls = tmp_path / "calls.jsonl"
+    trajectory = Trajectory()
+    async with connect(stdio_server(calls)) as session:
+        offered = {t.name: t for t in [*await session.list_tools(), complete_task_tool]}
+        answers = [
+            await _answer(session, offered, call(name, arguments), trajectory)
+            for name, arguments in [
+                ("sub", '{"a": 1}'),
+                ("add", '{"a": 1,'),
+                ("add", "[1, 2]"),
+                ("add", '{"a": 1, "b": 200}'),
+                ("capital", '{"country": "japan"}'),
+                ("complete_task", '{"summary": 3}'),
+                ("complete_task", '{"summary": "Tokyo"}'),
+            ]
+        ]
+    assert answers[0] == (
+        "error: there is no tool named 'sub'; the tools are add, capital, complete_task",
+        True,
+    )
+    assert answers[1][0].startswith("error: the arguments of add are not JSON (") and answers[1][1]
+    assert answers[2] == ("error: the arguments of add must be a JSON object, not [1, 2]", True)
+    assert answers[3][1] and "less than or equal to 99" in answers[3][0]
+    assert answers[4] == ("Tokyo", False)
+    assert answers[5] == ("error: complete_task needs a 'summary' string", True)
+    assert answers[6] == ("The task is marked complete.", False) and trajectory.metadata == {
+        "summary": "Tokyo"
+    }
+    # the server ran only `capital`: add's b=200 reached it but failed its own schema check
+    # before the tool ran, and the other wrong calls never left the rollout
+    assert [json.loads(line)["tool"] for line in calls.read_text().splitlines()] == ["capital"]
