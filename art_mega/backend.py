@@ -473,6 +473,25 @@ def check_accumulation(grad_accumulation_sequences: int, dp: int) -> int:
     return grad_accumulation_sequences
 
 
+def rl_step_batches(
+    documents: list[Any], seq_len: int, dp: int, rows_per_step: int | None
+) -> tuple[list[Any], int]:
+    """An rl job's batch files and optimizer steps: `documents` packed into rows of `seq_len`
+    tokens, `rows_per_step` rows per optimizer step over the `dp` DP ranks (ART's
+    grad_accumulation_sequences; None: `dp`, ART's MegatronBackend default, so one row per
+    rank and step); returns (one `TrainBatch` per DP rank, `batch.pack_steps`; rows per step
+    on each rank, `RLJob.step_rows`).
+
+    Raises:
+        HyperParameterError: `rows_per_step` is not a multiple of `dp` (`check_accumulation`).
+        ValueError: a document longer than `seq_len`.
+    """
+    from art_mega.trainer.batch import pack_steps
+
+    rows = check_accumulation(dp if rows_per_step is None else rows_per_step, dp)
+    return pack_steps(documents, seq_len, dp, rows), rows // dp
+
+
 def _reference_adapter(path: Any, kl: float) -> str | None:
     """`kl_ref_adapter_path` as the adapter folder the ranks read (a checkpoint's step folder
     is one), or None.
@@ -1569,19 +1588,19 @@ class MegatronBackend:
         step); rows of `seq_len` tokens (None: `self.seq_len`, else it is `backend.train`'s
         packed_sequence_length); returns the new step."""
         from art_mega.metrics import art_train_metrics
-        from art_mega.trainer.batch import pack, pack_steps
+        from art_mega.trainer.batch import pack
         from art_mega.trainer.protocol import sft_batch_file
         from art_mega.transfer.adapters import transfer_metrics
 
         assert self._run_dir is not None
         step = self._step + 1
         dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
-        if kind == "rl":
-            rows_per_step = check_accumulation(dp if rows_per_step is None else rows_per_step, dp)
         row_len = self.seq_len if seq_len is None else seq_len
+        step_rows: int | None = None  # rl only
         try:
             if kind == "rl":
-                packed = [pack_steps(steps[0], row_len, dp, rows_per_step)]
+                batches, step_rows = rl_step_batches(steps[0], row_len, dp, rows_per_step)
+                packed = [batches]
             else:
                 packed = [pack(documents, row_len, dp) for documents in steps]
         except ValueError as exc:
@@ -1591,8 +1610,7 @@ class MegatronBackend:
                 else "backend.train(packed_sequence_length=...)"
             )
             raise UserError(f"{exc} ({where})") from None
-        step_rows = None if rows_per_step is None else rows_per_step // dp
-        if kind == "rl":
+        if step_rows is not None:
             metrics["data/step_num_gradient_steps"] = float(packed[0][0].shape[0] // step_rows)
         batch_dir = self._run_dir / "batches" / f"{step:04d}"
         for k, batches in enumerate(packed):

@@ -1,6 +1,7 @@
 """ART's several optimizer steps per train call on a real trainer rank (TP=1, this process, gloo):
-an rl job with `step_rows` takes one optimizer step per that many rows of its batch, and its
-weights are those of the same steps taken one by one; a recomputing loss (precalculate_logprobs)
+an rl job with `step_rows` takes one optimizer step per that many rows of its batch (by
+default one row per DP rank and step, ART's), and its weights are those of the same steps
+taken one by one; a recomputing loss (precalculate_logprobs)
 reads the old policy of all its steps from before the first one."""
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ def test_n_sequences_with_k_per_step_take_ceil_n_over_k_steps_equal_to_sequentia
     one_step.train_step(batch, learning_rate=1e-2)
     assert one_step.steps == 1
     assert any(not np.allclose(v.numpy(), lora(job)[n].numpy()) for n, v in lora(one_step).items())
+
+
+def test_arts_default_is_one_step_per_packed_row_equal_to_the_rows_applied_one_by_one(
+    megatron_world, fresh: Any, tmp_path: Path
+) -> None:
+    from art_mega.backend import rl_step_batches
+
+    job, by_hand = fresh(2)
+    docs = documents(job.vocab_size)
+    # grad_accumulation_sequences=None on one DP rank: the backend sends 3 rows, 1 per step
+    (batch,), step_rows = rl_step_batches(docs, SEQ_LEN, 1, None)
+    assert batch.shape == (3, SEQ_LEN) and step_rows == 1
+    metrics = run_job(job, megatron_world, batch, tmp_path, learning_rate=1e-2, step_rows=step_rows)
+    assert job.steps == 3
+    samples = [by_hand.train_step(rows(batch, k, k + 1), learning_rate=1e-2) for k in range(3)]
+    for name, value in lora(by_hand).items():
+        assert np.array_equal(value.numpy(), lora(job)[name].numpy()), name
+    assert metrics["loss/tokens"] == (7 + 6 + 5) / 3 == np.mean([s["loss/tokens"] for s in samples])
+    # on 2 DP ranks ART's default is 2 rows per step, one on each rank: 2 steps, the last padded
+    ranks, step_rows = rl_step_batches(docs, SEQ_LEN, 2, None)
+    assert step_rows == 1 and [b.shape for b in ranks] == [(2, SEQ_LEN), (2, SEQ_LEN)]
+    assert ranks[1].segment_ids[1].max() == 0
 
 
 def test_several_steps_take_the_old_policy_from_before_the_first(
