@@ -15,7 +15,10 @@ import os
 import time
 from typing import Any
 
-from art_mega.errors import ScenarioGenerationError, UserError
+from pydantic import ValidationError
+
+from art_mega.errors import ScenarioGenerationError, UserError, format_validation_error
+from art_mega.hyperparams import check, optional, whole_problem
 from art_mega.mcp.types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool
 
 logger = logging.getLogger(__name__)
@@ -77,10 +80,17 @@ def _tool_dicts(tools: Any) -> list[dict[str, Any]]:
             f"generate_scenarios(tools=...) is a {type(tools).__name__}; pass a list of MCPTool "
             "(from art_mega.mcp.list_tools) or of {'name', 'description', 'parameters'} dicts"
         )
-    return [
-        (tool if isinstance(tool, MCPTool) else _validated(MCPTool, tool, "tools", i)).to_dict()
-        for i, tool in enumerate(tools)
-    ]
+    return [_tool(tool, i).to_dict() for i, tool in enumerate(tools)]
+
+
+def _tool(tool: Any, index: int) -> MCPTool:
+    """An `MCPTool`, its dict, or the `mcp` SDK's own `Tool` (what `ClientSession.list_tools()`
+    lists: `name`, `description`, `input_schema`) as an `MCPTool`."""
+    if isinstance(tool, MCPTool):
+        return tool
+    if not isinstance(tool, dict) and hasattr(tool, "name") and hasattr(tool, "input_schema"):
+        return MCPTool(name=tool.name, description=tool.description or "", parameters=dict(tool.input_schema))
+    return _validated(MCPTool, tool, "tools", index)
 
 
 def _resource_dicts(resources: Any) -> list[dict[str, Any]]:
@@ -98,10 +108,6 @@ def _resource_dicts(resources: Any) -> list[dict[str, Any]]:
 
 
 def _validated(cls: Any, item: Any, argument: str, index: int) -> Any:
-    from pydantic import ValidationError
-
-    from art_mega.errors import format_validation_error
-
     if not isinstance(item, dict):
         raise UserError(
             f"generate_scenarios({argument}[{index}]) is a {type(item).__name__}; pass a "
@@ -131,7 +137,8 @@ async def generate_scenarios(
     `generator_model` in one chat completion (ART's arguments and defaults).
 
     Args:
-        tools: the server's tools (`MCPTool`s or their dicts); with `resources`, at least one.
+        tools: the server's tools (`MCPTool`s, their dicts or the `mcp` SDK's `Tool`s); with
+            `resources`, at least one.
         resources: its resources (`MCPResource`s or their dicts), None or [] for none.
         num_scenarios: how many tasks, >= 1.
         show_preview: print the difficulty distribution and the first 5 tasks.
@@ -156,8 +163,6 @@ async def generate_scenarios(
             difficulty 1-5.
     """
     from openai import AsyncOpenAI
-
-    from art_mega.hyperparams import check, optional, whole_problem
 
     started = time.perf_counter()
     check("generate_scenarios", "num_scenarios", num_scenarios, whole_problem(1), "24")

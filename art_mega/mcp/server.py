@@ -151,8 +151,8 @@ def result_text(result: Any) -> str:
 
 
 class McpSession:
-    """One open session with an MCP server (made by `connect`). Its methods may be awaited
-    concurrently from the task that opened it and from others while the session is open.
+    """One open session with an MCP server (made by `connect`), usable while its `async with`
+    block runs.
 
     Attributes:
         server: the server it talks to.

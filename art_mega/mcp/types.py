@@ -12,7 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from art_mega.errors import UserError
+from art_mega.errors import HyperParameterError, UserError
+from art_mega.hyperparams import check, whole_problem
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
@@ -180,12 +181,8 @@ class GeneratedScenarioCollection:
         Raises:
             HyperParameterError: `train_size` is not a whole number from 0 to `len(self)`.
         """
-        from art_mega.hyperparams import check, whole_problem
-
         check("GeneratedScenarioCollection.split", "train_size", train_size, whole_problem(0), "1")
         if train_size > len(self.scenarios):
-            from art_mega.errors import HyperParameterError
-
             raise HyperParameterError(
                 f"GeneratedScenarioCollection.split(train_size={train_size}) is more than the "
                 f"{len(self.scenarios)} scenarios; pass at most train_size={len(self.scenarios)}",

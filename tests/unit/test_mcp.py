@@ -214,3 +214,16 @@ def test_tool_results_become_one_text() -> None:
     )
     assert result_text(both) == '42\n{"type": "image", "mime_type": "image/png", "base64_chars": 4}'
     assert result_text(CallToolResult(content=[], structured_content={"result": 5})) == '{"result": 5}'
+
+
+def test_generate_scenarios_takes_the_sdks_own_tools() -> None:
+    pytest.importorskip("mcp", reason="needs the mcp extra")
+    from mcp.types import Tool
+
+    from art_mega.mcp.generate_scenarios import _tool_dicts
+
+    sdk = Tool(name="add", description=None, input_schema={"type": "object", "required": ["a"]})
+    assert _tool_dicts([sdk, TOOL]) == [
+        {"name": "add", "description": "", "parameters": {"type": "object", "required": ["a"]}},
+        TOOL.to_dict(),
+    ]
