@@ -1218,7 +1218,7 @@ class MegatronBackend:
     # ------------------------------------------------------------------ serving
 
     def inference_endpoint(self, model: Any) -> tuple[str, str]:
-        """(base_url, api_key) of a replica serving `model` (round-robin)."""
+        """(base_url, api_key) of a replica serving `model` (the least-loaded one that is up)."""
         self._require(model)
         return self._router.route().base_url, "art-mega"
 

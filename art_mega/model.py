@@ -455,7 +455,8 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     def openai_client(self, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` client over the backend's replicas (`kwargs`: its options).
 
-        Every request goes to a replica that is up (round-robin); each choice of a reply is
+        Every request goes to a replica that is up (the one holding its prompt prefix, else
+        the least-loaded: `inference.fleet`); each choice of a reply is
         tagged with the policy step that served it (`choice.policy_step`, kept by `Trajectory`);
         a request that fails raises `ReplicaRequestError` naming the replica. Chat completions
         ask for what training needs unless the caller says otherwise: `logprobs=True` and
