@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from art_mega.errors import HyperParameterError
+
 AFFINITY = contextvars.ContextVar[str | None]("art_mega_replica_affinity", default=None)
 """An explicit affinity key for the requests made in this context (see `affinity`)."""
 
@@ -31,9 +33,13 @@ than the trajectories in flight at once, few enough to stay a few hundred KiB.""
 def affinity(key: str) -> Iterator[None]:
     """Route every request made inside this block with affinity key `key` (instead of the
     prompt's), e.g. `with affinity(f"episode-{i}"):` around a rollout whose turns do not share
-    their first messages. Raises `ValueError` for an empty key."""
+    their first messages. Raises `HyperParameterError` for a key that is not a non-empty str."""
     if not isinstance(key, str) or not key:
-        raise ValueError(f"affinity key must be a non-empty string, got {key!r}")
+        raise HyperParameterError(
+            f"affinity(key={key!r}) must be a non-empty string; name the trajectory or group whose requests share a replica",
+            "key",
+            key,
+        )
     token = AFFINITY.set(key)
     try:
         yield

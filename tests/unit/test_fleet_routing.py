@@ -15,7 +15,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from art_mega.agent.ports import free_port
-from art_mega.errors import NoReplicaUpError
+from art_mega.errors import HyperParameterError, NoReplicaUpError
 from art_mega.inference.fleet import PINNED_KEYS, FleetLoad, affinity, affinity_key
 from art_mega.inference.policy_client import policy_client
 from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
@@ -156,7 +156,9 @@ def test_affinity_keys_and_the_pin_limit() -> None:
     assert affinity_key({}) is None
     with affinity("k"):
         assert affinity_key({"prompt": "abc"}) == "k"
-    with pytest.raises(ValueError, match="non-empty string"):
+    with pytest.raises(
+        HyperParameterError, match=r"^affinity\(key=''\) must be a non-empty string; name the"
+    ):
         with affinity(""):
             pass
     load = FleetLoad(["r0", "r1"])
