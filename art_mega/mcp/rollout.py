@@ -117,6 +117,11 @@ async def rollout_with_tools(
     options = _check(max_turns, completion_options, tools)
     check("rollout_with_tools", "strict_tools", strict_tools, bool_problem, "True")
     check("rollout_with_tools", "offer_complete_task", offer_complete_task, bool_problem, "True")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise UserError(
+            f"rollout_with_tools(system_prompt={system_prompt!r}) is a {type(system_prompt).__name__}; "
+            "pass the system message as a string, or None for none"
+        )
     turns = _Turns(max_turns, system_prompt, tools, offer_complete_task, tool_choice, strict_tools, options)
     if isinstance(server, McpSession):
         return await turns.run(model, server, task, metadata)

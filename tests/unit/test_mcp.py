@@ -186,6 +186,7 @@ async def test_a_generator_that_is_down_is_one_sentence() -> None:
         ),
         ({"tools": [{"name": "add"}]}, "rollout_with_tools(tools=...) must be a list of MCPTool"),
         ({"strict_tools": "yes"}, "rollout_with_tools(strict_tools='yes') must be True or False"),
+        ({"system_prompt": ["be brief"]}, "rollout_with_tools(system_prompt=['be brief']) is a list; pass"),
         (
             {"server": "http://127.0.0.1:1/mcp"},
             "rollout_with_tools(server='http://127.0.0.1:1/mcp') is a str",
