@@ -292,9 +292,10 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         previous handlers come back at the end.
 
         Raises:
-            UserError: shared mode (see the constructor), or what `backend.train` raises.
+            UserError: shared mode (see the constructor); and whatever `backend.train` raises,
+                as itself.
             RuntimeError: every rollout of a group raised (naming the first exception).
-            ExceptionGroup: a stage failed; it holds the stage's exception.
+            ExceptionGroup: several stages failed at once (ART raises the group always).
         """
         problem = served_mode_problem(self.backend)
         if problem is not None:
@@ -325,6 +326,13 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 tasks.create_task(self._training_stage(), name="training_stage")
                 tasks.create_task(self._eval_stage(), name="eval_stage")
                 tasks.create_task(self._status_loop(), name="status_loop")
+        except ExceptionGroup as group:
+            # one stage failed and the others were cancelled: raise its own exception (a
+            # UserError from backend.train stays one sentence, exit code 2)
+            failures = _leaves(group)
+            if len(failures) == 1:
+                raise failures[0] from None
+            raise
         finally:
             for sig, previous in installed:
                 loop.remove_signal_handler(sig)
@@ -585,6 +593,17 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 }
             }
         )
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions of a (nested) exception group, cancellations left out."""
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found += _leaves(exc)
+        elif not isinstance(exc, asyncio.CancelledError):
+            found.append(exc)
+    return found
 
 
 def _initial_version(group: TrajectoryGroup) -> int | None:
