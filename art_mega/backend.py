@@ -402,7 +402,8 @@ def check_packing(
 ) -> tuple[int | None, int]:
     """ART's `grad_accumulation_sequences` (the keyword, or `config`'s, a checked `TrainConfig`
     or None) and `packed_sequence_length` for `backend.train`; returns (packed rows per
-    optimizer step over all DP ranks, None: one step over all rows; the row length in tokens).
+    optimizer step over all DP ranks, None: ART's default, the DP ranks (`rl_step_batches`);
+    the row length in tokens).
 
     grad_accumulation_sequences: None or a whole number >= 1 (a multiple of the DP ranks,
     `check_accumulation`), not with a non-zero `power` (ART's
@@ -573,9 +574,10 @@ def art_optimizer(trainer_args: Mapping[str, Any]) -> tuple[Any, float, float]:
 
 def trajectories_learning_rate(learning_rate: float, documents: int, power: float) -> float:
     """ART's `num_trajectories_learning_rate_multiplier_power`: `learning_rate` * documents **
-    power, where `documents` is the number of tokenized trajectories (histories) trained in the
-    step (ART counts those packed into each optimizer step's sequence; art-mega's step is one
-    over all of them). A step with no document keeps `learning_rate` (it trains nothing).
+    power, where `documents` is the number of tokenized trajectories (histories) the call
+    trains; every optimizer step of the call takes that rate (ART's LocalBackend counts those
+    packed into each step's sequence; its MegatronBackend does not apply the power). A call
+    with no document keeps `learning_rate` (it trains nothing).
 
     Raises:
         HyperParameterError: the product is not a float32 learning rate > 0 (named, with the count).

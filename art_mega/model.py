@@ -30,7 +30,7 @@ class TrainConfig(BaseModel):
     """ART's TrainConfig: the learning rate of one step, ART's `kl_penalty_coef` (KL-penalised
     advantages, see `backend.train`), `beta` (art-mega's k3 KL loss term, `kl_beta`) and ART's
     `grad_accumulation_sequences` (packed rows per optimizer step, see `backend.train`; None:
-    one optimizer step per call).
+    ART's default, one row per DP rank and step).
 
     Raises:
         pydantic.ValidationError: `learning_rate` is not a finite number > 0 (a string, NaN,
