@@ -244,13 +244,13 @@ def _read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_art(steps: int, work: Path, threads: int | None = None) -> tuple[float, list[dict]]:
+def run_art(steps: int, work: Path, threads: int | None = None) -> tuple[float, list[dict]] | None:
     """One art-mega run in `work` (`threads`: TrainerSpec.cpu_train_threads, None its default);
-    returns (start-up seconds, step events)."""
+    returns `_split`'s (start-up seconds, step events), or None."""
     events = work / "events.jsonl"
     env = {**os.environ, EVENTS_ENV: str(events), STEPS_ENV: str(steps), THREADS_ENV: str(threads or "")}
     started = time.time()
-    subprocess.run(
+    done = subprocess.run(
         [
             str(REPO / ".venv" / "bin" / "art-mega"),
             "local",
@@ -259,19 +259,19 @@ def run_art(steps: int, work: Path, threads: int | None = None) -> tuple[float, 
         ],
         cwd=work,
         env=env,
-        check=True,
         stdout=open(work / "art.log", "w"),
         stderr=subprocess.STDOUT,
     )
-    return _split(started, _read_events(events))
+    return _split(started, _read_events(events), done, work / "art.log")
 
 
-def run_trl(python: Path, model_dir: Path, steps: int, work: Path) -> tuple[float, list[dict]]:
-    """One TRL run in `work`; returns (start-up seconds, step events with their rewards)."""
+def run_trl(python: Path, model_dir: Path, steps: int, work: Path) -> tuple[float, list[dict]] | None:
+    """One TRL run in `work`; returns `_split`'s (start-up seconds, step events with their
+    rewards), or None."""
     events = work / "events.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     started = time.time()
-    subprocess.run(
+    done = subprocess.run(
         [
             str(python),
             str(Path(__file__).resolve()),
@@ -284,15 +284,22 @@ def run_trl(python: Path, model_dir: Path, steps: int, work: Path) -> tuple[floa
         ],
         cwd=work,
         env={**env, "TOKENIZERS_PARALLELISM": "false"},
-        check=True,
         stdout=open(work / "trl.log", "w"),
         stderr=subprocess.STDOUT,
     )
-    return _split(started, _read_events(events))
+    return _split(started, _read_events(events), done, work / "trl.log")
 
 
-def _split(started: float, events: list[dict]) -> tuple[float, list[dict]]:
-    first = next(e["t"] for e in events if e["event"] == "first_rollout")
+def _split(
+    started: float, events: list[dict], done: subprocess.CompletedProcess, log: Path
+) -> tuple[float, list[dict]] | None:
+    """(start-up seconds, step events by step) of a run; a run that failed keeps the steps it
+    finished (said on stdout, with its log), one that never reached a rollout is None."""
+    if done.returncode:
+        print(f"the run exited with {done.returncode} (log {log}); its finished steps are kept", flush=True)
+    first = next((e["t"] for e in events if e["event"] == "first_rollout"), None)
+    if first is None:
+        return None
     steps = {e["step"]: dict(e) for e in events if e["event"] == "step"}
     for e in events:
         if e["event"] == "reward" and e["step"] in steps:
@@ -402,13 +409,18 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("art-mega", "TRL"):
             work = Path(tempfile.mkdtemp(prefix=f"peers-trl-{side}-{run}-"))
             if side == "art-mega":
-                art_runs.append(run_art(args.steps, work, args.trainer_threads))
-                result = art_runs[-1]
+                result = run_art(args.steps, work, args.trainer_threads)
             else:
-                trl_runs.append(run_trl(python, model_dir, args.steps, work))
-                result = trl_runs[-1]
+                result = run_trl(python, model_dir, args.steps, work)
+            if result is None:
+                print(f"run {run} {side}: no rollout ({work})", flush=True)
+                continue
+            (art_runs if side == "art-mega" else trl_runs).append(result)
             times = ", ".join(f"{e['step_s']:.1f}" for e in result[1])
             print(f"run {run} {side}: start-up {result[0]:.1f} s, steps {times} s ({work})", flush=True)
+    if not art_runs or not trl_runs:
+        print("peers_trl: a side has no run with a rollout; nothing to compare or record")
+        return 1
     command = (
         "python benchmarks/peers_trl.py"
         + (f" --runs {args.runs}" if args.runs != 2 else "")
