@@ -61,28 +61,31 @@ def cores() -> tuple[set[int], set[int]]:
     return set(mine[:half]), set(mine[half:] or mine)
 
 
-def pin_processes(model_name: str) -> dict[str, list[int]]:
-    """Pin every process of this run by kind: vLLM (its command line names `model_name`, the
-    replica's served model) and this controller to the first half of the cores, the trainer
-    rank (`art_mega.trainer.rank_main`) to the second. Returns kind -> pids pinned."""
+def _pin(pid: int, where: set[int]) -> None:
+    # sched_setaffinity(pid) moves one thread; every thread the process already started moves too
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), where)
+
+
+def pin_processes() -> dict[str, list[int]]:
+    """Pin this run's processes (this controller and its descendants only) by kind: vLLM and
+    this controller (its agent too) to the first half of the cores, the trainer rank
+    (`art_mega.trainer.rank_main`) and its children to the second. Returns kind -> pids."""
     import psutil
 
     inference, trainer = cores()
     pinned: dict[str, list[int]] = {"replica": [], "trainer": [], "controller": [os.getpid()]}
-    os.sched_setaffinity(0, inference)
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(proc.info["cmdline"] or ())
-        kind = (
-            "trainer" if "rank_main" in line else "replica" if "vllm" in line and model_name in line else None
-        )
-        if kind is None:
+    _pin(os.getpid(), inference)
+    ranks = {p.pid for p in psutil.Process().children(recursive=True) if "rank_main" in " ".join(p.cmdline())}
+    for proc in psutil.Process().children(recursive=True):
+        line = " ".join(proc.cmdline())
+        under_rank = proc.pid in ranks or any(a.pid in ranks for a in proc.parents())
+        kind = "trainer" if under_rank else "replica" if "vllm" in line else "controller"
+        try:
+            _pin(proc.pid, trainer if kind == "trainer" else inference)
+        except (ProcessLookupError, FileNotFoundError):
             continue
-        for p in [proc, *proc.children(recursive=True)]:
-            try:
-                os.sched_setaffinity(p.pid, trainer if kind == "trainer" else inference)
-                pinned[kind].append(p.pid)
-            except (ProcessLookupError, PermissionError):
-                continue
+        pinned[kind].append(proc.pid)
     return pinned
 
 
@@ -112,7 +115,7 @@ async def art_program(launch) -> None:
     )
     try:
         await model.register(backend)
-        _emit(events, event="pinned", **pin_processes(model.name))
+        _emit(events, event="pinned", **pin_processes())
         start = await model.get_step()
         questions = (q for _ in range(1000) for q in quickstart.TRAIN_QUESTIONS)
         if mode == "sync":
