@@ -1671,8 +1671,8 @@ class MegatronBackend:
     async def _prefix_cache_metrics(self) -> dict[str, float]:
         """`inference/prefix_cache_hit_rate`: the share (0..1) of the prompt tokens the replicas
         were sent since the last step's read (the first: since they started) that their prefix
-        caches held, from each replica's /metrics; left out when none were sent. A replica whose
-        /metrics does not answer is left out of it and counted in
+        caches held, from each replica's /metrics; left out when none were sent. A replica that
+        is down (out of routing) or whose /metrics does not answer is left out of it and counted in
         `inference/prefix_cache_unread_replicas` (the step itself does not depend on it)."""
         from art_mega.errors import ReplicaHTTPError
         from art_mega.inference.server_api import ReplicaClient
@@ -1684,8 +1684,13 @@ class MegatronBackend:
                 except ReplicaHTTPError:
                     return None
 
-        replicas = self._router.replicas if self._router is not None else []
-        counts = await asyncio.gather(*(read(r) for r in replicas))
+        replicas = self._router.replicas if self._router is not None else ()
+        up = {r.name for r in self._router.up()} if self._router is not None else set()
+
+        async def read_up(replica: Any) -> tuple[float, float] | None:
+            return await read(replica) if replica.name in up else None  # down: not waited for
+
+        counts = await asyncio.gather(*(read_up(r) for r in replicas))
         queried = hit = 0.0
         for replica, now in zip(replicas, counts):
             if now is None:
