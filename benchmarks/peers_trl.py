@@ -19,7 +19,7 @@ trajectories: art-mega, like ART, leaves out groups whose rewards are all equal,
 them at zero advantage), start-up (from starting the command to the first rollout request),
 mean training reward by step, and the ratios art-mega / TRL. Never fails on a slow figure.
 
-Usage: python benchmarks/peers_trl.py [--runs N] [--steps N] [--trainer-threads N] [--record]
+Usage: python benchmarks/peers_trl.py [--quick] [--runs N] [--steps N] [--trainer-threads N] [--record]
 """
 
 from __future__ import annotations
@@ -387,10 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="art-mega's TrainerSpec.cpu_train_threads (default: its None rule)",
     )
+    parser.add_argument("--quick", action="store_true", help="1 run of 3 steps each side")
     parser.add_argument("--record", action="store_true", help="write the rows into benchmarks/RESULTS.md")
     parser.add_argument("--trl-worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--events", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.steps = 1, 3
     if args.runs < 1 or args.steps < 2:
         parser.error(f"--runs={args.runs} and --steps={args.steps}: need at least 1 run and 2 steps")
     if args.trl_worker:
