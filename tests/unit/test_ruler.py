@@ -226,3 +226,13 @@ async def test_a_litellm_name_without_the_rewards_extra_says_which_extra(monkeyp
         "art_mega.rewards.ruler with a LiteLLM judge name needs the 'litellm' package, which is not "
         "installed; pip install 'art-mega[rewards]'"
     )
+
+
+def test_importing_the_rewards_module_loads_no_judge_client():
+    import subprocess
+
+    probe = "import sys, art_mega.rewards; print(sorted(m for m in ('litellm', 'torch', 'vllm') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
