@@ -364,3 +364,27 @@ async def test_grad_accumulation_sequences_takes_one_optimizer_step_per_packed_r
     )
     assert updates == rows.shape[0]
     assert model.get_inference_name() == f"agent@{step + 1}"
+
+
+async def test_arts_default_takes_one_optimizer_step_per_packed_row(setup: Setup) -> None:
+    """Without grad_accumulation_sequences a call takes ART's default on one DP rank: one
+    optimizer step per packed row (rows of `packed_sequence_length` here, so there are several),
+    all in one new checkpoint."""
+    from art_mega.trainer.batch import pack_steps
+    from art_mega.trainer.tokenize import grpo_documents
+
+    backend, model = setup.backend, setup.model
+    step = await model.get_step()
+    checkpoints = backend._run_dir / "checkpoints"
+    groups = await rollout_groups(model)
+    documents, _ = grpo_documents(backend.tokenizer(), groups, True, False)
+    longest = max(len(d) for d in documents)
+    (rows,) = pack_steps(documents, longest, 1, 1)
+    assert rows.shape[0] > 1  # one step over all rows would count 1
+    result = await backend.train(model, groups, learning_rate=1e-3, packed_sequence_length=longest)
+    assert result.step == step + 1 and result.metrics["data/step_num_gradient_steps"] == float(rows.shape[0])
+    updates = (
+        rank_state(checkpoints / f"{step + 1:04d}")["steps"]
+        - rank_state(checkpoints / f"{step:04d}")["steps"]
+    )
+    assert updates == rows.shape[0]
