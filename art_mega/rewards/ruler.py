@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from art_mega.errors import HyperParameterError, RulerJudgeError, TrainInputError
-from art_mega.hyperparams import check, whole_problem
+from art_mega.hyperparams import bool_problem, check, whole_problem
 from art_mega.rewards import judge as judging
 from art_mega.trajectories import TrajectoryGroup
 
@@ -59,14 +59,16 @@ class TrajectoryScore(BaseModel):
     Attributes:
         trajectory_id: "1".."N", the trajectory's position (1-based) in the judged list.
         explanation: the judge's reason, in its words.
-        score: from 0 to 1.
+        score: from 0 to 1 (a JSON number: a bool or a string is not a score).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     trajectory_id: str
     explanation: str
-    score: float = Field(ge=0.0, le=1.0)
+    # strict: lax pydantic would read a judge's `true` as 1.0 and "0.5" as 0.5, a reward the
+    # judge never wrote as a number
+    score: float = Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
 
 
 class _Reply(BaseModel):
@@ -161,8 +163,15 @@ def parse_scores(content: str, ids: list[str]) -> list[TrajectoryScore]:
 
 
 def _check_args(
-    where: str, rubric: Any, extra_litellm_params: Any, max_explanation_chars: Any, cache_dir: Any
+    where: str,
+    rubric: Any,
+    extra_litellm_params: Any,
+    max_explanation_chars: Any,
+    cache_dir: Any,
+    flags: Mapping[str, Any],
 ) -> dict[str, Any]:
+    for name, value in flags.items():  # a string such as "false" would read as on
+        check(where, name, value, bool_problem, "True")
     if not isinstance(rubric, str) or not rubric.strip():
         raise HyperParameterError(
             f"{where}(rubric={rubric!r}) must be a non-empty string of grading rules; pass e.g. "
@@ -233,7 +242,9 @@ async def ruler(
         MissingExtraError: a LiteLLM name without the `rewards` extra installed.
     """
     where = "ruler"
-    extra = _check_args(where, rubric, extra_litellm_params, max_explanation_chars, cache_dir)
+    extra = _check_args(
+        where, rubric, extra_litellm_params, max_explanation_chars, cache_dir, {"debug": debug, "cache": cache}
+    )
     if not isinstance(message_lists, list) or not all(isinstance(m, list) for m in message_lists):
         raise HyperParameterError(
             f"{where}(message_lists=...) must be a list of message lists, not a {type(message_lists).__name__}",
@@ -331,6 +342,7 @@ async def ruler_score_group(
         RulerJudgeError, HyperParameterError, MissingExtraError: see `ruler`.
     """
     where = "ruler_score_group"
+    check(where, "swallow_exceptions", swallow_exceptions, bool_problem, "True")
     if not isinstance(group, TrajectoryGroup):
         raise HyperParameterError(
             f"{where}(group=...) must be a TrajectoryGroup, not a {type(group).__name__}; pass one "

@@ -1,0 +1,66 @@
+"""Hostile inputs to RULER (no judge runs): a reply whose scores are not JSON numbers in [0, 1] is
+not a reward, and switches that are not bools are refused before any judge is asked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from art_mega.errors import HyperParameterError
+from art_mega.rewards import ruler, ruler_score_group
+from art_mega.rewards.ruler import _ReplyError, parse_scores
+from art_mega.trajectories import Trajectory, TrajectoryGroup
+
+CONVERSATION = [{"role": "user", "content": "Is water wet?"}, {"role": "assistant", "content": "yes"}]
+
+
+def reply(score: str, trajectory_id: str = '"1"') -> str:
+    return (
+        '{"scores": [{"trajectory_id": ' + trajectory_id + ', "explanation": "ok", "score": ' + score + "}]}"
+    )
+
+
+@pytest.mark.parametrize(
+    "score", ["true", "false", '"0.5"', "NaN", "Infinity", "-Infinity", "1.5", "-0.1", "null"]
+)
+def test_a_score_that_is_not_a_number_in_0_1_is_not_a_reward(score):
+    with pytest.raises(_ReplyError) as caught:
+        parse_scores(reply(score), ["1"])
+    assert "is not RULER's scores" in str(caught.value)
+
+
+def test_scores_that_are_numbers_are_read_as_floats():
+    assert [s.score for s in parse_scores(reply("1"), ["1"])] == [1.0]
+    assert [s.score for s in parse_scores(reply("0.25"), ["1"])] == [0.25]
+
+
+def test_a_reply_with_a_missing_an_extra_or_a_repeated_id_is_refused():
+    two = json.dumps({"scores": [{"trajectory_id": "1", "explanation": "a", "score": 0.5}] * 2})
+    for content, ids in [(reply("0.5"), ["1", "2"]), (reply("0.5", '"3"'), ["1"]), (two, ["1", "2"])]:
+        with pytest.raises(_ReplyError, match="each once"):
+            parse_scores(content, ids)
+    with pytest.raises(_ReplyError):  # an int id is not the string id asked for
+        parse_scores(reply("0.5", "1"), ["1"])
+
+
+@pytest.mark.parametrize("name", ["debug", "cache"])
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_ruler_refuses_a_switch_that_is_not_a_bool(name, value):
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(ruler([CONVERSATION, CONVERSATION], "openai/o3", **{name: value}))
+    assert (
+        str(caught.value)
+        == f"ruler({name}={value!r}) must be True or False (a {type(value).__name__}); pass e.g. {name}=True"
+    )
+    assert caught.value.name == name and caught.value.value == value
+
+
+def test_ruler_score_group_refuses_a_swallow_exceptions_that_is_not_a_bool():
+    group = TrajectoryGroup([Trajectory(messages_and_choices=CONVERSATION, reward=0.0)])
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(ruler_score_group(group, "openai/o3", swallow_exceptions="yes"))
+    assert str(caught.value) == (
+        "ruler_score_group(swallow_exceptions='yes') must be True or False (a str); pass e.g. swallow_exceptions=True"
+    )
