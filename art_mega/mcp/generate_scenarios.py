@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from art_mega.errors import ScenarioGenerationError, UserError, format_validation_error
-from art_mega.hyperparams import check, optional, whole_problem
+from art_mega.hyperparams import bool_problem, check, optional, whole_problem
 from art_mega.mcp.types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,11 @@ def _tool(tool: Any, index: int) -> MCPTool:
     if isinstance(tool, MCPTool):
         return tool
     if not isinstance(tool, dict) and hasattr(tool, "name") and hasattr(tool, "input_schema"):
-        return MCPTool(name=tool.name, description=tool.description or "", parameters=dict(tool.input_schema))
+        tool = {
+            "name": tool.name,
+            "description": getattr(tool, "description", None) or "",
+            "parameters": tool.input_schema,
+        }
     return _validated(MCPTool, tool, "tools", index)
 
 
@@ -168,6 +172,7 @@ async def generate_scenarios(
     check("generate_scenarios", "num_scenarios", num_scenarios, whole_problem(1), "24")
     check("generate_scenarios", "max_completion_tokens", max_completion_tokens, whole_problem(1), "8000")
     check("generate_scenarios", "task_max_length", task_max_length, optional(whole_problem(1)), "200")
+    check("generate_scenarios", "show_preview", show_preview, bool_problem, "False")
     tools_info = _tool_dicts(tools)
     resources_info = _resource_dicts(resources)
     if not tools_info and not resources_info:

@@ -69,6 +69,25 @@ def _check(max_turns: Any, completion_options: Any, tools: Any) -> dict[str, Any
     return options
 
 
+def _check_tool_choice(tool_choice: Any) -> None:
+    """Refuse a tool_choice the chat API does not take (the server would answer HTTP 400 on the
+    first turn, after the MCP session was opened)."""
+    if tool_choice in ("auto", "required", "none"):
+        return
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]:
+            return
+    raise UserError(
+        f"rollout_with_tools(tool_choice={tool_choice!r}) is not a tool choice; pass 'auto', "
+        "'required', 'none' or {'type': 'function', 'function': {'name': '<tool>'}}"
+    )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def rollout_with_tools(
     model: Any,
     server: StdioServer | HttpServer | McpSession,
@@ -117,6 +136,7 @@ async def rollout_with_tools(
     options = _check(max_turns, completion_options, tools)
     check("rollout_with_tools", "strict_tools", strict_tools, bool_problem, "True")
     check("rollout_with_tools", "offer_complete_task", offer_complete_task, bool_problem, "True")
+    _check_tool_choice(tool_choice)
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise UserError(
             f"rollout_with_tools(system_prompt={system_prompt!r}) is a {type(system_prompt).__name__}; "
@@ -198,7 +218,8 @@ async def _answer(
         return f"error: there is no tool named {name!r}; the tools are {', '.join(sorted(tools))}", True
     raw = function.arguments or "{}"
     try:
-        arguments = json.loads(raw)
+        # parse_constant: Python's json reads NaN/Infinity, which JSON (and a tool's schema) has not
+        arguments = json.loads(raw, parse_constant=_no_constant)
     except ValueError as exc:
         return f"error: the arguments of {name} are not JSON ({exc})", True
     if not isinstance(arguments, dict):

@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from art_mega.errors import MCPServerError, MissingExtraError, UserError
 from art_mega.mcp.types import MCPResource, MCPTool
@@ -189,11 +189,14 @@ class McpSession:
             for tool in page.tools:
                 if not tool.name:
                     raise MCPServerError(self.server.describe(), "listing its tools", "a tool has no name")
-                tools.append(
-                    MCPTool(
+                try:
+                    listed = MCPTool(
                         name=tool.name, description=tool.description or "", parameters=dict(tool.input_schema)
                     )
-                )
+                except ValidationError as exc:  # e.g. an inputSchema that is not an object schema
+                    detail = f"tool {tool.name!r}: {exc.errors()[0]['msg']}"
+                    raise MCPServerError(self.server.describe(), "listing its tools", detail) from None
+                tools.append(listed)
             cursor = page.next_cursor
             if cursor is None:
                 return tools

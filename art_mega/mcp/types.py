@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from art_mega.errors import HyperParameterError, UserError
 from art_mega.hyperparams import check, whole_problem
@@ -36,12 +36,25 @@ class MCPTool(BaseModel):
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # a tool's arguments are a JSON object (MCP's inputSchema, OpenAI's function parameters);
+        # a schema of another type could only ever be answered with "must be a JSON object"
+        if "type" in value and value["type"] != "object":
+            raise ValueError(
+                f"the arguments schema has type {value['type']!r}; a tool's parameters must be an "
+                "object schema ({'type': 'object', 'properties': {...}})"
+            )
+        return value
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MCPTool:
         """A tool from {"name", "description", "parameters"} (ART's dict form).
 
         Raises:
-            pydantic.ValidationError: no name, an unknown key or a value of the wrong type.
+            pydantic.ValidationError: no name, an unknown key, a value of the wrong type, or
+                parameters whose schema type is not "object".
         """
         return cls.model_validate(data)
 
