@@ -214,17 +214,18 @@ class RolloutExecutor:
                 f"set_workers(worker_ids={worker_ids!r}) takes a tuple of int worker ids; pass e.g. "
                 f"tuple(range({self.target_workers}))"
             )
-        twice = sorted({i for i in worker_ids if worker_ids.count(i) > 1})
-        if twice:
-            raise UserError(
-                f"set_workers(worker_ids={worker_ids!r}) names worker {twice[0]} more than once; "
-                "give each id once"
-            )
+        # the count first: the duplicate scan below is quadratic, so a huge list is refused before it
         if len(worker_ids) > self.target_workers:
             raise UserError(
                 f"set_workers(worker_ids={worker_ids!r}) names {len(worker_ids)} workers, but the executor "
                 f"has target_workers={self.target_workers} processes; pass at most {self.target_workers} "
                 "ids or raise target_workers"
+            )
+        twice = sorted({i for i in worker_ids if worker_ids.count(i) > 1})
+        if twice:
+            raise UserError(
+                f"set_workers(worker_ids={worker_ids!r}) names worker {twice[0]} more than once; "
+                "give each id once"
             )
         kept = {i: self._assigned[i] for i in worker_ids if i in self._assigned}
         held = set(kept.values())

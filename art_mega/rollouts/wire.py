@@ -354,9 +354,11 @@ def _dump_typed(declared: Any, value: Any, path: str) -> Any:
 def _import_class(ref: Any, shown: str, role: str, path: str) -> type:
     """The class "module:qualname" `ref` names; `shown` is the received model as messages name
     it, `role` what `ref` is to it ("model" or "type argument")."""
-    if not isinstance(ref, str) or ":" not in ref:
+    module_name, colon, qualname = ref.partition(":") if isinstance(ref, str) else ("", "", "")
+    # an empty or relative module name is refused here: import_module raises ValueError/TypeError
+    # for it, not ImportError
+    if not (colon and module_name and qualname) or module_name.startswith("."):
         raise WireError(path, f"names the class {ref!r}, which is not a 'module:qualname' reference")
-    module_name, _, qualname = ref.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):

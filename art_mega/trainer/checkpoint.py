@@ -135,7 +135,10 @@ def manifest_file(checkpoint: str | os.PathLike[str]) -> Path:
 def step_folders(root: str | os.PathLike[str]) -> list[int]:
     """The steps of every step folder under `root`, sorted; committed or not (staging, trash and
     the pointer are not step folders)."""
-    return sorted(int(p.name) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit())
+    # isascii: str.isdigit also holds for digits int() does not read ("²")
+    return sorted(
+        int(p.name) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit() and p.name.isascii()
+    )
 
 
 # ---------------------------------------------------------------------------- writing
@@ -282,7 +285,8 @@ def read_commit(root: str | os.PathLike[str]) -> int | None:
     if not pointer.is_file():
         return None
     text = pointer.read_text(errors="replace").strip()
-    if not text.isdigit() or not text.isascii():
+    # the length bound: int() refuses more than 4300 digits with a ValueError
+    if not text.isdigit() or not text.isascii() or len(text) > 40:
         raise CheckpointFileError(pointer, f"holds {text[:40]!r}, not the number of the last committed step")
     step = int(text)
     folder = step_dir(root, step)
