@@ -13,6 +13,8 @@ token ids.
 from __future__ import annotations
 
 import asyncio
+import math
+import typing
 import weakref
 from typing import Any
 
@@ -43,6 +45,40 @@ _TRAINING_NEEDS = {
     "logprobs": (True, "training needs the sampling logprobs"),
 }
 """ChatOpenAI fields whose value training fixes: field -> (the value it needs, why)."""
+
+_AT_LEAST = {"temperature": 0, "max_tokens": 1, "max_completion_tokens": 1, "n": 1, "top_logprobs": 0}
+"""Sampling options' lowest values: ChatOpenAI types them as plain numbers, so a negative one
+would reach the replica (and vLLM answers HTTP 400 on the first turn of the rollout)."""
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a ChatOpenAI field's type admits a bool (`bool`, `bool | None`, `Any`, ...)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_takes_bool(arg) for arg in typing.get_args(annotation))
+
+
+def _non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def _check_value(name: str, key: str, value: Any, annotation: Any) -> None:
+    """Refuse a value ChatOpenAI would take but the request must not carry: NaN/inf anywhere in
+    it (JSON has neither), a bool for a number (pydantic reads True as 1), a sampling option below
+    its lowest value (`_AT_LEAST`)."""
+    if _non_finite(value):
+        raise _refuse(key, value, "give a finite number (JSON, and so the request, has no NaN or infinity)")
+    if isinstance(value, bool) and not _takes_bool(annotation):
+        raise _refuse(key, value, "give a number, not a bool")
+    lowest = _AT_LEAST.get(name)
+    if lowest is not None and isinstance(value, int | float) and value < lowest:
+        raise _refuse(key, value, f"give {name} of at least {lowest}")
 
 
 def _refuse(field: str, value: Any, fix: str) -> LangGraphUsageError:
@@ -99,6 +135,7 @@ def check_options(chat_openai: Any, kwargs: dict[str, Any], token_ids: bool) -> 
         needed = _TRAINING_NEEDS.get(name)
         if needed is not None and value is not None and value != needed[0]:
             raise _refuse(key, value, f"{needed[1]}: leave it out or give {needed[0]!r}")
+        _check_value(name, key, value, chat_openai.model_fields[name].annotation)
         options[name] = value
     extra_body = options.get("extra_body")
     if extra_body is None:
@@ -194,14 +231,21 @@ def init_chat_model(
         )
     # another server than a replica may refuse vLLM's return_token_ids
     options = check_options(chat_openai, kwargs, token_ids=router is not None)
-    return chat_openai(
-        model=model or name,
-        base_url=base_url,
-        api_key=api_key,
-        http_client=_sync_client(),
-        http_async_client=_async_client(),
-        **options,
-    )
+    from pydantic import ValidationError
+
+    try:
+        return chat_openai(
+            model=model or name,
+            base_url=base_url,
+            api_key=api_key,
+            http_client=_sync_client(),
+            http_async_client=_async_client(),
+            **options,
+        )
+    except ValidationError as exc:  # a value of the wrong type for its ChatOpenAI field
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or "kwargs"
+        raise _refuse(field, error.get("input"), f"{error['msg'][:1].lower()}{error['msg'][1:]}") from None
 
 
 def _is_chat_completion(request: Any) -> bool:
