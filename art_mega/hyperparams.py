@@ -121,6 +121,18 @@ def bool_problem(value: Any) -> str | None:
     return None if isinstance(value, bool) else f"must be True or False (a {type(value).__name__})"
 
 
+def json_finite_problem(value: Any) -> str | None:
+    """None unless `value` (a request's options: dicts, lists and tuples of values) holds a float
+    NaN or infinity somewhere, which JSON, and so a request to a server, cannot carry."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "holds a NaN or infinity, which a JSON request cannot carry"
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return next((why for why in map(json_finite_problem, value) if why is not None), None)
+    return None
+
+
 def optional(problem: Problem) -> Problem:
     """`problem`, with None allowed (the option is off)."""
     return lambda value: None if value is None else problem(value)

@@ -13,12 +13,12 @@ token ids.
 from __future__ import annotations
 
 import asyncio
-import math
 import typing
 import weakref
 from typing import Any
 
 from art_mega.errors import LangGraphUsageError, MissingExtraError
+from art_mega.hyperparams import json_finite_problem
 from art_mega.langgraph.rollout import CURRENT, current
 
 _SET_HERE = {
@@ -58,21 +58,11 @@ def _takes_bool(annotation: Any) -> bool:
     return any(_takes_bool(arg) for arg in typing.get_args(annotation))
 
 
-def _non_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_non_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_non_finite(v) for v in value)
-    return False
-
-
 def _check_value(name: str, key: str, value: Any, annotation: Any) -> None:
     """Refuse a value ChatOpenAI would take but the request must not carry: NaN/inf anywhere in
     it (JSON has neither), a bool for a number (pydantic reads True as 1), a sampling option below
     its lowest value (`_AT_LEAST`)."""
-    if _non_finite(value):
+    if json_finite_problem(value) is not None:
         raise _refuse(key, value, "give a finite number (JSON, and so the request, has no NaN or infinity)")
     if isinstance(value, bool) and not _takes_bool(annotation):
         raise _refuse(key, value, "give a number, not a bool")

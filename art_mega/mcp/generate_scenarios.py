@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from art_mega.errors import ScenarioGenerationError, UserError, format_validation_error
-from art_mega.hyperparams import bool_problem, check, optional, whole_problem
+from art_mega.hyperparams import bool_problem, check, json_finite_problem, optional, whole_problem
 from art_mega.mcp.types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,7 @@ async def generate_scenarios(
     check("generate_scenarios", "max_completion_tokens", max_completion_tokens, whole_problem(1), "8000")
     check("generate_scenarios", "task_max_length", task_max_length, optional(whole_problem(1)), "200")
     check("generate_scenarios", "show_preview", show_preview, bool_problem, "False")
+    check("generate_scenarios", "extra_body", extra_body, json_finite_problem, "{'top_k': 20}")
     tools_info = _tool_dicts(tools)
     resources_info = _resource_dicts(resources)
     if not tools_info and not resources_info:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.hyperparams import bool_problem, check, whole_problem
+from art_mega.hyperparams import bool_problem, check, json_finite_problem, whole_problem
 from art_mega.mcp.default_tools import complete_task_tool
 from art_mega.mcp.server import HttpServer, McpSession, StdioServer, check_server, connect
 from art_mega.mcp.types import GeneratedScenario, MCPTool
@@ -55,6 +55,7 @@ def _check(max_turns: Any, completion_options: Any, tools: Any) -> dict[str, Any
             f"{type(completion_options).__name__}; pass a dict such as {{'max_tokens': 256}}"
         )
     options = dict(completion_options or {})
+    check("rollout_with_tools", "completion_options", options, json_finite_problem, "{'temperature': 1.0}")
     reserved = [key for key in RESERVED_OPTIONS if key in options]
     if reserved:
         raise UserError(

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from art_mega.errors import HyperParameterError, RulerJudgeError, TrainInputError
-from art_mega.hyperparams import bool_problem, check, whole_problem
+from art_mega.hyperparams import bool_problem, check, json_finite_problem, whole_problem
 from art_mega.rewards import judge as judging
 from art_mega.trajectories import TrajectoryGroup
 
@@ -186,6 +186,7 @@ def _check_args(
             "extra_litellm_params",
             extra_litellm_params,
         )
+    check(where, "extra_litellm_params", extra_litellm_params, json_finite_problem, "{'temperature': 0}")
     check(where, "max_explanation_chars", max_explanation_chars, whole_problem(1), "600")
     if cache_dir is not None and not isinstance(cache_dir, str | Path):
         raise HyperParameterError(

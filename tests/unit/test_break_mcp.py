@@ -87,3 +87,17 @@ def test_tool_call_arguments_with_non_finite_numbers_are_answered_as_not_json(ra
     text, failed = asyncio.run(_answer(None, {"add": ADD}, call, Trajectory(messages_and_choices=[])))
     assert failed is True
     assert text.startswith("error: the arguments of add are not JSON (") and "is not a JSON number" in text
+
+
+def test_completion_options_and_extra_body_with_nan_never_reach_a_server():
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(rollout_with_tools(None, None, "add", completion_options={"temperature": float("nan")}))
+    assert str(caught.value) == (
+        "rollout_with_tools(completion_options={'temperature': nan}) holds a NaN or infinity, which a JSON "
+        "request cannot carry; pass e.g. completion_options={'temperature': 1.0}"
+    )
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(generate_scenarios([ADD], extra_body={"x": [1.0, float("inf")]}, generator_api_key="k"))
+    assert str(caught.value).startswith(
+        "generate_scenarios(extra_body={'x': [1.0, inf]}) holds a NaN or infinity"
+    )

@@ -64,3 +64,12 @@ def test_ruler_score_group_refuses_a_swallow_exceptions_that_is_not_a_bool():
     assert str(caught.value) == (
         "ruler_score_group(swallow_exceptions='yes') must be True or False (a str); pass e.g. swallow_exceptions=True"
     )
+
+
+def test_extra_litellm_params_with_nan_never_reach_the_judge():
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(ruler([CONVERSATION], "openai/o3", {"temperature": float("-inf")}))
+    assert str(caught.value) == (
+        "ruler(extra_litellm_params={'temperature': -inf}) holds a NaN or infinity, which a JSON request "
+        "cannot carry; pass e.g. extra_litellm_params={'temperature': 0}"
+    )
