@@ -197,6 +197,27 @@ def _check_args(
     return dict(extra_litellm_params or {})
 
 
+def _check_conversation(where: str, index: int, messages: Any) -> None:
+    """Refuse a trajectory the judge could not read as a chat: not a list, empty (nothing to
+    score), or holding something that is not a message dict with a "role"."""
+    problem = None
+    if not isinstance(messages, list):
+        problem = f"is a {type(messages).__name__}, not a list of chat messages"
+    elif not messages:
+        problem = "is empty, so there is nothing to score"
+    else:
+        bad = next((k for k, m in enumerate(messages) if not isinstance(m, Mapping) or "role" not in m), None)
+        if bad is not None:
+            problem = f"[{bad}] is {messages[bad]!r:.80}, not a chat message dict with a 'role'"
+    if problem is not None:
+        raise HyperParameterError(
+            f"{where}(message_lists[{index}]) {problem}; pass each trajectory's messages, e.g. "
+            "trajectory.messages()",
+            "message_lists",
+            index,
+        )
+
+
 async def ruler(
     message_lists: list[list[dict[str, Any]]],
     judge_model: Any = "openai/o3",
@@ -246,12 +267,14 @@ async def ruler(
     extra = _check_args(
         where, rubric, extra_litellm_params, max_explanation_chars, cache_dir, {"debug": debug, "cache": cache}
     )
-    if not isinstance(message_lists, list) or not all(isinstance(m, list) for m in message_lists):
+    if not isinstance(message_lists, list):
         raise HyperParameterError(
             f"{where}(message_lists=...) must be a list of message lists, not a {type(message_lists).__name__}",
             "message_lists",
             type(message_lists).__name__,
         )
+    for index, messages in enumerate(message_lists):
+        _check_conversation(where, index, messages)
     if not message_lists:
         return []
     judge = judging.resolve_judge(judge_model, extra, where)

@@ -73,3 +73,31 @@ def test_extra_litellm_params_with_nan_never_reach_the_judge():
         "ruler(extra_litellm_params={'temperature': -inf}) holds a NaN or infinity, which a JSON request "
         "cannot carry; pass e.g. extra_litellm_params={'temperature': 0}"
     )
+
+
+@pytest.mark.parametrize(
+    ("lists", "says"),
+    [
+        ([CONVERSATION, "yes"], "ruler(message_lists[1]) is a str, not a list of chat messages"),
+        ([CONVERSATION, []], "ruler(message_lists[1]) is empty, so there is nothing to score"),
+        ([[], CONVERSATION], "ruler(message_lists[0]) is empty, so there is nothing to score"),
+        ([["hi"]], "ruler(message_lists[0]) [0] is 'hi', not a chat message dict with a 'role'"),
+        (
+            [[CONVERSATION[0], {"content": "x"}]],
+            "ruler(message_lists[0]) [1] is {'content': 'x'}, not a chat",
+        ),
+    ],
+)
+def test_a_trajectory_the_judge_cannot_read_as_a_chat_is_refused_before_it_is_asked(lists, says):
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(ruler(lists, "openai/o3"))
+    assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
+    assert str(caught.value).endswith("; pass each trajectory's messages, e.g. trajectory.messages()")
+
+
+def test_a_group_with_an_empty_trajectory_is_refused_even_when_failures_are_swallowed():
+    group = TrajectoryGroup(
+        [Trajectory(messages_and_choices=CONVERSATION, reward=0.0), Trajectory(messages_and_choices=[])]
+    )
+    with pytest.raises(HyperParameterError, match=r"ruler\(message_lists\[1\]\) is empty"):
+        asyncio.run(ruler_score_group(group, "openai/o3", swallow_exceptions=True))
