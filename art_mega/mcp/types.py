@@ -125,7 +125,12 @@ class GeneratedScenario(BaseModel):
         return {"task": self.task, "difficulty": self.difficulty}
 
     def preview(self, max_length: int = 120) -> str:
-        """The task, cut at `max_length` characters with "…" when longer."""
+        """The task, cut at `max_length` characters with "…" when longer.
+
+        Raises:
+            HyperParameterError: `max_length` is not a whole number >= 1.
+        """
+        check("GeneratedScenario.preview", "max_length", max_length, whole_problem(1), "120")
         if len(self.task) <= max_length:
             return self.task
         return self.task[:max_length].strip() + "…"
@@ -210,7 +215,29 @@ class GeneratedScenarioCollection:
     def filter_by_difficulty(
         self, min_difficulty: int = 1, max_difficulty: int = 5
     ) -> GeneratedScenarioCollection:
-        """The scenarios whose difficulty is within [min_difficulty, max_difficulty]."""
+        """The scenarios whose difficulty is within [min_difficulty, max_difficulty].
+
+        Raises:
+            HyperParameterError: a bound that is not a whole number 1-5, or min above max (the
+                result would be empty whatever the scenarios).
+        """
+        where = "GeneratedScenarioCollection.filter_by_difficulty"
+        for name, value in (("min_difficulty", min_difficulty), ("max_difficulty", max_difficulty)):
+            check(where, name, value, whole_problem(1), "3")
+            if value > DIFFICULTIES[-1]:
+                raise HyperParameterError(
+                    f"{where}({name}={value}) is above the highest difficulty {DIFFICULTIES[-1]}; "
+                    f"pass {name} from 1 to {DIFFICULTIES[-1]}",
+                    name,
+                    value,
+                )
+        if min_difficulty > max_difficulty:
+            raise HyperParameterError(
+                f"{where}(min_difficulty={min_difficulty}) is above max_difficulty={max_difficulty}; "
+                "pass min_difficulty <= max_difficulty",
+                "min_difficulty",
+                min_difficulty,
+            )
         return GeneratedScenarioCollection(
             [s for s in self.scenarios if min_difficulty <= s.difficulty <= max_difficulty]
         )
@@ -220,7 +247,14 @@ class GeneratedScenarioCollection:
         return Counter(scenario.difficulty for scenario in self.scenarios)
 
     def preview(self, n: int = 5, max_task_length: int = 120) -> None:
-        """Print the first `n` tasks (cut at `max_task_length` characters) with their difficulty."""
+        """Print the first `n` tasks (cut at `max_task_length` characters) with their difficulty.
+
+        Raises:
+            HyperParameterError: `n` is not a whole number >= 0 (a negative one would slice from
+                the end), or `max_task_length` not one >= 1.
+        """
+        check("GeneratedScenarioCollection.preview", "n", n, whole_problem(0), "5")
+        check("GeneratedScenarioCollection.preview", "max_task_length", max_task_length, whole_problem(1), "120")
         for i, scenario in enumerate(self.scenarios[:n]):
             print(f"   {i + 1}. {scenario.preview(max_task_length)}  (difficulty {scenario.difficulty}/5)")
 

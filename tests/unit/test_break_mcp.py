@@ -101,3 +101,44 @@ def test_completion_options_and_extra_body_with_nan_never_reach_a_server():
     assert str(caught.value).startswith(
         "generate_scenarios(extra_body={'x': [1.0, inf]}) holds a NaN or infinity"
     )
+
+
+def test_scenario_helpers_refuse_bounds_that_would_slice_or_filter_silently():
+    from art_mega.mcp import GeneratedScenario, GeneratedScenarioCollection
+
+    collection = GeneratedScenarioCollection(
+        [GeneratedScenario(task="t" * 10, difficulty=d) for d in (1, 3, 5)]
+    )
+    cases = [
+        (
+            lambda: collection.preview(n=-1),
+            "GeneratedScenarioCollection.preview(n=-1) must be a whole number of at least 0 (below 0)",
+        ),
+        (
+            lambda: collection.preview(max_task_length=0),
+            "GeneratedScenarioCollection.preview(max_task_length=0) must be",
+        ),
+        (lambda: collection[0].preview(max_length=-5), "GeneratedScenario.preview(max_length=-5) must be"),
+        (
+            lambda: collection.filter_by_difficulty("1"),
+            "GeneratedScenarioCollection.filter_by_difficulty(min_difficulty='1') must be",
+        ),
+        (
+            lambda: collection.filter_by_difficulty(True),
+            "GeneratedScenarioCollection.filter_by_difficulty(min_difficulty=True) must be",
+        ),
+        (
+            lambda: collection.filter_by_difficulty(1, 6),
+            "filter_by_difficulty(max_difficulty=6) is above the highest difficulty 5; pass max_difficulty from 1 to 5",
+        ),
+        (
+            lambda: collection.filter_by_difficulty(4, 2),
+            "filter_by_difficulty(min_difficulty=4) is above max_difficulty=2; pass min_difficulty <= max_difficulty",
+        ),
+    ]
+    for call, says in cases:
+        with pytest.raises(HyperParameterError) as caught:
+            call()
+        assert says in str(caught.value) and "\n" not in str(caught.value)
+    assert [s.difficulty for s in collection.filter_by_difficulty(3, 5)] == [3, 5]
+    assert collection[0].preview(max_length=4) == "tttt…"
