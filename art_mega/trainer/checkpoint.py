@@ -88,7 +88,7 @@ class Manifest(BaseModel):
     adapter_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     base_model: str
     layout: ManifestLayout
-    written_at: float
+    written_at: float = Field(allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------- paths

@@ -65,3 +65,18 @@ def test_set_workers_refuses_too_many_ids_before_looking_for_repeats():
         executor.set_workers(ids)
     assert "names 5000 workers, but the executor has target_workers=2 processes" in str(caught.value)
     assert executor.worker_ids == (0, 1)
+
+
+@pytest.mark.parametrize("written_at", ["NaN", "Infinity", "1e400"])
+def test_a_committed_manifest_with_a_non_finite_time_is_malformed(tmp_path, written_at):
+    folder = ckpt.step_dir(tmp_path, 1)
+    folder.mkdir()
+    ckpt.manifest_file(folder).write_text(
+        '{"step": 1, "adapter_sha256": "' + "a" * 64 + '", "base_model": "m", '
+        '"layout": {"world_size": 1, "tp": 1, "dp": 1}, "written_at": ' + written_at + "}"
+    )
+    ckpt.write_commit(tmp_path, 1)
+    with pytest.raises(CheckpointFileError) as caught:
+        ckpt.read_commit(tmp_path)
+    assert str(caught.value).startswith(f"{ckpt.manifest_file(folder)} is not a checkpoint manifest: ")
+    assert "written_at" in str(caught.value) and "\n" not in str(caught.value)
