@@ -203,18 +203,28 @@ class Model(BaseModel, Generic[ModelConfig]):
     def _automatic_metrics(self, split: str, step: int) -> dict[str, float]:
         """ART's LocalBackend step metrics for a registered model's train rows:
         `time/step_wall_s`, the seconds since the previous train row of another step (or since
-        the model was made); {} for other splits, unregistered models and a repeated step."""
+        the model was made), and, on a `LocalBackend` with a GPU price
+        (`LocalBackend.automatic_gpu_cost_per_hour_usd`), `costs/gpu` = that wall time * the
+        price in USD per hour / 3600; {} for other splits, unregistered models and a repeated
+        step."""
         if split != "train" or self._backend is None or self._last_train_step == step:
             return {}
+        from art_mega.local.backend import LocalBackend
+
         now = time.monotonic()
         wall = max(0.0, now - self._last_train_log)
         self._last_train_log, self._last_train_step = now, step
-        return {"time/step_wall_s": wall}
+        automatic = {"time/step_wall_s": wall}
+        if isinstance(self._backend, LocalBackend):
+            per_hour = self._backend.automatic_gpu_cost_per_hour_usd(self)
+            if per_hour is not None:
+                automatic["costs/gpu"] = wall * per_hour / 3600.0
+        return automatic
 
     async def log(
         self,
         trajectory_groups: Any = None,
-        split: str = "train",
+        split: str = "val",
         *,
         metrics: dict[str, float] | None = None,
         step: int | None = None,
@@ -226,7 +236,8 @@ class Model(BaseModel, Generic[ModelConfig]):
 
         `trajectory_groups`: None (metrics only), a list of TrajectoryGroup, or a list of
         Trajectory (and exceptions) logged as one group, as in ART (whose argument order this
-        follows: split second, metrics and step by name). `metrics`: names -> numbers (a NaN
+        follows: split second, metrics and step by name). `split`: "val" unless given, as in
+        ART, so training groups are logged with split="train". `metrics`: names -> numbers (a NaN
         would be left out of the row, so it is refused; +-inf is logged as is); `costs/*`,
         `time/step_*`, `data/step_*` and `throughput/step_*` keys join the metrics builder's step
         (`metrics_builder()`). `step`: None = the model's current step (0 unregistered). Returns

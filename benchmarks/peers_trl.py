@@ -133,7 +133,7 @@ async def art_program(launch) -> None:
             rolled = time.perf_counter()
             result = await backend.train(model, groups, learning_rate=LEARNING_RATE)
             trained = time.perf_counter()
-            await model.log(groups, metrics=result.metrics, step=batch.step)
+            await model.log(groups, split="train", metrics=result.metrics, step=batch.step)
             rewards = [t.reward for g in groups for t in g.trajectories]
             _emit(
                 events,

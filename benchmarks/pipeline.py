@@ -130,7 +130,7 @@ async def art_program(launch) -> None:
                     pbar_desc=None,
                 )
                 result = await backend.train(model, groups, learning_rate=LEARNING_RATE)
-                await model.log(groups, metrics=result.metrics, step=result.step)
+                await model.log(groups, split="train", metrics=result.metrics, step=result.step)
                 _emit(events, event="step", step=step, t=time.time(), step_s=time.perf_counter() - started)
         else:
 

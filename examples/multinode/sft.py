@@ -79,7 +79,7 @@ async def main(launch) -> None:
             pbar_desc="grpo",
         )
         result = await backend.train(model, groups, learning_rate=3e-4)
-        await model.log(groups, metrics=result.metrics, step=result.step - 1)
+        await model.log(groups, split="train", metrics=result.metrics, step=result.step - 1)
         val_rl = await validate(model)
         print(
             f"ART_MEGA_SFT_DONE sft_loss first_epoch={loss_first:.4f} last_epoch={loss_last:.4f} "

@@ -103,7 +103,12 @@ async def main(launch) -> None:
             rollout_s = time.perf_counter() - started
             result = await backend.train(model, groups, learning_rate=3e-4)
             # logged at the step of the policy that sampled these groups, like the validation
-            await model.log(groups, metrics={**result.metrics, "time/rollout_s": rollout_s}, step=batch.step)
+            await model.log(
+                groups,
+                split="train",
+                metrics={**result.metrics, "time/rollout_s": rollout_s},
+                step=batch.step,
+            )
             if result.step % 2 == 0 or result.step >= steps:
                 val = await validate(model)
                 print(f"step {result.step}: val/reward {val:.3f}", flush=True)

@@ -112,7 +112,7 @@ async def main(
                 print(f"step {step}: the judge failed on every group; nothing to train")
                 continue
             result = await backend.train(model, groups, learning_rate=2e-4)
-            await model.log(groups, metrics=result.metrics, step=result.step)
+            await model.log(groups, split="train", metrics=result.metrics, step=result.step)
             trained.append(result.step)
     finally:
         await backend.close()

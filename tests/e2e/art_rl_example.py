@@ -39,7 +39,7 @@ async def main(base_model: str = "tiny-llama", steps: int = 2) -> list[int]:
                 (art.TrajectoryGroup(rollout(model, scenario) for _ in range(4)) for scenario in SCENARIOS),
                 pbar_desc="gather",
             )
-            await model.log(train_groups)
+            await model.log(train_groups, split="train")
             await model.delete_checkpoints()
             await model.train(train_groups, config=art.TrainConfig(learning_rate=1e-4))
             seen.append(await model.get_step())

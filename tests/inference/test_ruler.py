@@ -226,7 +226,7 @@ async def test_the_policy_judges_its_own_rollouts_and_a_grpo_step_trains_on_thos
     assert all(t.metrics["ruler_score"] == t.reward for t in trajectories)
     result = await backend.train(model, groups, learning_rate=1e-4)
     assert result.step == step + 1 == await model.get_step()
-    await model.log(groups, metrics=result.metrics, step=result.step)
+    await model.log(groups, split="train", metrics=result.metrics, step=result.step)
     row = json.loads((model.output_dir / "history.jsonl").read_text().splitlines()[-1])
     assert row["step"] == step + 1
     assert row["train/reward"] == pytest.approx(sum(t.reward for t in trajectories) / len(trajectories))

@@ -343,7 +343,7 @@ def test_local_backend_takes_arts_arguments_and_refuses_what_has_no_meaning_here
     for kwargs, fragment in [
         ({"in_process": True}, "LocalBackend(in_process=True) is not supported"),
         ({"path": ""}, "LocalBackend(path='') must be a directory path"),
-        ({"gpu_cost_per_hour_usd": 3.0}, "art-mega logs no costs/gpu rows"),
+        ({"gpu_cost_per_hour_usd": -3.0}, "LocalBackend(gpu_cost_per_hour_usd=-3.0) must be a finite number"),
         ({"runtime": object()}, "LocalBackend(runtime=...) is not accepted"),
     ]:
         with pytest.raises(UserError) as caught:

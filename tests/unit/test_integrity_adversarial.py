@@ -243,7 +243,9 @@ def test_model_log_takes_arts_call_forms(tmp_path, monkeypatch) -> None:  # noqa
     row = asyncio.run(model.log([trajectory(1.0), trajectory(0.0), ValueError("x")], "val"))
     assert row["val/reward"] == 0.5 and row["data/step_num_groups_submitted"] == 1.0
     assert row["val/exception_rate"] == pytest.approx(1 / 3)
-    row = asyncio.run(model.log(metrics={"loss/policy": np.float32(0.5), "flag": True}, step=2))
+    row = asyncio.run(
+        model.log(split="train", metrics={"loss/policy": np.float32(0.5), "flag": True}, step=2)
+    )
     assert (row["step"], row["loss/policy"], row["train/flag"]) == (2, 0.5, 1.0)
     # an overflowed ratio from backend.train is logged as is (model.log(metrics=result.metrics))
     assert asyncio.run(model.log(metrics={"loss/ratio_mean": math.inf}))["loss/ratio_mean"] == math.inf

@@ -35,7 +35,7 @@ async def test_model_log_appends_history(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     model = TrainableModel(name="agent", project="proj", base_model="tiny")
-    await model.log(groups(), step=0)
+    await model.log(groups(), step=0, split="train")
     await model.log(groups()[:1], step=1, split="val")
     path = tmp_path / ".art-mega" / "proj" / "models" / "agent" / "history.jsonl"
     rows = read_history(path)

@@ -186,7 +186,7 @@ async def test_rows_have_arts_names_totals_and_throughput(model: art.Model) -> N
     with model.metrics_builder("train").activate_context():
         record_latency("idle", 1.0)
     assert await model.log() == {}  # nothing to log: no row, and the pending step waits (ART)
-    assert (await model.log(None, metrics={}, step=4))["time/step_idle_s"] == 1.0
+    assert (await model.log(None, split="train", metrics={}, step=4))["time/step_idle_s"] == 1.0
 
 
 def test_history_row_leaves_out_what_it_cannot_compute() -> None:
@@ -314,7 +314,7 @@ async def test_each_log_writes_arts_trajectory_file(model: art.Model) -> None:
         played.tools,
     )
     assert back[1].trajectories[0].reward == 0.5
-    await model.log(metrics={"loss/train": 1.0}, step=4)
+    await model.log(split="train", metrics={"loss/train": 1.0}, step=4)
     assert not trajectory_file(model.output_dir, "train", 4).exists()  # metrics only: no file
 
 
@@ -337,7 +337,7 @@ def test_wandb_run_is_arts_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     async def go() -> None:
         await model.log([group(1.0, 0.0)], split="train", step=0)
-        await model.log(metrics={"loss/train": 0.5}, step=1)
+        await model.log(split="train", metrics={"loss/train": 0.5}, step=1)
 
     asyncio.run(go())
     run = model._wandb.run
