@@ -145,9 +145,22 @@ async def rollout_with_tools(
         )
     turns = _Turns(max_turns, system_prompt, tools, offer_complete_task, tool_choice, strict_tools, options)
     if isinstance(server, McpSession):
+        _check_model(model)
         return await turns.run(model, server, task, metadata)
-    async with connect(check_server("rollout_with_tools", server)) as session:
+    checked = check_server("rollout_with_tools", server)
+    _check_model(model)  # before the server starts: without it the first turn fails after the start
+    async with connect(checked) as session:
         return await turns.run(model, session, task, metadata)
+
+
+def _check_model(model: Any) -> None:
+    from art_mega.model import Model
+
+    if not isinstance(model, Model):
+        raise UserError(
+            f"rollout_with_tools(model=...) is a {type(model).__name__}, not an art.Model; pass the "
+            "(registered) model whose policy runs the rollout"
+        )
 
 
 @dataclass(frozen=True)

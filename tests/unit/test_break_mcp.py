@@ -142,3 +142,16 @@ def test_scenario_helpers_refuse_bounds_that_would_slice_or_filter_silently():
         assert says in str(caught.value) and "\n" not in str(caught.value)
     assert [s.difficulty for s in collection.filter_by_difficulty(3, 5)] == [3, 5]
     assert collection[0].preview(max_length=4) == "tttt…"
+
+
+def test_rollout_with_tools_refuses_a_model_that_is_not_an_art_model_before_the_server_starts():
+    from art_mega.mcp import StdioServer
+
+    server = StdioServer(command="/nonexistent/never-started")
+    for model in (None, "policy", object()):
+        with pytest.raises(UserError) as caught:
+            asyncio.run(rollout_with_tools(model, server, "add 1 and 2"))
+        assert str(caught.value) == (
+            f"rollout_with_tools(model=...) is a {type(model).__name__}, not an art.Model; pass the "
+            "(registered) model whose policy runs the rollout"
+        )
