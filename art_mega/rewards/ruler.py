@@ -277,8 +277,23 @@ async def ruler(
         _check_conversation(where, index, messages)
     if not message_lists:
         return []
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
+        raise HyperParameterError(
+            f"{where}(tools={tools!r:.80}) must be a list of tool schema dicts or None; pass the "
+            "trajectory's tools, e.g. trajectory.tools",
+            "tools",
+            tools,
+        )
     judge = judging.resolve_judge(judge_model, extra, where)
-    messages, ids = judge_messages(message_lists, rubric, tools)
+    try:
+        messages, ids = judge_messages(message_lists, rubric, tools)
+    except TypeError as exc:  # a value in a message or a tool that JSON cannot show
+        raise HyperParameterError(
+            f"{where}(message_lists / tools): {exc}; give plain JSON values (str, number, list, dict) "
+            "or pydantic models",
+            "message_lists",
+            str(exc),
+        ) from None
     if len(ids) == 1 and len(message_lists) > 1:
         log.warning(
             "RULER: all %d trajectories are the same conversation; the judge scores it alone "

@@ -101,3 +101,19 @@ def test_a_group_with_an_empty_trajectory_is_refused_even_when_failures_are_swal
     )
     with pytest.raises(HyperParameterError, match=r"ruler\(message_lists\[1\]\) is empty"):
         asyncio.run(ruler_score_group(group, "openai/o3", swallow_exceptions=True))
+
+
+def test_tools_or_message_values_json_cannot_show_are_refused_in_one_sentence():
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(ruler([CONVERSATION], "openai/o3", tools="add"))
+    assert str(caught.value) == (
+        "ruler(tools='add') must be a list of tool schema dicts or None; pass the trajectory's tools, "
+        "e.g. trajectory.tools"
+    )
+    odd = [{"role": "user", "content": {1, 2}}, {"role": "assistant", "content": "yes"}]
+    with pytest.raises(HyperParameterError) as caught:
+        asyncio.run(ruler([odd, CONVERSATION], "openai/o3"))
+    assert str(caught.value) == (
+        "ruler(message_lists / tools): a set in a message cannot be shown to the judge as JSON; give "
+        "plain JSON values (str, number, list, dict) or pydantic models"
+    )
