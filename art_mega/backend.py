@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_mega.agent.ports import free_port
 from art_mega.errors import UserError
 from art_mega.hyperparams import fraction_problem
 from art_mega.trainer import checkpoint
@@ -866,8 +865,6 @@ class MegatronBackend:
             artifact_root=artifact_root,
             cache_root=default_cache_root(),
             vllm_python=self._vllm_python or default_vllm_python(),
-            master_port=free_port(),
-            api_port=free_port(),
             startup_timeout_s=self.startup_timeout_s,
         )
         self._placement = placement_of(config)

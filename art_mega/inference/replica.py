@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shlex
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -200,11 +201,14 @@ class LocalReplica:
         )
 
     async def wait_ready(self, timeout_s: float | None = None) -> float:
-        """Wait for `GET /health` = 200, then one greedy one-token completion of the base model.
+        """Wait for `GET /health` = 200, check that `GET /v1/models` lists
+        `launch.served_model_name`, then one greedy one-token completion of the base model.
 
         Returns the seconds since spawn. Raises `ReplicaStartError` (with the log's tail) when
-        the process exits first or `timeout_s` (default `launch.ready_timeout_s`) runs out; the
-        process is left running in that case (the caller stops it).
+        the process exits first, `timeout_s` (default `launch.ready_timeout_s`) runs out, or the
+        server answering on the port does not serve `served_model_name` (another program's
+        server holds the port and this process could not bind it); the process is left running
+        in that case (the caller stops it).
         """
         timeout_s = self.launch.ready_timeout_s if timeout_s is None else timeout_s
         deadline = self.started_at + timeout_s
@@ -215,6 +219,7 @@ class LocalReplica:
                 if time.monotonic() >= deadline:
                     raise self._failure(f"was not healthy after {timeout_s:g} s")
                 await asyncio.sleep(_HEALTH_POLL_S)
+            await self._check_served(client)
             warmup = asyncio.ensure_future(client.complete(self.launch.served_model_name, WARMUP_PROMPT))
             exited = asyncio.ensure_future(self.process.wait())
             try:
@@ -240,18 +245,73 @@ class LocalReplica:
                 raise self._failure(f"did not finish its warm-up completion within {timeout_s:g} s")
         return time.monotonic() - self.started_at
 
+    async def _check_served(self, client: ReplicaClient) -> None:
+        """Raise `ReplicaStartError` unless the healthy server lists `served_model_name`.
+
+        `GET /health` = 200 says only that some server answers on the port; a second art-mega
+        run on this host whose replica could not bind would otherwise send its warm-up and
+        rollouts to the first run's server.
+        """
+        expected = self.launch.served_model_name
+        port = self.spec.endpoint.port
+        fix = f"another process holds port {port}: stop it or choose another InferenceSpec.api_port"
+        try:
+            served = await client.model_ids()
+        except ReplicaHTTPError as exc:
+            raise self._failure(
+                f"is answered on its port by a server that failed GET /v1/models ({exc}); {fix}"
+            ) from exc
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise self._failure(
+                f"is answered on its port by a server whose GET /v1/models is not an OpenAI model list; {fix}"
+            ) from exc
+        if expected not in served:
+            raise self._failure(
+                f"is answered on its port by a server that serves {served}, not {expected!r}; {fix}"
+            )
+
     async def stop(self, grace_s: float | None = None) -> int:
         """SIGTERM the replica's process group, SIGKILL after `grace_s` (default
         `launch.stop_grace_s`) seconds; returns the exit code."""
         return await stop_process(self.process, self.launch.stop_grace_s if grace_s is None else grace_s)
 
 
+def check_port_free(spec: ReplicaSpec) -> None:
+    """Raise `ReplicaStartError` when `spec.endpoint`'s port cannot be bound on its host now.
+
+    Binds as vLLM's server does (SO_REUSEADDR, so a port this host's previous replica left in
+    TIME_WAIT counts as free) but without SO_REUSEPORT, which vLLM also sets: a port another
+    program listens on must be refused even when that program would let a second server share it.
+    """
+    host, port = spec.endpoint.host, spec.endpoint.port
+    try:
+        family, socktype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise ReplicaStartError(
+            f"replica {spec.process_name}: its host address {host!r} does not resolve here ({exc}); "
+            "give the host an address this machine can bind",
+            spec.process_name,
+        ) from exc
+    try:
+        with socket.socket(family, socktype, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        raise ReplicaStartError(
+            f"replica {spec.process_name}: port {port} on host {host} cannot be bound ({exc.strerror or exc}): "
+            "another process holds it; choose another InferenceSpec.api_port or stop that process",
+            spec.process_name,
+        ) from exc
+
+
 async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplica:
     """Start the replica's server process, output appended to `<log_dir>/<NAME-INDEX>.log`.
 
     Returns at once (see `LocalReplica.wait_ready`). Raises `ReplicaStartError` when the
-    interpreter cannot be executed or the log directory cannot be written.
+    replica's port is already taken on its host (`check_port_free`), the interpreter cannot be
+    executed or the log directory cannot be written.
     """
+    check_port_free(spec)
     argv = vllm_argv(spec, launch)
     log_path = Path(launch.log_dir) / f"{spec.process_name}.log"
     try:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from art_mega.agent.ports import free_port
 from art_mega.errors import HyperParameterError, TopologyError
 from art_mega.preflight.protocol import GpuInfo, HostFacts
 from art_mega.topology import (
@@ -255,15 +256,18 @@ def local_plan(
     artifact_root: str,
     cache_root: str,
     vllm_python: str,
-    master_port: int,
-    api_port: int,
+    master_port: int | None = None,
+    api_port: int | None = None,
     startup_timeout_s: float = 900.0,
 ) -> LocalPlan:
     """The topology and engine settings `LocalBackend()` uses on the host `facts` describes.
 
     `config` is the model's `InternalModelConfig` (None or {}: ART's defaults). The host is
     "local" on loopback (its agent on a free port), with 2 CPU slots; the trainer's rendezvous
-    is `master_port` and the first replica serves on `api_port`.
+    is `master_port` and the first replica serves on `api_port`. A port left None is a free one
+    on 127.0.0.1 (`agent.ports.free_port`, never one this process handed out before), so two
+    local runs on one machine do not meet on a fixed default; a port given is used as given
+    (a replica refuses to start when it is taken: `inference.replica.check_port_free`).
 
     Raises:
         HyperParameterError: a bad GPU id list (see `gpu_ids_of`), a GPU id CUDA cannot use on this
@@ -276,6 +280,8 @@ def local_plan(
     config = config or {}
     settings = engine_settings(config)
     chosen = gpu_ids_of(config)
+    master_port = free_port() if master_port is None else master_port
+    api_port = free_port() if api_port is None else api_port
     devices = visible_gpus(facts)
     tp = settings.tensor_parallel_size
     if not devices:
