@@ -92,7 +92,8 @@ async def start_managed_etcd(request: EtcdStartRequest, launch_id: str = "") -> 
 
     Raises:
         FileNotFoundError, ValueError: no binary, a version below 3.4, or a sha256 mismatch.
-        RuntimeError: it exited early (with the tail of its log) or was not healthy in time.
+        RuntimeError: it exited early (with the tail of its log), was not healthy in time, or
+            the healthy server on its client port is another etcd (`not_our_member`).
     """
     binary = find_binary(request.binary)
     if request.sha256:
@@ -137,15 +138,39 @@ async def start_managed_etcd(request: EtcdStartRequest, launch_id: str = "") -> 
                 raise RuntimeError(f"etcd exited with code {process.returncode}: {tail}")
             try:
                 reply = await http.get(client.url + "/health")
-                if reply.status_code == 200 and reply.json().get("health") in (True, "true"):
-                    return etcd
+                healthy = reply.status_code == 200 and reply.json().get("health") in (True, "true")
             except (httpx.HTTPError, ValueError):
-                pass
+                healthy = False
+            if healthy:
+                stranger = await not_our_member(http, client.url, peer.url)
+                if stranger is None:
+                    return etcd
+                await etcd.stop()
+                raise RuntimeError(stranger)
             if time.monotonic() > deadline:
                 tail = log_path.read_text(errors="replace")[-800:]
                 await etcd.stop()
                 raise RuntimeError(f"etcd was not healthy after {request.timeout_s:g} s: {tail}")
             await asyncio.sleep(0.05)
+
+
+async def not_our_member(http: httpx.AsyncClient, client_url: str, peer_url: str) -> str | None:
+    """None when the etcd answering at `client_url` is the one member art-mega started with
+    `peer_url`; else one sentence saying what answered.
+
+    /health = true says only that some etcd answers on the port: one that another program
+    started there first (ours then fails to bind) would otherwise become this launch's store.
+    """
+    fix = "another process holds the port; start again (art-mega picks new free ports)"
+    try:
+        reply = await http.post(client_url + "/v3/cluster/member/list", json={})
+        members = reply.json()["members"]
+        urls = [url for member in members for url in member.get("peerURLs", [])]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"the etcd answering at {client_url} did not list its members ({type(exc).__name__}: {exc}); {fix}"
+    if urls != [peer_url]:
+        return f"the etcd answering at {client_url} has members with peer URLs {urls}, not {peer_url}; {fix}"
+    return None
 
 
 def etcd_api_problem(status: int, reason: str, body: str) -> tuple[str | None, str]:

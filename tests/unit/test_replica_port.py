@@ -1,18 +1,21 @@
 """A replica never trusts someone else's server on its port: the port must bind before the
-server is spawned, and the healthy server must list the replica's served model name. The
-server holding the port is a real HTTP server on loopback (a stand-in answering only vLLM's
-/health, /v1/models and /v1/completions: what is under test is art-mega's check, not vLLM)."""
+server is spawned, and the healthy server must list the replica's served model name (managed
+etcd likewise must list the member art-mega started). The server holding the port is a real
+HTTP server on loopback (a stand-in answering only vLLM's /health, /v1/models and
+/v1/completions: what is under test is art-mega's check, not vLLM)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from art_mega.agent.ports import free_port
@@ -20,7 +23,8 @@ from art_mega.errors import ReplicaStartError
 from art_mega.inference.protocol import ReplicaLaunch
 from art_mega.inference.replica import LocalReplica, check_port_free, spawn_replica
 from art_mega.launch.local_topology import local_plan
-from art_mega.preflight.protocol import HostFacts
+from art_mega.preflight.etcd import not_our_member, start_managed_etcd
+from art_mega.preflight.protocol import EtcdStartRequest, HostFacts
 from art_mega.topology import EndpointSpec
 from art_mega.topology.compiled import ReplicaSpec
 
@@ -250,3 +254,26 @@ def test_two_local_plans_without_ports_get_different_free_ones():
 
 def test_ports_given_to_a_local_plan_are_used_as_given():
     assert plan_ports(master_port=29511, api_port=8400) == (29511, 8400)
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian etcd-server)")
+async def test_managed_etcd_is_trusted_only_as_the_member_art_mega_started():
+    etcd = await start_managed_etcd(EtcdStartRequest(advertise_host="127.0.0.1"))
+    try:
+        argv = Path(f"/proc/{etcd.process.pid}/cmdline").read_bytes().decode().split("\0")
+        peer = argv[argv.index("--listen-peer-urls") + 1]
+        async with httpx.AsyncClient(trust_env=False, timeout=5.0) as http:
+            assert await not_our_member(http, etcd.endpoint.url, peer) is None
+            other = await not_our_member(http, etcd.endpoint.url, "http://127.0.0.1:1")
+            for server in serving({"data": []}):
+                not_etcd = await not_our_member(http, f"http://127.0.0.1:{server.port}", peer)
+    finally:
+        await etcd.stop()
+    assert other == (
+        f"the etcd answering at {etcd.endpoint.url} has members with peer URLs ['{peer}'], not "
+        "http://127.0.0.1:1; another process holds the port; start again (art-mega picks new free ports)"
+    )
+    assert not_etcd is not None
+    assert not_etcd.startswith(
+        f"the etcd answering at http://127.0.0.1:{server.port} did not list its members ("
+    )
