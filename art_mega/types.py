@@ -1,10 +1,15 @@
 """ART's type names: `Messages`, `MessagesAndChoices`, `Tools` (the OpenAI chat types a
-`Trajectory` holds) and `Backend` (what a `TrainableModel` needs of its backend)."""
+`Trajectory` holds), `Verbosity`, `Backend` (what a `TrainableModel` needs of its backend), and,
+as ART's `art.types` has them, `TrainConfig`, `TrainSFTConfig`, `TrainResult` and
+`LocalTrainResult`: the very classes `art_mega` exports (from `art_mega.model`, `art_mega.sft`,
+`art_mega.backend`), loaded on first use so this module stays light.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+import importlib
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_param import ChatCompletionMessageParam
@@ -18,6 +23,25 @@ MessagesAndChoices = list[MessageOrChoice]
 """A conversation: message dicts and the sampled `Choice`s training learns from."""
 Tools = list[ChatCompletionToolParam]
 """OpenAI tool definitions (`{"type": "function", "function": {...}}`)."""
+Verbosity = Literal[0, 1, 2]
+"""ART's verbosity levels (0 quiet, 1 progress, 2 debug), for annotating a program's own option."""
+
+_CLASSES = {
+    "TrainConfig": "art_mega.model",
+    "TrainSFTConfig": "art_mega.sft",
+    "TrainResult": "art_mega.backend",
+    "LocalTrainResult": "art_mega.backend",
+}
+"""ART's `art.types` classes, by the module that defines them (imported on first access)."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _CLASSES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'art_mega.types' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 @runtime_checkable
