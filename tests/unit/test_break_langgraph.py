@@ -72,3 +72,52 @@ async def test_plain_sampling_options_are_kept() -> None:
         return art.Trajectory()
 
     await wrap_rollout(prompted_model(), rollout)()
+
+
+def _recorded(logprobs: Any) -> list[art.Trajectory]:
+    """Two trajectories (rewards 0 and 1) of one recorded completion whose choice has `logprobs`."""
+    import json
+
+    from art_mega.langgraph.rollout import WrappedRollout, conversations
+
+    request = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    response = json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "yes"},
+                    "logprobs": logprobs,
+                    "token_ids": [42],
+                }
+            ],
+        }
+    ).encode()
+    rollout = WrappedRollout(prompted_model())
+    rollout.record(request, response)
+    (history,) = conversations(rollout.completions)
+    return [art.Trajectory(messages_and_choices=history.messages_and_choices, reward=r) for r in (0.0, 1.0)]
+
+
+def test_a_recorded_completion_without_logprobs_is_refused_by_training_not_trained(
+    tiny_tokenizer: Any,
+) -> None:
+    from art_mega.errors import NonFiniteValueError, TokenizationError
+    from art_mega.trainer.tokenize import grpo_documents
+    from art_mega.trajectories import check_train_groups
+
+    for logprobs in (None, {"content": []}):
+        with pytest.raises(TokenizationError) as caught:
+            grpo_documents(tiny_tokenizer, [art.TrajectoryGroup(_recorded(logprobs))])
+        assert str(caught.value) == (
+            "trajectory 0 of group 0: messages_and_choices[1] is a sampled Choice with 0 logprobs for 1 "
+            "tokens; request logprobs=True (model.openai_client() does)"
+        )
+    nan = {"content": [{"token": "token_id:42", "logprob": float("nan"), "bytes": None, "top_logprobs": []}]}
+    with pytest.raises(NonFiniteValueError, match="has the sampling logprob nan at token 0"):
+        check_train_groups([art.TrajectoryGroup(_recorded(nan))])
