@@ -419,6 +419,52 @@ class Model(BaseModel, Generic[ModelConfig]):
             "temperature": 1,
         }
 
+    def safe_model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`model_dump(*args, **kwargs)` with `config` set to None (ART's: a dump that needs
+        no config class to serialize or load, e.g. for a backend or a rollout worker)."""
+        data = self.model_dump(*args, **kwargs)
+        data["config"] = None
+        return data
+
+    def backend(self) -> Any:
+        """The backend `register` attached the model to (ART's accessor).
+
+        Raises:
+            UserError: the model is not registered.
+        """
+        if self._backend is None:
+            raise UserError(
+                f"model {self.name!r} is not registered with a backend; call "
+                "`await model.register(backend)` first"
+            )
+        return self._backend
+
+    async def register(self, backend: Any) -> None:
+        """Attach a prompted model to `backend`, as ART's programs do to compare it with the
+        trained one: its `log` rows then go to the backend's run folder
+        `<artifact_root>/<project>/models/<name>` (a `LocalBackend(path=)`'s `<path>/...`, as in
+        ART), beside the trained model's, and `backend()` returns it. Nothing starts: requests
+        still go to `inference_base_url`.
+
+        Raises:
+            UserError: `backend` is not an art-mega backend (`MegatronBackend`, `LocalBackend`).
+        """
+        from art_mega.backend import MegatronBackend
+        from art_mega.trainer.checkpoint import run_dir
+
+        if not isinstance(backend, MegatronBackend):
+            raise UserError(
+                f"model.register(backend={type(backend).__name__}) needs an art-mega backend; "
+                "pass a LocalBackend() or a MegatronBackend(runtime=...)"
+            )
+        self._backend = backend
+        self._output_dir = str(run_dir(backend._artifact_root(), self.project, self.name))
+
+    async def get_step(self) -> int:
+        """The model's training step: always 0 for a prompted model (ART's; it has no
+        checkpoints), so `model.log` rows of an evaluation land at step 0."""
+        return 0
+
 
 class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     """A model that art-mega trains: `base_model` is an HF directory, a cached name, an adapter, or a
