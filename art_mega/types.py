@@ -7,8 +7,8 @@ as ART's `art.types` has them, `TrainConfig`, `TrainSFTConfig`, `TrainResult` an
 
 from __future__ import annotations
 
-from pathlib import Path
 import importlib
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from openai.types.chat.chat_completion import Choice
