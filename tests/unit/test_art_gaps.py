@@ -120,3 +120,58 @@ def test_safe_model_dump_drops_the_config_only():
     }
     assert safe["base_model"] == "tiny-llama" and safe["trainable"] is True
     assert art.Model(name="m", project="p").safe_model_dump(include={"name"}) == {"name": "m", "config": None}
+
+
+@pytest.fixture
+def litellm_types(monkeypatch):
+    # LiteLLM fetches its price table over the network at import unless told to use its own copy
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    return importlib.import_module("litellm.types.utils")
+
+
+def test_a_litellm_choice_converts_to_the_openai_choice_a_trajectory_holds(litellm_types):
+    from openai.types.chat.chat_completion import Choice
+
+    from art_mega.utils.litellm import convert_litellm_choice_to_openai
+
+    u = litellm_types
+    call = u.ChatCompletionMessageToolCall(
+        id="c1", type="function", function=u.Function(name="search", arguments='{"q": "x"}')
+    )
+    token = u.ChatCompletionTokenLogprob(
+        token="ok", bytes=[111, 107], logprob=-0.25, top_logprobs=[u.TopLogprob(token="ok", logprob=-0.25)]
+    )
+    choice = convert_litellm_choice_to_openai(
+        u.Choices(
+            finish_reason="tool_calls",
+            index=2,
+            message=u.Message(role="assistant", content="ok", tool_calls=[call]),
+            logprobs=u.ChoiceLogprobs(content=[token]),
+        )
+    )
+    assert type(choice) is Choice and (choice.finish_reason, choice.index) == ("tool_calls", 2)
+    assert choice.message.content == "ok"
+    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("c1", "search", '{"q": "x"}')
+    ]
+    assert [(t.token, t.bytes, t.logprob) for t in choice.logprobs.content] == [("ok", [111, 107], -0.25)]
+    assert [(t.token, t.logprob) for t in choice.logprobs.content[0].top_logprobs] == [("ok", -0.25)]
+    assert "provider_specific_fields" not in choice.message.model_dump()
+    trajectory = art.Trajectory(
+        messages_and_choices=[{"role": "user", "content": "find x"}, choice], reward=1.0
+    )
+    assert trajectory.messages()[-1]["content"] == "ok"
+    plain = convert_litellm_choice_to_openai(
+        u.Choices(finish_reason="stop", index=0, message=u.Message(role="assistant", content="hi"))
+    )
+    assert plain.message.tool_calls is None and plain.logprobs is None
+
+
+def test_convert_litellm_choice_refuses_a_streamed_choice_in_one_sentence(litellm_types):
+    from art_mega.errors import HyperParameterError
+    from art_mega.utils.litellm import convert_litellm_choice_to_openai
+
+    with pytest.raises(HyperParameterError, match=r"got a StreamingChoices without a message; pass one of"):
+        convert_litellm_choice_to_openai(litellm_types.StreamingChoices(index=0))
+    with pytest.raises(HyperParameterError, match=r"got a dict without a message"):
+        convert_litellm_choice_to_openai({"message": {"role": "assistant"}})
