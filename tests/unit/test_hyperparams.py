@@ -113,7 +113,8 @@ def test_unknown_keywords_are_refused_by_backend_train() -> None:
         "precalculate_logprobs, mask_prob_ratio, max_negative_advantage_importance_sampling_weight, "
         "kimi_k2_tau, num_trajectories_learning_rate_multiplier_power, kl_ref_adapter_path, "
         "kl_penalty_reference_step, config, "
-        "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs"
+        "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs, "
+        "grad_accumulation_sequences, packed_sequence_length"
     )
     with pytest.raises(HyperParameterError, match="ppo=True; backend.train takes ART's loss_fn='ppo'"):
         train(ppo=True)
