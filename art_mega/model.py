@@ -209,14 +209,14 @@ class Model(BaseModel, Generic[ModelConfig]):
         step."""
         if split != "train" or self._backend is None or self._last_train_step == step:
             return {}
-        from art_mega.local.backend import LocalBackend
-
         now = time.monotonic()
         wall = max(0.0, now - self._last_train_log)
         self._last_train_log, self._last_train_step = now, step
         automatic = {"time/step_wall_s": wall}
-        if isinstance(self._backend, LocalBackend):
-            per_hour = self._backend.automatic_gpu_cost_per_hour_usd(self)
+        # ART's duck-typed hook (only LocalBackend has it); the model never imports a backend.
+        price = getattr(self._backend, "automatic_gpu_cost_per_hour_usd", None)
+        if price is not None:
+            per_hour = price(self)
             if per_hour is not None:
                 automatic["costs/gpu"] = wall * per_hour / 3600.0
         return automatic
