@@ -449,16 +449,18 @@ class Model(BaseModel, Generic[ModelConfig]):
         Raises:
             UserError: `backend` is not an art-mega backend (`MegatronBackend`, `LocalBackend`).
         """
-        from art_mega.backend import MegatronBackend
         from art_mega.trainer.checkpoint import run_dir
 
-        if not isinstance(backend, MegatronBackend):
+        # Duck-typed: the model never imports the backend (it sits below it, see
+        # tests/unit/test_import_graph.py); every art-mega backend has `_artifact_root()`.
+        artifact_root = getattr(backend, "_artifact_root", None)
+        if not callable(artifact_root):
             raise UserError(
                 f"model.register(backend={type(backend).__name__}) needs an art-mega backend; "
                 "pass a LocalBackend() or a MegatronBackend(runtime=...)"
             )
         self._backend = backend
-        self._output_dir = str(run_dir(backend._artifact_root(), self.project, self.name))
+        self._output_dir = str(run_dir(artifact_root(), self.project, self.name))
 
     async def get_step(self) -> int:
         """The model's training step: always 0 for a prompted model (ART's; it has no
