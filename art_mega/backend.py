@@ -158,6 +158,7 @@ GRPO_OPTIONS = (
     "allow_training_without_logprobs",
     "grad_accumulation_sequences",
     "packed_sequence_length",
+    "logprob_calculation_chunk_size",
 )
 """The keywords `MegatronBackend.train` takes (ART's `LocalBackend.train` names mean what they
 mean there; `kl_beta`, `tis_cap`, `allow_stale` and `drop_nonfinite_rewards` are art-mega's)."""
@@ -177,11 +178,6 @@ class RefusedOption:
 
 _NO_MOE = "art-mega neither records nor replays MoE routing, so remove it"
 ART_OPTION_HINTS: dict[str, RefusedOption] = {
-    "logprob_calculation_chunk_size": RefusedOption(
-        (),
-        "art-mega computes logprobs one microbatch at a time (size it with MegatronBackend(micro_batch_rows=...)), "
-        "so remove it",
-    ),
     "loss_fn_config": RefusedOption(
         (None,), "ART's LocalBackend refuses it too; choose the objective with loss_fn='cispo' or 'ppo'"
     ),
@@ -233,6 +229,7 @@ def check_grpo_options(
     kimi_k2_tau: Any = None,
     num_trajectories_learning_rate_multiplier_power: Any = 0.0,
     kl_ref_adapter_path: Any = None,
+    logprob_calculation_chunk_size: Any = None,
 ) -> tuple[float, dict[str, Any]]:
     """Check `backend.train`'s options before anything runs; returns (learning rate, the
     `GRPOLossConfig` fields of the job).
@@ -245,7 +242,9 @@ def check_grpo_options(
     finite > 0 (not tis_cap and truncated_importance_sampling together); advantage_balance:
     in [-1, 1]; num_trajectories_learning_rate_multiplier_power: finite; the flags: bools;
     kl_ref_adapter_path: None or a PEFT adapter folder (or a checkpoint folder holding one in
-    `adapter/`) on this host, used as the reference when kl_penalty_coef or kl_beta is > 0.
+    `adapter/`) on this host, used as the reference when kl_penalty_coef or kl_beta is > 0;
+    logprob_calculation_chunk_size: None (whole rows) or a whole number >= 1 (ART's memory knob:
+    the trainer's logprobs over chunks of that many positions, `logprobs.token_logprobs`).
     config: None or a `TrainConfig`, whose learning_rate replaces `learning_rate` (a
     `learning_rate` other than the default must agree with it), whose beta is `kl_beta` and
     whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree).
@@ -268,6 +267,7 @@ def check_grpo_options(
         one_of_problem,
         optional,
         positive_problem,
+        whole_problem,
     )
     from art_mega.model import TrainConfig
 
@@ -365,6 +365,13 @@ def check_grpo_options(
         ("allow_training_without_logprobs", allow_training_without_logprobs),
     ):
         check(where, name, value, bool_problem, "True")
+    check(
+        where,
+        "logprob_calculation_chunk_size",
+        logprob_calculation_chunk_size,
+        optional(whole_problem(1)),
+        "8",
+    )
     ppo = loss_fn == "ppo"
     epsilon = (0.2 if ppo else 1.0) if epsilon is None else epsilon
     epsilon_high = (None if ppo else 4.0) if epsilon_high is None else epsilon_high
@@ -389,6 +396,8 @@ def check_grpo_options(
         "precalculate_logprobs": precalculate_logprobs,
         "kl_ref_adapter_path": _reference_adapter(kl_ref_adapter_path, kl_penalty_coef or kl_beta),
     }
+    if logprob_calculation_chunk_size is not None:  # absent: GRPOLossConfig's None, whole rows
+        loss["logprob_calculation_chunk_size"] = int(logprob_calculation_chunk_size)
     return float(learning_rate), loss
 
 
@@ -1267,6 +1276,7 @@ class MegatronBackend:
         allow_training_without_logprobs: bool = False,
         grad_accumulation_sequences: int | None = None,
         packed_sequence_length: int | None = None,
+        logprob_calculation_chunk_size: int | None = None,
         **unknown: Any,
     ) -> TrainResult:
         """GRPO on these groups, one new step (one checkpoint); returns it and its metrics.
@@ -1281,7 +1291,9 @@ class MegatronBackend:
         committed checkpoint `kl_penalty_reference_step`); `scale_rewards` / `normalize_advantages` (False:
         centred, not divided by the group's std); `advantage_balance` (then every advantage is
         divided by their mean magnitude, as ART's packing does: `tokenize.balance_advantages`);
-        `num_trajectories_learning_rate_multiplier_power` (`trajectories_learning_rate`). The
+        `num_trajectories_learning_rate_multiplier_power` (`trajectories_learning_rate`);
+        `logprob_calculation_chunk_size` (the trainer's logprobs over chunks of that many
+        positions, a memory knob: same values, `logprobs.token_logprobs`). The
         ART options art-mega does not implement (`ART_OPTION_HINTS`) pass only at the value
         where they do nothing, else each is refused with what to use. art-mega's own: `kl_beta`
         (a k3 KL loss term), `tis_cap` (= truncated_importance_sampling with
@@ -1366,6 +1378,7 @@ class MegatronBackend:
             kimi_k2_tau=kimi_k2_tau,
             num_trajectories_learning_rate_multiplier_power=num_trajectories_learning_rate_multiplier_power,
             kl_ref_adapter_path=kl_ref_adapter_path,
+            logprob_calculation_chunk_size=logprob_calculation_chunk_size,
         )
         accumulate, row_len = check_packing(
             grad_accumulation_sequences,

@@ -225,12 +225,18 @@ class TrainerEngine:
         return [{k: v[i : i + step] for k, v in tensors.items()} for i in range(0, rows, step)]
 
     @torch.no_grad()
-    def _forward_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward_logprobs(
+        self, tensors: dict[str, torch.Tensor], chunk_size: int | None = None
+    ) -> torch.Tensor:
         logits = forward_logits(
             self.ddp, tensors["input_ids"], tensors["position_ids"], tensors["segment_ids"]
         )
         return token_logprobs(
-            logits, tensors["input_ids"], vocab_size=self.vocab_size, segment_ids=tensors["segment_ids"]
+            logits,
+            tensors["input_ids"],
+            vocab_size=self.vocab_size,
+            segment_ids=tensors["segment_ids"],
+            chunk_size=chunk_size,
         )
 
     # ------------------------------------------------------------------ public API
@@ -383,9 +389,13 @@ class TrainerEngine:
         ref = old = inference = None
         if loss_config.needs_reference:
             with self._reference(loss_config.kl_ref_adapter_path):
-                ref = self._forward_logprobs(tensors)
+                ref = self._forward_logprobs(tensors, loss_config.logprob_calculation_chunk_size)
         if loss_config.recomputes_old:
-            old = tensors["old_policy"] if "old_policy" in tensors else self._forward_logprobs(tensors)
+            old = (
+                tensors["old_policy"]
+                if "old_policy" in tensors
+                else self._forward_logprobs(tensors, loss_config.logprob_calculation_chunk_size)
+            )
             inference = tensors["old_logprobs"]
         return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
 
@@ -443,7 +453,11 @@ class TrainerEngine:
         if self.compute_entropy:
             entropy = token_entropy(logits, vocab_size=self.vocab_size, segment_ids=t["segment_ids"])
         logprobs = token_logprobs(
-            logits, t["input_ids"], vocab_size=self.vocab_size, segment_ids=t["segment_ids"]
+            logits,
+            t["input_ids"],
+            vocab_size=self.vocab_size,
+            segment_ids=t["segment_ids"],
+            chunk_size=loss_config.logprob_calculation_chunk_size,
         )
         loss_fn = functools.partial(
             self._loss,

@@ -71,6 +71,7 @@ def token_logprobs(
     *,
     vocab_size: int,
     segment_ids: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """log p(input_ids[t] | tokens < t of its document), float32 [B, S], differentiable.
 
@@ -82,6 +83,13 @@ def token_logprobs(
         vocab_size: the real vocabulary size; padded columns (ids >= vocab_size) are excluded.
         segment_ids: int [B, S] of packed rows (see `packed_attention_mask`), or None for one
             document per row.
+        chunk_size: None (the whole rows at once) or ART's `logprob_calculation_chunk_size`:
+            the cross entropy runs over `chunk_size` positions of this rank's logits at a time,
+            so its float32 working set is [B, chunk_size, V_padded / tp]; with a gradient each
+            chunk is recomputed in the backward (activation checkpointing) rather than kept.
+            The values are the same. A last chunk shorter than `chunk_size` is allowed (ART
+            asserts that the length is a multiple; packed rows here have any length). Chunked,
+            `logits` is read, not consumed.
 
     Position 0, the first token of every document and padding tokens hold 0.0: mask them out.
     Call on every rank of the TP group (it all-reduces over it). With CP > 1, `logits` are
@@ -95,8 +103,37 @@ def token_logprobs(
 
     logits = _mask_padded_vocab(logits, vocab_size, mpu.get_tensor_model_parallel_rank())
     targets = _for_this_cp_rank(_next_token_targets(input_ids), logits)
-    nll = vocab_parallel_cross_entropy(logits, targets)
+    if chunk_size is None:
+        nll = vocab_parallel_cross_entropy(logits, targets)
+    else:
+        nll = torch.cat(
+            [
+                _chunk_nll(logits[:, start : start + chunk_size], targets[:, start : start + chunk_size])
+                for start in range(0, logits.shape[1], chunk_size)
+            ],
+            dim=1,
+        )
     return _shift_to_token(_whole_rows(-nll.float(), input_ids.shape[1]), segment_ids)
+
+
+def _chunk_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p of `targets` [B, C] under a slice of logits [B, C, V_padded / tp], float32 [B, C].
+
+    Megatron's kernel upcasts and works in place, so it gets its own float32 copy of the slice
+    (the caller's logits stay intact for the other chunks and for a recomputation). With a
+    gradient the chunk is checkpointed: only the slice is kept, and the softmax is recomputed
+    in the backward, so at most one chunk's float32 softmax is alive at a time.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def nll(chunk: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(chunk.to(torch.float32, copy=True), targets)
+
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return nll(logits)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(nll, logits, use_reentrant=False)
 
 
 @torch.no_grad()

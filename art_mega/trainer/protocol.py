@@ -238,6 +238,10 @@ class GRPOLossConfig(_Body):
     kl_ref_adapter_path: str | None = Field(default=None, min_length=1)
     """The reference policy is this PEFT adapter on the base model instead of the base model
     alone (read by the engine, not by `grpo_loss`)."""
+    logprob_calculation_chunk_size: int | None = Field(default=None, ge=1, strict=True)
+    """ART's memory knob: `token_logprobs` computes the cross entropy over chunks of this many
+    positions (of this rank's positions under CP), the same values; None: whole rows at once
+    (read by the engine, not by `grpo_loss`)."""
 
     @field_validator("loss_fn", "importance_sampling_level", mode="before")
     @classmethod

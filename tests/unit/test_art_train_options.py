@@ -249,7 +249,6 @@ def test_num_trajectories_learning_rate_multiplier_power(backend: MegatronBacken
 
 
 REFUSED = {
-    "logprob_calculation_chunk_size": 1024,
     "loss_fn_config": {"clip": 0.1},
     "adam_params": {"beta1": 0.9},
     "scale_learning_rate_by_reward_std_dev": True,

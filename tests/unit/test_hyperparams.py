@@ -114,14 +114,15 @@ def test_unknown_keywords_are_refused_by_backend_train() -> None:
         "kimi_k2_tau, num_trajectories_learning_rate_multiplier_power, kl_ref_adapter_path, "
         "kl_penalty_reference_step, config, "
         "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs, "
-        "grad_accumulation_sequences, packed_sequence_length"
+        "grad_accumulation_sequences, packed_sequence_length, logprob_calculation_chunk_size"
     )
     with pytest.raises(HyperParameterError, match="ppo=True; backend.train takes ART's loss_fn='ppo'"):
         train(ppo=True)
     with pytest.raises(
-        HyperParameterError, match="logprob_calculation_chunk_size=8; art-mega computes logprobs"
+        HyperParameterError,
+        match=r"logprob_calculation_chunk_size=8.0\) must be a whole number of at least 1",
     ):
-        train(logprob_calculation_chunk_size=8)
+        train(logprob_calculation_chunk_size=8.0)
     with pytest.raises(HyperParameterError, match=r"backend.train\(learning_rate='3e-4'\)"):
         train(learning_rate="3e-4")  # refused before the (empty) groups are looked at
 

@@ -1,0 +1,51 @@
+"""ART's logprob_calculation_chunk_size in `token_logprobs`: the cross entropy over chunks of
+positions gives the unchunked values and gradients (one-rank Megatron world, tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.common import input_ids, require_trainer_deps
+
+require_trainer_deps()
+
+
+@pytest.mark.parametrize("chunk_size", [3, 5, 1000])
+def test_chunked_logprobs_and_gradients_equal_unchunked(
+    megatron_world, tiny_dirs: dict[str, Path], chunk_size: int
+) -> None:
+    import torch
+
+    from art_mega.trainer.logprobs import forward_logits, token_logprobs
+    from art_mega.trainer.model_builder import build_megatron_model
+
+    built = build_megatron_model(tiny_dirs["llama"])
+    ids = input_ids(built.vocab_size)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    # two packed documents per row, the second starting mid-chunk
+    segments = torch.ones_like(ids)
+    segments[:, 10:] = 2
+    weights = torch.linspace(-1.0, 2.0, ids.numel()).reshape(ids.shape)
+    params = [p for p in built.module.parameters() if p.requires_grad]
+
+    def run(size: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        built.module.zero_grad(set_to_none=True)
+        logits = forward_logits(built.module, ids, positions, segments)
+        logprobs = token_logprobs(
+            logits, ids, vocab_size=built.vocab_size, segment_ids=segments, chunk_size=size
+        )
+        (logprobs * weights).sum().backward()
+        return logprobs.detach(), [p.grad.detach().clone() for p in params]
+
+    want, want_grads = run(None)
+    got, got_grads = run(chunk_size)
+    assert got.shape == ids.shape and got.dtype == torch.float32
+    assert torch.count_nonzero(want) == ids.numel() - 2 * ids.shape[0], (
+        "all but each row's two document starts"
+    )
+    assert (got - want).abs().max().item() <= 1e-6
+    assert len(got_grads) == len(want_grads) > 0
+    assert max((g - w).abs().max().item() for g, w in zip(got_grads, want_grads)) <= 1e-6
+    assert any(w.abs().max().item() > 1e-4 for w in want_grads), "the gradients compared are not all zero"
