@@ -64,9 +64,18 @@ def packed_forward(built: Any) -> dict[str, torch.Tensor]:
         logprobs = token_logprobs(  # consumes its logits (Megatron's in-place kernel): a copy
             local.clone(), rows["input_ids"], vocab_size=built.vocab_size, segment_ids=rows["segment_ids"]
         )
+        # ART's logprob_calculation_chunk_size: chunks of this CP rank's positions, same values
+        chunked = token_logprobs(
+            local,
+            rows["input_ids"],
+            vocab_size=built.vocab_size,
+            segment_ids=rows["segment_ids"],
+            chunk_size=3,
+        )
     return {
         "logits": full[..., : built.vocab_size].float(),
         "logprobs": logprobs,
+        "logprobs in chunks of 3": chunked,
         "entropy": entropy,
     }
 
