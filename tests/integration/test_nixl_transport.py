@@ -285,10 +285,12 @@ async def test_backend_train_reports_the_transfer_and_keeps_only_the_served_copi
                 f"time/publish_s {result.metrics['time/publish_s']:.3f}"
             )
         checkpoints = tmp_path / "artifacts" / "proj" / "models" / "agent" / "checkpoints"
-        copies = sorted(checkpoints.glob("*/adapter.nixl-*"))
-        assert [c.parent.name for c in copies] == ["0002", "0003"]  # 0000 and 0001 were pruned
+        # ART's layout: the step folder is the adapter folder, so its copy is `<step>.nixl-<id>`
+        copies = sorted(checkpoints.glob("*.nixl-*"))
+        assert [c.name.split(".nixl-")[0] for c in copies] == ["0002", "0003"]  # 0000 and 0001 were pruned
         assert backend._publisher.loaded("vllm-0") == {2: str(copies[0]), 3: str(copies[1])}
-        assert sorted(p.name for p in checkpoints.glob("*/adapter")) == ["adapter"] * 4  # exports stay
+        exports = sorted(p.parent.name for p in checkpoints.glob("[0-9][0-9][0-9][0-9]/adapter_model.safetensors"))
+        assert exports == ["0000", "0001", "0002", "0003"]  # exports stay
     finally:
         await backend.close()
         await runtime.close()
