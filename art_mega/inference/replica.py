@@ -277,13 +277,20 @@ class LocalReplica:
 
 
 def check_port_free(spec: ReplicaSpec) -> None:
-    """Raise `ReplicaStartError` when `spec.endpoint`'s port cannot be bound on its host now.
+    """Raise `ReplicaStartError` when `spec.endpoint`'s port cannot be bound on its host now, or
+    is 0 (an open port the runtime has not chosen: `topology.open_ports`).
 
     Binds as vLLM's server does (SO_REUSEADDR, so a port this host's previous replica left in
     TIME_WAIT counts as free) but without SO_REUSEPORT, which vLLM also sets: a port another
     program listens on must be refused even when that program would let a second server share it.
     """
     host, port = spec.endpoint.host, spec.endpoint.port
+    if port == 0:
+        raise ReplicaStartError(
+            f"replica {spec.process_name} has no port yet (its InferenceSpec.api_port is None, a port "
+            "chosen when the runtime starts); start it from the started runtime's runtime.topology",
+            spec.process_name,
+        )
     try:
         family, socktype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as exc:

@@ -30,6 +30,7 @@ from art_mega.rollouts.executor import RolloutExecutor
 from art_mega.rollouts.installed import InstalledAsyncCallable
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor
+from art_mega.runtime.open_ports import choose_ports_on_agents
 from art_mega.topology import CompiledTopology, EndpointSpec
 
 
@@ -144,6 +145,10 @@ class ArtRuntime:
         the artifact_root probe; the metadata store when needed (`metadata_store=None`: when
         artifact_root is host-local on several hosts or an explicit store is configured); the
         preflight collective in every environment that needs it (see `proof_environments`).
+        Between the agents' answer and admission, every port the topology leaves open
+        (`TrainerSpec.master_port` or `InferenceSpec.api_port` None) is asked of the agent of the
+        host that binds it (`runtime.open_ports`): `runtime.topology` is the topology with those
+        ports, the one the backend, the trainer ranks and the replica router use.
 
         Raises:
             UserError: `launch` is not a host mesh or launch context, `topology` is not a
@@ -182,6 +187,7 @@ class ArtRuntime:
             register(runtime)
         try:
             await runtime._check_agents()
+            runtime.topology = await choose_ports_on_agents(topology, clients)
             await runtime.prove(metadata_store, collective)
         except BaseException:
             await runtime.close()
@@ -201,6 +207,7 @@ class ArtRuntime:
 
         Every host's worker address must be a loopback address (127.0.0.0/8 or ::1); port 0
         picks a free port. The agents live until `close()` and are watched by heartbeats.
+        Open ports are chosen by the agents and the cluster is proved as in `start`.
 
         Raises:
             UserError: `topology` is not a `CompiledTopology`; a non-loopback worker address, or an
@@ -244,6 +251,7 @@ class ArtRuntime:
         runtime._monitor = AgentMonitor(list(clients.values()), expected, runtime._on_lost)
         runtime._monitor.start()
         try:
+            runtime.topology = await choose_ports_on_agents(topology, clients)
             await runtime.prove(metadata_store, collective)
         except BaseException:
             await runtime.close()

@@ -252,9 +252,11 @@ def _trainer_processes(
             "LOCAL_RANK": str(rank.local_rank),
             "LOCAL_WORLD_SIZE": str(per_host[rank.host_id]),
             "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(trainer.master_port),
             **_nccl_env(cluster),
         }
+        # an open master port (None) is chosen when the runtime starts (`topology.open_ports`)
+        if trainer.master_port is not None:
+            env["MASTER_PORT"] = str(trainer.master_port)
         if rank.gpu_id is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(rank.gpu_id)
         processes.append(
@@ -263,7 +265,7 @@ def _trainer_processes(
                 name=f"trainer-{rank.rank}",
                 host_id=rank.host_id,
                 gpu_ids=() if rank.gpu_id is None else (rank.gpu_id,),
-                ports=(trainer.master_port,) if rank.rank == 0 else (),
+                ports=(trainer.master_port,) if rank.rank == 0 and trainer.master_port else (),
                 env=env,
                 rank=rank.rank,
                 local_rank=rank.local_rank,
@@ -453,7 +455,8 @@ def _replicas(
     for index, parts in enumerate(layout):
         head = parts[0][0]
         machine = head.worker_address.host.lower()
-        port = spec.api_port + on_machine[machine]
+        # port 0: an open port, chosen on the head host when the runtime starts (`topology.open_ports`)
+        port = 0 if spec.api_port is None else spec.api_port + on_machine[machine]
         on_machine[machine] += 1
         if port > 65535:
             raise TopologyError(
@@ -492,7 +495,7 @@ def _replica_processes(cluster: ClusterSpec, replicas: Sequence[ReplicaSpec]) ->
                     name=f"{replica.process_name}{suffix}",
                     host_id=host_id,
                     gpu_ids=ids,
-                    ports=(replica.endpoint.port,) if node == 0 else (),
+                    ports=(replica.endpoint.port,) if node == 0 and replica.endpoint.port else (),
                     env=env,
                     rank=node,
                 )
@@ -506,13 +509,17 @@ def _check_ports(
     ranks: Sequence[TrainerRank],
     replicas: Sequence[ReplicaSpec],
 ) -> None:
-    """Refuse two listeners on one port of one machine (hosts sharing an address are one)."""
+    """Refuse two listeners on one port of one machine (hosts sharing an address are one).
+
+    Open ports (port 0, a None master_port) are not checked here: the runtime chooses them
+    apart from every listener of the topology (`runtime.open_ports`).
+    """
     listeners: list[tuple[str, int, str]] = []
     for index, host in enumerate(cluster.hosts):
         listeners.append(
             (host.host_id, host.worker_address.port, f"ClusterSpec.hosts[{index}].worker_address")
         )
-    if trainer is not None and ranks:
+    if trainer is not None and ranks and trainer.master_port is not None:
         listeners.append((ranks[0].host_id, trainer.master_port, "TrainerSpec.master_port"))
     for replica in replicas:
         listeners.append(

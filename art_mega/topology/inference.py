@@ -30,9 +30,14 @@ class InferenceSpec(SpecModel):
     `gpu_ids` restricts which GPUs of each of those hosts may be used; None takes free GPUs in
     index order. A replica stays on one host unless `tp * pp` exceeds one host's GPUs, in
     which case it spans whole hosts. The k-th replica on a host serves its OpenAI API on
-    `api_port + k`. `shared_gpus` lets replicas use the trainer's GPUs, sleeping while it
+    `api_port + k`; `api_port` None (the default) gives each replica a port its head host's
+    agent finds free when the runtime starts (`ArtRuntime.start`: until then the replica's
+    endpoint port is 0; `runtime.topology` holds the chosen ones), so two runs on one machine
+    never meet on a fixed port. A port given is used as given, and a replica refuses to start
+    when it is taken. `shared_gpus` lets replicas use the trainer's GPUs, sleeping while it
     trains. `python` is the interpreter that runs vLLM (None: the agent's own).
-    Raises `ValidationError` for a bad or reserved name, sizes < 1, repeated ids or a bad port.
+    Raises `ValidationError` for a bad or reserved name, sizes < 1, repeated ids or a port
+    outside 1..65535.
     """
 
     name: str = "vllm"
@@ -42,7 +47,7 @@ class InferenceSpec(SpecModel):
     dp: Integer = Field(default=1, ge=1)
     host_ids: tuple[str, ...] | None = None
     gpu_ids: tuple[GpuId, ...] | None = None
-    api_port: ListenPort = 8000
+    api_port: ListenPort | None = None
     shared_gpus: Flag = False
     python: str | None = None
 

@@ -21,8 +21,10 @@ class TrainerSpec(SpecModel):
     every host when none has GPUs). `gpu_ids` restricts which GPUs of each trainer host get a
     rank (None: every GPU the host lists), so one host can hold the trainer on some GPUs and
     replicas on others. `master_port` is the torch.distributed rendezvous port on rank 0's
-    host. Raises `ValidationError` for sizes < 1, an empty or repeated host or GPU id or a port
-    outside 1..65535.
+    host; None (the default) is a port rank 0's agent finds free when the runtime starts
+    (`ArtRuntime.start`; `runtime.topology.trainer.master_port` and every rank's MASTER_PORT
+    hold it), so two runs on one machine never meet on a fixed port. Raises `ValidationError`
+    for sizes < 1, an empty or repeated host or GPU id or a port outside 1..65535.
     """
 
     tp: Integer = Field(default=1, ge=1)
@@ -39,7 +41,7 @@ class TrainerSpec(SpecModel):
     ranks of its host, because the replicas are idle while the trainer trains, but no more than
     the cores not busy at the job's start (at least 1; `trainer.rank_main.train_threads`); on a
     GPU rank, torch's default. More than the rank's cores is refused at its start."""
-    master_port: ListenPort = 29500
+    master_port: ListenPort | None = None
 
     @field_validator("host_ids")
     @classmethod

@@ -84,8 +84,8 @@ def init_parallel(
     layer, gloo and the CPU; a GPU rank NCCL and cuda:0. Megatron's data-parallel, tensor-
     and model-parallel RNG states are seeded from `seed` (`model_parallel_cuda_manual_seed`).
 
-    Raises `UserError` for pp > 1, which is not supported yet, and
-    `RuntimeError` when the coordinates megatron-core derives differ from the rank table's
+    Raises `UserError` for pp > 1, which is not supported yet, `ValueError` when neither
+    `master_port` nor `trainer.master_port` gives a port, and `RuntimeError` when the coordinates megatron-core derives differ from the rank table's
     (the table and megatron's RankGenerator disagree: a bug, not a user error).
     """
     import torch
@@ -104,6 +104,8 @@ def init_parallel(
         torch.cuda.set_device(0)
         device, backend = "cuda:0", "nccl"
     port = master_port if master_port is not None else trainer.master_port
+    if port is None:
+        raise ValueError("init_parallel needs a master_port: the argument or trainer.master_port")
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{port}",

@@ -88,6 +88,11 @@ class TrainerService:
     ) -> None:
         if not topology.trainer_ranks:
             raise ValueError("the topology has no trainer ranks; compile it with a TrainerSpec")
+        if topology.trainer is not None and topology.trainer.master_port is None:
+            raise ValueError(
+                "the topology's TrainerSpec.master_port is None, a port chosen when the runtime "
+                "starts; pass the started runtime's runtime.topology, which holds it"
+            )
         self._clients = clients
         self._topology = topology
         self._log_dir = Path(log_dir)

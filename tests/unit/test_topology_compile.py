@@ -139,7 +139,7 @@ def test_gpu_trainer_two_hosts_rank_table_and_env() -> None:
 
 def test_cpu_trainer_uses_cpu_ranks_per_host_and_no_nccl() -> None:
     spec = cluster(host(0), host(1))
-    topology = compile_topology(spec, trainer=TrainerSpec(cpu_ranks_per_host=2, tp=2))
+    topology = compile_topology(spec, trainer=TrainerSpec(cpu_ranks_per_host=2, tp=2, master_port=29500))
     assert names(topology.processes, "trainer") == [f"trainer-{r}" for r in range(4)]
     rank2 = topology.trainer_ranks[2]
     assert (rank2.host_id, rank2.local_rank, rank2.gpu_id, rank2.dp_rank) == ("h1", 0, None, 1)
@@ -378,7 +378,7 @@ def test_inference_unknown_host_and_mixed_hosts() -> None:
 
 def test_cpu_replicas_spread_one_process_each() -> None:
     spec = cluster(host(0), host(1))
-    topology = compile_topology(spec, inference=InferenceSpec(replicas=3, tp=2))
+    topology = compile_topology(spec, inference=InferenceSpec(replicas=3, tp=2, api_port=8000))
     assert [(r.host_ids, r.endpoint.port) for r in topology.replicas] == [
         (("h0",), 8000),
         (("h1",), 8000),
@@ -398,7 +398,7 @@ def test_duplicate_inference_names() -> None:
 
 def test_replica_spans_hosts_when_tp_exceeds_one_host() -> None:
     spec = cluster(host(0, gpus=4), host(1, gpus=4), nccl_transport=IB)
-    topology = compile_topology(spec, inference=InferenceSpec(tp=4, pp=2))
+    topology = compile_topology(spec, inference=InferenceSpec(tp=4, pp=2, api_port=8000))
     (replica,) = topology.replicas
     assert replica.host_ids == ("h0", "h1")
     assert replica.gpu_ids == (("h0", (0, 1, 2, 3)), ("h1", (0, 1, 2, 3)))
@@ -443,7 +443,7 @@ def test_spanning_replica_needs_equal_hosts_and_enough_of_them() -> None:
 def test_trainer_master_port_collides_with_agent() -> None:
     spec = cluster(host(0, worker_address="tcp://10.0.0.1:29500"))
     with pytest.raises(TopologyError) as info:
-        compile_topology(spec, trainer=TrainerSpec())
+        compile_topology(spec, trainer=TrainerSpec(master_port=29500))
     assert str(info.value) == (
         "port 29500 at 10.0.0.1 is taken by both ClusterSpec.hosts[0].worker_address (host "
         "'h0') and TrainerSpec.master_port (host 'h0'); change one of them."
@@ -455,7 +455,7 @@ def test_replica_port_collides_with_agent_or_other_spec() -> None:
     spec = cluster(host(0))
     with pytest.raises(TopologyError, match=r"port 22222 at 10\.0\.0\.1 is taken by both"):
         compile_topology(spec, inference=InferenceSpec(api_port=22222))
-    first = InferenceSpec(name="policy", replicas=2)
+    first = InferenceSpec(name="policy", replicas=2, api_port=8000)
     second = InferenceSpec(name="judge", api_port=8001)
     with pytest.raises(TopologyError) as info:
         compile_topology(spec, inference=[first, second])
@@ -472,7 +472,7 @@ def test_hosts_sharing_an_address_share_ports() -> None:
         host(1, worker_address="tcp://127.0.0.1:22223"),
         allow_shared_kernel=True,
     )
-    topology = compile_topology(spec, inference=InferenceSpec(replicas=2))
+    topology = compile_topology(spec, inference=InferenceSpec(replicas=2, api_port=8000))
     assert [(r.host_ids, r.endpoint.port) for r in topology.replicas] == [
         (("h0",), 8000),
         (("h1",), 8001),

@@ -258,7 +258,7 @@ def test_trainer_defaults() -> None:
     spec = TrainerSpec()
     assert (spec.tp, spec.cp, spec.ep, spec.etp, spec.pp) == (1, 1, 1, 1, 1)
     assert spec.host_ids is None
-    assert (spec.cpu_ranks_per_host, spec.master_port) == (1, 29500)
+    assert (spec.cpu_ranks_per_host, spec.master_port) == (1, None)  # None: chosen at the start
     spec = TrainerSpec(tp=2, cp=3, pp=4, ep=5, etp=6)
     assert (spec.model_parallel_size, spec.expert_model_parallel_size) == (24, 120)
 
@@ -292,7 +292,7 @@ def test_trainer_master_port(port: int) -> None:
 def test_inference_defaults() -> None:
     spec = InferenceSpec()
     assert (spec.name, spec.replicas, spec.tp, spec.pp, spec.dp) == ("vllm", 1, 1, 1, 1)
-    assert (spec.host_ids, spec.gpu_ids, spec.api_port) == (None, None, 8000)
+    assert (spec.host_ids, spec.gpu_ids, spec.api_port) == (None, None, None)  # None: chosen at the start
     assert (spec.shared_gpus, spec.python) == (False, None)
     assert InferenceSpec(tp=2, pp=3, dp=4).gpus_per_replica == 24
 
