@@ -16,20 +16,26 @@ import json
 from collections.abc import Coroutine
 from typing import Any
 
-from art_mega.errors import UserError
+from art_mega.errors import CompletionReplyError, UserError
+from art_mega.inference.replies import reply_problem
 from art_mega.trajectories import History, Trajectory
 
 
 class _Capture:
-    """One `capture_auto_trajectory` call: its trajectory and the streamed replies it saw."""
+    """One `capture_auto_trajectory` call: its trajectory, the streamed replies it saw and the
+    answered (2xx) replies it could not read as a chat completion."""
 
     def __init__(self) -> None:
         self.trajectory = Trajectory()
         self.streamed = 0
+        self.unreadable: list[CompletionReplyError] = []
 
-    def add(self, request_body: bytes, response_body: bytes) -> None:
-        """Record one finished httpx exchange if it is a chat completion (else nothing)."""
-        from openai.types.chat.chat_completion import Choice
+    def add(self, request_body: bytes, response_body: bytes, status: int, url: str) -> None:
+        """Record one finished httpx exchange (`status`, to `url`) if it is a chat completion
+        (else nothing); an answered one that does not read as a chat completion is noted in
+        `unreadable`."""
+        from openai.types.chat.chat_completion import ChatCompletion, Choice
+        from pydantic import ValidationError
 
         try:
             request = json.loads(request_body)
@@ -40,10 +46,24 @@ class _Capture:
         if request.get("stream"):
             self.streamed += 1
             return
-        try:
-            choice = Choice.model_validate(json.loads(response_body)["choices"][0])
-        except (ValueError, KeyError, IndexError, TypeError):
+        if not 200 <= status < 300:
             return  # an error reply: the SDK raises it to the rollout
+        try:
+            data = json.loads(response_body)
+        except ValueError:
+            data = response_body.decode(errors="replace")
+        # construct: the SDK's own unvalidated build, whose fields reply_problem checks
+        problem = reply_problem(ChatCompletion.construct(**data) if isinstance(data, dict) else data)
+        if problem is None:
+            try:
+                choice = Choice.model_validate(data["choices"][0])
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                problem = f"choices[0] that is not an OpenAI Choice ({where}: {first['msg']})"
+        if problem is not None:
+            self.unreadable.append(CompletionReplyError(f"server {url}", str(request.get("model")), problem))
+            return
         messages, tools = request["messages"], request.get("tools")
         history: Trajectory | History = self.trajectory
         seen = history.messages()
@@ -89,6 +109,8 @@ async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajec
     Raises:
         UserError: the coroutine streamed a chat completion (`stream=True`), which art-mega does
             not rebuild into a Choice; request it without streaming.
+        CompletionReplyError: a chat completion was answered (2xx) with a body that is not one
+            (no choices, a choice without its message, ...): its turn would be missing.
         What the coroutine raises.
     """
     _hook_httpx()
@@ -104,6 +126,8 @@ async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajec
             f"capture_auto_trajectory saw {capture.streamed} streamed chat completion(s) (stream=True), "
             "which it does not capture; call chat.completions.create without stream=True inside it"
         )
+    if capture.unreadable:
+        raise capture.unreadable[0]
     return capture.trajectory
 
 
@@ -148,7 +172,7 @@ def _hook_response(response: Any) -> None:
         capture = _CURRENT.get()
         body = self.__dict__.pop("_art_mega_body", b"")
         if capture is not None and body:
-            capture.add(self.request.content, body)
+            capture.add(self.request.content, body, self.status_code, str(self.request.url))
 
     def hooked_close(self: Any) -> None:
         close(self)

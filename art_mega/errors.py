@@ -353,6 +353,20 @@ class BaseModelError(UserError):
         self.revision = revision
 
 
+class PeakFlopsError(UserError):
+    """A device or dtype whose dense peak FLOP/s art-mega does not know, asked for an MFU figure
+    (`trainer.flops.peak_flops_for`): refused rather than guessed.
+
+    Attributes:
+        device_name: the device as torch.cuda.get_device_name() spells it, e.g. "NVIDIA H100 PCIe".
+        dtype: the dtype asked for, e.g. "bfloat16".
+    """
+
+    def __init__(self, message: str, device_name: str, dtype: str):
+        super().__init__(message)
+        self.device_name = device_name
+        self.dtype = dtype
+
 class PreflightError(UserError):
     """The cluster failed a check before any model was allocated; names the host and the cause.
 
@@ -715,6 +729,26 @@ class ReplicaRequestError(ArtMegaError):
         self.model = model
 
 
+class CompletionReplyError(ArtMegaError):
+    """An OpenAI-compatible server answered a completion request (HTTP 200) with a body art-mega
+    cannot read as one: no choices, a choice without its message or text, a message whose
+    content or tool calls are not of their types (`inference.replies`).
+
+    Attributes:
+        server: who answered, e.g. "replica vllm-0 (http://127.0.0.1:8400)" or
+            "server http://127.0.0.1:9000/v1".
+        model: the model the request asked for.
+        detail: what came back and what was expected, e.g. "no choices (choices=[]) where a
+            list of at least one choice was expected".
+    """
+
+    def __init__(self, server: str, model: str, detail: str) -> None:
+        super().__init__(f"{server} answered a completion request for model {model} with {detail}")
+        self.server = server
+        self.model = model
+        self.detail = detail
+
+
 class NoReplicaUpError(ArtMegaError):
     """Every replica is down (restarting after a crash; `inference.router`).
 
@@ -834,6 +868,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     NonFiniteCheckpointError: _SENTENCE_USER,
     CheckpointFileError: _SENTENCE_USER,
     BaseModelError: _SENTENCE_USER,
+    PeakFlopsError: _SENTENCE_USER,
     PreflightError: _SENTENCE_USER,
     HostMismatchError: _SENTENCE_USER,
     LoopbackAddressError: _SENTENCE_USER,
@@ -855,6 +890,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     MCPServerError: _SENTENCE_FAILURE,
     ScenarioGenerationError: _SENTENCE_FAILURE,
     RulerJudgeError: _SENTENCE_FAILURE,
+    CompletionReplyError: _SENTENCE_FAILURE,
     # Failures whose cause is in code (the program's, a rollout's, a rank's, a replica's): the
     # traceback shows where the program met them, exit 1.
     ArtMegaError: _TRACEBACK_FAILURE,

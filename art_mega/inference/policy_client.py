@@ -8,6 +8,7 @@ from typing import Any
 
 from art_mega.errors import ReplicaRequestError
 from art_mega.inference.fleet import affinity_key
+from art_mega.inference.replies import checked_reply
 from art_mega.inference.router import PolicyRouter
 from art_mega.trajectories import POLICY_STEP_FIELD
 
@@ -43,12 +44,15 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
     (`router.route(inference.fleet.affinity_key(options))`: the replica already holding the
     request's prompt prefix, else the least-loaded one that is up), count it in flight
     there until it is answered, tag each choice of a
-    non-streamed reply with its policy step (`tag_choices`), and turn an `openai.APIError`
-    into `ReplicaRequestError` naming the replica. With `training_defaults`, chat completions
+    non-streamed reply with its policy step (`tag_choices`) once it reads as a completion
+    (`inference.replies.checked_reply`), and turn an `openai.APIError` into
+    `ReplicaRequestError` naming the replica. With `training_defaults`, chat completions
     ask for `logprobs=True` and `extra_body={"return_token_ids": True}` unless the caller says
     otherwise (training then never re-tokenizes sampled text).
 
-    Raises (from `create`): `NoReplicaUpError` when every replica is down, `ReplicaRequestError`.
+    Raises (from `create`): `NoReplicaUpError` when every replica is down, `ReplicaRequestError`,
+    `CompletionReplyError` when a replica answers without choices, or a choice without its
+    message (chat) or text (completions).
     """
     import openai
 
@@ -68,7 +72,10 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
                     reply = await target.create(*args, **options)
             except openai.APIError as exc:
                 raise ReplicaRequestError(route.replica, route.url, route.model, exc) from exc
-            return reply if options.get("stream") else tag_choices(router, reply)
+            if options.get("stream"):
+                return reply
+            server = f"replica {route.replica} ({route.url})"
+            return tag_choices(router, checked_reply(reply, server, str(options.get("model")), chat))
 
         return create
 

@@ -258,7 +258,7 @@ def _record_sync(response: Any) -> None:
     rollout = _wanted(response)
     if rollout is not None:
         response.read()
-        rollout.record(response.request.content, response.content)
+        rollout.record(response.request.content, response.content, str(response.request.url))
 
 
 async def _record_async(response: Any) -> None:
@@ -266,7 +266,7 @@ async def _record_async(response: Any) -> None:
     rollout = _wanted(response)
     if rollout is not None:
         await response.aread()
-        rollout.record(response.request.content, response.content)
+        rollout.record(response.request.content, response.content, str(response.request.url))
 
 
 def _wanted(response: Any) -> Any:

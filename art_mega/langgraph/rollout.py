@@ -52,26 +52,38 @@ class WrappedRollout:
         backend = getattr(self.model, "_backend", None)
         return None if backend is None else backend.policy_router(self.model)
 
-    def record(self, request_body: bytes, response_body: bytes) -> None:
+    def record(self, request_body: bytes, response_body: bytes, url: str | None = None) -> None:
         """Record one answered (HTTP 200) chat completion from its raw request and response
-        bodies; with a router, each choice is tagged with the step that served it and its
-        prompt's token ids (`tag_choices`).
+        bodies (sent to `url`, None where not known); with a router, each choice is tagged with
+        the step that served it and its prompt's token ids (`tag_choices`).
 
-        A body that is not the JSON of a chat completion (vLLM's answer always is) is noted
-        in `unreadable` instead.
+        A body that is not the JSON of a chat completion with choices (vLLM's answer always
+        is; `inference.replies.reply_problem`) is noted in `unreadable` instead, naming the
+        server and the model asked for.
         """
         from openai.types.chat import ChatCompletion
+        from pydantic import ValidationError
 
         from art_mega.inference.policy_client import tag_choices
+        from art_mega.inference.replies import reply_problem
 
+        request = json.loads(request_body)  # the SDK's own JSON body
         try:
-            request = json.loads(request_body)
-            completion = ChatCompletion.model_validate(json.loads(response_body))
+            data = json.loads(response_body)
         except ValueError as exc:
-            self.unreadable.append(str(exc).splitlines()[0])
-            return
-        if not completion.choices:
-            self.unreadable.append("the reply has no choices")
+            problem: str | None = f"a body that is not JSON ({exc})"
+        else:
+            # construct: the SDK's own unvalidated build, whose fields reply_problem checks
+            problem = reply_problem(ChatCompletion.construct(**data) if isinstance(data, dict) else data)
+        if problem is None:
+            try:
+                completion = ChatCompletion.model_validate(data)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                problem = f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+        if problem is not None:
+            server = f"server {url}" if url else "the server"
+            self.unreadable.append(f"{server} answered model {request.get('model')} with {problem}")
             return
         router = self.router()
         if router is not None:
@@ -142,6 +154,17 @@ def conversations(completions: list[Completion]) -> list[History]:
     return histories
 
 
+def _unreadable_error(fn: Any, rollout: WrappedRollout) -> LangGraphUsageError:
+    return LangGraphUsageError(
+        f"the wrapped rollout {_name(fn)} got {len(rollout.unreadable)} chat completion "
+        f"repl(ies) that are not an OpenAI chat completion ({rollout.unreadable[0]}); serve "
+        "the chat model from an OpenAI-compatible server (the model's replica)",
+        "wrap_rollout",
+        "reply",
+        rollout.unreadable[0],
+    )
+
+
 def current(call: str) -> WrappedRollout:
     """The running `wrap_rollout` call, for `call` (the caller's name, shown in the refusal).
 
@@ -173,7 +196,9 @@ def wrap_rollout(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     Raises:
         LangGraphUsageError: `model` is not an `art.Model`, or `fn` is not callable (at wrap
             time); `fn` returned something other than an awaitable of a `Trajectory`, or
-            streamed a chat completion (its reply carries no token ids), when the wrapper runs.
+            streamed a chat completion (its reply carries no token ids), or a chat completion
+            was answered with a body that is not one (also when `fn` then failed on it: that
+            exception is the cause), when the wrapper runs.
         What `fn` raises.
     """
     from art_mega.model import Model
@@ -209,7 +234,14 @@ def wrap_rollout(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
                     "fn",
                     fn,
                 )
-            result = await pending
+            try:
+                result = await pending
+            except Exception as exc:
+                # LangChain reads an unreadable reply first and fails on it (an IndexError, a
+                # TypeError): the sentence naming the server is the cause to report
+                if rollout.unreadable:
+                    raise _unreadable_error(fn, rollout) from exc
+                raise
         finally:
             CURRENT.reset(token)
         if not isinstance(result, Trajectory):
@@ -230,14 +262,7 @@ def wrap_rollout(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
                 rollout.streamed,
             )
         if rollout.unreadable:
-            raise LangGraphUsageError(
-                f"the wrapped rollout {_name(fn)} got {len(rollout.unreadable)} chat completion "
-                f"repl(ies) that are not an OpenAI chat completion ({rollout.unreadable[0]}); serve "
-                "the chat model from an OpenAI-compatible server (the model's replica)",
-                "wrap_rollout",
-                "reply",
-                rollout.unreadable[0],
-            )
+            raise _unreadable_error(fn, rollout)
         histories = conversations(rollout.completions)
         if histories:
             result.messages_and_choices = histories[0].messages_and_choices

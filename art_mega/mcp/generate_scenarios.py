@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from art_mega.errors import ScenarioGenerationError, UserError, format_validation_error
 from art_mega.hyperparams import bool_problem, check, json_finite_problem, optional, whole_problem
+from art_mega.inference.replies import reply_problem
 from art_mega.mcp.types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool
 
 logger = logging.getLogger(__name__)
@@ -236,14 +237,16 @@ def parse_scenarios(response: Any, model: str, num_scenarios: int) -> GeneratedS
     """The scenarios of a chat completion `response` whose content is {"scenarios": [...]}.
 
     Raises:
-        ScenarioGenerationError: no choice or no content, a reply cut at the token budget, text
-            that is not that JSON object, not exactly `num_scenarios` scenarios, or a scenario
+        ScenarioGenerationError: no choice, a choice without its message
+            (`inference.replies.reply_problem`) or without content, a reply cut at the token
+            budget, text that is not that JSON object, not exactly `num_scenarios` scenarios, or a scenario
             that is not {"task": non-empty string, "difficulty": integer 1-5}.
     """
     from pydantic import ValidationError
 
-    if not response.choices:
-        raise ScenarioGenerationError(model, "the reply has no choices")
+    problem = reply_problem(response)
+    if problem is not None:
+        raise ScenarioGenerationError(model, f"the generator answered with {problem}")
     choice = response.choices[0]
     content = choice.message.content
     if not content:

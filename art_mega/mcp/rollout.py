@@ -19,6 +19,7 @@ from typing import Any
 
 from art_mega.errors import UserError
 from art_mega.hyperparams import bool_problem, check, json_finite_problem, whole_problem
+from art_mega.inference.replies import checked_reply
 from art_mega.mcp.default_tools import complete_task_tool
 from art_mega.mcp.server import HttpServer, McpSession, StdioServer, check_server, connect
 from art_mega.mcp.types import GeneratedScenario, MCPTool
@@ -132,6 +133,8 @@ async def rollout_with_tools(
         UserError, HyperParameterError: an argument out of range or of the wrong type.
         MCPServerError: the server could not be reached or failed during the rollout.
         ReplicaRequestError, NoReplicaUpError: a turn's request failed (trainable models).
+        CompletionReplyError: a turn's reply has no choices, or a choice without its message
+            (or with content or tool calls not of their types).
     """
     task, metadata = _task(scenario)
     options = _check(max_turns, completion_options, tools)
@@ -204,7 +207,7 @@ class _Turns:
                 tool_choice=self.tool_choice,
                 **self.options,
             )
-            choice = reply.choices[0]
+            choice = checked_reply(reply, f"server {client.base_url}", name).choices[0]
             trajectory.messages_and_choices.append(choice)
             counts["turns"] += 1
             calls = choice.message.tool_calls or []

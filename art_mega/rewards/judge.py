@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from art_mega.errors import HyperParameterError, MissingExtraError, RulerJudgeError
+from art_mega.inference.replies import reply_problem
 from art_mega.model import Model
 
 log = logging.getLogger(__name__)
@@ -332,7 +333,8 @@ async def send(judge: Judge, request: JudgeRequest) -> JudgeReply:
 
     Raises:
         RulerJudgeError: the judge could not be reached, refused the request, or answered with
-            no choice (the transport's own exception is its cause).
+            no choice, or a choice without its message (`inference.replies.reply_problem`; the
+            transport's own exception is its cause).
         MissingExtraError: a LiteLLM judge without litellm installed.
     """
     options = {**request.params, **request.constraint_params}
@@ -346,12 +348,14 @@ async def send(judge: Judge, request: JudgeRequest) -> JudgeReply:
     try:
         response = await call
     except Exception as exc:  # whatever the transport raises: the judge failed to answer
-        raise RulerJudgeError(judge.shown, f"{type(exc).__name__}: {exc}", attempts=1) from exc
+        # the first line only: LiteLLM's APIConnectionError text carries the whole traceback
+        said = (str(exc).splitlines() or [""])[0]
+        raise RulerJudgeError(judge.shown, f"{type(exc).__name__}: {said}", attempts=1) from exc
     latency = time.monotonic() - started
-    choices = getattr(response, "choices", None) or []
-    if not choices:
-        raise RulerJudgeError(judge.shown, "the reply has no choices", attempts=1)
-    return JudgeReply(choices[0].message.content or "", response, latency, cached=False)
+    problem = reply_problem(response)
+    if problem is not None:
+        raise RulerJudgeError(judge.shown, f"the judge answered with {problem}", attempts=1)
+    return JudgeReply(response.choices[0].message.content or "", response, latency, cached=False)
 
 
 def record_spend(judge: Judge, reply: JudgeReply) -> None:
