@@ -117,6 +117,6 @@ def _process(process: ProcessSpec, master: int | None, chosen: Mapping[str, int]
 
 def _replica(replica: ReplicaSpec, chosen: Mapping[str, int]) -> ReplicaSpec:
     port = chosen.get(replica.process_name)
-    if port is None or replica.endpoint.port != 0:
+    if port is None:
         return replica
     return replica.model_copy(update={"endpoint": replica.endpoint.model_copy(update={"port": port})})
