@@ -937,7 +937,9 @@ class MegatronBackend:
             AdapterMismatchError: the warm-start adapter or the committed checkpoint has another
                 LoRA rank, alpha or target modules than this backend.
             CheckpointFileError: the run's commit pointer or its committed step's manifest is
-                malformed (named with its path).
+                malformed, the committed step's adapter is missing, truncated, not the
+                manifest's or unlike its own config, or a step folder is there that the commit
+                does not account for (named with its path; `checkpoint.read_resume_step`).
             RuntimeBusyError: trainer ranks or replicas already run on the runtime's agents.
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
@@ -970,7 +972,7 @@ class MegatronBackend:
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
-        committed = checkpoint.read_commit(checkpoint.checkpoints_dir(run_dir))
+        committed = checkpoint.read_resume_step(checkpoint.checkpoints_dir(run_dir))
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start, resolved.hub_id)
         await check_runtime_idle(self._runtime)

@@ -21,7 +21,10 @@ step's name. The controller then moves the commit pointer (`write_commit`: temp 
 rename), last, so `LATEST` only ever names a whole checkpoint. A resume reads the pointer
 (`read_commit`) and ignores every other folder: staging and trash folders of a crashed save
 (removed by `clean_uncommitted`) and step folders newer than the commit (a later save of the same
-step replaces them).
+step replaces them). `read_resume_step`, what `register` resumes from, also refuses what would
+fail later or be replaced unseen: the committed step's adapter missing, truncated, not the
+manifest's or unlike its own config (`check_adapter`), and step folders the commit does not
+account for.
 
 The step folder is ART's (`art.utils.output_dirs.get_step_checkpoint_dir`): ART's tools, vLLM and
 `peft.PeftModel.from_pretrained` read it as an adapter directory, and ART's step count (the
@@ -34,7 +37,9 @@ File I/O only; this module imports neither torch nor safetensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -46,12 +51,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from art_mega.errors import CheckpointFileError, format_validation_error
 
+log = logging.getLogger(__name__)
+
 CHECKPOINTS = "checkpoints"
 COMMIT_FILE = "LATEST"
 MANIFEST_FILE = "manifest.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 """The adapter's files in a step folder, the names PEFT, vLLM and ART read; what an adapter
 transfer to another host sends (the rank state and manifest stay with the trainer)."""
+SAFETENSORS_HEADER_LIMIT = 100_000_000
+"""The largest safetensors JSON header read (the safetensors library's own bound)."""
 LEGACY_ADAPTER_DIR = "adapter"
 """The sub-folder the adapter lived in before checkpoints took ART's layout (only refused)."""
 STAGING_PREFIX = ".staging-"
@@ -299,6 +308,179 @@ def read_commit(root: str | os.PathLike[str]) -> int | None:
         )
     check_layout(folder)
     return step
+
+
+def _safetensors_tensors(path: Path) -> tuple[dict[str, list[int]] | None, str | None]:
+    """({tensor name: shape}, None) of a whole safetensors file at `path`, else (None, what is
+    wrong with it), read from its header alone: 8 bytes of header length (little-endian), the
+    JSON header (each tensor's dtype, shape and [begin, end) byte offsets into the data), then
+    the data, which must end where the last tensor does."""
+    size = path.stat().st_size
+    if size < 8:
+        return None, f"is {size} bytes, shorter than a safetensors header"
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if not 0 < length <= min(size - 8, SAFETENSORS_HEADER_LIMIT):
+            return (
+                None,
+                f"announces a {length}-byte header in {size} bytes: it is truncated or not a safetensors file",
+            )
+        text = handle.read(length)
+    try:
+        header = json.loads(text)
+    except ValueError:
+        return None, "is not a whole safetensors file (its header is not JSON)"
+    tensors = (
+        {key: value for key, value in header.items() if key != "__metadata__"}
+        if isinstance(header, dict)
+        else {}
+    )
+    shapes: dict[str, list[int]] = {}
+    end = 0
+    for key, value in tensors.items():
+        offsets = value.get("data_offsets") if isinstance(value, dict) else None
+        shape = value.get("shape") if isinstance(value, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            return None, f"is not a whole safetensors file (tensor {key!r} has no byte offsets)"
+        if not (isinstance(shape, list) and all(isinstance(d, int) for d in shape)):
+            return None, f"is not a whole safetensors file (tensor {key!r} has no shape)"
+        shapes[key] = shape
+        end = max(end, offsets[1])
+    if not shapes:
+        return None, "holds no tensors"
+    if size != 8 + length + end:
+        return (
+            None,
+            f"is {size} bytes where its header describes {8 + length + end}: it is truncated or was overwritten",
+        )
+    return shapes, None
+
+
+def _lora_rank_problem(shapes: dict[str, list[int]], config: dict[str, object]) -> str | None:
+    """How the tensors' LoRA ranks and modules disagree with `config` (adapter_config.json), or
+    None: PEFT's `<prefix>.<module>.lora_A.weight` is [r, in] and `...lora_B.weight` [out, r],
+    of a `<module>` in `target_modules` (when a list; a PEFT regex string is not checked)."""
+    rank, targets = config.get("r"), config.get("target_modules")
+    for key, shape in shapes.items():
+        parts = key.split(".")
+        if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B"):
+            continue
+        module = parts[-3]
+        if isinstance(rank, int) and len(shape) == 2:
+            found = shape[0] if parts[-2] == "lora_A" else shape[1]
+            if found != rank:
+                return f"tensor {key} of shape {shape} has LoRA rank {found}, but the config's r is {rank}"
+        if isinstance(targets, list) and module not in targets:
+            return f"tensor {key} adapts {module!r}, which is not in the config's target_modules {targets}"
+    return None
+
+
+def check_adapter(checkpoint: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+    """Refuse a step folder whose adapter a trainer rank or replica could not load as saved: an
+    `ADAPTER_FILES` file missing, an `adapter_model.safetensors` that is not a whole safetensors
+    file (truncated, overwritten, no tensors), one whose sha256 is not `manifest`'s (when given),
+    or tensors whose LoRA rank or modules are not the ones `adapter_config.json` says (whether
+    that config suits the backend's LoRA is `peft_config.check_adapter_config`'s question).
+
+    Reads the safetensors header and hashes the file; no tensor is loaded.
+
+    Raises:
+        CheckpointFileError: naming the file and what is wrong with it.
+    """
+    folder = adapter_dir(checkpoint)
+    config_path, weights = (folder / name for name in ADAPTER_FILES)
+    for path in (config_path, weights):
+        if not path.is_file():
+            raise CheckpointFileError(
+                path,
+                f"is missing, so the adapter of {folder} cannot be loaded (a folder holds both {' and '.join(ADAPTER_FILES)})",
+            )
+    shapes, problem = _safetensors_tensors(weights)
+    if problem is not None:
+        raise CheckpointFileError(weights, problem)
+    if manifest is not None:
+        digest = _sha256(weights)
+        if digest != manifest.adapter_sha256:
+            raise CheckpointFileError(
+                weights, f"has sha256 {digest}, not the manifest's {manifest.adapter_sha256}"
+            )
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointFileError(config_path, f"is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointFileError(config_path, f"holds a JSON {type(config).__name__}, not an adapter config")
+    assert shapes is not None
+    problem = _lora_rank_problem(shapes, config)
+    if problem is not None:
+        raise CheckpointFileError(weights, f"does not match {config_path}: {problem}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_resume_step(root: str | os.PathLike[str]) -> int | None:
+    """The committed step a run resumes from, as `read_commit` reads it, once nothing under
+    `root` (a `checkpoints_dir`) would fail later or be replaced unseen.
+
+    Besides `read_commit`'s refusals:
+    - the committed step's adapter must load as saved (`check_adapter` with its manifest);
+    - a pointer naming a step whose folder holds no manifest, while step folders are there, is
+      refused: the run would start afresh and its saves replace those folders;
+    - a step folder above the commit must be the one save a crash can leave uncommitted (the
+      next step, with its manifest; logged, and replaced when that step is saved again): one
+      without a manifest (not this trainer's save, e.g. ART's) or further ahead (a pointer
+      older than the run) is refused.
+
+    Raises:
+        CheckpointFileError: naming the file or folder, what is wrong and the fix.
+    """
+    root = Path(root)
+    committed = read_commit(root)
+    steps = step_folders(root) if root.is_dir() else []
+    pointer = root / COMMIT_FILE
+    if committed is None and pointer.is_file() and steps:
+        named = int(pointer.read_text().strip())  # read_commit read it as a step number
+        raise CheckpointFileError(
+            pointer,
+            f"names step {named}, whose folder {step_dir(root, named)} holds no {MANIFEST_FILE}, while "
+            f"the step folders {steps} are there (a fresh start would replace them); write the step "
+            "to resume from into it",
+        )
+    base = -1 if committed is None else committed
+    for step in (s for s in steps if s > base):
+        folder = step_dir(root, step)
+        if not manifest_file(folder).is_file():
+            raise CheckpointFileError(
+                folder,
+                f"is a step folder above the committed step ({committed}, {pointer}) without the "
+                f"{MANIFEST_FILE} this trainer saves (e.g. a run of ART's), which training would "
+                f"replace; move it out of {root}",
+            )
+        if step != base + 1:
+            raise CheckpointFileError(
+                folder,
+                f"holds a saved step {step}, more than one step above the committed step ({committed}, "
+                f"{pointer}), which only a pointer older than the run leaves; write the step to resume "
+                "from into the pointer",
+            )
+        log.warning(
+            "%s is a save of step %d that was not committed (the commit is %s); it is replaced when "
+            "step %d is saved again",
+            folder,
+            step,
+            committed,
+            step,
+        )
+    if committed is not None:
+        folder = step_dir(root, committed)
+        check_adapter(folder, read_manifest(folder))
+    return committed
 
 
 def clean_uncommitted(root: str | os.PathLike[str]) -> list[Path]:

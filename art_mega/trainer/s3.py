@@ -312,7 +312,8 @@ def fork_step(
         UserError: the destination already has a committed checkpoint; the source has none; none
             at or before `not_after_step`; the bucket is missing or unreachable.
         CheckpointFileError: the source's pointer or the chosen step's manifest is malformed, or
-            its adapter does not match the manifest.
+            its adapter does not match the manifest (a local source's: missing, truncated or
+            unlike its own config too, `checkpoint.check_adapter`).
     """
     where = "_experimental_fork_checkpoint"
     if dest_root.is_dir():
@@ -357,6 +358,7 @@ def fork_step(
         download_step(s3, bucket, key, step, dest_root, verbose=verbose)
     else:
         source = checkpoint.step_dir(source_root, step)
+        checkpoint.check_adapter(source, checkpoint.read_manifest(source))  # named at the source
         place_step(
             dest_root, step, str(source), lambda staging: shutil.copytree(source, staging, dirs_exist_ok=True)
         )
