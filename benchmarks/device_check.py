@@ -27,10 +27,18 @@ Steps (in this order; `--steps` picks some, by name):
    host's facts (ART's shared mode: a trainer rank on every GPU, one replica on GPU 0 asleep
    while training; a rehearsal gets the CPU layout), a chat request with `tool_choice="auto"`
    served (tool calling on), one `backend.train` step.
+9. mfu: the trainer's `TrainerEngine` in this process on cuda:0, random bf16 weights of the
+   SmolLM2-135M, Qwen3-1.7B, Qwen3-8B and Qwen3-30B-A3B (4 of 48 layers, EP=1) shapes, LoRA
+   r=16 on every linear, 2048-token documents packed into 4 rows of 8192, rows per microbatch
+   from the free memory: GRPO step tokens/s, FLOPs per token (`trainer.flops`), MFU against the
+   datasheet dense bf16 peak, peak memory; the top 10 kernels of a Qwen3-8B step (torch.profiler).
+   Estimated under 4 minutes on an H200 (see `mfu`); with every other step the whole check may
+   pass the 10-minute bound, so run it as its own command: `--steps mfu`.
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
-nothing recorded. Without `--keep-going` the first failure stops the check; with it every chosen step runs and the
+nothing recorded (mfu: every shape cut to toy widths, MFU against the CPU's measured bf16
+matmul). Without `--keep-going` the first failure stops the check; with it every chosen step runs and the
 failures are listed at the end (with `--record`, the rows of the steps that passed are recorded
 even then: each row stands for its own step). Exit 0 when every chosen step passed, 1 otherwise, 2 on a bad
 command line (one sentence on stderr). scripts/device_check.sh installs the `gpu` extra, bounds
@@ -85,6 +93,11 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "local_backend": (
         "LocalBackend() on this host's GPUs (ART's shared mode), a tool-choice request, one GRPO step",
         ("megatron.core", "vllm"),
+    ),
+    "mfu": (
+        "GRPO step tokens/s, MFU and peak memory, LoRA r=16 bf16, SmolLM2-135M / Qwen3-1.7B / Qwen3-8B / "
+        "Qwen3-30B-A3B (4 layers) shapes, random weights; Qwen3-8B's top kernels",
+        ("megatron.core",),
     ),
 }
 TE_TOLERANCE = 1e-3
@@ -633,6 +646,352 @@ async def local_backend(work: Path, log_dir: Path) -> list[tuple[str, float, str
     return [(f"gpu: LocalBackend() register, {len(ranks)} GPU(s), tiny Qwen3", register_s, "s")]
 
 
+# The mfu step's shapes: the public config.json values of each model on the Hugging Face Hub,
+# with random weights (no download). Qwen/Qwen3-1.7B and Qwen/Qwen3-8B config.json:
+QWEN3_1_7B_SHAPE = {
+    "model_type": "qwen3",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+QWEN3_8B_SHAPE = {
+    **QWEN3_1_7B_SHAPE,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+# Qwen/Qwen3-30B-A3B config.json, cut from 48 to 4 layers (every layer the same MoE layer, so
+# the per-layer figures are the full model's; EP=1 on one GPU)
+QWEN3_30B_A3B_SHAPE = {
+    **QWEN3_1_7B_SHAPE,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}
+MFU_SHAPES: dict[str, dict[str, Any]] = {
+    "SmolLM2-135M": {"model_type": "llama", **SMOLLM2_SHAPE},
+    "Qwen3-1.7B": QWEN3_1_7B_SHAPE,
+    "Qwen3-8B": QWEN3_8B_SHAPE,
+    "Qwen3-30B-A3B (4 of 48 layers)": QWEN3_30B_A3B_SHAPE,
+}
+MFU_PROFILED = "Qwen3-8B"
+"""The shape whose step runs once more under torch.profiler (top kernels by device time)."""
+MFU_LORA_RANK = 16
+MFU_DOCUMENT, MFU_ROW, MFU_ROWS = 2048, 8192, 4
+"""Documents of 2048 tokens packed into 4 rows of 8192: a step of 32,768 tokens."""
+MFU_MEMORY_FRACTION = 0.85
+"""Rows per microbatch use at most this share of the GPU's memory (the rest: allocator slack)."""
+# The rehearsal's cut: each shape's structure (family, GQA, tied head, MoE routing) at toy widths
+MFU_REHEARSAL_CUT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1024,
+}
+MFU_REHEARSAL_MOE_CUT = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MFU_REHEARSAL_DOCUMENT, MFU_REHEARSAL_ROW = 128, 256
+
+
+def _mfu_shapes() -> dict[str, dict[str, Any]]:
+    """The mfu step's shapes: `MFU_SHAPES`, cut to toy widths in a rehearsal."""
+    if not rehearsing():
+        return MFU_SHAPES
+    cut = {}
+    for name, config in MFU_SHAPES.items():
+        moe = MFU_REHEARSAL_MOE_CUT if config["model_type"] == "qwen3_moe" else {}
+        cut[f"{name}, rehearsal cut"] = {**config, **MFU_REHEARSAL_CUT, **moe}
+    return cut
+
+
+def _random_model_dir(out_dir: Path, config: dict[str, Any], device: str) -> Path:
+    """An HF directory of `config` with seeded random bf16 weights: config.json, one safetensors
+    shard per decoder layer (and one for the rest) and their index.
+
+    No HF model is instantiated: the tensor names and shapes come from the model class built on
+    the meta device (an MoE's experts as transformers 5's 3-D tensors, which the Qwen3-MoE
+    family reads). The values are drawn on `device` (fast on a GPU) and written one shard at a
+    time, so host memory holds one layer: matrices N(0, 0.02^2) (HF's initializer_range), norm
+    weights 1. A tied LM head is left out, as `save_pretrained` does.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_config)
+    shards: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, tensor in meta.state_dict().items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        shard = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        shards.setdefault(shard, {})[name] = tuple(tensor.shape)
+    del meta
+    out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device=device).manual_seed(0)
+    weight_map = {}
+    for i, names in enumerate(shards.values()):
+        tensors = {}
+        for name, shape in names.items():
+            if len(shape) == 1:
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                drawn = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
+                tensors[name] = (drawn * 0.02).cpu()
+        file = f"model-{i:05d}.safetensors"
+        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    hf_config.save_pretrained(out_dir)
+    return out_dir
+
+
+def _matmul_peak(device: str, dtype: Any) -> float:
+    """The best FLOP/s of five timed n x n @ n x n matmuls in `dtype` on `device` (n 8192 on a
+    GPU, 1024 on a CPU), after a warm-up: what this chip reaches on one large GEMM."""
+    import torch
+
+    n = 1024 if device == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(6):
+        _sync(device)
+        started = time.perf_counter()
+        torch.matmul(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _mfu_documents(vocab_size: int, length: int, count: int) -> list[Any]:
+    """`count` seeded random documents of `length` tokens: a quarter prompt (not trained), the
+    rest trained with advantages +-1 and old logprobs -2 (the policy's own: ratio ~ e^(new+2))."""
+    import random
+
+    from art_mega.trainer.batch import Document
+
+    rng = random.Random(0)
+    prompt = length // 4
+    return [
+        Document(
+            [rng.randrange(vocab_size) for _ in range(length)],
+            [0.0] * prompt + [1.0] * (length - prompt),
+            [-2.0] * length,
+            1.0 if i % 2 else -1.0,
+            1.0 / (length - prompt),
+        )
+        for i in range(count)
+    ]
+
+
+def _rows_per_microbatch(engine: Any, batch: Any, device: str) -> tuple[int, str]:
+    """Rows per microbatch from the free memory, measured by a warm-up step at one row.
+
+    Rule: static = memory allocated before the step (weights, LoRA, optimizer state); per_row =
+    the step's peak allocation minus static (Megatron's no-pipeline schedule runs one
+    microbatch's forward and backward at a time, so the peak is one microbatch's activations,
+    logits and loss tensors); rows = floor((MFU_MEMORY_FRACTION x GPU memory - static) /
+    per_row), at least 1 and at most the step's rows. A CPU rehearsal has no allocator
+    statistics: one row. Returns (rows, how they were chosen).
+    """
+    import torch
+
+    from art_mega.trainer.protocol import GRPOLossConfig
+
+    engine.micro_batch_rows = 1
+    if device == "cpu":
+        engine.train_step(batch, "grpo", GRPOLossConfig(), learning_rate=1e-5)
+        return 1, "1 (CPU rehearsal: no allocator statistics)"
+    torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine.train_step(batch, "grpo", GRPOLossConfig(), learning_rate=1e-5)
+    per_row = max(torch.cuda.max_memory_allocated() - static, 1)
+    _, total = torch.cuda.mem_get_info()
+    fit = int((MFU_MEMORY_FRACTION * total - static) // per_row)
+    rows = max(1, min(batch.shape[0], fit))
+    return rows, f"{rows} (static {static / 2**30:.1f} GiB, {per_row / 2**30:.1f} GiB per row, {fit} fit)"
+
+
+def _profile_step(engine: Any, batch: Any, device: str) -> None:
+    """One more step under torch.profiler: print its kernel count and the top 10 kernels (CPU ops
+    in a rehearsal) by their own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from art_mega.trainer.protocol import GRPOLossConfig
+
+    cpu = device == "cpu"
+    with profile(activities=[ProfilerActivity.CPU if cpu else ProfilerActivity.CUDA]) as prof:
+        engine.train_step(batch, "grpo", GRPOLossConfig(), learning_rate=1e-5)
+        _sync(device)
+    kernels = [e for e in prof.events() if cpu or e.device_type.name == "CUDA"]
+    print(f"mfu: profile of one step: {len(kernels)} {'CPU ops' if cpu else 'GPU kernels'}")
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total" if cpu else "self_cuda_time_total", row_limit=10
+        )
+    )
+
+
+def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 9: the GRPO step's tokens/s, model FLOPs utilisation and peak memory per model shape.
+
+    Each shape of `MFU_SHAPES` (SmolLM2-135M, Qwen3-1.7B, Qwen3-8B, Qwen3-30B-A3B cut to 4
+    layers) gets random bf16 weights (`_random_model_dir`), the trainer's own `TrainerEngine`
+    (Megatron model, LoRA r=16 on all four linears and every expert, DDP, Adam) in this process
+    on cuda:0, and a batch of 2048-token documents packed into 4 rows of 8192 tokens. Rows per
+    microbatch come from the free memory (`_rows_per_microbatch`); then one warm-up and two
+    timed `train_step`s (GRPO: forward, backward, optimizer). FLOPs per token are
+    `trainer.flops.step_flops` of the shape and documents; MFU is against the GPU's datasheet
+    dense bf16 peak (`flops.peak_flops_for`; a GPU not in its table fails the step), and also
+    printed against a measured large bf16 matmul. The Qwen3-8B step runs once more under
+    torch.profiler. A rehearsal cuts every shape to toy widths (`MFU_REHEARSAL_CUT`, 128-token
+    documents in 256-token rows) on CPU, MFU against the CPU's measured bf16 matmul.
+
+    Device time (estimated, not measured: no GPU was lent when this was written): bf16 weights
+    of 0.27, 4.1, 16.4 and ~6 GB drawn on the GPU and written at ~1 GB/s, then read back and
+    converted by `build_megatron_model` at ~1 GB/s (about 55 s for the 8B shape, 110 s in
+    all); steps of 32,768 tokens at 34 GFLOP/token (8B) take ~3 s at 40% MFU, ~12 s at 10%, four
+    steps and a profiled one per shape (< 100 s in all at 10% MFU). Total < 4 minutes.
+
+    Raises AssertionError on a non-finite loss or gradient norm, `PeakFlopsError` on a GPU
+    without a datasheet peak.
+    """
+    import gc
+    import resource
+
+    import torch
+
+    from art_mega.agent.ports import free_port
+    from art_mega.topology.compiled import TrainerRank
+    from art_mega.topology.groups import rank_coordinates
+    from art_mega.topology.trainer import TrainerSpec
+    from art_mega.trainer.batch import pack
+    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.flops import mfu as utilisation
+    from art_mega.trainer.flops import peak_flops_for, step_flops
+    from art_mega.trainer.parallel import destroy_parallel, init_parallel
+    from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig
+
+    device = _device()
+    cpu = device == "cpu"
+    document, row = (MFU_REHEARSAL_DOCUMENT, MFU_REHEARSAL_ROW) if cpu else (MFU_DOCUMENT, MFU_ROW)
+    count = MFU_ROWS * (row // document)
+    measured = _matmul_peak(device, torch.bfloat16)
+    if cpu:
+        peak, peak_label = measured, f"{measured / 1e12:.3g} TFLOP/s (this CPU's measured bf16 matmul)"
+    else:
+        peak = peak_flops_for(torch.cuda.get_device_name(0), "bfloat16")
+        peak_label = f"{peak / 1e12:.1f} TFLOP/s (datasheet dense bf16)"
+    print(f"mfu: bf16 matmul measured {measured / 1e12:.3g} TFLOP/s; MFU against {peak_label}")
+    figures: list[tuple[str, float, str]] = [
+        ("gpu: bf16 matmul, measured (8192^3)", measured / 1e12, "TFLOP/s")
+    ]
+    rank = TrainerRank(
+        rank=0, host_id="local", local_rank=0, gpu_id=None if cpu else 0, **rank_coordinates(0, 1)
+    )
+    state = init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())
+    try:
+        for name, config in _mfu_shapes().items():
+            started = time.perf_counter()
+            model_dir = _random_model_dir(work / "mfu-model", config, device)
+            engine = TrainerEngine(
+                model_dir,
+                state,
+                lora=LoraConfig(rank=MFU_LORA_RANK, alpha=2 * MFU_LORA_RANK),
+                dtype="bfloat16",
+            )
+            build_s = time.perf_counter() - started
+            documents = _mfu_documents(config["vocab_size"], document, count)
+            (batch,) = pack(documents, row, 1)
+            tokens = sum(len(d) for d in documents)
+            rows, how = _rows_per_microbatch(engine, batch, device)
+            engine.micro_batch_rows = rows
+            if not cpu:
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for step in range(3):  # a warm-up at the chosen rows, then two timed
+                _sync(device)
+                began = time.perf_counter()
+                metrics = engine.train_step(batch, "grpo", GRPOLossConfig(), learning_rate=1e-5)
+                _sync(device)
+                assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["loss/grad_norm"]), (
+                    metrics
+                )
+                if step:
+                    times.append(time.perf_counter() - began)
+            step_s = sum(times) / len(times)
+            if cpu:
+                memory, memory_label = (
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "process peak RSS",
+                )
+            else:
+                memory, memory_label = torch.cuda.max_memory_allocated(), "peak allocated"
+            flops = step_flops(config, [len(d) for d in documents], lora_rank=MFU_LORA_RANK)
+            tokens_per_s = tokens / step_s
+            fraction = utilisation(flops.per_token, tokens_per_s, peak)
+            print(
+                f"mfu: {name}: {tokens} tokens ({MFU_ROWS} rows x {row}, documents of {document}), "
+                f"rows per microbatch {how}; build {build_s:.1f} s, step {step_s:.3f} s, "
+                f"{tokens_per_s:.0f} tokens/s, {flops.per_token / 1e9:.4g} GFLOP/token, MFU {100 * fraction:.1f}% "
+                f"({100 * flops.per_token * tokens_per_s / measured:.1f}% of the measured matmul), "
+                f"{memory_label} {memory / 2**30:.2f} GiB",
+                flush=True,
+            )
+            label = f"{name} shape, LoRA r={MFU_LORA_RANK}, bf16, {row}-token rows, {rows} per microbatch"
+            figures += [
+                (f"gpu: GRPO step MFU, {label}", 100 * fraction, "% of dense bf16 peak"),
+                (f"gpu: GRPO step tokens/s, {label}", tokens_per_s, "tokens/s"),
+                (f"gpu: GRPO step peak memory, {label}", memory / 2**30, "GiB"),
+            ]
+            if name.startswith(MFU_PROFILED):
+                _profile_step(engine, batch, device)
+            del engine
+            gc.collect()
+            if not cpu:
+                torch.cuda.empty_cache()
+            shutil.rmtree(model_dir)
+    finally:
+        destroy_parallel()
+    return figures
+
+
 def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tuple[str, float, str]]]]:
     return {
         "megatron_logits": lambda: megatron_logits(work, log_dir),
@@ -642,6 +1001,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "grpo_lora": lambda: asyncio.run(_grpo_and_publish(work, log_dir)),
         "nccl_preflight": lambda: asyncio.run(nccl_preflight(work, log_dir)),
         "local_backend": lambda: asyncio.run(local_backend(work, log_dir)),
+        "mfu": lambda: mfu(work, log_dir),
     }
 
 

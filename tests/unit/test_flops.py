@@ -244,3 +244,30 @@ def test_against_flop_counter_qwen3_moe_with_peft():
     )
     assert linears == expected.total - expected.attention
     assert attention == 2 * expected.attention + _rope_angles(24, MOE_SIZES["head_dim"])
+
+
+def test_device_check_shapes_in_closed_form():
+    # the mfu step's dense shapes (benchmarks/device_check.py): Narayanan et al.'s per-token form,
+    # 2N forward + 2N backward input gradients (less the first layer's QKV), causal attention x 3
+    # and LoRA's forward, input and weight gradients (less the first QKV adapter's dx)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import device_check
+
+    r, length = device_check.MFU_LORA_RANK, device_check.MFU_DOCUMENT
+    for name in ("SmolLM2-135M", "Qwen3-1.7B", "Qwen3-8B"):
+        c = device_check.MFU_SHAPES[name]
+        h, ffn, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        d = c.get("head_dim", h // heads)
+        qkv = (heads + 2 * kv) * d
+        n = layers * (h * qkv + heads * d * h + 3 * h * ffn) + h * v
+        adapters = layers * ((h + qkv) + (heads * d + h) + (h + 2 * ffn) + (ffn + h))
+        per_token = 4 * n - 2 * h * qkv + 3 * 2 * length * heads * d * layers + 2 * r * (3 * adapters - h)
+        got = step_flops(c, [length] * 16, lora_rank=r)
+        assert got.per_token == per_token, name
+    assert step_flops(device_check.QWEN3_8B_SHAPE, [2048], lora_rank=16).per_token == pytest.approx(
+        32.25e9, rel=1e-3
+    )
