@@ -7,7 +7,9 @@
 #    benchmarks/device_check.py: the Megatron model (local and TransformerEngine specs) against
 #    HF logits, GRPO steps on an agent-started GPU trainer rank and their tokens/s, one GRPO step
 #    with LoRA on tiny Qwen3 with a shared-GPU upstream vLLM replica, adapter publication into it
-#    and a completion from it, the NCCL single-host preflight with its log proof; it prints
+#    and a completion from it, the NCCL single-host preflight with its log proof, LocalBackend(),
+#    and the GRPO step's MFU on four model shapes (the mfu step; run it alone, --steps mfu, to
+#    keep a command inside 10 minutes); it prints
 #    RESULTS.md rows with "gpu ..." in the machine column (--record also writes them into
 #    benchmarks/RESULTS.md). --steps picks steps by name (see --dry-run); --keep-going runs
 #    every chosen step even after one failed.
