@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +56,29 @@ def program_workdir(tmp_path: Path, monkeypatch: Any, *, without_wandb: bool = F
     if without_wandb:
         monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return tmp_path
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Serve the ASGI `app` (uvicorn, on a thread of its own, so sync and async tests alike can
+    call it) on a free loopback port while the block runs; yields its http://127.0.0.1:PORT."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from art_mega.agent.ports import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

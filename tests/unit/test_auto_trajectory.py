@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from openai.types.chat.chat_completion import Choice
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,6 +16,7 @@ from starlette.routing import Route
 
 import art_mega as art
 from art_mega.errors import UserError
+from tests.helpers import serve_in_thread
 
 
 async def _completions(request: Request) -> Response:
@@ -52,20 +49,9 @@ async def _completions(request: Request) -> Response:
 
 @pytest.fixture(scope="module")
 def endpoint():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     app = Starlette(routes=[Route("/v1/chat/completions", _completions, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as url:
+        yield f"{url}/v1"
 
 
 def _model(endpoint: str) -> art.Model:

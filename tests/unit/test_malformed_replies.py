@@ -6,19 +6,16 @@ sentence naming the server or model, never an IndexError/AttributeError tracebac
 
 from __future__ import annotations
 
-import threading
-import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 import art_mega as art
-from art_mega.agent.ports import free_port
 from art_mega.errors import (
     CompletionReplyError,
     LangGraphUsageError,
@@ -30,6 +27,7 @@ from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
 from art_mega.mcp import MCPTool, StdioServer, generate_scenarios, rollout_with_tools
 from art_mega.mcp.server import McpSession
 from art_mega.rewards import ruler
+from tests.helpers import serve_in_thread
 
 MESSAGE = {"role": "assistant", "content": "fine"}
 GOOD_CHOICE = {"index": 0, "finish_reason": "stop", "message": MESSAGE}
@@ -87,25 +85,16 @@ async def _answer(request: Request) -> Response:
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
+def server() -> Iterator[str]:
     """The loopback server's base URL, http://127.0.0.1:PORT/v1."""
-    port = free_port()
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", _answer, methods=["POST"]),
             Route("/v1/completions", _answer, methods=["POST"]),
         ]
     )
-    served = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=served.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not served.started:
-        assert time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1"
-    served.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as url:
+        yield f"{url}/v1"
 
 
 def prompted(base_url: str, served_name: str) -> art.Model:
