@@ -251,8 +251,8 @@ def step_flops(
         raise UserError(
             f"document_lengths={document_lengths!r} must list at least one document length in tokens."
         )
-    for length in document_lengths:
-        _positive_int("document_lengths[...]", length)
+    for i, length in enumerate(document_lengths):
+        _positive_int(f"document_lengths[{i}]", length)
     rank = _positive_int("lora_rank", lora_rank)
     if lora_layout not in ("megatron", "peft"):
         raise UserError(f"lora_layout={lora_layout!r} must be 'megatron' or 'peft'.")
@@ -262,43 +262,35 @@ def step_flops(
     shape = ModelShape.from_hf_config(config)
     tokens = sum(document_lengths)
 
-    base = lora_fwd = lora_grads_in = lora_weights = 0
-    # First layer (the embedding is frozen): nothing needs a gradient until the first adapter;
-    # every later layer's input needs one (its input comes from adapted layers).
-    first_layer_grad = base_grad_rest = 0
-    needs_grad = False
-    attention_needs_grad_first = False
+    # Per token: one layer's base and LoRA matmuls, and the first layer's input gradients, where
+    # nothing needs a gradient before the first adapter (the embedding is frozen); every later
+    # layer's input comes from adapted layers, so it gets all of them.
+    layer_base = layer_lora = first_base_grads = first_lora_grads = 0
+    needs_grad = first_attention_grad = False
     for site in shape.layer_linears():
-        adapted = site.target in targets
-        per_token_base = 2 * site.in_features * site.out_features * site.passes
-        base += per_token_base * shape.num_layers
-        base_grad_rest += per_token_base * (shape.num_layers - 1)
-        first_layer_grad += per_token_base if needs_grad else 0
-        if adapted:
+        cost = 2 * site.in_features * site.out_features * site.passes
+        layer_base += cost
+        first_base_grads += cost if needs_grad else 0
+        if site.target in targets:
             for fan_in, fan_out in site.lora_factors(lora_layout):
-                both = 2 * rank * (fan_in + fan_out) * site.passes
-                lora_fwd += both * shape.num_layers
-                lora_weights += both * shape.num_layers
-                # dL/d(x A^T) in every layer; dL/dx where x needs it (not before the first adapter)
-                lora_grads_in += 2 * rank * fan_out * site.passes * shape.num_layers
-                lora_grads_in += 2 * rank * fan_in * site.passes * (shape.num_layers - 1 + needs_grad)
+                layer_lora += 2 * rank * (fan_in + fan_out) * site.passes
+                # dL/d(x A^T) = dL/dy B always; dL/dx = dL/d(x A^T) A only where x needs it
+                first_lora_grads += 2 * rank * (fan_out + (fan_in if needs_grad else 0)) * site.passes
             needs_grad = True
         if site.target == "linear_qkv":
-            attention_needs_grad_first = needs_grad
-    base_grads = first_layer_grad + base_grad_rest
+            first_attention_grad = needs_grad
+    later = shape.num_layers - 1
     head = 2 * shape.hidden_size * shape.vocab_size
     attention = attention_forward_flops(shape, document_lengths)
-    per_layer_attention = attention // shape.num_layers
-    attention_grad_layers = shape.num_layers - 1 + attention_needs_grad_first
     return StepFlops(
         tokens=tokens,
-        base_forward=(base + head) * tokens,
+        base_forward=(shape.num_layers * layer_base + head) * tokens,
         attention_forward=attention,
-        base_input_grads=(base_grads + head) * tokens,
-        attention_backward=2 * per_layer_attention * attention_grad_layers,
-        lora_forward=lora_fwd * tokens,
-        lora_input_grads=lora_grads_in * tokens,
-        lora_weight_grads=lora_weights * tokens,
+        base_input_grads=(first_base_grads + later * layer_base + head) * tokens,
+        attention_backward=2 * (attention // shape.num_layers) * (later + first_attention_grad),
+        lora_forward=shape.num_layers * layer_lora * tokens,
+        lora_input_grads=(first_lora_grads + later * layer_lora) * tokens,
+        lora_weight_grads=shape.num_layers * layer_lora * tokens,
     )
 
 

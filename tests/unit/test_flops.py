@@ -94,8 +94,8 @@ def test_moe_router_and_top_k_experts():
     "kwargs,fragment",
     [
         ({"document_lengths": []}, "document_lengths=[] must list at least one"),
-        ({"document_lengths": [3, 0]}, "document_lengths[...]=0 must be a whole number"),
-        ({"document_lengths": [2.5]}, "document_lengths[...]=2.5"),
+        ({"document_lengths": [3, 0]}, "document_lengths[1]=0 must be a whole number"),
+        ({"document_lengths": [2.5]}, "document_lengths[0]=2.5"),
         ({"lora_rank": 0}, "lora_rank=0 must be a whole number of at least 1"),
         ({"lora_targets": []}, "lora_targets=[] must name at least one layer"),
         ({"lora_targets": ["q_proj"]}, "need all of ['q_proj', 'k_proj', 'v_proj']"),
