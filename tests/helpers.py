@@ -82,3 +82,53 @@ def serve_in_thread(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def save_checkpoint_step(
+    root: Path, step: int, rank: int = 4, commit: bool = True, config_rank: int | None = None
+) -> Path:
+    """Step `step` of a LoRA of rank `rank` (layer 0's seven modules, hidden size 16) saved under
+    `root` (a `checkpoint.checkpoints_dir`) as the ranks save it: staged, adapter_config.json as
+    the trainer writes it (`peft_io.adapter_config`; `config_rank` writes another r), weights by
+    `safetensors.torch.save_file`, the manifest with their sha256, placed, and with `commit` the
+    pointer moved to it. Returns the step folder."""
+    import hashlib
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from art_mega.trainer import checkpoint as ckpt
+    from art_mega.trainer.peft_io import adapter_config
+    from art_mega.trainer.protocol import LoraConfig
+
+    lora = LoraConfig(rank=rank, alpha=8.0)
+    final = ckpt.step_dir(root, step)
+    staging = ckpt.prepare_staging(final)
+    torch.manual_seed(step)
+    tensors = {}
+    for module in lora.hf_target_modules():
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        key = f"base_model.model.model.layers.0.{parent}.{module}"
+        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, 16)
+        tensors[f"{key}.lora_B.weight"] = torch.randn(16, rank)
+    weights = ckpt.adapter_dir(staging) / "adapter_model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = adapter_config(lora, "/models/tiny")
+    if config_rank is not None:
+        config["r"] = config_rank
+    (ckpt.adapter_dir(staging) / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    ckpt.write_manifest(
+        staging,
+        ckpt.Manifest(
+            step=step,
+            adapter_sha256=hashlib.sha256(weights.read_bytes()).hexdigest(),
+            base_model="/models/tiny",
+            layout=ckpt.ManifestLayout(world_size=1, tp=1, dp=1),
+            written_at=1.0,
+        ),
+    )
+    ckpt.place_folder(staging, final)
+    if commit:
+        ckpt.write_commit(root, step)
+    return final

@@ -17,52 +17,12 @@ import pytest
 
 from art_mega.errors import CheckpointFileError
 from art_mega.trainer import checkpoint as ckpt
+from tests.helpers import save_checkpoint_step as save_step
 
-torch = pytest.importorskip("torch", reason="the weights are written by safetensors.torch")
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from art_mega.trainer.peft_io import adapter_config  # noqa: E402
-from art_mega.trainer.protocol import LoraConfig  # noqa: E402
+pytest.importorskip("torch", reason="the weights are written by safetensors.torch")
+from safetensors.torch import load_file  # noqa: E402
 
 FIX = "; restore it from a copy, or give the model another name to start a new run"
-HIDDEN = 16
-
-
-def save_step(
-    root: Path, step: int, rank: int = 4, commit: bool = True, config_rank: int | None = None
-) -> Path:
-    """Step `step` as the ranks save it (staged, manifest with the weights' sha256, placed) and,
-    with `commit`, committed; `config_rank` writes another r into adapter_config.json."""
-    lora = LoraConfig(rank=rank, alpha=8.0)
-    final = ckpt.step_dir(root, step)
-    staging = ckpt.prepare_staging(final)
-    torch.manual_seed(step)
-    tensors = {}
-    for module in lora.hf_target_modules():
-        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-        key = f"base_model.model.model.layers.0.{parent}.{module}"
-        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, HIDDEN)
-        tensors[f"{key}.lora_B.weight"] = torch.randn(HIDDEN, rank)
-    weights = ckpt.adapter_dir(staging) / "adapter_model.safetensors"
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    config = adapter_config(lora, "/models/tiny")
-    if config_rank is not None:
-        config["r"] = config_rank
-    (ckpt.adapter_dir(staging) / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    ckpt.write_manifest(
-        staging,
-        ckpt.Manifest(
-            step=step,
-            adapter_sha256=hashlib.sha256(weights.read_bytes()).hexdigest(),
-            base_model="/models/tiny",
-            layout=ckpt.ManifestLayout(world_size=1, tp=1, dp=1),
-            written_at=1.0,
-        ),
-    )
-    ckpt.place_folder(staging, final)
-    if commit:
-        ckpt.write_commit(root, step)
-    return final
 
 
 @pytest.fixture
