@@ -730,10 +730,10 @@ def _random_model_dir(out_dir: Path, config: dict[str, Any], device: str) -> Pat
     shard per decoder layer (and one for the rest) and their index.
 
     No HF model is instantiated: the tensor names and shapes come from the model class built on
-    the meta device (an MoE's experts as transformers 5's 3-D tensors, which the Qwen3-MoE
-    family reads). The values are drawn on `device` (fast on a GPU) and written one shard at a
-    time, so host memory holds one layer: matrices N(0, 0.02^2) (HF's initializer_range), norm
-    weights 1. A tied LM head is left out, as `save_pretrained` does.
+    the meta device, an MoE's 3-D expert tensors renamed per expert (`_per_expert`). The values
+    are drawn on `device` (fast on a GPU) and written one shard at a time, so host memory holds
+    one layer: matrices N(0, 0.02^2) (HF's initializer_range), norm weights 1. A tied LM head is
+    left out, as `save_pretrained` does.
     """
     import json
 
@@ -750,7 +750,7 @@ def _random_model_dir(out_dir: Path, config: dict[str, Any], device: str) -> Pat
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         shard = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        shards.setdefault(shard, {})[name] = tuple(tensor.shape)
+        shards.setdefault(shard, {}).update(_per_expert(name, tuple(tensor.shape)))
     del meta
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -771,6 +771,28 @@ def _random_model_dir(out_dir: Path, config: dict[str, Any], device: str) -> Pat
     )
     hf_config.save_pretrained(out_dir)
     return out_dir
+
+
+def _per_expert(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of one HF tensor, transformers 5's 3-D expert tensors split into the Hub's
+    per-expert names: mlp.experts.gate_up_proj [E, 2I, h] -> mlp.experts.{e}.gate_proj.weight and
+    up_proj.weight [I, h]; mlp.experts.down_proj [E, h, I] -> mlp.experts.{e}.down_proj.weight.
+
+    The Qwen3-MoE family reads those names first; from a 3-D tensor it would read the whole
+    tensor once per expert (`qwen3_moe.read_expert`), 128 x 0.8 GB a layer for Qwen3-30B-A3B.
+    """
+    for fused in ("gate_up_proj", "down_proj"):
+        if name.endswith(f".mlp.experts.{fused}"):
+            prefix = name[: -len(fused)]
+            experts, rows, cols = shape
+            if fused == "down_proj":
+                return {f"{prefix}{e}.down_proj.weight": (rows, cols) for e in range(experts)}
+            return {
+                f"{prefix}{e}.{part}.weight": (rows // 2, cols)
+                for e in range(experts)
+                for part in ("gate_proj", "up_proj")
+            }
+    return {name: shape}
 
 
 def _matmul_peak(device: str, dtype: Any) -> float:
@@ -860,10 +882,10 @@ def _profile_step(engine: Any, batch: Any, device: str) -> None:
         engine.train_step(batch, "grpo", GRPOLossConfig(), learning_rate=1e-5)
         _sync(device)
     kernels = [e for e in prof.events() if cpu or e.device_type.name == "CUDA"]
-    print(f"mfu: profile of one step: {len(kernels)} {'CPU ops' if cpu else 'GPU kernels'}")
+    print(f"mfu: profile of one step: {len(kernels)} {'CPU ops' if cpu else 'GPU kernels and copies'}")
     print(
         prof.key_averages().table(
-            sort_by="self_cpu_time_total" if cpu else "self_cuda_time_total", row_limit=10
+            sort_by="self_cpu_time_total" if cpu else "self_device_time_total", row_limit=10
         )
     )
 
