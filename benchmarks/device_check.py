@@ -795,12 +795,16 @@ def _per_expert(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]
     return {name: shape}
 
 
+MATMUL_SIDE = {"cpu": 1024, "cuda": 8192}
+"""n of the n x n @ n x n matmul that measures a chip's reachable peak (`_matmul_peak`)."""
+
+
 def _matmul_peak(device: str, dtype: Any) -> float:
-    """The best FLOP/s of five timed n x n @ n x n matmuls in `dtype` on `device` (n 8192 on a
-    GPU, 1024 on a CPU), after a warm-up: what this chip reaches on one large GEMM."""
+    """The best FLOP/s of five timed n x n @ n x n matmuls in `dtype` on `device` (n from
+    `MATMUL_SIDE`), after a warm-up: what this chip reaches on one large GEMM."""
     import torch
 
-    n = 1024 if device == "cpu" else 8192
+    n = MATMUL_SIDE["cpu" if device == "cpu" else "cuda"]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = math.inf
@@ -942,7 +946,7 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
         peak_label = f"{peak / 1e12:.1f} TFLOP/s (datasheet dense bf16)"
     print(f"mfu: bf16 matmul measured {measured / 1e12:.3g} TFLOP/s; MFU against {peak_label}")
     figures: list[tuple[str, float, str]] = [
-        ("gpu: bf16 matmul, measured (8192^3)", measured / 1e12, "TFLOP/s")
+        (f"gpu: bf16 matmul {MATMUL_SIDE['cpu' if cpu else 'cuda']}^3, measured", measured / 1e12, "TFLOP/s")
     ]
     rank = TrainerRank(
         rank=0, host_id="local", local_rank=0, gpu_id=None if cpu else 0, **rank_coordinates(0, 1)
