@@ -114,12 +114,16 @@ def train_threads(
 
     The set value; or, for a CPU rank without one, its share of `cores` (default: the rank's
     CPU affinity) among the CPU ranks of its host, but no more than the cores not busy at the
-    job's start (`cores` minus the `running` other runnable tasks, default from /proc/loadavg),
-    at least 1; None for a GPU rank without one (torch's default stays). In the synchronous
+    job's start (`cores` minus `running`, the cores other tasks keep busy: default
+    `_busy_cores`, measured over 0.1 s), at least 1; None for a GPU rank without one (torch's default stays). In the synchronous
     loop the replicas are idle while the trainer trains, so their cores are the trainer's for
     the job; on a machine others keep busy, more threads than free cores make every OpenMP
     barrier wait for a descheduled thread (measured 1.3-5x slower at 2 threads on 2 loaded
-    cores), hence the cap. The rank gives the threads back after the job (`_threads`).
+    cores), hence the cap. The busy cores are measured, not read from /proc/loadavg's
+    instantaneous runnable count: at the job's start that count also holds the agent and
+    controller threads handing the job over, which wait a moment later, and it kept the rank at
+    one thread on an otherwise idle 2-core host. The rank gives the threads back after the job
+    (`_threads`).
 
     Raises:
         UserError: the set value is more than the rank's cores.
@@ -140,18 +144,37 @@ def train_threads(
     if me.gpu_id is not None:
         return None
     sharing = sum(1 for r in config.rank_table if r.host_id == me.host_id and r.gpu_id is None)
-    running = _other_runnable_tasks() if running is None else running
+    running = _busy_cores() if running is None else running
     return max(1, min(cores // sharing, cores - running))
 
 
-def _other_runnable_tasks() -> int:
-    """Runnable tasks on this host besides the caller, from /proc/loadavg's 4th field
-    ("running/total", the caller's own thread included); 0 where it cannot be read."""
+def _busy_cores(window_s: float = 0.1) -> int:
+    """Cores of this process's CPU affinity that other tasks keep busy: their non-idle time in
+    /proc/stat over `window_s` seconds (the caller sleeps meanwhile, so its own time is not in
+    it), rounded to whole cores; 0 where /proc/stat cannot be read."""
+    cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
+
+    def sample() -> dict[str, tuple[int, int]]:
+        times = {}
+        with open("/proc/stat") as stat:
+            for line in stat:
+                name, *fields = line.split()
+                if name in cpus:
+                    values = [int(value) for value in fields[:8]]  # user .. steal, in clock ticks
+                    times[name] = (sum(values), values[3] + values[4])  # total, idle + iowait
+        return times
+
     try:
-        with open("/proc/loadavg") as loadavg:
-            return max(0, int(loadavg.read().split()[3].split("/")[0]) - 1)
+        before = sample()
+        time.sleep(window_s)
+        after = sample()
     except (OSError, IndexError, ValueError):
         return 0
+    total = sum(after[name][0] - before[name][0] for name in after if name in before)
+    idle = sum(after[name][1] - before[name][1] for name in after if name in before)
+    if total <= 0:
+        return 0
+    return round(len(after) * (total - idle) / total)
 
 
 def _ping(state: Any) -> dict[str, float]:

@@ -4,6 +4,9 @@ the one it started with otherwise (`TrainerSpec.cpu_train_threads`, `rank_main.t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -11,7 +14,7 @@ from pydantic import ValidationError
 from art_mega.errors import UserError
 from art_mega.topology import TrainerSpec, compile_topology
 from art_mega.trainer.protocol import RankConfig
-from art_mega.trainer.rank_main import _threads, train_threads
+from art_mega.trainer.rank_main import _busy_cores, _threads, train_threads
 from tests.helpers import loopback_cluster
 
 
@@ -47,6 +50,26 @@ def test_cores_others_keep_busy_at_the_jobs_start_are_left_to_them(running, expe
 
 def test_the_runnable_tasks_are_read_from_this_host():
     assert train_threads(config(1), 0) in range(1, len(os.sched_getaffinity(0)) + 1)
+
+
+def test_a_core_another_process_keeps_busy_is_counted():
+    """A child spinning on one of this process's cores for the whole window is one busy core
+    (at least: the host may run other work too), and it stops counting once it exits."""
+    core = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nend = time.time() + 5\nwhile time.time() < end: pass",
+        ]
+    )
+    try:
+        time.sleep(0.3)  # the child is past its start-up and spinning
+        assert _busy_cores(window_s=0.3) >= 1
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 0 <= _busy_cores(window_s=0.1) <= len(os.sched_getaffinity(0))
 
 
 def test_a_set_thread_count_is_used_on_cpu_and_gpu_ranks():
