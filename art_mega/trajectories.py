@@ -644,6 +644,11 @@ def _check_item(item: Any, where: str, argument: str, group: int | None, index: 
         return TrainInputError(f"{where} {reason}", argument, group, index)
 
     if isinstance(item, Choice):
+        if not isinstance(item.message, BaseModel):  # a reply the SDK built without validating
+            raise refuse(
+                f"is a Choice without its message (message={item.message!r}); append the choice "
+                "of a reply whose choices hold their messages"
+            )
         message: Any = item.message.model_dump(exclude_none=True)
         entries = [e.logprob for e in (item.logprobs.content or [])] if item.logprobs else []
     elif isinstance(item, dict) and _message_kind(item) == "choice":

@@ -236,3 +236,22 @@ async def test_wrap_rollout_names_the_server_where_langchain_fails_on_the_reply(
         in str(caught.value)
     )
     assert isinstance(caught.value.__cause__, cause)
+
+
+async def test_a_choice_without_its_message_in_a_trajectory_is_refused_before_training(server) -> None:
+    from art_mega.errors import TrainInputError
+    from art_mega.trajectories import check_train_groups
+
+    reply = (
+        await prompted(server, "null-message")
+        .openai_client()
+        .chat.completions.create(model="null-message", messages=USER)
+    )  # the caller's own client: nothing of art-mega read this reply
+    trajectory = art.Trajectory(messages_and_choices=[*USER, reply.choices[0]], reward=1.0)
+    with pytest.raises(TrainInputError) as caught:
+        check_train_groups([art.TrajectoryGroup([trajectory])])
+    assert str(caught.value) == (
+        "backend.train(trajectory_groups): trajectory 0 of group 0: messages_and_choices[1] is a "
+        "Choice without its message (message=None); append the choice of a reply whose choices "
+        "hold their messages"
+    )
