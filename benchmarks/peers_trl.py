@@ -143,7 +143,8 @@ async def art_program(launch) -> None:
                 rollout_s=rolled - started,
                 train_s=trained - rolled,
                 reward=statistics.fmean(rewards),
-                trained=result.metrics.get("data/step_num_trajectories", 0.0),
+                # trajectories of the groups the step trained (ART leaves out equal-reward groups)
+                trained=result.metrics.get("data/step_num_groups_trainable", 0.0) * GROUP_SIZE,
                 metrics={
                     k: v for k, v in result.metrics.items() if k.startswith(("time/", "data/", "inference/"))
                 },
