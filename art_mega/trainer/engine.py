@@ -216,20 +216,49 @@ class TrainerEngine:
     def _microbatches(
         self, batch: TrainBatch, extra: dict[str, np.ndarray] | None = None
     ) -> list[dict[str, torch.Tensor]]:
-        """`micro_batch_rows` rows of `batch` at a time (with `extra`'s [B, S] arrays, by name)."""
+        """`micro_batch_rows` rows of `batch` at a time (with `extra`'s [B, S] arrays, by name),
+        each [b, L] with its padding columns cut (`_real_columns`)."""
         tensors = batch.to_torch(self.state.device)
         for name, values in (extra or {}).items():
             tensors[name] = torch.from_numpy(np.ascontiguousarray(values)).to(self.state.device)
         rows = batch.shape[0]
         step = self.micro_batch_rows
-        return [{k: v[i : i + step] for k, v in tensors.items()} for i in range(0, rows, step)]
+        micro = []
+        for i in range(0, rows, step):
+            length = self._real_columns(tensors["segment_ids"][i : i + step])
+            micro.append({k: v[i : i + step, :length] for k, v in tensors.items()})
+        return micro
+
+    def _real_columns(self, segment_ids: torch.Tensor) -> int:
+        """The columns of a microbatch's rows (`segment_ids` int [b, S]) that the model runs: up to
+        the last real token of its longest row, rounded up to what the layout requires (a multiple
+        of 2*cp under CP, of tp where the sequence is split over TP), at most S.
+
+        The columns after every row's last token are padding (segment 0), which no real token
+        attends to and whose values are 0.0, so cutting them changes no result. Except where
+        padding takes part in a loss of its own: an MoE load-balancing (aux / z) loss routes
+        every token, so with one the rows keep all S columns.
+        """
+        config = self.model.module.config
+        length = segment_ids.shape[1]
+        if config.num_moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
+            return length
+        real = (segment_ids > 0).any(dim=0).nonzero()
+        last = int(real[-1]) + 1 if real.numel() else 1
+        unit = (2 * self.state.cp if self.state.cp > 1 else 1) * (
+            self.state.tp if config.sequence_parallel else 1
+        )
+        return min(length, -(-last // unit) * unit)
 
     @torch.no_grad()
     def _forward_logprobs(
-        self, tensors: dict[str, torch.Tensor], chunk_size: int | None = None
+        self, tensors: dict[str, torch.Tensor], chunk_size: int | None = None, *, trained_only: bool = False
     ) -> torch.Tensor:
+        """Logprobs float32 [b, L] of one microbatch; with `trained_only` at its trained tokens
+        (`loss_mask` > 0) only, 0.0 elsewhere (the LM head runs on the positions predicting them)."""
+        needed = tensors["loss_mask"] > 0 if trained_only else None
         logits = forward_logits(
-            self.ddp, tensors["input_ids"], tensors["position_ids"], tensors["segment_ids"]
+            self.ddp, tensors["input_ids"], tensors["position_ids"], tensors["segment_ids"], needed=needed
         )
         return token_logprobs(
             logits,
@@ -237,23 +266,31 @@ class TrainerEngine:
             vocab_size=self.vocab_size,
             segment_ids=tensors["segment_ids"],
             chunk_size=chunk_size,
+            needed=needed,
         )
 
     # ------------------------------------------------------------------ public API
 
-    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> np.ndarray:
+    def logprobs(
+        self, batch: TrainBatch, *, reference: bool = False, trained_only: bool = False
+    ) -> np.ndarray:
         """Per-token logprobs of `batch.input_ids` under the current policy, float32 [B, S].
 
         Position t holds log p(token t | tokens < t of its document); the first token of each
         document and padding hold 0. `reference=True` uses the base model (LoRA disabled).
+        `trained_only=True`: only the trained tokens (`loss_mask` > 0) get theirs, the others
+        hold 0 too (what a loss reads, at a fraction of the LM head's cost).
         Collective over the TP and CP groups (every rank of them returns the same whole rows).
         """
-        parts = []
+        out = np.zeros(batch.shape, dtype=np.float32)
         context = lora_disabled(self.ddp.module) if reference else contextlib.nullcontext()
         with context:
+            first = 0
             for tensors in self._microbatches(batch):
-                parts.append(self._forward_logprobs(tensors).cpu())
-        return torch.cat(parts).numpy()
+                values = self._forward_logprobs(tensors, trained_only=trained_only).cpu().numpy()
+                out[first : first + values.shape[0], : values.shape[1]] = values
+                first += values.shape[0]
+        return out
 
     def train_step(
         self,
@@ -387,14 +424,15 @@ class TrainerEngine:
         if loss != "grpo":
             return _Microbatch(tensors)
         ref = old = inference = None
+        chunk_size = loss_config.logprob_calculation_chunk_size
         if loss_config.needs_reference:
             with self._reference(loss_config.kl_ref_adapter_path):
-                ref = self._forward_logprobs(tensors, loss_config.logprob_calculation_chunk_size)
+                ref = self._forward_logprobs(tensors, chunk_size, trained_only=True)
         if loss_config.recomputes_old:
             old = (
                 tensors["old_policy"]
                 if "old_policy" in tensors
-                else self._forward_logprobs(tensors, loss_config.logprob_calculation_chunk_size)
+                else self._forward_logprobs(tensors, chunk_size, trained_only=True)
             )
             inference = tensors["old_logprobs"]
         return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
@@ -445,19 +483,28 @@ class TrainerEngine:
         loss_config: GRPOLossConfig,
         denominator: float,
     ) -> tuple[torch.Tensor, Any]:
-        """Megatron's forward_step_func: logprobs of one microbatch and its loss function."""
+        """Megatron's forward_step_func: logprobs of one microbatch and its loss function.
+
+        The loss and the step metrics read the trained tokens only (`loss_mask` > 0): the LM head,
+        the entropy and the cross entropy run on the positions predicting them (`needed`); the
+        other tokens' logprobs and entropies are 0.0, as they would be once masked.
+        """
         micro = next(data_iterator)
         t = micro.tensors
-        logits = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"])
+        needed = t["loss_mask"] > 0
+        logits = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"], needed=needed)
         entropy = None
         if self.compute_entropy:
-            entropy = token_entropy(logits, vocab_size=self.vocab_size, segment_ids=t["segment_ids"])
+            entropy = token_entropy(
+                logits, vocab_size=self.vocab_size, segment_ids=t["segment_ids"], needed=needed
+            )
         logprobs = token_logprobs(
             logits,
             t["input_ids"],
             vocab_size=self.vocab_size,
             segment_ids=t["segment_ids"],
             chunk_size=loss_config.logprob_calculation_chunk_size,
+            needed=needed,
         )
         loss_fn = functools.partial(
             self._loss,

@@ -261,7 +261,7 @@ def _rl_steps(job: RLJob, state: Any, engine: Any, step: int) -> dict[str, float
     ]
     old_policy = None
     if len(slices) > 1 and job.loss.recomputes_old:
-        old_policy = engine.logprobs(batch)
+        old_policy = engine.logprobs(batch, trained_only=True)
     samples: list[dict[str, float]] = []
     for k, part in enumerate(slices):
         try:

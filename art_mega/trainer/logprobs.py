@@ -5,6 +5,13 @@ softmax normaliser is assembled with all-reduces over the TP group (Megatron's
 `tensor_parallel.vocab_parallel_cross_entropy`, which is -log p). Under context parallelism
 each CP rank computes the values of its own positions (`cp_attention` split) and they are
 all-gathered back into sequence order, so callers always see whole rows.
+
+Needed positions: a loss reads the logprobs (and entropies) of its trained tokens only. Given
+`needed` (bool [B, S], whole rows, True at the tokens whose values are read, e.g.
+`loss_mask > 0`), `forward_logits` runs the output layer (LM head) only on the positions that
+predict those tokens (position t - 1 for token t of the same document; this CP rank's share),
+and `token_logprobs` / `token_entropy` with the same `needed` compute the vocabulary terms
+there and return whole rows [B, S] holding 0.0 at every other token, as today's masked tokens.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ def token_logprobs(
     vocab_size: int,
     segment_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log p(input_ids[t] | tokens < t of its document), float32 [B, S], differentiable.
 
@@ -89,7 +97,10 @@ def token_logprobs(
             chunk is recomputed in the backward (activation checkpointing) rather than kept.
             The values are the same. A last chunk shorter than `chunk_size` is allowed (ART
             asserts that the length is a multiple; packed rows here have any length). Chunked,
-            `logits` is read, not consumed.
+            `logits` is read, not consumed. With `needed` the chunks are of needed positions.
+        needed: None (every position) or bool [B, S], the tokens whose logprob is read, as given
+            to `forward_logits`: `logits` are then its [1, K, V_padded / tp] (K positions of this
+            rank) and every other token holds 0.0.
 
     Position 0, the first token of every document and padding tokens hold 0.0: mask them out.
     Call on every rank of the TP group (it all-reduces over it). With CP > 1, `logits` are
@@ -102,7 +113,14 @@ def token_logprobs(
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = _mask_padded_vocab(logits, vocab_size, mpu.get_tensor_model_parallel_rank())
-    targets = _for_this_cp_rank(_next_token_targets(input_ids), logits)
+    targets = _for_this_cp_rank(_next_token_targets(input_ids))
+    keep = None
+    if needed is None:
+        _check_positions(logits, targets.shape[1], "positions of this rank's rows")
+    else:
+        keep = _kept_positions(needed, segment_ids)
+        targets = targets[keep][None]
+        _check_positions(logits, targets.shape[1], "needed positions of this rank")
     if chunk_size is None:
         nll = vocab_parallel_cross_entropy(logits, targets)
     else:
@@ -113,7 +131,16 @@ def token_logprobs(
             ],
             dim=1,
         )
-    return _shift_to_token(_whole_rows(-nll.float(), input_ids.shape[1]), segment_ids)
+    return _shift_to_token(_whole_rows(_scatter(-nll.float(), keep), input_ids.shape[1]), segment_ids)
+
+
+def _check_positions(logits: torch.Tensor, expected: int, what: str) -> None:
+    """Refuse logits [B, P, V] whose P is not the `expected` count of `what`."""
+    if logits.shape[1] != expected:
+        raise ValueError(
+            f"logits hold {logits.shape[1]} positions where {expected} {what} are expected: pass "
+            "token_logprobs / token_entropy the rows and `needed` given to forward_logits"
+        )
 
 
 def _chunk_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -138,7 +165,11 @@ def _chunk_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def token_entropy(
-    logits: torch.Tensor, *, vocab_size: int, segment_ids: torch.Tensor | None = None
+    logits: torch.Tensor,
+    *,
+    vocab_size: int,
+    segment_ids: torch.Tensor | None = None,
+    needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Entropy (nats) of the distribution each token was drawn from, float32 [B, S], no gradient.
 
@@ -146,7 +177,9 @@ def token_entropy(
     all-reduces over the TP group of [B, S] numbers each. Aligned and zeroed like
     `token_logprobs`. `logits` is read, not modified: call this before `token_logprobs`.
     With CP > 1 `logits` are this CP rank's positions and `segment_ids` (required then) the
-    whole rows; the result is whole rows [B, S], gathered over the CP group.
+    whole rows; the result is whole rows [B, S], gathered over the CP group. With `needed`
+    (bool [B, S], as given to `forward_logits`) `logits` are [1, K, V_padded / tp] at the needed
+    positions and every other token holds 0.0.
     """
     from megatron.core import parallel_state as mpu
 
@@ -162,7 +195,11 @@ def token_entropy(
     torch.distributed.all_reduce(sums, group=group)
     entropy = sums[0].log() - sums[1] / sums[0]
     length = segment_ids.shape[1] if segment_ids is not None else None
-    return _shift_to_token(_whole_rows(entropy, length), segment_ids)
+    if needed is None:
+        return _shift_to_token(_whole_rows(entropy, length), segment_ids)
+    keep = _kept_positions(needed, segment_ids)
+    _check_positions(logits, int(keep.sum()), "needed positions of this rank")
+    return _shift_to_token(_whole_rows(_scatter(entropy, keep), needed.shape[1]), segment_ids)
 
 
 def forward_logits(
@@ -170,6 +207,8 @@ def forward_logits(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     segment_ids: torch.Tensor | None = None,
+    *,
+    needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run a GPTModel (or its DDP wrapper) on packed rows: this rank's logits [B, S, V_padded / tp].
 
@@ -179,13 +218,23 @@ def forward_logits(
     seen by no real token) and this CP rank runs its positions (`cp_attention.slice_for_cp_rank`)
     with the mask of its queries against the whole row (`cp_attention.cp_attention_mask`);
     the result is [B, S'/cp, V_padded / tp], for `token_logprobs` / `token_entropy`.
+
+    `needed` (bool [B, S], whole rows): only the positions predicting a needed token of their
+    own document (t - 1 for token t; under CP this rank's share of them) go through the output
+    layer; the result is [1, K, V_padded / tp], those K positions in row-major order of this
+    rank's [B, S'/cp] layout, for `token_logprobs` / `token_entropy` with the same `needed`.
+    The transformer layers still run every position (attention needs them). A sequence-parallel
+    output layer (MoE at TP > 1) gets its sequence shard, not whole rows: there the LM head runs
+    every position and the K rows are taken from its output (same values, the cross entropy
+    still runs on K positions only).
     """
     from megatron.core import parallel_state as mpu
 
     cp_size = mpu.get_context_parallel_world_size()
+    keep = None if needed is None else _kept_positions(needed, segment_ids)
     if cp_size == 1:
         mask = None if segment_ids is None else packed_attention_mask(segment_ids)
-        return module(input_ids, position_ids, mask)
+        return _run(module, keep, input_ids, position_ids, mask)
     from art_mega.trainer.cp_attention import cp_attention_mask, padded_length, slice_for_cp_rank
 
     cp_rank = mpu.get_context_parallel_rank()
@@ -194,11 +243,59 @@ def forward_logits(
     mask = None
     if segment_ids is not None:
         mask = cp_attention_mask(_pad_columns(segment_ids, length), cp_size, cp_rank)
-    return module(
+    return _run(
+        module,
+        keep,
         slice_for_cp_rank(input_ids, cp_size, cp_rank),
         slice_for_cp_rank(position_ids, cp_size, cp_rank),
         mask,
     )
+
+
+def _run(module: torch.nn.Module, keep: torch.Tensor | None, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """`module(*inputs)`; with `keep` (bool [B, P], this rank's positions) the output layer sees
+    the hidden states [K, 1, h] of the kept positions only and the result is [1, K, V_padded / tp]."""
+    if keep is None:
+        return module(*inputs)
+    gpt = module
+    while not hasattr(gpt, "output_layer"):  # DDP / Float16Module wrappers hold the GPTModel
+        gpt = gpt.module
+    output_layer = gpt.output_layer
+    rows, cols = keep.nonzero(as_tuple=True)
+    if output_layer.sequence_parallel:
+        return module(*inputs)[rows, cols][None]
+
+    def kept_hidden(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # Megatron's hidden states are [s, b, h]: index (position, row), row-major over [b, s]
+        return (args[0][cols, rows][:, None], *args[1:]), kwargs
+
+    hook = output_layer.register_forward_pre_hook(kept_hidden, with_kwargs=True)
+    try:
+        return module(*inputs)
+    finally:
+        hook.remove()
+
+
+def _kept_positions(needed: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """The positions whose logits predict a needed token: bool [B, S'/cp] of this CP rank.
+
+    Position p is kept when token p + 1 is `needed` and belongs to the same document as p (the
+    first token of a document and padding hold 0.0 whatever the logits, `_shift_to_token`).
+    """
+    keep = torch.zeros_like(needed, dtype=torch.bool)
+    keep[:, :-1] = needed[:, 1:].bool()
+    if segment_ids is not None:
+        keep[:, :-1] &= (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    return _for_this_cp_rank(keep)
+
+
+def _scatter(values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """[1, K] values of the kept positions -> [B, P] with 0.0 elsewhere (identity without `keep`);
+    differentiable, the gradient of the zeros is dropped."""
+    if keep is None:
+        return values
+    rows, cols = keep.nonzero(as_tuple=True)
+    return values.new_zeros(keep.shape).index_put((rows, cols), values[0])
 
 
 def _pad_columns(values: torch.Tensor, length: int) -> torch.Tensor:
@@ -207,8 +304,9 @@ def _pad_columns(values: torch.Tensor, length: int) -> torch.Tensor:
     return values if extra == 0 else torch.cat([values, values.new_zeros(values.shape[0], extra)], dim=1)
 
 
-def _for_this_cp_rank(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Whole rows [B, S] -> the positions of this CP rank's `logits` [B, S'/cp] (identity at CP=1)."""
+def _for_this_cp_rank(values: torch.Tensor) -> torch.Tensor:
+    """Whole rows [B, S] -> this CP rank's positions [B, S'/cp], as `forward_logits` runs them
+    (identity at CP=1)."""
     from megatron.core import parallel_state as mpu
 
     from art_mega.trainer.cp_attention import padded_length, slice_for_cp_rank
@@ -217,11 +315,6 @@ def _for_this_cp_rank(values: torch.Tensor, logits: torch.Tensor) -> torch.Tenso
     if cp_size == 1:
         return values
     length = padded_length(values.shape[1], cp_size)
-    if logits.shape[1] * cp_size != length:
-        raise ValueError(
-            f"logits hold {logits.shape[1]} positions; with cp={cp_size} rows of {values.shape[1]} tokens "
-            f"need {length // cp_size} (forward_logits' output)"
-        )
     return slice_for_cp_rank(_pad_columns(values, length), cp_size, mpu.get_context_parallel_rank())
 
 
