@@ -100,6 +100,13 @@ class TrainerEngine:
     number of microbatches, gradients summed over DP) and finalize does not rescale. The step is
     therefore the same for any split of the batch into microbatches and DP ranks.
 
+    Only what the loss reads is computed: each microbatch's rows are cut after the last real
+    token of its longest row (`_real_columns`), and the output layer (LM head), the entropy and
+    the vocabulary cross entropy run on the positions predicting trained tokens only
+    (`logprobs.forward_logits`'s `needed`, from `loss_mask` > 0), in the step and in the
+    reference / old-policy recomputations alike. `logprobs` (the public one) computes every
+    position unless asked for `trained_only`.
+
     Context parallelism (CP > 1): every CP rank of a DP rank gets the same whole rows.
     `forward_logits` runs the rank's share of each row (Megatron's two-chunk split, padded to a
     multiple of 2*cp; `cp_attention.py`) and `token_logprobs` all-gathers the per-token
