@@ -183,6 +183,10 @@ def run(mode: str, steps: int, base_model: str, off_policy: int, work: Path) -> 
         ENV["events"]: str(events),
         ENV_MODEL: base_model,
         ENV_OFF: str(off_policy),
+        # vLLM's CPU engine binds one OpenMP thread per core it is given (default: every core
+        # of the NUMA node); pinned onto fewer cores afterwards its threads would share one
+        # core and spin in each other's barriers (a 131 s rollout against ~5 s when measured)
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(cores()[0])),
     }
     with open(work / "art.log", "w") as log:
         subprocess.run(
