@@ -34,8 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _programs import QUICKSTART_PROGRAM, art_program_command, emit, quickstart_module  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PROGRAM = REPO / "examples" / "multinode" / "train.py"
 DEFAULT_VENV = Path("/work/venvs/trl")
 SHARED_VERSIONS = ("torch", "transformers", "peft", "accelerate")
 """Installed in the TRL environment at this environment's versions (same kernels and model code)."""
@@ -50,22 +52,12 @@ STEPS_ENV = "PEERS_TRL_STEPS"
 THREADS_ENV = "PEERS_TRL_TRAINER_THREADS"
 
 
-def _train_module():
-    """examples/multinode/train.py as a module: its questions, answer rule, reward and rollout."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quickstart_train", TRAIN_PROGRAM)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _quickstart_task() -> dict:
     """TRAIN_QUESTIONS, ANSWER_RULE and reward_for from examples/multinode/train.py without
     importing it (it imports art_mega, which TRL's environment does not have)."""
     import ast
 
-    tree = ast.parse(TRAIN_PROGRAM.read_text())
+    tree = ast.parse(QUICKSTART_PROGRAM.read_text())
     names = {"TRAIN_QUESTIONS", "ANSWER_RULE", "reward_for"}
     kept = [
         node
@@ -77,13 +69,8 @@ def _quickstart_task() -> dict:
         ast.Module(body=[ast.Import([ast.alias("re")]), *kept], type_ignores=[])
     )
     scope: dict = {}
-    exec(compile(module, str(TRAIN_PROGRAM), "exec"), scope)
+    exec(compile(module, str(QUICKSTART_PROGRAM), "exec"), scope)
     return scope
-
-
-def _emit(path: str, **event: object) -> None:
-    with open(path, "a") as out:
-        out.write(json.dumps(event) + "\n")
 
 
 async def art_program(launch) -> None:
@@ -92,7 +79,7 @@ async def art_program(launch) -> None:
     import art_mega as art
     from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
 
-    quickstart = _train_module()
+    quickstart = quickstart_module()
     events = os.environ[EVENTS_ENV]
     steps = int(os.environ[STEPS_ENV])
     cluster = launch.homogeneous_cluster(cpu_slots=1, allow_shared_kernel=True)
@@ -120,7 +107,7 @@ async def art_program(launch) -> None:
             if batch.step >= steps:
                 break
             if first:
-                _emit(events, event="first_rollout", t=time.time())
+                emit(events, event="first_rollout", t=time.time())
                 first = False
             started = time.perf_counter()
             groups = await art.gather_trajectory_groups(
@@ -135,7 +122,7 @@ async def art_program(launch) -> None:
             trained = time.perf_counter()
             await model.log(groups, split="train", metrics=result.metrics, step=batch.step)
             rewards = [t.reward for g in groups for t in g.trajectories]
-            _emit(
+            emit(
                 events,
                 event="step",
                 step=batch.step,
@@ -175,16 +162,16 @@ def trl_worker(model_dir: str, steps: int, events: str) -> None:
 
         def on_step_begin(self, args, state, control, **_):
             if self.first:
-                _emit(events, event="first_rollout", t=time.time())
+                emit(events, event="first_rollout", t=time.time())
                 self.first = False
             self.began = time.perf_counter()
 
         def on_step_end(self, args, state, control, **_):
-            _emit(events, event="step", step=state.global_step - 1, step_s=time.perf_counter() - self.began)
+            emit(events, event="step", step=state.global_step - 1, step_s=time.perf_counter() - self.began)
 
         def on_log(self, args, state, control, logs=None, **_):
             if logs and "reward" in logs:
-                _emit(events, event="reward", step=state.global_step - 1, reward=logs["reward"])
+                emit(events, event="reward", step=state.global_step - 1, reward=logs["reward"])
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="peers-trl-"),
@@ -252,12 +239,7 @@ def run_art(steps: int, work: Path, threads: int | None = None) -> tuple[float, 
     env = {**os.environ, EVENTS_ENV: str(events), STEPS_ENV: str(steps), THREADS_ENV: str(threads or "")}
     started = time.time()
     done = subprocess.run(
-        [
-            str(REPO / ".venv" / "bin" / "art-mega"),
-            "local",
-            "--program",
-            f"{Path(__file__).resolve()}:art_program",
-        ],
+        art_program_command(__file__),
         cwd=work,
         env=env,
         stdout=open(work / "art.log", "w"),

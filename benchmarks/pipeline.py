@@ -27,30 +27,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _programs import art_program_command, emit, quickstart_module  # noqa: E402
 from _results import print_table, record, rows_for  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PROGRAM = REPO / "examples" / "multinode" / "train.py"
 GROUPS_PER_STEP = 4
 GROUP_SIZE = 8
 LEARNING_RATE = 3e-4
 ENV = {"mode": "PIPELINE_BENCH_MODE", "steps": "PIPELINE_BENCH_STEPS", "events": "PIPELINE_BENCH_EVENTS"}
 ENV_MODEL = "PIPELINE_BENCH_MODEL"
 ENV_OFF = "PIPELINE_BENCH_OFF_POLICY"
-
-
-def _quickstart():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quickstart_train", TRAIN_PROGRAM)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _emit(path: str, **event: object) -> None:
-    with open(path, "a") as out:
-        out.write(json.dumps(event) + "\n")
 
 
 def cores() -> tuple[set[int], set[int]]:
@@ -97,7 +82,7 @@ async def art_program(launch) -> None:
     from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
     from art_mega.pipeline_trainer import PipelineTrainer
 
-    quickstart = _quickstart()
+    quickstart = quickstart_module()
     mode, steps, events = (os.environ[ENV[k]] for k in ("mode", "steps", "events"))
     steps = int(steps)
     cluster = launch.homogeneous_cluster(cpu_slots=1, allow_shared_kernel=True)
@@ -115,7 +100,7 @@ async def art_program(launch) -> None:
     )
     try:
         await model.register(backend)
-        _emit(events, event="pinned", **pin_processes())
+        emit(events, event="pinned", **pin_processes())
         start = await model.get_step()
         questions = (q for _ in range(1000) for q in quickstart.TRAIN_QUESTIONS)
         if mode == "sync":
@@ -131,7 +116,7 @@ async def art_program(launch) -> None:
                 )
                 result = await backend.train(model, groups, learning_rate=LEARNING_RATE)
                 await model.log(groups, split="train", metrics=result.metrics, step=result.step)
-                _emit(events, event="step", step=step, t=time.time(), step_s=time.perf_counter() - started)
+                emit(events, event="step", step=step, t=time.time(), step_s=time.perf_counter() - started)
         else:
 
             async def group_rollout(model, scenario, config):
@@ -159,7 +144,7 @@ async def art_program(launch) -> None:
             ]
             for row in rows:
                 if "offpolicy/mean_staleness" in row and row["step"] > start:
-                    _emit(
+                    emit(
                         events,
                         event="step",
                         step=row["step"] - start - 1,
@@ -167,7 +152,7 @@ async def art_program(launch) -> None:
                         stale_fraction=row["offpolicy/stale_group_fraction"],
                         staleness=row["offpolicy/mean_staleness"],
                     )
-        _emit(events, event="done", val_reward=await quickstart.validate(model))
+        emit(events, event="done", val_reward=await quickstart.validate(model))
     finally:
         await backend.close()
         await runtime.close()
@@ -190,12 +175,7 @@ def run(mode: str, steps: int, base_model: str, off_policy: int, work: Path) -> 
     }
     with open(work / "art.log", "w") as log:
         subprocess.run(
-            [
-                str(REPO / ".venv" / "bin" / "art-mega"),
-                "local",
-                "--program",
-                f"{Path(__file__).resolve()}:art_program",
-            ],
+            art_program_command(__file__),
             cwd=work,
             env=env,
             check=True,
