@@ -912,7 +912,7 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     Device time (estimated, not measured: no GPU was lent when this was written): bf16 weights
     of 0.27, 4.1, 16.4 and ~6 GB drawn on the GPU and written at ~1 GB/s, then read back and
     converted by `build_megatron_model` at ~1 GB/s (about 55 s for the 8B shape, 110 s in
-    all); steps of 32,768 tokens at 34 GFLOP/token (8B) take ~3 s at 40% MFU, ~12 s at 10%, four
+    all); steps of 32,768 tokens at 32 GFLOP/token (8B) take ~3 s at 40% MFU, ~12 s at 10%, four
     steps and a profiled one per shape (< 100 s in all at 10% MFU). Total < 4 minutes.
 
     Raises AssertionError on a non-finite loss or gradient norm, `PeakFlopsError` on a GPU
@@ -989,7 +989,11 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
                 )
             else:
                 memory, memory_label = torch.cuda.max_memory_allocated(), "peak allocated"
-            flops = step_flops(config, [len(d) for d in documents], lora_rank=MFU_LORA_RANK)
+            # the step's LM head runs at the positions predicting trained tokens (none is first)
+            trained = int(sum(sum(d.loss_mask) for d in documents))
+            flops = step_flops(
+                config, [len(d) for d in documents], lora_rank=MFU_LORA_RANK, head_tokens=trained
+            )
             tokens_per_s = tokens / step_s
             fraction = utilisation(flops.per_token, tokens_per_s, peak)
             print(

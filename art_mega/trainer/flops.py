@@ -11,8 +11,9 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
   count (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM", appendix "Floating-point operations") and PaLM's MFU (Chowdhery et al.
   2022, "PaLM", appendix B).
-- Tokens are the documents' tokens (`document_lengths`); padding a packed row is work that counts
-  for no token, so it lowers MFU, as it should.
+- Tokens are the documents' tokens (`document_lengths`); the padding a step still runs (a row of
+  a microbatch shorter than its longest row; the columns after the longest are cut) is work that
+  counts for no token, so it lowers MFU, as it should.
 - Attention: per document of L tokens and per layer, the scores Q K^T and the weighted values
   P V are 2 matmuls of 2 L^2 nh d FLOPs over the full square (Megatron-LM's 4 s^2 h per layer,
   h = nh d the query heads' width), of which a causal model needs half: 2 L^2 nh d per document
@@ -37,9 +38,11 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
 - MoE layers: the router (h -> experts) for every token and the top-k experts' SwiGLU MLPs for
   every token (`top_k` expert passes per token, whatever the balance between experts); each
   expert's linear_fc1 / linear_fc2 carries its own adapter, as `trainer.lora.apply_lora` puts them.
-- The LM head (h -> vocabulary) is counted for every token, tied to the embedding or not (the
-  step computes logits at every position); the embedding lookup is a gather, not counted. At
-  TP = 1 the vocabulary has no padding.
+- The LM head (h -> vocabulary), tied to the embedding or not, is counted at the positions it
+  runs at, `head_tokens`: art-mega's train step runs it only where a position predicts a trained
+  token (`loss_mask` > 0, not a document's first token; `logprobs.forward_logits(needed=)`), a
+  plain forward (Hugging Face's) at every token. Its input gradient likewise. The embedding
+  lookup is a gather, not counted. At TP = 1 the vocabulary has no padding.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ class StepFlops:
     module docstring for each convention). Every term is an exact integer count.
 
     - `base_forward`: 2 x (active parameters of every frozen matmul) per token: the layers' linears
-      (an MoE layer's router and top-k experts), and the LM head.
+      (an MoE layer's router and top-k experts), and the LM head at `head_tokens` positions.
     - `attention_forward`: causal Q K^T and P V per document, 2 L^2 nh d per layer.
     - `base_input_grads`: the frozen matmuls' input gradients (= their forward, but for the
       first layer's matmuls before its first adapter, whose input needs no gradient).
@@ -230,6 +233,7 @@ def step_flops(
     lora_rank: int,
     lora_targets: Sequence[str] = LORA_NAMES.targets,
     lora_layout: LoraLayout = "megatron",
+    head_tokens: int | None = None,
 ) -> StepFlops:
     """The FLOPs of one GRPO + LoRA step over documents of `document_lengths` tokens.
 
@@ -240,12 +244,16 @@ def step_flops(
         lora_targets: the adapted linears, Megatron or HF names as `LoraConfig.targets` takes
             them (default: all four, art-mega's default).
         lora_layout: "megatron" (art-mega's trainer) or "peft" (PEFT on the HF model).
+        head_tokens: the positions the LM head runs at: art-mega's GRPO step, the positions
+            predicting a trained token (a document's trained tokens but its first); None: every
+            token (a full forward).
 
     Returns the terms of the count (`StepFlops`, exact integers).
 
     Raises:
         UserError: an empty `document_lengths` or a length, or `lora_rank`, that is not a whole
-            number >= 1; an unknown LoRA target or layout; a model its family refuses.
+            number >= 1; `head_tokens` outside 1..the tokens; an unknown LoRA target or
+            layout; a model its family refuses.
     """
     if isinstance(document_lengths, (str, bytes)) or not document_lengths:
         raise UserError(
@@ -261,6 +269,10 @@ def step_flops(
     targets = set(LORA_NAMES.normalise(lora_targets))
     shape = ModelShape.from_hf_config(config)
     tokens = sum(document_lengths)
+    if head_tokens is None:
+        head_tokens = tokens
+    elif _positive_int("head_tokens", head_tokens) > tokens:
+        raise UserError(f"head_tokens={head_tokens} must be at most the documents' {tokens} tokens.")
 
     # Per token: one layer's base and LoRA matmuls, and the first layer's input gradients, where
     # nothing needs a gradient before the first adapter (the embedding is frozen); every later
@@ -284,9 +296,9 @@ def step_flops(
     attention = attention_forward_flops(shape, document_lengths)
     return StepFlops(
         tokens=tokens,
-        base_forward=(shape.num_layers * layer_base + head) * tokens,
+        base_forward=shape.num_layers * layer_base * tokens + head * head_tokens,
         attention_forward=attention,
-        base_input_grads=(first_base_grads + later * layer_base + head) * tokens,
+        base_input_grads=(first_base_grads + later * layer_base) * tokens + head * head_tokens,
         attention_backward=2 * (attention // shape.num_layers) * (later + first_attention_grad),
         lora_forward=shape.num_layers * layer_lora * tokens,
         lora_input_grads=(first_lora_grads + later * layer_lora) * tokens,

@@ -55,6 +55,15 @@ def test_peft_layout_gives_each_hf_module_its_own_a():
     assert peft.base_forward == megatron.base_forward and peft.attention == megatron.attention
 
 
+def test_head_runs_where_the_step_runs_it():
+    # the train step's LM head runs at the 2 positions predicting trained tokens, not at all 3
+    full = step_flops(TINY, [3], lora_rank=2)
+    trained = step_flops(TINY, [3], lora_rank=2, head_tokens=2)
+    assert full.base_forward - trained.base_forward == 2 * 8 * 10
+    assert full.base_input_grads - trained.base_input_grads == 2 * 8 * 10
+    assert full.total - trained.total == 2 * (2 * 8 * 10)
+
+
 def test_targets_move_the_first_gradient():
     # only linear_fc2 adapted: in the first layer nothing before fc2 needs a gradient
     # (attention included), fc2's own input does not either
@@ -100,6 +109,8 @@ def test_moe_router_and_top_k_experts():
         ({"lora_targets": []}, "lora_targets=[] must name at least one layer"),
         ({"lora_targets": ["q_proj"]}, "need all of ['q_proj', 'k_proj', 'v_proj']"),
         ({"lora_layout": "fused"}, "lora_layout='fused' must be 'megatron' or 'peft'"),
+        ({"head_tokens": 0}, "head_tokens=0 must be a whole number of at least 1"),
+        ({"head_tokens": 4}, "head_tokens=4 must be at most the documents' 3 tokens"),
     ],
 )
 def test_refusals_are_one_sentence(kwargs, fragment):
