@@ -89,7 +89,7 @@ async def art_program(launch) -> None:
             cpu_ranks_per_host=1,
             cpu_train_threads=int(os.environ[THREADS_ENV]) if os.environ.get(THREADS_ENV) else None,
         ),
-        inference=InferenceSpec(replicas=1, host_ids=(cluster.hosts[0].host_id,), api_port=8400),
+        inference=InferenceSpec(replicas=1, host_ids=(cluster.hosts[0].host_id,)),
     )
     runtime = await ArtRuntime.start(launch, topology)
     backend = art.MegatronBackend(
