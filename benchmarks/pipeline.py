@@ -175,7 +175,14 @@ def run(mode: str, steps: int, base_model: str, off_policy: int, work: Path) -> 
     }
     with open(work / "art.log", "w") as log:
         subprocess.run(
-            art_program_command(__file__),
+            [
+                # born on the replica's cores, so vLLM sizes its OpenMP team for them; the trainer
+                # rank moves to its own cores once started (`pin_processes`)
+                "taskset",
+                "-c",
+                ",".join(str(c) for c in sorted(cores()[0])),
+                *art_program_command(__file__),
+            ],
             cwd=work,
             env=env,
             check=True,
