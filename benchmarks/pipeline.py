@@ -116,7 +116,14 @@ async def art_program(launch) -> None:
                 )
                 result = await backend.train(model, groups, learning_rate=LEARNING_RATE)
                 await model.log(groups, split="train", metrics=result.metrics, step=result.step)
-                emit(events, event="step", step=step, t=time.time(), step_s=time.perf_counter() - started)
+                emit(
+                    events,
+                    event="step",
+                    step=step,
+                    t=time.time(),
+                    step_s=time.perf_counter() - started,
+                    groups=result.metrics.get("data/step_num_groups_trainable", 0.0),
+                )
         else:
 
             async def group_rollout(model, scenario, config):
@@ -151,6 +158,7 @@ async def art_program(launch) -> None:
                         step_s=row["time/step_wall_s"],
                         stale_fraction=row["offpolicy/stale_group_fraction"],
                         staleness=row["offpolicy/mean_staleness"],
+                        groups=row.get("data/step_num_groups_trainable", 0.0),
                     )
         emit(events, event="done", val_reward=await quickstart.validate(model))
     finally:
@@ -194,15 +202,26 @@ def run(mode: str, steps: int, base_model: str, off_policy: int, work: Path) -> 
 
 def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, float]:
     """Figures of the runs by mode: steps per minute (median over runs of 60 / the mean step
-    seconds after the first step), validation reward (mean), stale fraction and staleness."""
+    seconds after the first step), trained groups per minute over the same steps (groups whose
+    rewards differ: the work a step does), validation reward (mean), stale fraction and
+    staleness."""
+
+    def later(events: list[dict]) -> list[dict]:
+        return [e for e in events if e["event"] == "step" and e["step"] > 0]
 
     def per_minute(events: list[dict]) -> float:
-        later = [e["step_s"] for e in events if e["event"] == "step" and e["step"] > 0]
-        return 60.0 / statistics.fmean(later)
+        return 60.0 / statistics.fmean(e["step_s"] for e in later(events))
+
+    def groups_per_minute(events: list[dict]) -> float:
+        # equal work: the sync loop's step trains only its groups with unequal rewards, while
+        # PipelineTrainer samples until its batch holds min_batch_size of them
+        steps = later(events)
+        return 60.0 * sum(e["groups"] for e in steps) / sum(e["step_s"] for e in steps)
 
     out: dict[str, float] = {}
     for mode, mode_runs in runs.items():
         out[f"{mode}_steps_per_min"] = statistics.median(per_minute(r) for r in mode_runs)
+        out[f"{mode}_trained_groups_per_min"] = statistics.median(groups_per_minute(r) for r in mode_runs)
         out[f"{mode}_val_reward"] = statistics.fmean(
             next(e["val_reward"] for e in r if e["event"] == "done") for r in mode_runs
         )
@@ -210,6 +229,7 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, float]:
     out["pipeline_stale_fraction"] = statistics.fmean(e["stale_fraction"] for e in steps)
     out["pipeline_mean_staleness"] = statistics.fmean(e["staleness"] for e in steps)
     out["ratio"] = out["pipeline_steps_per_min"] / out["sync_steps_per_min"]
+    out["trained_groups_ratio"] = out["pipeline_trained_groups_per_min"] / out["sync_trained_groups_per_min"]
     return out
 
 
@@ -243,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_stale_fraction": "fraction",
         "pipeline_mean_staleness": "steps",
         "ratio": "x",
+        "sync_trained_groups_per_min": "groups/min",
+        "pipeline_trained_groups_per_min": "groups/min",
+        "trained_groups_ratio": "x",
     }
     rows = rows_for(
         [
