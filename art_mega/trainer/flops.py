@@ -38,6 +38,9 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
 - MoE layers: the router (h -> experts) for every token and the top-k experts' SwiGLU MLPs for
   every token (`top_k` expert passes per token, whatever the balance between experts); each
   expert's linear_fc1 / linear_fc2 carries its own adapter, as `trainer.lora.apply_lora` puts them.
+  Megatron's router backward also forms the frozen router weight's gradient
+  (`moe_utils.RouterGatingLinearFunction`), 2 h E per token and layer: work the model does not
+  need, so not model FLOPs and not counted (tests/trainer/test_flops_engine.py shows it apart).
 - The LM head (h -> vocabulary), tied to the embedding or not, is counted at the positions it
   runs at, `head_tokens`: art-mega's train step runs it only where a position predicts a trained
   token (`loss_mask` > 0, not a document's first token; `logprobs.forward_logits(needed=)`), a
