@@ -941,9 +941,11 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     measured = _matmul_peak(device, torch.bfloat16)
     if cpu:
         peak, peak_label = measured, f"{measured / 1e12:.3g} TFLOP/s (this CPU's measured bf16 matmul)"
+        peak_unit = "% of measured bf16 matmul"
     else:
         peak = peak_flops_for(torch.cuda.get_device_name(0), "bfloat16")
         peak_label = f"{peak / 1e12:.1f} TFLOP/s (datasheet dense bf16)"
+        peak_unit = "% of dense bf16 peak"
     print(f"mfu: bf16 matmul measured {measured / 1e12:.3g} TFLOP/s; MFU against {peak_label}")
     figures: list[tuple[str, float, str]] = [
         (f"gpu: bf16 matmul {MATMUL_SIDE['cpu' if cpu else 'cuda']}^3, measured", measured / 1e12, "TFLOP/s")
@@ -1006,7 +1008,7 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
             )
             label = f"{name} shape, LoRA r={MFU_LORA_RANK}, bf16, {row}-token rows, {rows} per microbatch"
             figures += [
-                (f"gpu: GRPO step MFU, {label}", 100 * fraction, "% of dense bf16 peak"),
+                (f"gpu: GRPO step MFU, {label}", 100 * fraction, peak_unit),
                 (f"gpu: GRPO step tokens/s, {label}", tokens_per_s, "tokens/s"),
                 (f"gpu: GRPO step peak memory, {label}", memory / 2**30, "GiB"),
             ]
