@@ -358,10 +358,12 @@ def fork_step(
         download_step(s3, bucket, key, step, dest_root, verbose=verbose)
     else:
         source = checkpoint.step_dir(source_root, step)
-        checkpoint.check_adapter(source, checkpoint.read_manifest(source))  # named at the source
-        place_step(
-            dest_root, step, str(source), lambda staging: shutil.copytree(source, staging, dirs_exist_ok=True)
-        )
+
+        def fill(staging: Path) -> None:
+            checkpoint.check_adapter(source, checkpoint.read_manifest(source))  # named at the source
+            shutil.copytree(source, staging, dirs_exist_ok=True)
+
+        place_step(dest_root, step, str(source), fill)
     checkpoint.write_commit(dest_root, step)  # last, after the folder is placed
     if verbose:
         print(f"forked step {step} of {describe} from {place} into {dest_root}")
