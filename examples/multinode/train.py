@@ -80,7 +80,7 @@ async def main(launch) -> None:
     topology = compile_topology(
         cluster,
         trainer=TrainerSpec(cpu_ranks_per_host=1),
-        inference=InferenceSpec(replicas=1, host_ids=(cluster.hosts[0].host_id,), api_port=8400),
+        inference=InferenceSpec(replicas=1, host_ids=(cluster.hosts[0].host_id,)),
     )
     runtime = await ArtRuntime.start(launch, topology)
     backend = art.MegatronBackend(runtime=runtime, seq_len=512, max_model_len=512, lora_rank=8)
