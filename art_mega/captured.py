@@ -15,6 +15,7 @@ import contextvars
 import json
 from collections.abc import Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 from art_mega.errors import CompletionReplyError, UserError
 from art_mega.inference.replies import reply_problem
@@ -32,8 +33,9 @@ class _Capture:
 
     def add(self, request_body: bytes, response_body: bytes, status: int, url: str) -> None:
         """Record one finished httpx exchange (`status`, to `url`) if it is a chat completion
-        (else nothing); an answered one that does not read as a chat completion is noted in
-        `unreadable`."""
+        (a POST body with a messages list to a path ending in /chat/completions; else nothing,
+        as ART skips what it cannot read); an answered one that does not read as a chat
+        completion is noted in `unreadable`."""
         from openai.types.chat.chat_completion import ChatCompletion, Choice
         from pydantic import ValidationError
 
@@ -43,6 +45,8 @@ class _Capture:
             return
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
             return  # not a chat completion request
+        if not urlsplit(url).path.endswith("/chat/completions"):
+            return  # another API with a messages list (Anthropic's /v1/messages, Ollama's /api/chat)
         if request.get("stream"):
             self.streamed += 1
             return

@@ -84,6 +84,13 @@ async def _answer(request: Request) -> Response:
     return JSONResponse(shape)
 
 
+async def _anthropic_messages(request: Request) -> Response:
+    # the shape of Anthropic's /v1/messages reply: a messages-list request, no choices
+    return JSONResponse(
+        {"id": "m", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}]}
+    )
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """The loopback server's base URL, http://127.0.0.1:PORT/v1."""
@@ -91,6 +98,7 @@ def server() -> Iterator[str]:
         routes=[
             Route("/v1/chat/completions", _answer, methods=["POST"]),
             Route("/v1/completions", _answer, methods=["POST"]),
+            Route("/v1/messages", _anthropic_messages, methods=["POST"]),
         ]
     )
     with serve_in_thread(app) as url:
@@ -203,6 +211,22 @@ async def test_capture_auto_trajectory_refuses_a_turn_it_cannot_read(server, sha
         f"server {server}/chat/completions answered a completion request for model {shape} with "
         f"{CHAT_PROBLEMS[shape]}"
     )
+
+
+async def test_capture_auto_trajectory_skips_another_api_that_sends_a_messages_list(server) -> None:
+    """A rollout that also calls a non-OpenAI chat API (Anthropic's /v1/messages shape) over httpx
+    keeps its chat completions and is not failed by the other API's reply (ART skips it too)."""
+    import httpx
+
+    async def rollout() -> None:
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(f"{server}/messages", json={"model": "claude", "messages": USER})
+            assert reply.status_code == 200
+        await prompted(server, "ok").openai_client().chat.completions.create(model="ok", messages=USER)
+
+    trajectory = await art.capture_auto_trajectory(rollout())
+    assert [type(item).__name__ for item in trajectory.messages_and_choices] == ["dict", "Choice"]
+    assert trajectory.additional_histories == []
 
 
 async def test_capture_auto_trajectory_records_a_readable_turn_and_refuses_a_choice_it_cannot_keep(
