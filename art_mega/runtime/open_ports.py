@@ -26,8 +26,8 @@ async def choose_ports(
     """`topology` with a port for each open listener, `await ask(listener)` answering one that is
     free on `listener.host_id` at `listener.bind_host`; `topology` itself when none is open.
 
-    An answer another listener of the same machine already takes (a set port, or one chosen for
-    an earlier listener) is asked again, up to `ASKS_PER_PORT` times.
+    An answer another listener of the same machine already takes (a set port), or one chosen for
+    an earlier listener on any machine, is asked again, up to `ASKS_PER_PORT` times.
 
     Raises:
         PreflightError: every answer for one listener was taken (names the host and the field).
@@ -42,7 +42,9 @@ async def choose_ports(
         used = taken.setdefault(listener.machine, set())
         for _ in range(ASKS_PER_PORT):
             port = await ask(listener)
-            if port not in used:
+            # nor one chosen for any other listener: two addresses (127.0.0.1 and 127.0.0.2,
+            # or two interfaces) may be one kernel, where a wildcard bind takes every address
+            if port not in used and port not in chosen.values():
                 break
         else:
             raise PreflightError(

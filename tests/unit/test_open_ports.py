@@ -160,6 +160,18 @@ async def test_a_port_the_machine_already_uses_is_asked_again() -> None:
     assert [r.endpoint.url for r in chosen.replicas] == ["http://127.0.0.1:8000", "http://127.0.0.1:20001"]
 
 
+async def test_a_port_chosen_on_another_address_is_asked_again() -> None:
+    # 127.0.0.1 and 127.0.0.2 may be one kernel, where rank 0's wildcard TCPStore bind takes the
+    # port on every address: no two open listeners of a run share a port
+    ask, asked = answers(20000, 20000, 20000, 20001)
+    chosen = await choose_ports(
+        compile_topology(two_hosts(), trainer=TrainerSpec(), inference=InferenceSpec(host_ids=("h1",))), ask
+    )
+    assert [a.process for a in asked] == ["trainer-0", "vllm-0", "vllm-0", "vllm-0"]
+    assert chosen.trainer is not None and chosen.trainer.master_port == 20000
+    assert [r.endpoint.url for r in chosen.replicas] == ["http://127.0.0.2:20001"]
+
+
 async def test_a_topology_without_open_ports_is_returned_as_is() -> None:
     topology = compile_topology(two_hosts(), trainer=TrainerSpec(master_port=29511))
     ask, asked = answers()
