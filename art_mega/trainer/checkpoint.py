@@ -466,8 +466,9 @@ def read_resume_step(root: str | os.PathLike[str]) -> int | None:
             raise CheckpointFileError(
                 folder,
                 f"holds a saved step {step}, more than one step above the committed step ({committed}, "
-                f"{pointer}), which only a pointer older than the run leaves; write the step to resume "
-                "from into the pointer",
+                f"{pointer}), which a pointer older than the run or one set back by hand leaves; to "
+                f"resume from step {committed}, move the step folders above {base + 1} out of {root}, "
+                "else write the step to resume from into the pointer",
             )
         log.warning(
             "%s is a save of step %d that was not committed (the commit is %s); it is replaced when "

@@ -124,7 +124,8 @@ def test_step_folders_the_commit_does_not_account_for_are_refused(run: Path) -> 
     error = refusal(run)
     assert str(error) == (
         f"{run / '0004'} holds a saved step 4, more than one step above the committed step (2, "
-        f"{run / 'LATEST'}), which only a pointer older than the run leaves; write the step to "
+        f"{run / 'LATEST'}), which a pointer older than the run or one set back by hand leaves; to "
+        f"resume from step 2, move the step folders above 3 out of {run}, else write the step to "
         f"resume from into the pointer{FIX}"
     )
     ckpt.delete_step(run, 4)
