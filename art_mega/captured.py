@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from art_mega.errors import CompletionReplyError, UserError
-from art_mega.inference.replies import reply_problem
+from art_mega.inference.replies import is_chat_completions_path, reply_problem
 from art_mega.trajectories import History, Trajectory
 
 
@@ -45,7 +45,7 @@ class _Capture:
             return
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
             return  # not a chat completion request
-        if not urlsplit(url).path.endswith("/chat/completions"):
+        if not is_chat_completions_path(urlsplit(url).path):
             return  # another API with a messages list (Anthropic's /v1/messages, Ollama's /api/chat)
         if request.get("stream"):
             self.streamed += 1

@@ -14,6 +14,13 @@ SHOWN_CHARS = 120
 """How much of a value that came back a problem quotes (its repr, cut with "...")."""
 
 
+def is_chat_completions_path(path: str) -> bool:
+    """True for a URL path of the OpenAI chat completions route (`.../chat/completions`): the
+    requests a capture reads; other APIs with a messages list (Anthropic's /v1/messages,
+    Ollama's /api/chat) are not chat completions."""
+    return path.endswith("/chat/completions")
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}..."

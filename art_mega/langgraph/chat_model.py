@@ -239,7 +239,9 @@ def init_chat_model(
 
 
 def _is_chat_completion(request: Any) -> bool:
-    return request.method == "POST" and request.url.path.endswith("/chat/completions")
+    from art_mega.inference.replies import is_chat_completions_path
+
+    return request.method == "POST" and is_chat_completions_path(request.url.path)
 
 
 def _streamed(request: Any) -> bool:
