@@ -938,8 +938,12 @@ class MegatronBackend:
                 LoRA rank, alpha or target modules than this backend.
             CheckpointFileError: the run's commit pointer or its committed step's manifest is
                 malformed, the committed step's adapter is missing, truncated, not the
-                manifest's or unlike its own config, or a step folder is there that the commit
-                does not account for (named with its path; `checkpoint.read_resume_step`).
+                manifest's, unlike its own config, not fitting the base model or not finite, or
+                a step folder is there that the commit does not account for (named with its
+                path; `checkpoint.read_resume_step`).
+            BaseModelError: also a warm-start adapter whose files are missing or truncated, whose
+                tensors do not fit its config or the base model, or hold NaN or inf
+                (`checkpoint.check_warm_start`).
             RuntimeBusyError: trainer ranks or replicas already run on the runtime's agents.
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
@@ -972,8 +976,10 @@ class MegatronBackend:
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
-        committed = checkpoint.read_resume_step(checkpoint.checkpoints_dir(run_dir))
+        committed = checkpoint.read_resume_step(checkpoint.checkpoints_dir(run_dir), resolved.model_dir)
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
+        if committed is None and resolved.warm_start is not None:  # what the ranks would load
+            checkpoint.check_warm_start(resolved.warm_start, resolved.model_dir, model.base_model)
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start, resolved.hub_id)
         await check_runtime_idle(self._runtime)
         # the interpreter the replicas will run under joins a collective before any start (cached)

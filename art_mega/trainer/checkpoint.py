@@ -23,8 +23,8 @@ rename), last, so `LATEST` only ever names a whole checkpoint. A resume reads th
 (removed by `clean_uncommitted`) and step folders newer than the commit (a later save of the same
 step replaces them). `read_resume_step`, what `register` resumes from, also refuses what would
 fail later or be replaced unseen: the committed step's adapter missing, truncated, not the
-manifest's or unlike its own config (`check_adapter`), and step folders the commit does not
-account for.
+manifest's, unlike its own config, not fitting the base model or holding NaN or inf
+(`check_adapter`), and step folders the commit does not account for.
 
 The step folder is ART's (`art.utils.output_dirs.get_step_checkpoint_dir`): ART's tools, vLLM and
 `peft.PeftModel.from_pretrained` read it as an adapter directory, and ART's step count (the
@@ -32,7 +32,8 @@ largest all-digit folder name) is the step. Checkpoints of art-mega before this 
 adapter in an `adapter/` sub-folder; `read_commit` refuses such a committed step with one sentence
 saying how to move it (`check_layout`).
 
-File I/O only; this module imports neither torch nor safetensors.
+File I/O only; this module imports neither torch nor safetensors (an adapter's tensors are read
+with numpy, `adapter_problem`).
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from art_mega.errors import CheckpointFileError, format_validation_error
+from art_mega.errors import BaseModelError, CheckpointFileError, format_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -310,8 +312,29 @@ def read_commit(root: str | os.PathLike[str]) -> int | None:
     return step
 
 
-def _safetensors_tensors(path: Path) -> tuple[dict[str, list[int]] | None, str | None]:
-    """({tensor name: shape}, None) of a whole safetensors file at `path`, else (None, what is
+class _Tensor(NamedTuple):
+    """One tensor of a safetensors header: its dtype ("F32", "BF16", ...), shape and the
+    [begin, end) byte range of its data in the file (absolute offsets)."""
+
+    dtype: str
+    shape: list[int]
+    begin: int
+    end: int
+
+
+_FLOAT_BITS = {
+    "F64": ("<u8", 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+    "F32": ("<u4", 0x7F800000, 0x007FFFFF),
+    "F16": ("<u2", 0x7C00, 0x03FF),
+    "BF16": ("<u2", 0x7F80, 0x007F),
+}
+"""The safetensors float dtypes an adapter's tensors may have: (numpy unsigned integer of the same
+width, exponent bits, mantissa bits). All exponent bits set is inf (mantissa 0) or NaN: read
+from the bits, so bfloat16 needs neither torch nor a numpy bfloat16."""
+
+
+def _safetensors_tensors(path: Path) -> tuple[dict[str, _Tensor] | None, str | None]:
+    """({tensor name: `_Tensor`}, None) of a whole safetensors file at `path`, else (None, what is
     wrong with it), read from its header alone: 8 bytes of header length (little-endian), the
     JSON header (each tensor's dtype, shape and [begin, end) byte offsets into the data), then
     the data, which must end where the last tensor does."""
@@ -330,30 +353,32 @@ def _safetensors_tensors(path: Path) -> tuple[dict[str, list[int]] | None, str |
         header = json.loads(text)
     except ValueError:
         return None, "is not a whole safetensors file (its header is not JSON)"
-    tensors = (
+    entries = (
         {key: value for key, value in header.items() if key != "__metadata__"}
         if isinstance(header, dict)
         else {}
     )
-    shapes: dict[str, list[int]] = {}
+    tensors: dict[str, _Tensor] = {}
     end = 0
-    for key, value in tensors.items():
+    for key, value in entries.items():
         offsets = value.get("data_offsets") if isinstance(value, dict) else None
         shape = value.get("shape") if isinstance(value, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             return None, f"is not a whole safetensors file (tensor {key!r} has no byte offsets)"
         if not (isinstance(shape, list) and all(isinstance(d, int) for d in shape)):
             return None, f"is not a whole safetensors file (tensor {key!r} has no shape)"
-        shapes[key] = shape
+        tensors[key] = _Tensor(
+            str(value.get("dtype")), shape, 8 + length + offsets[0], 8 + length + offsets[1]
+        )
         end = max(end, offsets[1])
-    if not shapes:
+    if not tensors:
         return None, "holds no tensors"
     if size != 8 + length + end:
         return (
             None,
             f"is {size} bytes where its header describes {8 + length + end}: it is truncated or was overwritten",
         )
-    return shapes, None
+    return tensors, None
 
 
 def _lora_rank_problem(shapes: dict[str, list[int]], config: dict[str, object]) -> str | None:
@@ -375,45 +400,190 @@ def _lora_rank_problem(shapes: dict[str, list[int]], config: dict[str, object]) 
     return None
 
 
-def check_adapter(checkpoint: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
-    """Refuse a step folder whose adapter a trainer rank or replica could not load as saved: an
-    `ADAPTER_FILES` file missing, an `adapter_model.safetensors` that is not a whole safetensors
-    file (truncated, overwritten, no tensors), one whose sha256 is not `manifest`'s (when given),
-    or tensors whose LoRA rank or modules are not the ones `adapter_config.json` says (whether
-    that config suits the backend's LoRA is `peft_config.check_adapter_config`'s question).
-
-    Reads the safetensors header and hashes the file; no tensor is loaded.
+def _model_fit_problem(
+    tensors: dict[str, _Tensor], config: dict[str, object], model_dir: Path
+) -> tuple[str | None, tuple[tuple[str, ...], ...]]:
+    """(how the tensors do not fit the model at `model_dir` (an HF directory) as the trainer
+    loads them, or None; the keys of each fused layer's lora_A matrices), both from
+    `peft_io.adapter_layout` of the config's r and target_modules. A misfit: a tensor the model
+    has no place for, one of another shape, or one missing.
 
     Raises:
-        CheckpointFileError: naming the file and what is wrong with it.
+        UserError: the model's config.json is unreadable or its family unsupported, or the
+            config's target_modules name an unknown module or part of a fused layer.
     """
-    folder = adapter_dir(checkpoint)
+    from art_mega.trainer.hf_checkpoint import read_hf_config
+    from art_mega.trainer.peft_io import adapter_layout
+
+    rank, targets = config.get("r"), config.get("target_modules")
+    if not isinstance(rank, int) or not (
+        isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)
+    ):
+        return (
+            f"its config's r={rank!r} and target_modules={targets!r} are not a LoRA rank and a list "
+            "of HF module names, so its tensors cannot be checked against the model"
+        ), ()
+    layout = adapter_layout(read_hf_config(model_dir), rank, targets)
+    for key, tensor in tensors.items():
+        expected = layout.shapes.get(key)
+        if expected is None:
+            return (
+                f"tensor {key} is not one the trainer loads into {model_dir} ({layout.num_layers} "
+                f"layers, LoRA on {sorted(targets)}): the adapter was made for another base model, or "
+                "it is not a plain LoRA"
+            ), ()
+        if tuple(tensor.shape) != expected:
+            side = "in_features" if key.endswith("lora_A.weight") else "out_features"
+            return (
+                f"tensor {key} has shape {tensor.shape}, where {model_dir} takes {list(expected)} "
+                f"({side} {expected[1] if side == 'in_features' else expected[0]}): the adapter was "
+                "trained on another base model"
+            ), ()
+    missing = [key for key in layout.shapes if key not in tensors]
+    if missing:
+        return (
+            f"has no tensor {missing[0]} ({len(missing)} missing), which its config's target_modules "
+            f"{sorted(targets)} call for on the {layout.num_layers} layers of {model_dir}"
+        ), ()
+    return None, layout.shared_a
+
+
+def _values_problem(
+    path: Path, tensors: dict[str, _Tensor], shared_a: tuple[tuple[str, ...], ...]
+) -> str | None:
+    """What is wrong with the tensors' data in the safetensors file at `path`, or None: a dtype
+    that is not a float of `_FLOAT_BITS`, data whose length is not its shape's, a NaN or an
+    infinity, or lora_A matrices of one fused layer (`shared_a`) that differ. Reads every tensor
+    (numpy on the raw bits, one tensor at a time)."""
+    import numpy as np
+
+    digests: dict[str, bytes] = {}
+    shared = {key for keys in shared_a for key in keys}
+    with open(path, "rb") as handle:
+        for key, tensor in tensors.items():
+            if tensor.dtype not in _FLOAT_BITS:
+                return f"tensor {key} has dtype {tensor.dtype}; LoRA tensors are floats ({', '.join(_FLOAT_BITS)})"
+            view, exponent, mantissa = _FLOAT_BITS[tensor.dtype]
+            count = math.prod(tensor.shape)
+            if tensor.end - tensor.begin != count * np.dtype(view).itemsize:
+                return (
+                    f"is not a whole safetensors file (tensor {key}'s {tensor.end - tensor.begin} bytes "
+                    f"are not its shape {tensor.shape} of {tensor.dtype})"
+                )
+            handle.seek(tensor.begin)
+            data = handle.read(tensor.end - tensor.begin)
+            bits = np.frombuffer(data, dtype=view)
+            special = (bits & exponent) == exponent
+            if special.any():
+                nan = int(np.count_nonzero(special & ((bits & mantissa) != 0)))
+                return (
+                    f"tensor {key} holds {nan} NaN and {int(np.count_nonzero(special)) - nan} infinite "
+                    f"values (of {count}), which would reach the optimizer and the served adapter"
+                )
+            if key in shared:
+                digests[key] = hashlib.sha256(data).digest()
+    for keys in shared_a:
+        for key in keys[1:]:
+            if digests[key] != digests[keys[0]]:
+                return (
+                    f"tensors {keys[0]} and {key} differ, but the trainer fuses their modules into one "
+                    "layer with one lora_A and needs them equal (a PEFT adapter trained apart from "
+                    "art-mega has one lora_A per module)"
+                )
+    return None
+
+
+def adapter_problem(
+    folder: str | os.PathLike[str],
+    manifest: Manifest | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
+) -> tuple[Path, str] | None:
+    """(the file, what is wrong with it) for a PEFT adapter folder (a step folder, or a
+    warm-start adapter) whose adapter a trainer rank or replica could not load as saved, or
+    None. In order: an `ADAPTER_FILES` file missing; an `adapter_model.safetensors` that is not
+    a whole safetensors file (truncated, overwritten, no tensors); one whose sha256 is not
+    `manifest`'s (when given); tensors whose LoRA rank or modules are not the ones
+    `adapter_config.json` says; with `model_dir` (the base model's HF directory), tensors that
+    do not fit it (`_model_fit_problem`); then the data (`_values_problem`: non-float dtypes,
+    wrong lengths, NaN or inf; with `model_dir` also a fused layer's unequal lora_A). Whether the
+    config suits the backend's LoRA is `peft_config.check_adapter_config`'s question.
+
+    Reads the header, then every tensor's data (adapters are small); imports no torch.
+
+    Raises:
+        UserError: from `_model_fit_problem` (the model itself unreadable or unsupported).
+    """
+    folder = adapter_dir(folder)
     config_path, weights = (folder / name for name in ADAPTER_FILES)
     for path in (config_path, weights):
         if not path.is_file():
-            raise CheckpointFileError(
-                path,
-                f"is missing, so the adapter of {folder} cannot be loaded (a folder holds both {' and '.join(ADAPTER_FILES)})",
+            return path, (
+                f"is missing, so the adapter of {folder} cannot be loaded (a folder holds both "
+                f"{' and '.join(ADAPTER_FILES)})"
             )
-    shapes, problem = _safetensors_tensors(weights)
+    tensors, problem = _safetensors_tensors(weights)
     if problem is not None:
-        raise CheckpointFileError(weights, problem)
+        return weights, problem
+    assert tensors is not None
     if manifest is not None:
         digest = _sha256(weights)
         if digest != manifest.adapter_sha256:
-            raise CheckpointFileError(
-                weights, f"has sha256 {digest}, not the manifest's {manifest.adapter_sha256}"
-            )
+            return weights, f"has sha256 {digest}, not the manifest's {manifest.adapter_sha256}"
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointFileError(config_path, f"is not valid JSON ({exc})") from None
+        return config_path, f"is not valid JSON ({exc})"
     if not isinstance(config, dict):
-        raise CheckpointFileError(config_path, f"holds a JSON {type(config).__name__}, not an adapter config")
-    assert shapes is not None
-    problem = _lora_rank_problem(shapes, config)
+        return config_path, f"holds a JSON {type(config).__name__}, not an adapter config"
+    problem = _lora_rank_problem({key: t.shape for key, t in tensors.items()}, config)
     if problem is not None:
-        raise CheckpointFileError(weights, f"does not match {config_path}: {problem}")
+        return weights, f"does not match {config_path}: {problem}"
+    shared_a: tuple[tuple[str, ...], ...] = ()
+    if model_dir is not None:
+        problem, shared_a = _model_fit_problem(tensors, config, Path(model_dir))
+        if problem is not None:
+            return weights, problem
+    problem = _values_problem(weights, tensors, shared_a)
+    return None if problem is None else (weights, problem)
+
+
+def check_adapter(
+    checkpoint: str | os.PathLike[str],
+    manifest: Manifest | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
+) -> None:
+    """Refuse a step folder whose adapter a trainer rank or replica could not load as saved
+    (`adapter_problem`: missing, truncated, not `manifest`'s, unlike its config, not fitting
+    `model_dir` when given, non-finite).
+
+    Raises:
+        CheckpointFileError: naming the file and what is wrong with it.
+        UserError: the model at `model_dir` is unreadable or unsupported.
+    """
+    found = adapter_problem(checkpoint, manifest, model_dir)
+    if found is not None:
+        raise CheckpointFileError(*found)
+
+
+def check_warm_start(
+    adapter: str | os.PathLike[str], model_dir: str | os.PathLike[str], base_model: str
+) -> None:
+    """Refuse a warm-start adapter (`TrainableModel.base_model`, resolved to `adapter`) that the
+    trainer ranks could not load into the model at `model_dir`, or whose values are not finite
+    (`adapter_problem`), before any rank or replica starts.
+
+    Raises:
+        BaseModelError: one sentence naming base_model, the file, what is wrong and the fix.
+        UserError: the model at `model_dir` is unreadable or unsupported.
+    """
+    found = adapter_problem(adapter, model_dir=model_dir)
+    if found is not None:
+        path, problem = found
+        raise BaseModelError(
+            f"base_model {base_model!r} is a warm-start adapter the trainer cannot load: {path} "
+            f"{problem}; warm-start from a whole adapter with finite values trained on {model_dir}",
+            base_model,
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -424,12 +594,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_resume_step(root: str | os.PathLike[str]) -> int | None:
+def read_resume_step(
+    root: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None
+) -> int | None:
     """The committed step a run resumes from, as `read_commit` reads it, once nothing under
     `root` (a `checkpoints_dir`) would fail later or be replaced unseen.
 
     Besides `read_commit`'s refusals:
-    - the committed step's adapter must load as saved (`check_adapter` with its manifest);
+    - the committed step's adapter must load as saved, with finite values, and with `model_dir`
+      (the base model's HF directory) into that model (`check_adapter` with its manifest);
     - a pointer naming a step whose folder holds no manifest, while step folders are there, is
       refused: the run would start afresh and its saves replace those folders;
     - a step folder above the commit must be the one save a crash can leave uncommitted (the
@@ -439,6 +612,7 @@ def read_resume_step(root: str | os.PathLike[str]) -> int | None:
 
     Raises:
         CheckpointFileError: naming the file or folder, what is wrong and the fix.
+        UserError: the model at `model_dir` is unreadable or unsupported.
     """
     root = Path(root)
     committed = read_commit(root)
@@ -480,7 +654,7 @@ def read_resume_step(root: str | os.PathLike[str]) -> int | None:
         )
     if committed is not None:
         folder = step_dir(root, committed)
-        check_adapter(folder, read_manifest(folder))
+        check_adapter(folder, read_manifest(folder), model_dir)
     return committed
 
 

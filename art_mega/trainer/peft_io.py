@@ -12,6 +12,11 @@ transformers 5's fused 3-D expert parameters (`peft/utils/transformers_weight_co
 gate_proj + up_proj -> a `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with
 A concatenated and B block-diagonal, down_proj -> `mlp.experts.down_proj`), and the per-expert
 layout vLLM reads.
+
+`adapter_layout` is the same mapping without tensors: every PEFT key the trainer loads for a
+model, with its shape, and which lora_A matrices one fused layer shares. The controller checks a
+warm-start adapter against it at `register` (`checkpoint.check_warm_start`), so this module
+imports torch only inside the functions that move tensors.
 """
 
 from __future__ import annotations
@@ -19,18 +24,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
 from art_mega.trainer.checkpoint import atomic_write
 from art_mega.trainer.families.spec import LoraNames
-from art_mega.trainer.lora import LoraLinear, lora_layers
 from art_mega.trainer.peft_config import ADAPTER_CONFIG, check_adapter_config, read_adapter_config
 from art_mega.trainer.protocol import LoraConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from art_mega.trainer.lora import LoraLinear
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -46,6 +54,8 @@ class AdapterFiles:
 
 def _tp_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all) in the TP group `group`, in rank order."""
+    import torch
+
     size = torch.distributed.get_world_size(group)
     if size == 1:
         return [tensor]
@@ -56,6 +66,8 @@ def _tp_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
 
 def _full_lora(layer: LoraLinear) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(full A [r, in], B shards in TP order) of a column layer, or (full A, [full B]) of a row layer."""
+    import torch
+
     a = layer.lora_A.detach()
     b = layer.lora_B.detach()
     if layer.tp_size == 1:
@@ -71,6 +83,7 @@ def _ep_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     Each EP rank holds different experts; an all-gather of the (small) tensor dicts over the
     expert-model-parallel group gives rank 0 all of them. Collective over that group.
     """
+    import torch
     from megatron.core import parallel_state as mpu
 
     group = mpu.get_expert_model_parallel_group()
@@ -134,6 +147,10 @@ def export_adapter(
     files exist (a barrier). Returns `AdapterFiles` on rank 0 and None elsewhere. Making a
     whole checkpoint directory appear atomically is the caller's job (`checkpoint.place_folder`).
     """
+    import torch
+
+    from art_mega.trainer.lora import lora_layers
+
     tensors: dict[str, torch.Tensor] = {}
     expert_tensors: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(module).items():
@@ -173,7 +190,6 @@ def read_adapter(adapter_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], d
     return config, tensors
 
 
-@torch.no_grad()
 def import_adapter(
     module: Any,
     config: LoraConfig,
@@ -192,6 +208,10 @@ def import_adapter(
     lora_A for the HF modules of a fused layer (see `LoraNames.from_peft`). Call the optimizer's
     `reload_model_params` afterwards where it keeps separate main parameters.
     """
+    import torch
+
+    from art_mega.trainer.lora import lora_layers
+
     directory = Path(adapter_dir)
     found, tensors = read_adapter(directory)
     check_adapter_config(
@@ -201,12 +221,82 @@ def import_adapter(
         alpha=config.alpha,
         target_modules=names.hf_target_modules(config.targets),
     )
-    for name, layer in lora_layers(module).items():
-        a, b = names.from_peft(name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank)
-        for param, value in ((layer.lora_A, a), (layer.lora_B, b)):
-            if param.shape != value.shape:
-                raise UserError(
-                    f"{name}: the adapter's shape {tuple(value.shape)} does not fit this model's "
-                    f"{tuple(param.shape)} (another base model?)."
-                )
-            param.copy_(value.to(param.dtype))
+    with torch.no_grad():
+        for name, layer in lora_layers(module).items():
+            a, b = names.from_peft(name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank)
+            for param, value in ((layer.lora_A, a), (layer.lora_B, b)):
+                if param.shape != value.shape:
+                    raise UserError(
+                        f"{name}: the adapter's shape {tuple(value.shape)} does not fit this model's "
+                        f"{tuple(param.shape)} (another base model?)."
+                    )
+                param.copy_(value.to(param.dtype))
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """The PEFT tensors the trainer loads into one model (`import_adapter`, `LoraNames.from_peft`).
+
+    Attributes:
+        shapes: tensor key -> its shape: lora_A [r, in_features], lora_B [out_features, r].
+        shared_a: per fused Megatron layer of several HF modules (q/k/v_proj, gate/up_proj), the
+            keys of their lora_A matrices, which must be equal (one fused adapter has one A).
+        num_layers: the model's decoder layers (keys name layers 0 to num_layers - 1).
+    """
+
+    shapes: dict[str, tuple[int, int]]
+    shared_a: tuple[tuple[str, ...], ...]
+    num_layers: int
+
+
+def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequence[str]) -> AdapterLayout:
+    """The `AdapterLayout` of a LoRA of rank `rank` on the HF modules `target_modules` of the
+    model whose config.json is `hf_config`, in its family's PEFT names (`FamilySpec.lora`).
+
+    Features per Megatron layer, h = hidden size, d = head width: linear_qkv h -> q_proj
+    heads*d, k_proj / v_proj kv_heads*d; linear_proj (o_proj) heads*d -> h; linear_fc1 h ->
+    gate_proj / up_proj ffn; linear_fc2 (down_proj) ffn -> h. In an MoE family every layer's
+    expert targets are per expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), as
+    `export_adapter` writes them. Torch-free.
+
+    Raises:
+        UserError: the model's family is not supported or its config is refused
+            (`family_for`, the family's `model_args`), or `target_modules` names an unknown
+            module or part of a fused layer (`LoraNames.normalise`).
+    """
+    from art_mega.trainer.families import family_for
+
+    spec = family_for(hf_config)
+    args = spec.model_args(hf_config)
+    names = spec.lora
+    hidden, q_out = args.hidden_size, args.num_heads * args.head_dim
+    kv_out = args.num_query_groups * args.head_dim
+    experts = int(getattr(args, "num_experts", 0))  # a dense family's arguments have no experts
+
+    def features(ffn: int) -> dict[str, tuple[tuple[int, int], ...]]:
+        # (in, out) of each HF module of a Megatron target, in `names.modules` order
+        return {
+            "linear_qkv": ((hidden, q_out), (hidden, kv_out), (hidden, kv_out)),
+            "linear_proj": ((q_out, hidden),),
+            "linear_fc1": ((hidden, ffn), (hidden, ffn)),
+            "linear_fc2": ((ffn, hidden),),
+        }
+
+    dense, expert = features(args.ffn_hidden_size), features(getattr(args, "expert_ffn_hidden_size", 0))
+    shapes: dict[str, tuple[int, int]] = {}
+    shared: list[tuple[str, ...]] = []
+    for layer in range(args.num_layers):
+        for target in names.normalise(list(target_modules)):
+            parent = f"{layer}.{names.parents[target]}"
+            per_expert = experts and target in names.expert_targets
+            parents = [f"{parent}.experts.{e}" for e in range(experts)] if per_expert else [parent]
+            dims = (expert if per_expert else dense)[target]
+            for where in parents:
+                a_keys = []
+                for module, (fan_in, fan_out) in zip(names.modules[target], dims, strict=True):
+                    a_keys.append(names.peft_key(where, module, "lora_A"))
+                    shapes[a_keys[-1]] = (rank, fan_in)
+                    shapes[names.peft_key(where, module, "lora_B")] = (fan_out, rank)
+                if len(a_keys) > 1:
+                    shared.append(tuple(a_keys))
+    return AdapterLayout(shapes, tuple(shared), args.num_layers)
