@@ -107,6 +107,33 @@ def test_the_layout_is_the_base_models_own_shapes(tiny_llama_dir: Path) -> None:
     }
 
 
+def test_an_moe_models_expert_modules_are_per_expert_of_the_expert_width() -> None:
+    """Qwen3-MoE: every layer's MLP is experts only (the Hub's per-expert names, as
+    `export_adapter` writes them), of `moe_intermediate_size`, not the unused dense width."""
+    config = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
+    layout = adapter_layout(config, 2, list(MODULES))
+    assert len(layout.shapes) == 2 * (4 + 3 * 3) * 2  # layers x (attention + experts x MLP) x A, B
+    assert not any(".mlp.gate_proj" in key for key in layout.shapes)
+    expert = f"{PREFIX}.1.mlp.experts.2"
+    assert layout.shapes[f"{expert}.gate_proj.lora_B.weight"] == (32, 2)
+    assert layout.shapes[f"{expert}.down_proj.lora_A.weight"] == (2, 32)
+    assert layout.shapes[f"{expert}.down_proj.lora_B.weight"] == (64, 2)
+    assert layout.shapes[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"] == (64, 2)  # 4 heads of 16
+    assert (f"{expert}.gate_proj.lora_A.weight", f"{expert}.up_proj.lora_A.weight") in layout.shared_a
+
+
 def test_a_whole_adapter_that_fits_is_accepted_without_torch(adapter: Path, tiny_llama_dir: Path) -> None:
     assert ckpt.adapter_problem(adapter, model_dir=tiny_llama_dir) is None
     code = (
