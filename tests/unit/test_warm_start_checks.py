@@ -40,7 +40,7 @@ def base_shapes(model_dir: Path) -> dict[str, list[int]]:
     with safe_open(str(model_dir / "model.safetensors"), "np") as handle:
         return {
             key[len("model.layers.") : -len(".weight")]: handle.get_slice(key).get_shape()
-            for key in handle.keys()  # noqa: SIM118 (safe_open is not a mapping)
+            for key in handle.keys()
             if key.startswith("model.layers.") and key.split(".")[-2] in MODULES
         }
 
