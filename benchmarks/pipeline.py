@@ -9,23 +9,26 @@ the task's validation over fixed prompts with fixed seeds and the task's reward.
 - `quickstart` (default): examples/multinode/train.py's questions, one-turn rollout and reward.
   Train-bound on this layout (a step trains ~25 s on one core against a few seconds of rollouts)
   and solved by step 2, after which most groups have equal rewards and train nothing.
-- `agent`: an agent-shaped task written as an ART program writes a game loop: a
-  guess-the-number game of up to GUESS_TURNS (3) chat turns through the replica. The system
-  message gives the rules; each reply is a guess (its first whole number), and the checker tool
-  (`checker_answer`) answers "higher" or "lower" as the next user message. The tool's answer
-  comes back after `--tool-latency-s` seconds: an `asyncio.sleep` standing for a real
-  environment's wait (a search, a code run, a game engine); it costs no CPU, so the pipeline
-  overlaps it with training for free, as it would a real environment's wait. The reward
-  (`guess_reward`) is graded: 0.25 x the turns' format (only a number) + 0.75 x how close the
-  last guess is to the secret, so the 8 sampled games of a group differ at every step and every
-  group trains in both loops (equal work per step). art_mega's `rollout_with_tools` is not used:
-  it needs the policy to write native tool calls, which SmolLM2-135M does not, so the reply
-  itself is the tool call. Default latency TOOL_LATENCY_S (20 s): a step's ~32 x 125-token
-  trajectories are estimated (not measured) to train in ~50-60 s on one core (the quickstart's
-  ~45-token ones train in ~25 s), and a group's 3 generations take ~10 s, so 2 tool answers of
-  20 s make a step's rollouts ~50 s; overlap can give the issue's 1.5x while rollout and train
-  seconds are within 2x of each other. The `rollout_s` and `train_s` rows show the balance a
-  run had; retune with `--tool-latency-s` ~ (train_s - rollout generation s) / 2 when off.
+- `agent`: an agent-shaped task, a game loop as an ART program writes one: guess the secret
+  number (1 to 100) in up to GUESS_TURNS (3) chat turns through the replica. Each reply is a
+  guess (its first whole number); the checker tool (`checker_answer`) answers "higher" or
+  "lower" as the next user message. That answer comes back after `--tool-latency-s` seconds: an
+  `asyncio.sleep` standing for a real environment's wait (a search, a code run, a game engine).
+  It costs no CPU, so the pipeline overlaps it with training for free, as it would overlap a
+  real environment's wait. The reward (`guess_reward`) is graded: 0.25 x the replies' format
+  (only a number) + 0.75 x how close the last guess is to the secret. Closeness varies with
+  every sampled guess, so the 8 games of a group differ at every step and every group trains in
+  both loops (equal work per step). At step 0 about half the games hold no number at all
+  (reward 0: 9 of 16 in a temperature-1 probe of the base model with this module's code), so a
+  group whose 8 games all score 0 is ~1%. art_mega's `rollout_with_tools` is not used: it needs
+  the policy to write native tool calls, which SmolLM2-135M does not, so the reply itself is the
+  tool call. Default latency TOOL_LATENCY_S (20 s), an estimate, not a measurement: a step's
+  32 games of ~135 tokens train in ~50-75 s on one core (the quickstart's 32 x ~45 tokens train
+  in ~25 s), and a group's 3 generations take ~12 s, so 2 tool answers of 20 s make a step's
+  rollouts ~52 s. Overlap gives the issue's 1.5x only while rollout and train seconds per step
+  are within 2x of each other (pipeline step ~ the larger, sync step ~ their sum); the
+  `rollout_s` and `train_s` rows show the balance a run had: when off, rerun with
+  `--tool-latency-s` ~ (sync train_s - sync rollout_s + 2 x latency) / 2.
 
 Figures per mode: steps per minute (the steps after the first, which both spend waiting for the
 first rollouts) and their ratio, trained groups per minute (groups whose rewards differ) and
@@ -75,10 +78,9 @@ GUESS_TURNS = 3
 """Chat turns (guesses) of one game at most; the checker answers the first GUESS_TURNS - 1."""
 GUESS_MAX_TOKENS = 8
 """New tokens a turn may sample (a guess is 1-3 tokens; a chattier reply is cut here)."""
-GUESS_RULES = (
-    f"Guess my secret whole number from 1 to 100 in {GUESS_TURNS} tries. Reply with only a "
-    "number; the checker tool tells you higher or lower."
-)
+GUESS_RULES = "Guess my secret number: pick a number from 1 to 100. Answer with only the number."
+"""The game's first user message; the rules as a system message did no better (first replies of
+the base model holding a number at temperature 1: 5 of 16 that way, 6 of 16 this way)."""
 GUESS_VAL_SECRETS = (9, 37, 68, 94)
 """The validation's fixed games (8 seeded samples each)."""
 GUESS_TRAIN_SEED = 19
@@ -101,12 +103,13 @@ def format_score(reply: str) -> float:
 
 def checker_answer(guess: int | None, secret: int, turns_left: int) -> str:
     """The checker tool's answer to a guess that is not `secret` (None: the reply had no
-    number), with `turns_left` >= 1 guesses still to come."""
+    number), with `turns_left` >= 1 guesses still to come; it repeats the answer format (the
+    135M model drifts from it within a turn or two otherwise)."""
     if guess is None:
         answer = "checker: no number in your reply."
     else:
         answer = f"checker: {'higher' if guess < secret else 'lower'} than {guess}."
-    return f"{answer} {'Last guess.' if turns_left == 1 else 'Guess again.'}"
+    return f"{answer} {'Last pick' if turns_left == 1 else 'Pick again'}; answer with only the number."
 
 
 def guess_reward(replies: list[str], secret: int) -> float:
@@ -126,12 +129,7 @@ async def guess_rollout(model, secret: int, latency_s: float, seed: int | None =
     import art_mega as art
 
     client = model.openai_client()
-    trajectory = art.Trajectory(
-        messages_and_choices=[
-            {"role": "system", "content": GUESS_RULES},
-            {"role": "user", "content": "First guess?"},
-        ]
-    )
+    trajectory = art.Trajectory(messages_and_choices=[{"role": "user", "content": GUESS_RULES}])
     replies: list[str] = []
     for turn in range(GUESS_TURNS):
         completion = await client.chat.completions.create(

@@ -91,9 +91,18 @@ def test_guessing_game_reward_checker_and_names() -> None:
     assert pipeline.guess_reward(["50", "hello"], 60) == pytest.approx(0.25 * 0.5 + 0.75 * 0.9)
     assert pipeline.guess_reward(["hi", "hello"], 60) == 0.0
     assert pipeline.guess_reward(["500"], 60) == 0.25  # too far for any closeness
-    assert pipeline.checker_answer(50, 60, 2) == "checker: higher than 50. Guess again."
-    assert pipeline.checker_answer(75, 60, 1) == "checker: lower than 75. Last guess."
-    assert pipeline.checker_answer(None, 60, 1) == "checker: no number in your reply. Last guess."
+    assert (
+        pipeline.checker_answer(50, 60, 2)
+        == "checker: higher than 50. Pick again; answer with only the number."
+    )
+    assert (
+        pipeline.checker_answer(75, 60, 1)
+        == "checker: lower than 75. Last pick; answer with only the number."
+    )
+    assert (
+        pipeline.checker_answer(None, 60, 1)
+        == "checker: no number in your reply. Last pick; answer with only the number."
+    )
     assert pipeline.figure_name("quickstart", "ratio", "SmolLM2-135M-Instruct", 0.0) == (
         "pipeline ratio (SmolLM2-135M-Instruct, taskset replica|trainer)"
     )
