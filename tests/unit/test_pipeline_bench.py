@@ -1,5 +1,6 @@
-"""benchmarks/pipeline.py's pure parts: the core split per process kind and the figures from
-both modes' step events (steps per minute without the first step, the ratio, staleness)."""
+"""benchmarks/pipeline.py's pure parts: the core split per process kind, the figures from both
+modes' step events (steps per minute without the first step, the ratio, staleness, rollout and
+train seconds), the agent task's game (reward, checker answers, row names) and its CLI refusals."""
 
 import os
 import sys
