@@ -69,6 +69,14 @@ def write_adapter(folder: Path, model_dir: Path, tensors: dict[str, np.ndarray],
     return folder
 
 
+def rehash(step: Path) -> None:
+    """Rewrite the manifest of the step folder `step` with its adapter's sha256 (after an edit)."""
+    weights = ckpt.adapter_dir(step) / "adapter_model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    manifest = ckpt.read_manifest(step).model_copy(update={"adapter_sha256": digest})
+    ckpt.manifest_file(step).write_text(manifest.model_dump_json())
+
+
 @pytest.fixture
 def adapter(tmp_path: Path, tiny_llama_dir: Path) -> Path:
     return write_adapter(tmp_path / "adapter", tiny_llama_dir, adapter_tensors(tiny_llama_dir))
@@ -284,15 +292,49 @@ def test_a_committed_step_is_checked_for_finite_values_and_against_the_model(
     key = f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"
     tensors[key][0, 0] = float("nan")
     save_torch(tensors, str(weights), metadata={"format": "pt"})
-    manifest = ckpt.read_manifest(folder)
-    (folder / "manifest.json").write_text(
-        manifest.model_copy(
-            update={"adapter_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
-        ).model_dump_json()
-    )
+    rehash(folder)  # a file edited by hand, its manifest with it
     with pytest.raises(CheckpointFileError) as caught:
         ckpt.read_resume_step(tmp_path)
     assert str(caught.value) == (
         f"{weights} tensor {key} holds 1 NaN and 0 infinite values (of 64), which would reach the optimizer "
         "and the served adapter; restore it from a copy, or give the model another name to start a new run"
     )
+
+
+def test_a_local_fork_refuses_a_source_step_holding_nan(tmp_path: Path) -> None:
+    """The fork's copy is what the forked run's register resumes from: refused at the source."""
+    import asyncio
+
+    pytest.importorskip("torch", reason="the step's weights are written by safetensors.torch")
+    from safetensors.torch import load_file
+    from safetensors.torch import save_file as save_torch
+
+    from art_mega.local import LocalBackend
+
+    class Model:
+        name, project = "fork", "proj"
+
+    source = ckpt.checkpoints_dir(ckpt.run_dir(tmp_path, "proj", "base"))
+    source.mkdir(parents=True)
+    weights = save_checkpoint_step(source, 0) / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = f"{PREFIX}.0.mlp.up_proj.lora_A.weight"
+    tensors[key][1, 2] = float("inf")
+    save_torch(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointFileError) as caught:  # sha256 first: the manifest names the old file
+        asyncio.run(
+            LocalBackend(path=str(tmp_path))._experimental_fork_checkpoint(Model(), from_model="base")
+        )
+    assert caught.value.problem.startswith("has sha256 ")
+    rehash(weights.parent)
+    with pytest.raises(CheckpointFileError) as caught:
+        asyncio.run(
+            LocalBackend(path=str(tmp_path))._experimental_fork_checkpoint(Model(), from_model="base")
+        )
+    assert caught.value.path == str(weights)
+    assert caught.value.problem == (
+        f"tensor {key} holds 0 NaN and 1 infinite values (of 64), which would reach the optimizer and the "
+        "served adapter"
+    )
+    fork = ckpt.checkpoints_dir(ckpt.run_dir(tmp_path, "proj", "fork"))
+    assert not fork.exists() or ckpt.step_folders(fork) == []  # nothing copied
