@@ -31,6 +31,9 @@ PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 _FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 """Variables of the agent's own Python environment that would break another interpreter's."""
+VLLM_PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
+"""art-mega's vLLM general plugin (a standalone module and its dist-info; see its docstring), put on
+a CPU replica's PYTHONPATH so that vLLM's plugin loader finds it."""
 
 
 def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
@@ -133,6 +136,9 @@ def vllm_env(
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python + vLLM import fewer per start, measured
     34-36 s against 48-53 s to healthy for the tiny model on 2 cores, with the same first-request
     latency. GPU replicas keep vLLM's separate engine process (it overlaps API work with the GPU).
+    It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH: the plugin makes vLLM's CPU LoRA ops one
+    matmul per adapter in the batch instead of one gathered weight matrix per token (32 requests
+    x 16 tokens through a LoRA of SmolLM2-135M: 5.1-5.7 s -> 3.5-3.9 s; 2.7-3.2 s without LoRA).
 
     When `launch.python` is another interpreter, the agent's PYTHONPATH, PYTHONHOME and
     VIRTUAL_ENV are dropped: they point into the agent's environment, not vLLM's.
@@ -147,6 +153,7 @@ def vllm_env(
     env["PYTHONUNBUFFERED"] = "1"
     if on_cpu:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     if sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if gpus:  # the topology's GPUs, not whatever the agent's own environment shows

@@ -1,0 +1,203 @@
+"""art-mega's vLLM general plugin (art_mega/inference/vllm_plugin): its LoRA ops compute what
+vLLM 0.32's CPU ops compute (their gather-and-einsum written out below), its dist-info names an
+entry point that resolves, and CPU replicas (only they) get it on PYTHONPATH."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from art_mega.inference.protocol import ReplicaLaunch
+from art_mega.inference.replica import VLLM_PLUGIN_DIR, vllm_env
+from tests.conftest import REPO
+
+MODULE = "art_mega_vllm_lora"
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """The plugin module, imported as vLLM's interpreter sees it: a top-level module."""
+    spec = importlib.util.spec_from_file_location(MODULE, VLLM_PLUGIN_DIR / f"{MODULE}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# vLLM 0.32's vllm/lora/ops/torch_ops/lora_ops.py, the functions the plugin replaces (same signatures).
+def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+    selected = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)
+    if len(selected.shape) == 4:
+        selected = selected.squeeze(dim=1)
+    outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
+    output_tensor[:, : outputs.shape[1]] = scaling * outputs[:]
+
+
+def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
+    selected = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)
+    if len(selected.shape) == 4:
+        selected = selected.squeeze(dim=1)
+    outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
+    limit = output_tensor.shape[0]
+    if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
+        limit = 1
+    common_len = min(outputs.shape[1], output_tensor.shape[1])
+    if add_inputs:
+        output_tensor[:, :common_len] += outputs[:limit, :common_len]
+    else:
+        output_tensor[:, :common_len] = outputs[:limit, :common_len]
+
+
+def bgmv_expand_slice(
+    inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs=True
+):
+    selected = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)
+    if len(selected.shape) == 4:
+        selected = selected.squeeze(dim=1)
+    outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
+    if add_inputs:
+        output_tensor[:, slice_offset : slice_offset + slice_size] += outputs[:]
+    else:
+        output_tensor[:, slice_offset : slice_offset + slice_size] = outputs[:]
+
+
+REFERENCE = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
+ONE = [1] * 5
+MIXED = [0, 2, -1, 2, 0]  # -1: the last slot (2 of 3), as torch indexing gives the originals
+
+
+def call_both(plugin, name, inputs, weights, output, *rest):
+    """(vLLM's output, the plugin's output) of `name` on copies of `output`."""
+    expected, got = output.clone(), output.clone()
+    REFERENCE[name](inputs, weights, expected, *rest)
+    getattr(plugin, name)(inputs, weights, got, *rest)
+    return expected, got
+
+
+@pytest.mark.parametrize("slots", [ONE, MIXED], ids=["one-adapter", "mixed-with-minus-1"])
+@pytest.mark.parametrize("stacked_dims", [3, 4])
+def test_shrink_is_vllms(plugin, slots, stacked_dims) -> None:
+    torch.manual_seed(0)
+    inputs, weights = torch.randn(5, 16), torch.randn(3, 1, 4, 16)
+    weights = weights if stacked_dims == 4 else weights.squeeze(1)
+    output = torch.full((5, 6), 7.0)  # wider than the rank: columns 4, 5 stay as they were
+    expected, got = call_both(plugin, "bgmv_shrink", inputs, weights, output, torch.tensor(slots), 0.5)
+    torch.testing.assert_close(got, expected)
+    assert (got[:, 4:] == 7.0).all() and not (got[:, :4] == 7.0).any()
+
+
+@pytest.mark.parametrize("slots", [ONE, MIXED], ids=["one-adapter", "mixed-with-minus-1"])
+@pytest.mark.parametrize("add_inputs", [True, False])
+def test_expand_is_vllms(plugin, slots, add_inputs) -> None:
+    torch.manual_seed(1)
+    inputs, weights = torch.randn(5, 4), torch.randn(3, 1, 10, 4)
+    output = torch.randn(5, 8)  # narrower than the adapter's 10: the common 8 columns
+    expected, got = call_both(plugin, "bgmv_expand", inputs, weights, output, torch.tensor(slots), add_inputs)
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(got, output)
+
+
+def test_expand_of_one_row_is_broadcast_over_the_output(plugin) -> None:
+    torch.manual_seed(2)
+    inputs, weights, output = torch.randn(1, 4), torch.randn(2, 6, 4), torch.zeros(3, 6)
+    expected, got = call_both(plugin, "bgmv_expand", inputs, weights, output, torch.tensor([1]), True)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got[2], inputs[0] @ weights[1].t())
+
+
+@pytest.mark.parametrize("slots", [ONE, MIXED], ids=["one-adapter", "mixed-with-minus-1"])
+@pytest.mark.parametrize("add_inputs", [True, False])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_expand_slice_is_vllms(plugin, slots, add_inputs, offset) -> None:
+    torch.manual_seed(3)
+    inputs, weights, output = torch.randn(5, 4), torch.randn(3, 1, 3, 4), torch.randn(5, 9)
+    rest = (torch.tensor(slots), offset, 3, add_inputs)
+    expected, got = call_both(plugin, "bgmv_expand_slice", inputs, weights, output, *rest)
+    torch.testing.assert_close(got, expected)
+    outside = [c for c in range(9) if not offset <= c < offset + 3]
+    assert torch.equal(got[:, outside], output[:, outside]) and not torch.equal(got, output)
+
+
+def test_products_are_cast_to_the_output_dtype(plugin) -> None:
+    torch.manual_seed(4)
+    inputs, weights = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(3, 4, 16, dtype=torch.bfloat16)
+    output = torch.zeros(5, 4)
+    expected, got = call_both(plugin, "bgmv_shrink", inputs, weights, output, torch.tensor(MIXED), 1.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected)
+
+
+def test_indices_rewritten_in_place_are_regrouped(plugin) -> None:
+    """vLLM rewrites its index buffer in place between steps: the remembered grouping must follow."""
+    torch.manual_seed(5)
+    inputs, weights, indices = torch.randn(4, 8), torch.randn(2, 3, 8), torch.zeros(4, dtype=torch.long)
+    first = plugin.adapter_groups(indices)
+    assert plugin.adapter_groups(indices.clone()) is first and first[0][0] == 0 and first[0][1] is None
+    indices[2:] = 1
+    expected, got = call_both(plugin, "bgmv_shrink", inputs, weights, torch.zeros(4, 3), indices, 1.0)
+    torch.testing.assert_close(got, expected)
+    assert [(slot, rows.tolist()) for slot, rows in plugin.adapter_groups(indices)] == [
+        (0, [0, 1]),
+        (1, [2, 3]),
+    ]
+
+
+def test_a_vllm_with_other_functions_is_left_alone(plugin) -> None:
+    vllm = {name: SimpleNamespace(**REFERENCE) for name in plugin.PATCHED_MODULES}
+    assert plugin.patch_problem(vllm) is None
+
+    def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True, scale=1.0):
+        return None
+
+    changed = dict(
+        vllm, **{plugin.PATCHED_MODULES[0]: SimpleNamespace(**dict(REFERENCE, bgmv_expand=bgmv_expand))}
+    )
+    assert plugin.patch_problem(changed) == (
+        "vllm.lora.ops.torch_ops.lora_ops.bgmv_expand takes (inputs, lora_b_weights, output_tensor, "
+        "lora_indices_tensor, add_inputs=True, scale=1.0), not (inputs, lora_b_weights, output_tensor, "
+        "lora_indices_tensor, add_inputs=True)"
+    )
+    rebound = dict(vllm, **{plugin.PATCHED_MODULES[2]: SimpleNamespace(**dict(REFERENCE, bgmv_shrink=print))})
+    assert plugin.patch_problem(rebound) == (
+        "vllm.lora.punica_wrapper.punica_cpu.bgmv_shrink is not vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink"
+    )
+
+
+def test_the_dist_info_names_an_entry_point_that_resolves(plugin, monkeypatch) -> None:
+    (dist,) = importlib.metadata.distributions(path=[str(VLLM_PLUGIN_DIR)])
+    assert dist.metadata["Name"] == "art-mega-vllm-lora"
+    (entry,) = dist.entry_points.select(group="vllm.general_plugins")
+    monkeypatch.syspath_prepend(str(VLLM_PLUGIN_DIR))
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    loaded = entry.load()
+    assert loaded.__name__ == "register" and loaded.__module__ == MODULE
+    assert Path(sys.modules[MODULE].__file__).resolve() == (VLLM_PLUGIN_DIR / f"{MODULE}.py").resolve()
+
+
+def test_a_built_wheel_carries_the_plugins_files() -> None:
+    """Every file of the plugin directory matches the package-data the wheel is built with."""
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = package_data["art_mega.inference.vllm_plugin"]
+    files = {p for p in VLLM_PLUGIN_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    carried = {p for pattern in patterns for p in VLLM_PLUGIN_DIR.glob(pattern) if p.is_file()}
+    assert files and files == carried
+
+
+def test_cpu_replicas_get_the_plugin_first_on_pythonpath(tmp_path) -> None:
+    launch = ReplicaLaunch(
+        model="/m", served_model_name="tiny", log_dir=str(tmp_path), python="/opt/vllm/bin/python"
+    )
+    plugin_dir = str(VLLM_PLUGIN_DIR)
+    assert vllm_env(launch, {"PYTHONPATH": "/agent"}, on_cpu=True)["PYTHONPATH"] == plugin_dir
+    same = launch.model_copy(update={"python": sys.executable})
+    assert vllm_env(same, {"PYTHONPATH": "/agent"}, on_cpu=True)["PYTHONPATH"] == f"{plugin_dir}:/agent"
+    assert "PYTHONPATH" not in vllm_env(launch, {"PYTHONPATH": "/agent"})  # a GPU replica: no plugin
+    assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
+    users = launch.model_copy(update={"env": {"PYTHONPATH": "/mine"}})
+    assert vllm_env(users, {}, on_cpu=True)["PYTHONPATH"] == "/mine"
