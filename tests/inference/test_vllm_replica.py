@@ -5,6 +5,7 @@ Logprobs are compared with HF+PEFT in fp32 (tolerance 1e-3; FACTS.md measured 1e
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -98,6 +99,8 @@ async def test_agent_supervises_replica(served: Served) -> None:
     assert child.role == "inference" and child.pid == served.started.pid and child.returncode is None
     log = Path(child.log_path).read_text()
     assert "art-mega: starting replica vllm-0" in log and "--enable-lora" in log
+    # a CPU replica loads art-mega's vLLM plugin (art_mega/inference/vllm_plugin), which says so
+    assert re.search(r"art-mega: vLLM LoRA plugin \(vllm [^)]+\): bgmv_shrink/\S+ run one matmul", log)
 
 
 async def test_token_ids_and_logprobs(served: Served) -> None:
