@@ -5,6 +5,7 @@ Logprobs are compared with HF+PEFT in fp32 (tolerance 1e-3; FACTS.md measured 1e
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 from pathlib import Path
@@ -238,6 +239,31 @@ async def test_same_path_reload_serves_stale_state_and_publication_does_not(
     difference = max_difference(served, adapters["b"], fresh)
     print(f"fresh path per step: |served - HF(b)| = {difference:.2e}")
     assert difference <= TOLERANCE
+
+
+async def test_a_base_model_request_batched_with_two_adapters_gets_no_adapter(
+    served: Served, adapters: dict[str, Path]
+) -> None:
+    """vLLM 0.32's CPU LoRA ops read a token's index -1 (no adapter) as the last adapter slot, so a
+    base-model request batched with requests of two adapters (both slots in use) was served with
+    one of them; art-mega's vLLM plugin gives such tokens no LoRA delta, as vLLM's GPU kernels do."""
+    async with ReplicaClient("vllm-0", served.url) as replica:
+        for name in ("mixed-a", "mixed-b"):
+            await replica.load_adapter(name, str(adapters[name[-1]]))
+        try:
+            alone = await sample(served.url, MODEL_NAME)
+            together = await asyncio.gather(
+                *(sample(served.url, model) for model in (MODEL_NAME, "mixed-a", "mixed-b") * 3)
+            )
+        finally:
+            for name in ("mixed-a", "mixed-b"):
+                await replica.unload_adapter(name)
+    for got in together[0::3]:
+        assert got["token_ids"] == alone["token_ids"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], alone["logprobs"])) < 1e-4
+    for adapted in (together[1], together[2]):  # the adapters themselves did apply in those batches
+        assert max(abs(a - b) for a, b in zip(adapted["logprobs"], alone["logprobs"])) > 1e-3
+    assert max_difference(served, None, alone) <= TOLERANCE
 
 
 def max_difference_from(served: Served, adapter: Path, got: dict) -> float:

