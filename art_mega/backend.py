@@ -976,10 +976,16 @@ class MegatronBackend:
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
-        committed = checkpoint.read_resume_step(checkpoint.checkpoints_dir(run_dir), resolved.model_dir)
+        # both read and hash every adapter tensor (GBs for a big MoE's LoRA): off the event loop,
+        # which keeps the agents' leases
+        committed = await asyncio.to_thread(
+            checkpoint.read_resume_step, checkpoint.checkpoints_dir(run_dir), resolved.model_dir
+        )
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
         if committed is None and resolved.warm_start is not None:  # what the ranks would load
-            checkpoint.check_warm_start(resolved.warm_start, resolved.model_dir, model.base_model)
+            await asyncio.to_thread(
+                checkpoint.check_warm_start, resolved.warm_start, resolved.model_dir, model.base_model
+            )
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start, resolved.hub_id)
         await check_runtime_idle(self._runtime)
         # the interpreter the replicas will run under joins a collective before any start (cached)

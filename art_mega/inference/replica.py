@@ -136,9 +136,12 @@ def vllm_env(
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one Python + vLLM import fewer per start, measured
     34-36 s against 48-53 s to healthy for the tiny model on 2 cores, with the same first-request
     latency. GPU replicas keep vLLM's separate engine process (it overlaps API work with the GPU).
-    It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH: the plugin makes vLLM's CPU LoRA ops one
-    matmul per adapter in the batch instead of one gathered weight matrix per token (32 requests
-    x 16 tokens through a LoRA of SmolLM2-135M: 5.1-5.7 s -> 3.5-3.9 s; 2.7-3.2 s without LoRA).
+    It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH (before a PYTHONPATH of `launch.env` too;
+    vLLM's own `VLLM_PLUGINS` is the switch that leaves it out): the plugin makes vLLM's CPU LoRA
+    ops one matmul per adapter in the batch instead of one gathered weight matrix per token (32
+    requests x 16 tokens through a LoRA of SmolLM2-135M: 5.1-5.7 s -> 3.5-3.9 s; 2.7-3.2 s
+    without LoRA) and gives tokens without an adapter no LoRA delta (vLLM 0.32's CPU ops gave
+    them the last adapter slot's).
 
     When `launch.python` is another interpreter, the agent's PYTHONPATH, PYTHONHOME and
     VIRTUAL_ENV are dropped: they point into the agent's environment, not vLLM's.
@@ -153,12 +156,13 @@ def vllm_env(
     env["PYTHONUNBUFFERED"] = "1"
     if on_cpu:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     if sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if gpus:  # the topology's GPUs, not whatever the agent's own environment shows
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
     env.update(launch.env)
+    if on_cpu:  # before a PYTHONPATH of launch.env too: the plugin also fixes what base tokens get
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     return env
 
 

@@ -222,4 +222,4 @@ def test_cpu_replicas_get_the_plugin_first_on_pythonpath(tmp_path) -> None:
     assert "PYTHONPATH" not in vllm_env(launch, {"PYTHONPATH": "/agent"})  # a GPU replica: no plugin
     assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
     users = launch.model_copy(update={"env": {"PYTHONPATH": "/mine"}})
-    assert vllm_env(users, {}, on_cpu=True)["PYTHONPATH"] == "/mine"
+    assert vllm_env(users, {}, on_cpu=True)["PYTHONPATH"] == f"{plugin_dir}:/mine"  # the plugin stays
