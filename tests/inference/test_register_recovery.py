@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from art_mega.errors import AdapterMismatchError, RuntimeBusyError
+from art_mega.errors import AdapterMismatchError, BaseModelError, RuntimeBusyError
 from tests.conftest import pid_alive
 from tests.inference.conftest import process_group
 
@@ -86,18 +86,31 @@ async def test_failed_registers_leave_nothing_running_and_close_then_register_se
         assert caught.value.mismatches == {"r": (4, 8), "lora_alpha": (8, 16.0)}
         assert await running(runtime) == [] and not run_logs.exists()  # nothing was started
 
-        # adapter_config.json matches, the weights file does not load: the rank fails while the
-        # replica is starting beside it, and both are stopped
+        # adapter_config.json matches, the weights file is not safetensors: refused before any
+        # start too (checkpoint.check_warm_start; the rank used to fail on it after both started)
         corrupt = write_adapter(tmp_path / "corrupt", tiny_llama_dir, weights=b"not safetensors")
+        with pytest.raises(BaseModelError, match="adapter_model.safetensors"):
+            await art.TrainableModel(name="agent", project="p", base_model=str(corrupt)).register(backend)
+        assert await running(runtime) == [] and not run_logs.exists()
+
+        # a rank that fails after it started (more train threads than its cores, which only the
+        # rank's host knows): the replica is starting beside it, and both are stopped
+        threads = topology.model_copy(
+            update={"trainer": topology.trainer.model_copy(update={"cpu_train_threads": 4096})}
+        )
+        failing = await ArtRuntime.start_local(threads)
         seen: dict[str, int] = {}
-        watcher = asyncio.create_task(watch(runtime, seen))
+        watcher = asyncio.create_task(watch(failing, seen))
         try:
             with pytest.raises(TrainerJobError, match="trainer rank 0 on host local"):
-                await art.TrainableModel(name="agent", project="p", base_model=str(corrupt)).register(backend)
+                await art.TrainableModel(name="agent", project="p", base_model=str(tiny_llama_dir)).register(
+                    MegatronBackend(failing, seq_len=256, max_model_len=256, startup_timeout_s=600)
+                )
+            assert {"trainer-rank0", "vllm-0"} <= set(seen), seen  # both had started
+            assert await running(failing) == []
         finally:
             watcher.cancel()
-        assert {"trainer-rank0", "vllm-0"} <= set(seen), seen  # both had started
-        assert await running(runtime) == []
+            await failing.close()
         assert [p for p in seen.values() if pid_alive(p) or process_group(p)] == []
 
         await backend.close()
