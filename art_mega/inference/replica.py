@@ -139,8 +139,8 @@ def vllm_env(
     It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH (before a PYTHONPATH of `launch.env` too;
     vLLM's own `VLLM_PLUGINS` is the switch that leaves it out): the plugin makes vLLM's CPU LoRA
     ops one matmul per adapter in the batch instead of one gathered weight matrix per token (32
-    requests x 16 tokens through a LoRA of SmolLM2-135M: 5.1-5.7 s -> 3.5-3.9 s; 2.7-3.2 s
-    without LoRA) and gives tokens without an adapter no LoRA delta (vLLM 0.32's CPU ops gave
+    requests x 16 tokens through a LoRA of SmolLM2-135M: 5.62 s -> 3.34 s,
+    benchmarks/vllm_lora.py) and gives tokens without an adapter no LoRA delta (vLLM 0.32's CPU ops gave
     them the last adapter slot's).
 
     When `launch.python` is another interpreter, the agent's PYTHONPATH, PYTHONHOME and

