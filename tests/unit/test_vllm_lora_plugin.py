@@ -1,7 +1,8 @@
 """art-mega's vLLM general plugin (art_mega/inference/vllm_plugin): its LoRA ops compute what
 vLLM 0.32's CPU ops compute (their gather-and-einsum written out below), except that a token
-whose index is -1 (no adapter) gets no LoRA delta, as on vLLM's GPU kernels, its dist-info names an
-entry point that resolves, and CPU replicas (only they) get it on PYTHONPATH."""
+whose index is -1 (no adapter) gets no LoRA delta, as on vLLM's GPU kernels; its fork plugin forks
+only a single-process replica whose environment says fork; its dist-info names entry points that
+resolve, and CPU replicas (only they) get it on PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from art_mega.inference.replica import VLLM_PLUGIN_DIR, vllm_env
 from tests.conftest import REPO
 
 MODULE = "art_mega_vllm_lora"
+FORK_MODULE = "art_mega_vllm_fork"
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +193,34 @@ def test_a_vllm_with_other_functions_is_left_alone(plugin) -> None:
     )
 
 
-def test_the_dist_info_names_an_entry_point_that_resolves(plugin, monkeypatch) -> None:
+def test_the_dist_info_names_entry_points_that_resolve(plugin, monkeypatch) -> None:
     (dist,) = importlib.metadata.distributions(path=[str(VLLM_PLUGIN_DIR)])
     assert dist.metadata["Name"] == "art-mega-vllm-lora"
-    (entry,) = dist.entry_points.select(group="vllm.general_plugins")
+    entries = {e.name: e for e in dist.entry_points.select(group="vllm.general_plugins")}
+    assert set(entries) == {"art_mega_lora", "art_mega_fork"}
     monkeypatch.syspath_prepend(str(VLLM_PLUGIN_DIR))
-    monkeypatch.delitem(sys.modules, MODULE, raising=False)
-    loaded = entry.load()
-    assert loaded.__name__ == "register" and loaded.__module__ == MODULE
-    assert Path(sys.modules[MODULE].__file__).resolve() == (VLLM_PLUGIN_DIR / f"{MODULE}.py").resolve()
+    for name, module in (("art_mega_lora", MODULE), ("art_mega_fork", FORK_MODULE)):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        loaded = entries[name].load()
+        assert loaded.__name__ == "register" and loaded.__module__ == module
+        assert Path(sys.modules[module].__file__).resolve() == (VLLM_PLUGIN_DIR / f"{module}.py").resolve()
+
+
+def parallel(world: int, data: int) -> SimpleNamespace:
+    """The two fields of a VllmConfig that `fork_problem` reads."""
+    return SimpleNamespace(parallel_config=SimpleNamespace(world_size=world, data_parallel_size=data))
+
+
+def test_only_a_single_process_replica_whose_environment_says_fork_forks() -> None:
+    spec = importlib.util.spec_from_file_location(FORK_MODULE, VLLM_PLUGIN_DIR / f"{FORK_MODULE}.py")
+    fork = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    assert fork.fork_problem(parallel(1, 1), "fork") is None
+    assert "'spawn', not 'fork'" in fork.fork_problem(parallel(1, 1), "spawn")
+    assert "None, not 'fork'" in fork.fork_problem(parallel(1, 1), None)  # started outside art-mega
+    assert "2 worker(s) x 1" in fork.fork_problem(parallel(2, 1), "fork")  # tensor parallel
+    assert "1 worker(s) x 2" in fork.fork_problem(parallel(1, 2), "fork")  # data parallel
+    assert "None worker(s)" in fork.fork_problem(SimpleNamespace(), "fork")  # another vLLM's config
 
 
 def test_a_built_wheel_carries_the_plugins_files() -> None:
