@@ -841,6 +841,8 @@ class MegatronBackend:
         """Each replica's (queried, hit) prefix-cache prompt tokens at the last step's read."""
         self._recovery: Any = None
         self._tokenizer: Any = None
+        self._checked_reference: tuple[Any, ...] | None = None
+        """(folder, inode, size, mtime, ctime) of the weights `_check_reference` last accepted."""
         self._step = 0
         self._rl_optimizer = (ART_TRAINER_ARGS["weight_decay"], ART_TRAINER_ARGS["max_grad_norm"])
         self._lock = asyncio.Lock()
@@ -1008,21 +1010,13 @@ class MegatronBackend:
         Raises:
             ModelSplitError, AdapterMismatchError, UserError: see `register`.
         """
-        from art_mega.trainer.families import family_for
-        from art_mega.trainer.hf_checkpoint import read_hf_config
         from art_mega.trainer.model_builder import check_model_fits
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
         check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, spec="TrainerSpec")
         for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
             check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
-        names = family_for(read_hf_config(resolved.model_dir)).lora  # the model's LoRA <-> PEFT names
-        targets = names.normalise(tuple(self.lora["targets"]) or names.targets)
-        lora = {
-            "rank": self.lora["rank"],
-            "alpha": self.lora["alpha"],
-            "target_modules": names.hf_target_modules(targets),
-        }
+        lora = self._lora_settings(resolved.model_dir)
         if committed is not None:
             adapter = checkpoint.adapter_dir(
                 checkpoint.step_dir(checkpoint.checkpoints_dir(run_dir), committed)
@@ -1036,6 +1030,24 @@ class MegatronBackend:
             )
         elif resolved.warm_start is not None:
             check_adapter_config(read_adapter_config(resolved.warm_start), resolved.warm_start, **lora)
+
+    def _lora_settings(self, model_dir: Any) -> dict[str, Any]:
+        """The backend's LoRA as `check_adapter_config` compares an adapter with it: rank, alpha
+        and the HF target modules of the model at `model_dir` (its family's names).
+
+        Raises:
+            UserError: an unsupported model family or an unknown LoRA target.
+        """
+        from art_mega.trainer.families import family_for
+        from art_mega.trainer.hf_checkpoint import read_hf_config
+
+        names = family_for(read_hf_config(model_dir)).lora  # the model's LoRA <-> PEFT names
+        targets = names.normalise(tuple(self.lora["targets"]) or names.targets)
+        return {
+            "rank": self.lora["rank"],
+            "alpha": self.lora["alpha"],
+            "target_modules": names.hf_target_modules(targets),
+        }
 
     async def _start_serving(
         self, model: Any, resolved: Any, run_dir: Path, committed: int | None, transport: Any
@@ -1352,8 +1364,11 @@ class MegatronBackend:
                 `packed_sequence_length`), or (without `allow_stale`) a trajectory served by a
                 step other than the current one.
             HyperParameterError: an option out of range or of the wrong type
-                (`check_grpo_options`, `check_packing`, `check_accumulation`), or an unknown
-                keyword (named).
+                (`check_grpo_options`, `check_packing`, `check_accumulation`), an unknown
+                keyword (named), or a KL reference adapter that is not whole, does not fit the
+                base model or holds NaN or inf (`_check_reference`).
+            AdapterMismatchError: the KL reference adapter has another LoRA rank, alpha or
+                targets than the backend.
             TrainInputError: `trajectory_groups` is not a non-empty list of TrajectoryGroup, or
                 a message has an unknown role or a bad content (group and trajectory named).
             NonFiniteValueError: a NaN or inf reward (without `drop_nonfinite_rewards`), sampling
@@ -1403,6 +1418,8 @@ class MegatronBackend:
         )
         scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
+        if loss.get("kl_ref_adapter_path") is not None:  # reads the adapter's tensors: off the loop
+            await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"])
         async with self._lock:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
@@ -1433,6 +1450,48 @@ class MegatronBackend:
                 seq_len=None if packed_sequence_length is None else row_len,
                 rows_per_step=accumulate,
             )
+
+    def _check_reference(self, folder: str) -> None:
+        """Refuse a KL reference adapter (`kl_ref_adapter_path` as `_reference_adapter` resolved
+        it) that the trainer ranks could not load into this backend's LoRA, before the step is
+        sent: the checks of a warm start (`checkpoint.adapter_problem` against the registered base
+        model: whole files, tensors fitting its config and the model, finite values) and its
+        config against the backend's rank, alpha and targets. A folder whose weights file has
+        not changed since its last check (path, inode, size, mtime, ctime) is not read again.
+
+        Raises:
+            HyperParameterError: naming kl_ref_adapter_path, the file and what is wrong with it.
+            AdapterMismatchError: another LoRA rank, alpha or targets than the backend's.
+        """
+        from art_mega.errors import HyperParameterError
+        from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
+
+        weights = Path(folder) / checkpoint.ADAPTER_FILES[1]
+        try:
+            stat = weights.stat()
+            key: tuple[Any, ...] | None = (folder, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        except OSError:
+            key = None  # adapter_problem names the missing file
+        if key is not None and key == self._checked_reference:
+            return
+        where = f"backend.train(kl_ref_adapter_path={folder!r})"
+        found = checkpoint.adapter_problem(folder, model_dir=self._model_dir)
+        if found is not None:
+            path, problem = found
+            raise HyperParameterError(
+                f"{where} cannot be the KL reference: {path} {problem}; name a whole adapter with "
+                f"finite values trained on {self._model_dir}",
+                "kl_ref_adapter_path",
+                folder,
+            )
+        check_adapter_config(
+            read_adapter_config(folder),
+            folder,
+            **self._lora_settings(self._model_dir),
+            what="the KL reference adapter (kl_ref_adapter_path) at",
+            otherwise="or name a reference adapter trained with the backend's settings",
+        )
+        self._checked_reference = key
 
     def _reference_path(self, path: Any, step: Any) -> Any:
         """`kl_ref_adapter_path`, or the committed checkpoint folder of ART's

@@ -70,6 +70,8 @@ ENV_MODEL = "PIPELINE_BENCH_MODEL"
 ENV_OFF = "PIPELINE_BENCH_OFF_POLICY"
 ENV_TASK = "PIPELINE_BENCH_TASK"
 ENV_LATENCY = "PIPELINE_BENCH_TOOL_LATENCY_S"
+ENV_CORES = "PIPELINE_BENCH_CORES"
+"""`replica,cores|trainer,cores` as the runner split them (`cores`)."""
 TASKS = ("quickstart", "agent")
 
 TOOL_LATENCY_S = 20.0
@@ -184,8 +186,14 @@ def task_parts(task: str, latency_s: float):
 
 
 def cores() -> tuple[set[int], set[int]]:
-    """(replica and controller cores, trainer cores): this process's cores split in two halves
-    (on a 1-core machine both get the one core)."""
+    """(replica and controller cores, trainer cores): the runner's cores split in two halves (on
+    a 1-core machine both get the one core). The runner starts each run's program pinned to the
+    first half (`run`), so the program reads the split from ENV_CORES, which the runner sets;
+    without it (the runner itself) it is this process's affinity halved."""
+    given = os.environ.get(ENV_CORES)
+    if given:
+        inference, trainer = given.split("|")
+        return {int(c) for c in inference.split(",")}, {int(c) for c in trainer.split(",")}
     mine = sorted(os.sched_getaffinity(0))
     half = max(1, len(mine) // 2)
     return set(mine[:half]), set(mine[half:] or mine)
@@ -210,7 +218,7 @@ def pin_processes() -> dict[str, list[int]]:
     for proc in psutil.Process().children(recursive=True):
         line = " ".join(proc.cmdline())
         under_rank = proc.pid in ranks or any(a.pid in ranks for a in proc.parents())
-        kind = "trainer" if under_rank else "replica" if "vllm" in line else "controller"
+        kind = "trainer" if under_rank else "replica" if "vllm" in line.lower() else "controller"
         try:
             _pin(proc.pid, trainer if kind == "trainer" else inference)
         except (ProcessLookupError, FileNotFoundError):
@@ -337,6 +345,9 @@ def run(
         # of the NUMA node); pinned onto fewer cores afterwards its threads would share one
         # core and spin in each other's barriers (a 131 s rollout against ~5 s when measured)
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(cores()[0])),
+        # the program runs on the replica's cores (below), so its own affinity no longer shows
+        # the trainer's: before this, the rank was pinned onto the replica's core as well
+        ENV_CORES: "|".join(",".join(str(c) for c in sorted(half)) for half in cores()),
     }
     with open(work / "art.log", "w") as log:
         subprocess.run(

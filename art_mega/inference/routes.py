@@ -29,6 +29,7 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
     SIGKILL) and its health lists them with their log paths and exit codes (how a crash is
     reported: see `recovery`). One replica name runs at most once per agent; starting it again
     while it runs is refused, starting it after it died first stops what is left of its group.
+    A stop that arrives while a start spawns waits for the spawn, then stops that replica too.
     """
     lock = asyncio.Lock()
     grace_s: dict[str, float] = {}
@@ -73,7 +74,10 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
 
     @router.serve(INFERENCE_STOP)
     async def inference_stop(body: InferenceStopRequest) -> ShutdownResponse:
-        ours = [c.child_id for c in supervisor.children() if c.role == ROLE]
+        # under the start's lock: a replica being spawned is a child by the time the lock is free,
+        # so a stop that arrives during its spawn stops it instead of finding nothing
+        async with lock:
+            ours = [c.child_id for c in supervisor.children() if c.role == ROLE]
         names = [n for n in body.names if n in ours] if body.names else ours
         grace = max((grace_s.get(n, DEFAULT_STOP_GRACE_S) for n in names), default=DEFAULT_STOP_GRACE_S)
         return ShutdownResponse(stopped=await supervisor.stop(names, grace))

@@ -1,4 +1,5 @@
-"""The agent's inference routes with a stand-in interpreter (no vLLM needed): a failed start."""
+"""The agent's inference routes with a stand-in interpreter (no vLLM needed): a failed start, a
+stop that lands during a start, unsigned requests."""
 
 from __future__ import annotations
 
@@ -38,3 +39,36 @@ async def test_unsigned_requests_are_refused(agent: Agent) -> None:
         for path, payload in (("/v1/inference/start", body), ("/v1/inference/stop", {"names": []})):
             reply = await client.post(path, json=payload)
             assert reply.status_code == 401, (path, reply.text)
+
+
+async def test_a_stop_during_a_start_stops_that_replica(agent: Agent, tmp_path: Path) -> None:
+    """A stop sent right behind a start (a register cancelled while it starts) stops that
+    replica, and the start answers that it failed. The stop waits for a spawn in progress (the
+    start's lock); a stop landing inside that millisecond window is not forced here."""
+    import asyncio
+
+    from art_mega.inference.protocol import (
+        INFERENCE_START,
+        INFERENCE_STOP,
+        InferenceStartRequest,
+        InferenceStopRequest,
+    )
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexec sleep 60\n")  # never healthy: the start waits until stopped
+    python.chmod(0o755)
+    launch = ReplicaLaunch(
+        model="/m", served_model_name="tiny", python=str(python), log_dir=str(tmp_path), ready_timeout_s=30
+    )
+    for attempt in range(3):
+        spec = replica_spec(free_port(), name=f"raced{attempt}")
+        body = InferenceStartRequest(replica=spec, launch=launch)
+        start = asyncio.ensure_future(agent.client.call(INFERENCE_START, body, timeout_s=60))
+        await asyncio.sleep(0.001 * attempt)  # the stop lands during the spawn, or just after it
+        stopped = await agent.client.call(INFERENCE_STOP, InferenceStopRequest(names=[spec.process_name]))
+        started = await asyncio.wait_for(start, 30)
+        assert not started.ok, started  # stopped before it was ever healthy
+        assert [c.child_id for c in stopped.stopped] == [spec.process_name], (attempt, stopped, started)
+        health = await agent.client.health()
+        (child,) = [c for c in health.children if c.child_id == spec.process_name] or [None]
+        assert child is None or child.returncode is not None, (attempt, child)

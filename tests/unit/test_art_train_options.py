@@ -494,10 +494,16 @@ def test_trainer_args_of_the_internal_config_reach_the_optimizer() -> None:
         )
 
 
+def reference_adapter(folder, model_dir, **config: Any):  # noqa: ANN001, ANN201
+    """`folder` as a whole PEFT adapter of `model_dir` with the backend fixture's LoRA (rank 8,
+    alpha 16; `config` keys replaced), seeded finite values."""
+    from tests.unit.test_warm_start_checks import adapter_tensors, write_adapter
+
+    return write_adapter(folder, model_dir, adapter_tensors(model_dir, rank=8), **{"r": 8, "lora_alpha": 16, **config})
+
+
 def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
-    step = tmp_path / "0003"
-    step.mkdir(parents=True)
-    (step / "adapter_config.json").write_text("{}")
+    step = reference_adapter(tmp_path / "0003", backend._model_dir)
     # a checkpoint folder (ART's kl_ref_adapter_path: the adapter files are in it, as ART keeps them)
     for given in (step, str(step)):
         job = train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=given)
@@ -514,13 +520,54 @@ def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBacken
         GRPOLossConfig(kl_ref_adapter_path=str(step))
 
 
+def test_a_kl_reference_adapter_the_ranks_could_not_load_is_refused_before_the_step(
+    backend: MegatronBackend, tmp_path  # noqa: ANN001
+) -> None:
+    """kl_ref_adapter_path gets a warm start's checks before any rank reads it: whole files,
+    tensors fitting the base model, finite values, and the backend's LoRA; a changed file is
+    checked again."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from art_mega.errors import AdapterMismatchError
+
+    def refusal(folder) -> str:  # noqa: ANN001
+        with pytest.raises(HyperParameterError) as caught:
+            train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder)
+        message = str(caught.value)
+        assert "\n" not in message and caught.value.exit_code == 2
+        assert message.startswith(f"backend.train(kl_ref_adapter_path={str(folder.resolve())!r}) cannot be the KL")
+        return message
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "adapter_config.json").write_text("{}")
+    assert "adapter_model.safetensors is missing" in refusal(config_only)
+    folder = reference_adapter(tmp_path / "ref", backend._model_dir)
+    assert train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder)["loss"]["kl_ref_adapter_path"]
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, str(weights), metadata={"format": "pt"})  # same path, new contents
+    assert "NaN" in refusal(folder) or "nan" in refusal(folder)
+    wide = reference_adapter(tmp_path / "wide", backend._model_dir, r=4)  # config says 4, tensors 8
+    assert "does not match" in refusal(wide)
+    other = tmp_path / "rank4"
+    from tests.unit.test_warm_start_checks import adapter_tensors, write_adapter
+
+    write_adapter(other, backend._model_dir, adapter_tensors(backend._model_dir, rank=4), lora_alpha=16)
+    with pytest.raises(AdapterMismatchError, match="the KL reference adapter \\(kl_ref_adapter_path\\) at"):
+        train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=other)
+
+
 def test_kl_penalty_reference_step_names_a_committed_checkpoint(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
     from art_mega.trainer import checkpoint
 
     backend._run_dir, backend._step = tmp_path, 2
     folder = checkpoint.step_dir(checkpoint.checkpoints_dir(tmp_path), 1)
-    checkpoint.adapter_dir(folder).mkdir(parents=True)
-    (checkpoint.adapter_dir(folder) / "adapter_config.json").write_text("{}")
+    reference_adapter(checkpoint.adapter_dir(folder), backend._model_dir)
     job = train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_penalty_reference_step=1)
     assert job["loss"]["kl_ref_adapter_path"] == str(checkpoint.adapter_dir(folder).resolve())
     for bad in (3, 2):  # after the current step; the current one's folder deleted (never written here)

@@ -20,6 +20,15 @@ def test_cores_split_this_process_affinity_in_two() -> None:
     assert (replica & trainer) == (mine if len(mine) == 1 else set())
 
 
+def test_a_program_pinned_to_the_replica_cores_reads_the_runners_split(monkeypatch) -> None:
+    """The runner starts the program under `taskset` on the replica's cores, so the program's
+    own affinity is one half; it takes the split the runner put in its environment."""
+    monkeypatch.setenv(pipeline.ENV_CORES, "0|1")
+    assert pipeline.cores() == ({0}, {1})
+    monkeypatch.setenv(pipeline.ENV_CORES, "0,1|2,3")
+    assert pipeline.cores() == ({0, 1}, {2, 3})
+
+
 def test_figures_from_step_events() -> None:
     def steps(*seconds, **extra):
         return [{"event": "step", "step": i, "step_s": s, **extra} for i, s in enumerate(seconds)]
