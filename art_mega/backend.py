@@ -842,7 +842,7 @@ class MegatronBackend:
         self._recovery: Any = None
         self._tokenizer: Any = None
         self._checked_reference: tuple[Any, ...] | None = None
-        """(folder, inode, size, mtime, ctime) of the weights `_check_reference` last accepted."""
+        """What `_check_reference` last accepted: folder, its files' stats, base model, LoRA."""
         self._step = 0
         self._rl_optimizer = (ART_TRAINER_ARGS["weight_decay"], ART_TRAINER_ARGS["max_grad_norm"])
         self._lock = asyncio.Lock()
@@ -1382,6 +1382,8 @@ class MegatronBackend:
         from art_mega.trainer.tokenize import balance_advantages, grpo_documents
 
         self._require(model)
+        # a user's adapter is checked below; a kl_penalty_reference_step is this run's own commit
+        outside_reference = kl_ref_adapter_path is not None
         kl_ref_adapter_path = self._reference_path(kl_ref_adapter_path, kl_penalty_reference_step)
         learning_rate, loss = check_grpo_options(
             learning_rate=learning_rate,
@@ -1418,7 +1420,7 @@ class MegatronBackend:
         )
         scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
-        if loss.get("kl_ref_adapter_path") is not None:  # reads the adapter's tensors: off the loop
+        if outside_reference and loss.get("kl_ref_adapter_path") is not None:  # reads tensors: off the loop
             await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"])
         async with self._lock:
             started = time.perf_counter()
@@ -1456,8 +1458,10 @@ class MegatronBackend:
         it) that the trainer ranks could not load into this backend's LoRA, before the step is
         sent: the checks of a warm start (`checkpoint.adapter_problem` against the registered base
         model: whole files, tensors fitting its config and the model, finite values) and its
-        config against the backend's rank, alpha and targets. A folder whose weights file has
-        not changed since its last check (path, inode, size, mtime, ctime) is not read again.
+        config against the backend's rank, alpha and targets. A folder whose two files have not
+        changed since its last check (inode, size, mtime, ctime), for the same base model and
+        LoRA, is not read again. (The ranks read a reference once per path: a new reference
+        belongs in a new folder.)
 
         Raises:
             HyperParameterError: naming kl_ref_adapter_path, the file and what is wrong with it.
@@ -1466,10 +1470,13 @@ class MegatronBackend:
         from art_mega.errors import HyperParameterError
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
-        weights = Path(folder) / checkpoint.ADAPTER_FILES[1]
+        lora = self._lora_settings(self._model_dir)
         try:
-            stat = weights.stat()
-            key: tuple[Any, ...] | None = (folder, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+            stats = tuple(
+                (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+                for s in (Path(folder, name).stat() for name in checkpoint.ADAPTER_FILES)
+            )
+            key: tuple[Any, ...] | None = (folder, stats, str(self._model_dir), repr(lora))
         except OSError:
             key = None  # adapter_problem names the missing file
         if key is not None and key == self._checked_reference:
@@ -1487,7 +1494,7 @@ class MegatronBackend:
         check_adapter_config(
             read_adapter_config(folder),
             folder,
-            **self._lora_settings(self._model_dir),
+            **lora,
             what="the KL reference adapter (kl_ref_adapter_path) at",
             otherwise="or name a reference adapter trained with the backend's settings",
         )

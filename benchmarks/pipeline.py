@@ -22,13 +22,13 @@ the task's validation over fixed prompts with fixed seeds and the task's reward.
   (reward 0: 9 of 16 in a temperature-1 probe of the base model with this module's code), so a
   group whose 8 games all score 0 is ~1%. art_mega's `rollout_with_tools` is not used: it needs
   the policy to write native tool calls, which SmolLM2-135M does not, so the reply itself is the
-  tool call. Default latency TOOL_LATENCY_S (20 s), an estimate, not a measurement: a step's
-  32 games of ~135 tokens train in ~50-75 s on one core (the quickstart's 32 x ~45 tokens train
-  in ~25 s), and a group's 3 generations take ~12 s, so 2 tool answers of 20 s make a step's
-  rollouts ~52 s. Overlap gives the issue's 1.5x only while rollout and train seconds per step
-  are within 2x of each other (pipeline step ~ the larger, sync step ~ their sum); the
-  `rollout_s` and `train_s` rows show the balance a run had: when off, rerun with
-  `--tool-latency-s` ~ (sync train_s - sync rollout_s + 2 x latency) / 2.
+  tool call. Default latency TOOL_LATENCY_S (14 s), measured to balance the two phases on this
+  2-core layout (RESULTS, 2026-12-02 02:42: a sync step's rollouts 45.3 s, its training 42.3 s;
+  PipelineTrainer 2.03x the sync loop's steps per minute). Overlap gives the issue's 1.5x only
+  while rollout and train seconds per step are within 2x of each other (pipeline step ~ the
+  larger, sync step ~ their sum); the `rollout_s` and `train_s` rows show the balance a run had:
+  on another machine, rerun with `--tool-latency-s` ~ (sync train_s - sync rollout_s + 2 x
+  latency) / 2.
 
 Figures per mode: steps per minute (the steps after the first, which both spend waiting for the
 first rollouts) and their ratio, trained groups per minute (groups whose rewards differ) and
@@ -71,10 +71,11 @@ ENV_OFF = "PIPELINE_BENCH_OFF_POLICY"
 ENV_TASK = "PIPELINE_BENCH_TASK"
 ENV_LATENCY = "PIPELINE_BENCH_TOOL_LATENCY_S"
 ENV_CORES = "PIPELINE_BENCH_CORES"
-"""`replica,cores|trainer,cores` as the runner split them (`cores`)."""
+"""The runner's split (`cores`) for its programs: the replica's cores, `|`, the trainer's, each a
+comma-separated list (`0|1`, `0,1|2,3`)."""
 TASKS = ("quickstart", "agent")
 
-TOOL_LATENCY_S = 20.0
+TOOL_LATENCY_S = 14.0
 """The agent task's default seconds before each tool answer (why this value: module docstring)."""
 GUESS_TURNS = 3
 """Chat turns (guesses) of one game at most; the checker answers the first GUESS_TURNS - 1."""

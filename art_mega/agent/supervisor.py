@@ -211,10 +211,13 @@ class Supervisor:
     async def stop(
         self, child_ids: Sequence[str] | None = None, grace_s: float = DEFAULT_STOP_GRACE_S
     ) -> tuple[ChildStatus, ...]:
-        """Stop the named children (all when None) concurrently and forget them."""
+        """Stop the named children (all when None) concurrently and forget them. A child added
+        under the same name while they stop (a restart once the old process has exited) is
+        another child: it stays, and runs."""
         ids = list(self._children) if child_ids is None else [c for c in child_ids if c in self._children]
         chosen = [self._children[c] for c in ids]
         await asyncio.gather(*(stop_process(c.process, grace_s) for c in chosen))
         for c in chosen:
-            self._children.pop(c.child_id, None)
+            if self._children.get(c.child_id) is c:
+                del self._children[c.child_id]
         return tuple(c.status() for c in chosen)

@@ -73,7 +73,8 @@ def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
         argv += ["--block-size", str(CPU_BLOCK_SIZE)]
     if spec.tp * spec.pp == 1:
         # One worker: run it inside the engine process (vLLM's own choice on one GPU; on CPU it
-        # would spawn a worker process, one more vLLM import: ~25 s of start-up on 2 cores).
+        # would spawn a worker process, one more vLLM import: ~25 s of start-up on 2 cores). The
+        # CPU platform keeps it only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (`vllm_env`).
         argv += ["--distributed-executor-backend", "uni"]
     if spec.tp > 1:
         argv += ["--tensor-parallel-size", str(spec.tp)]
@@ -132,11 +133,14 @@ def vllm_env(
     `sleep_mode` (a replica sharing the trainer's GPUs) sets `VLLM_SERVER_DEV_MODE=1`, which is
     what exposes vLLM's `/sleep` and `/wake_up` routes.
 
-    `on_cpu` (a replica without GPUs) also sets `VLLM_WORKER_MULTIPROC_METHOD=fork` unless the
-    base environment or `launch.env` names a method: vLLM's server then forks its engine-core
-    process instead of spawning a second interpreter that imports vLLM again (the plugin
-    `art_mega_vllm_fork` keeps it past vLLM's CPU platform, which sets spawn; 24 s -> 16 s to
-    healthy for SmolLM2-135M on 2 cores). GPU replicas keep vLLM's spawn.
+    `on_cpu` (a replica without GPUs) also sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which keeps
+    vLLM's `uni` executor (the worker runs inside the engine-core process; without it vLLM's CPU
+    platform switches to `mp` and the engine core starts a worker process of its own), and
+    `VLLM_WORKER_MULTIPROC_METHOD=fork` unless the base environment or `launch.env` names a
+    method: vLLM's server then forks its engine-core process instead of spawning a second
+    interpreter that imports vLLM again (the plugin `art_mega_vllm_fork` keeps fork past vLLM's
+    CPU platform, which sets spawn, when nothing a spawned process would preload is missing;
+    24 s -> 13 s to healthy for SmolLM2-135M on 2 cores). GPU replicas keep vLLM's spawn.
     It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH (before a PYTHONPATH of `launch.env` too;
     vLLM's own `VLLM_PLUGINS` is the switch that leaves it out): the plugin makes vLLM's CPU LoRA
     ops one matmul per adapter in the batch instead of one gathered weight matrix per token (32
@@ -155,6 +159,8 @@ def vllm_env(
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(launch.kv_cache_gib)
     env["PYTHONUNBUFFERED"] = "1"
+    if on_cpu:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if gpus:  # the topology's GPUs, not whatever the agent's own environment shows

@@ -87,7 +87,9 @@ def test_argv_and_env(tmp_path) -> None:
     same = launch.model_copy(update={"python": sys.executable})
     assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in env  # GPU replicas keep vLLM's spawn
-    assert vllm_env(launch, {}, on_cpu=True)["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # and its separate engine process
+    cpu = vllm_env(launch, {}, on_cpu=True)
+    assert cpu["VLLM_WORKER_MULTIPROC_METHOD"] == "fork" and cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     # a method the environment names wins, whether the agent's or the launch's
     method = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert vllm_env(launch, method, on_cpu=True)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from art_mega.trainer.rank_main import NOT_IMPORTED
 
 
@@ -39,21 +41,30 @@ def guarded(tree: ast.AST, name: str) -> tuple[int, list[int]]:
                 for n in ast.walk(h.type)
                 if isinstance(n, ast.Name)
             }
-            if {"ImportError", "ModuleNotFoundError", "Exception"} & caught or any(
-                h.type is None for h in node.handlers
-            ):
-                catches.update(id(n) for statement in node.body for n in ast.walk(statement))
+            swallows = [  # a handler that catches ImportError and does not raise it again
+                h
+                for h in node.handlers
+                if (h.type is None or {"ImportError", "ModuleNotFoundError", "Exception"} & caught)
+                and not any(isinstance(n, ast.Raise) for n in ast.walk(h))
+            ]
+            if swallows:  # imports run at the try's own level, not inside a def it defines
+                catches.update(
+                    id(n)
+                    for statement in node.body
+                    if isinstance(statement, ast.Import | ast.ImportFrom)
+                    for n in [statement]
+                )
     imports = [
         node
         for node in ast.walk(tree)
         if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == name for a in node.names))
         or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == name)
     ]
-    # `if TYPE_CHECKING:` imports never run
+    # `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) imports never run; `if not ...` ones do
     typing_only = {
         id(n)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
         for statement in node.body
         for n in ast.walk(statement)
     }
@@ -73,3 +84,19 @@ def test_megatron_core_imports_the_blocked_modules_only_where_it_expects_import_
             seen += count
             assert not unguarded, f"{path} imports {name} outside a try/except ImportError at {unguarded}"
     assert seen >= 3  # timers.py, the inference context and engine: what the rank would import
+
+
+@pytest.mark.parametrize(
+    ("code", "found"),
+    [
+        ("try:\n    import wandb\nexcept ImportError:\n    wandb = None\n", (1, [])),
+        ("try:\n    import wandb\nexcept ImportError:\n    raise\n", (1, [2])),  # raised again
+        ("import wandb\n", (1, [1])),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import wandb\n", (0, [])),
+        ("if not TYPE_CHECKING:\n    import wandb\n", (1, [2])),  # runs
+        ("try:\n    def f():\n        import wandb\nexcept ImportError:\n    pass\n", (1, [3])),  # later
+        ("try:\n    from wandb import sdk\nexcept (ValueError, ModuleNotFoundError):\n    pass\n", (1, [])),
+    ],
+)
+def test_the_guard_check_tells_guarded_imports_from_unguarded(code: str, found: tuple) -> None:
+    assert guarded(ast.parse(code), "wandb") == found

@@ -59,3 +59,29 @@ def test_descendants_of_a_leaf_process_is_empty() -> None:
     finally:
         leaf.kill()
         leaf.wait()
+
+
+def test_a_child_added_under_the_same_name_during_a_stop_stays() -> None:
+    """A restart of a name whose old process is being stopped (its grace running) registers a new
+    child; the stop forgets only the child it stopped, so the new one stays supervised."""
+    from art_mega.agent.supervisor import Child, Supervisor
+
+    async def scenario() -> tuple[bool, int | None]:
+        supervisor = Supervisor("launch")
+        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(300)"
+        old = await spawn_child([sys.executable, "-c", stubborn], stdout=asyncio.subprocess.PIPE)
+        await asyncio.wait_for(old.stdout.readline(), 30)  # SIGTERM is ignored from here on
+        supervisor.add(Child(child_id="r", role="inference", process=old))
+        stopping = asyncio.ensure_future(supervisor.stop(["r"], grace_s=1.0))
+        await asyncio.sleep(0.2)  # the stop waits out its grace
+        new = await spawn_child([sys.executable, "-c", "import time; time.sleep(300)"])
+        supervisor.add(Child(child_id="r", role="inference", process=new))
+        await stopping
+        kept = supervisor.get("r")
+        try:
+            return kept is not None and kept.process is new, new.returncode
+        finally:
+            await supervisor.stop()
+
+    kept_new, returncode = asyncio.run(scenario())
+    assert kept_new and returncode is None

@@ -206,21 +206,58 @@ def test_the_dist_info_names_entry_points_that_resolve(plugin, monkeypatch) -> N
         assert Path(sys.modules[module].__file__).resolve() == (VLLM_PLUGIN_DIR / f"{module}.py").resolve()
 
 
-def parallel(world: int, data: int) -> SimpleNamespace:
-    """The two fields of a VllmConfig that `fork_problem` reads."""
-    return SimpleNamespace(parallel_config=SimpleNamespace(world_size=world, data_parallel_size=data))
+def parallel(world: int, data: int, backend: str = "uni") -> SimpleNamespace:
+    """The fields of a VllmConfig that `fork_problem` reads."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            world_size=world, data_parallel_size=data, distributed_executor_backend=backend
+        )
+    )
 
 
-def test_only_a_single_process_replica_whose_environment_says_fork_forks() -> None:
+@pytest.fixture(scope="module")
+def fork():
     spec = importlib.util.spec_from_file_location(FORK_MODULE, VLLM_PLUGIN_DIR / f"{FORK_MODULE}.py")
-    fork = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fork)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_a_one_process_replica_whose_environment_says_fork_forks(fork) -> None:
     assert fork.fork_problem(parallel(1, 1), "fork") is None
-    assert "'spawn', not 'fork'" in fork.fork_problem(parallel(1, 1), "spawn")
-    assert "None, not 'fork'" in fork.fork_problem(parallel(1, 1), None)  # started outside art-mega
+    assert "is 'spawn', not 'fork'" in fork.fork_problem(parallel(1, 1), "spawn")
+    assert "is None, not 'fork'" in fork.fork_problem(parallel(1, 1), None)
     assert "2 worker(s) x 1" in fork.fork_problem(parallel(2, 1), "fork")  # tensor parallel
     assert "1 worker(s) x 2" in fork.fork_problem(parallel(1, 2), "fork")  # data parallel
+    # the CPU platform's mp executor starts a worker process: its OpenMP set-up needs a fresh one
+    assert "through the 'mp' executor, not in-process" in fork.fork_problem(parallel(1, 1, "mp"), "fork")
     assert "None worker(s)" in fork.fork_problem(SimpleNamespace(), "fork")  # another vLLM's config
+
+
+def test_a_fork_needs_every_preloaded_library_already_loaded_and_alone(fork, tmp_path) -> None:
+    gomp, tcmalloc, system = (
+        tmp_path / "torch" / "libgomp.so.1",
+        tmp_path / "libtcmalloc.so.4",
+        tmp_path / "sys" / "libgomp.so.1",
+    )
+    link = tmp_path / "gomp-link.so"
+    for path in (gomp, tcmalloc, system):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    link.symlink_to(gomp)
+    mapped = {str(gomp), "/usr/lib/libc.so.6"}
+    assert fork.preload_problem("", mapped) is None
+    assert fork.preload_problem(str(gomp), mapped) is None
+    assert fork.preload_problem(str(link), mapped) is None  # by real path
+    assert fork.preload_problem(f"{gomp}:{tcmalloc}", mapped) == (
+        f"LD_PRELOAD names {tcmalloc}, which this process did not load at its start"
+    )
+    assert fork.preload_problem(f"{gomp} {tcmalloc}", mapped | {str(tcmalloc)}) is None  # space-separated too
+    # two OpenMP runtimes of one name: vLLM preloads torch's so that only it is loaded
+    assert fork.preload_problem(str(gomp), mapped | {str(system)}) == (
+        f"this process maps {system} beside LD_PRELOAD's {gomp}"
+    )
+    assert str(Path(sys.executable).resolve()) in fork.mapped_files()  # this interpreter is mapped
 
 
 def test_a_built_wheel_carries_the_plugins_files() -> None:

@@ -5,22 +5,33 @@ else; vLLM loads it in each of its processes through the entry point `art_mega_f
 dist-info beside this file, as `art_mega_vllm_lora`.
 
 Why: vLLM 0.32's OpenAI server always runs its engine core in a second process
-(`AsyncLLM` -> `make_async_mp_client`; `VLLM_ENABLE_V1_MULTIPROCESSING` only concerns the offline
-`LLM`). Its CLI starts that process with `spawn` unless VLLM_WORKER_MULTIPROC_METHOD says
-otherwise (entrypoints/serve/utils/api_utils.py), and `CpuPlatform.check_and_update_config`
-then sets spawn unconditionally, so the engine core starts a fresh interpreter and imports vLLM
-a second time. Forking it from the server, which has already imported vLLM, skips that import:
-for SmolLM2-135M on this 2-core machine, 24 s -> 16 s from the command to a healthy /health (one
-start each, nothing else running; the server's log shows the engine core initializing 10 s
-after the server parsed its arguments with spawn, 1 s with fork).
+(`AsyncLLM` -> `make_async_mp_client`). Its CLI starts that process with `spawn` unless
+VLLM_WORKER_MULTIPROC_METHOD says otherwise (entrypoints/serve/utils/api_utils.py), and
+`CpuPlatform.check_and_update_config` then sets spawn unconditionally, so the engine core starts
+a fresh interpreter and imports vLLM a second time. Forking it from the server, which has
+already imported vLLM, skips that import: for SmolLM2-135M on this 2-core machine, 24 s -> 13 s
+from the command to a healthy /health (one start each, nothing else running; the server's log
+shows the engine core initializing 10 s after the server parsed its arguments with spawn, 1 s
+with fork), with the same greedy tokens and no slower decoding.
 
-`art_mega.inference.replica.vllm_env(on_cpu=True)` sets VLLM_WORKER_MULTIPROC_METHOD=fork unless
-the replica's environment names a method; this plugin keeps that choice past the CPU platform's
-override, and only where it was measured: the CPU platform and one engine-core process with no
-worker processes (tensor x pipeline x data parallel size 1, the `uni` executor art-mega gives
-CPU replicas). Otherwise (another method in the environment, more processes, or a vLLM whose
-`CpuPlatform.check_and_update_config` is not the classmethod `(vllm_config)` this was written
-for) it changes nothing and says so.
+A spawned engine core gets two things a forked one would not: the libraries vLLM's CPU platform
+puts in LD_PRELOAD for its children (torch's libgomp, so that one OpenMP runtime serves the
+thread binding, and vLLM's bundled tcmalloc when the wheel has one), which act only at exec, and
+OpenMP variables set before a worker process starts (multiproc_executor's `configure_omp_envs`),
+which an OpenMP runtime already loaded ignores. So the fork is kept to the case where neither is
+lost:
+- the CPU platform, one engine-core process running its worker in-process: tensor x pipeline x
+  data parallel size 1 and vLLM's `uni` executor (art-mega's CPU replicas: `--distributed-
+  executor-backend uni` and VLLM_ENABLE_V1_MULTIPROCESSING=0, without which the CPU platform
+  switches `uni` to `mp` and the engine core starts a worker process of its own);
+- every library in LD_PRELOAD, as vLLM's `check_and_update_config` leaves it, already mapped in
+  this server process (`/proc/self/maps`) and no other file of the same name mapped beside it
+  (`preload_problem`): what the spawned child would have preloaded is what the forked one has;
+- VLLM_WORKER_MULTIPROC_METHOD=fork in the environment the server started with:
+  `art_mega.inference.replica.vllm_env(on_cpu=True)` sets it unless the environment names a
+  method, so a user's explicit spawn wins.
+Otherwise (or with a vLLM whose `CpuPlatform.check_and_update_config` is not the classmethod
+`(vllm_config)` this was written for) it changes nothing, and the replica log says why.
 """
 
 from __future__ import annotations
@@ -32,30 +43,78 @@ import sys
 METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 _USER_METHOD = os.environ.get(METHOD_ENV)
-"""The start method in the environment this process began with, before vLLM sets its own."""
+"""The start method when vLLM imports this plugin: the replica's environment's, or the spawn that
+vLLM's CLI sets before that when the environment names none (the platform's own spawn comes
+later, in `check_and_update_config`)."""
 
 
 def fork_problem(vllm_config: object, user_method: str | None) -> str | None:
-    """Why this replica's engine core must keep vLLM's spawn (None: it may fork).
+    """Why this replica's engine core must keep vLLM's spawn by its configuration (None: it may
+    fork, as far as the configuration goes; the libraries are `preload_problem`'s).
 
-    `vllm_config`: vLLM's VllmConfig (reads `parallel_config.world_size` and
-    `parallel_config.data_parallel_size`); `user_method`: VLLM_WORKER_MULTIPROC_METHOD as the
-    replica's environment gave it, or None.
+    `vllm_config`: vLLM's VllmConfig after `check_and_update_config` (reads `parallel_config`'s
+    `world_size`, `data_parallel_size` and `distributed_executor_backend`); `user_method`:
+    VLLM_WORKER_MULTIPROC_METHOD as it was when this module was imported (the replica's
+    environment, or spawn set by vLLM's CLI where the environment named none), or None.
     """
     if user_method != "fork":
-        return f"the replica's environment sets VLLM_WORKER_MULTIPROC_METHOD={user_method!r}, not 'fork'"
+        return f"VLLM_WORKER_MULTIPROC_METHOD is {user_method!r}, not 'fork'"
     parallel = getattr(vllm_config, "parallel_config", None)
     world = getattr(parallel, "world_size", None)
     data = getattr(parallel, "data_parallel_size", None)
     if world != 1 or data != 1:
         return f"the replica runs {world} worker(s) x {data} data-parallel engine(s), not one process"
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend != "uni":
+        return (
+            f"the engine core runs its worker through the {backend!r} executor, not in-process ('uni'; "
+            "the CPU platform picks 'mp' unless VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
     return None
+
+
+def preload_problem(preload: str, mapped: set[str]) -> str | None:
+    """Why a forked engine core would not have the libraries a spawned one preloads (None: it
+    would). `preload`: LD_PRELOAD as vLLM leaves it for its children (paths separated by ':' or
+    spaces); `mapped`: the real paths of the files mapped in this process. Each library must be
+    mapped, and no other file with its name (another libgomp.so.1, say) mapped beside it."""
+    import os.path
+
+    for entry in preload.replace(" ", ":").split(":"):
+        if not entry:
+            continue
+        path = os.path.realpath(entry)
+        if path not in mapped:
+            return f"LD_PRELOAD names {entry}, which this process did not load at its start"
+        name = os.path.basename(path)
+        others = sorted(m for m in mapped if os.path.basename(m) == name and m != path)
+        if others:
+            return f"this process maps {others[0]} beside LD_PRELOAD's {entry}"
+    return None
+
+
+def mapped_files() -> set[str]:
+    """The real paths of the files mapped in this process (Linux `/proc/self/maps`; empty where
+    it cannot be read, so that `preload_problem` keeps spawn)."""
+    import os.path
+
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return set()
+    return {
+        os.path.realpath(parts[5])
+        for parts in (line.split(maxsplit=5) for line in lines)
+        if len(parts) == 6 and parts[5].startswith("/")
+    }
 
 
 def register() -> None:
     """vLLM's entry point: on the CPU platform, make `check_and_update_config` leave the
-    environment's fork in place for a single-process replica. Prints one line to stderr (the replica log) when it patches or
-    why it does not; a second call in the same process does nothing."""
+    environment's fork in place for a single-process replica whose preloaded libraries this
+    process already has. Prints one line to stderr (the replica log) saying which it chose and
+    why; a second call in the same process does nothing."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -81,6 +140,8 @@ def register() -> None:
     def check_and_update_config(cls: type, vllm_config: object) -> None:
         original.__func__(cls, vllm_config)
         problem = fork_problem(vllm_config, _USER_METHOD)
+        if problem is None:
+            problem = preload_problem(os.environ.get("LD_PRELOAD", ""), mapped_files())
         if problem is None:
             os.environ[METHOD_ENV] = "fork"
             print(f"{prefix} the engine core forks from the API server", file=sys.stderr, flush=True)
