@@ -1460,11 +1460,13 @@ class MegatronBackend:
         model: whole files, tensors fitting its config and the model, finite values) and its
         config against the backend's rank, alpha and targets. A folder whose two files have not
         changed since its last check (inode, size, mtime, ctime), for the same base model and
-        LoRA, is not read again. (The ranks read a reference once per path: a new reference
-        belongs in a new folder.)
+        LoRA, is not read again; the folder of the last accepted reference is refused once its
+        files changed, since the ranks read a reference once per folder (a new reference belongs
+        in a new folder).
 
         Raises:
-            HyperParameterError: naming kl_ref_adapter_path, the file and what is wrong with it.
+            HyperParameterError: naming kl_ref_adapter_path, the file and what is wrong with it,
+                or that the last reference's folder changed in place.
             AdapterMismatchError: another LoRA rank, alpha or targets than the backend's.
         """
         from art_mega.errors import HyperParameterError
@@ -1482,6 +1484,14 @@ class MegatronBackend:
         if key is not None and key == self._checked_reference:
             return
         where = f"backend.train(kl_ref_adapter_path={folder!r})"
+        if self._checked_reference is not None and self._checked_reference[0] == folder:
+            raise HyperParameterError(
+                f"{where} changed since an earlier step used it as the KL reference, and the trainer "
+                "ranks keep the reference they loaded from a folder; write the new reference into a "
+                "new folder and pass that",
+                "kl_ref_adapter_path",
+                folder,
+            )
         found = checkpoint.adapter_problem(folder, model_dir=self._model_dir)
         if found is not None:
             path, problem = found

@@ -536,13 +536,13 @@ def test_a_kl_reference_adapter_the_ranks_could_not_load_is_refused_before_the_s
             train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder)
         message = str(caught.value)
         assert "\n" not in message and caught.value.exit_code == 2
-        assert message.startswith(f"backend.train(kl_ref_adapter_path={str(folder.resolve())!r}) cannot be the KL")
+        assert message.startswith(f"backend.train(kl_ref_adapter_path={str(folder.resolve())!r}) ")
         return message
 
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "adapter_config.json").write_text("{}")
-    assert "adapter_model.safetensors is missing" in refusal(config_only)
+    assert "cannot be the KL reference" in refusal(config_only) and "safetensors is missing" in refusal(config_only)
     folder = reference_adapter(tmp_path / "ref", backend._model_dir)
     assert train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder)["loss"]["kl_ref_adapter_path"]
     weights = folder / "adapter_model.safetensors"
@@ -550,8 +550,12 @@ def test_a_kl_reference_adapter_the_ranks_could_not_load_is_refused_before_the_s
     name = sorted(k for k in tensors if "lora_B" in k)[0]
     tensors[name] = tensors[name].copy()
     tensors[name][0, 0] = np.nan
-    save_file(tensors, str(weights), metadata={"format": "pt"})  # same path, new contents
-    assert "NaN" in refusal(folder) or "nan" in refusal(folder)
+    # the ranks keep what they loaded from a folder: the same folder rewritten is refused
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert "changed since an earlier step used it as the KL reference" in refusal(folder)
+    poisoned = reference_adapter(tmp_path / "poisoned", backend._model_dir)
+    save_file(tensors, str(poisoned / "adapter_model.safetensors"), metadata={"format": "pt"})
+    assert "not finite" in refusal(poisoned) or "NaN" in refusal(poisoned)
     wide = reference_adapter(tmp_path / "wide", backend._model_dir, r=4)  # config says 4, tensors 8
     assert "does not match" in refusal(wide)
     other = tmp_path / "rank4"

@@ -31,29 +31,23 @@ def test_a_blocked_module_fails_to_import_as_if_not_installed() -> None:
 
 def guarded(tree: ast.AST, name: str) -> tuple[int, list[int]]:
     """(imports of `name` in `tree`, line numbers of those outside a try catching ImportError)."""
-    catches: set[int] = set()  # ids of import nodes inside a try whose handlers catch ImportError
+    catches: set[int] = set()  # ids of imports at the level of a try whose handler swallows ImportError
+    import_errors = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Try):
-            caught = {
-                n.id
-                for h in node.handlers
-                if h.type is not None
-                for n in ast.walk(h.type)
-                if isinstance(n, ast.Name)
-            }
-            swallows = [  # a handler that catches ImportError and does not raise it again
-                h
-                for h in node.handlers
-                if (h.type is None or {"ImportError", "ModuleNotFoundError", "Exception"} & caught)
-                and not any(isinstance(n, ast.Raise) for n in ast.walk(h))
-            ]
-            if swallows:  # imports run at the try's own level, not inside a def it defines
-                catches.update(
-                    id(n)
-                    for statement in node.body
-                    if isinstance(statement, ast.Import | ast.ImportFrom)
-                    for n in [statement]
-                )
+            # the first handler that catches ImportError is the one that runs; it must not raise
+            handler = next(
+                (
+                    h
+                    for h in node.handlers
+                    if h.type is None
+                    or import_errors & {n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)}
+                ),
+                None,
+            )
+            if handler is not None and not any(isinstance(n, ast.Raise) for n in ast.walk(handler)):
+                # imports at the try's own level, not inside a def it defines (that runs later)
+                catches.update(id(s) for s in node.body if isinstance(s, ast.Import | ast.ImportFrom))
     imports = [
         node
         for node in ast.walk(tree)
@@ -96,6 +90,8 @@ def test_megatron_core_imports_the_blocked_modules_only_where_it_expects_import_
         ("if not TYPE_CHECKING:\n    import wandb\n", (1, [2])),  # runs
         ("try:\n    def f():\n        import wandb\nexcept ImportError:\n    pass\n", (1, [3])),  # later
         ("try:\n    from wandb import sdk\nexcept (ValueError, ModuleNotFoundError):\n    pass\n", (1, [])),
+        ("try:\n    import wandb\nexcept ImportError:\n    raise\nexcept ValueError:\n    pass\n", (1, [2])),
+        ("try:\n    import wandb\nexcept Exception:\n    raise\nexcept ImportError:\n    pass\n", (1, [2])),
     ],
 )
 def test_the_guard_check_tells_guarded_imports_from_unguarded(code: str, found: tuple) -> None:

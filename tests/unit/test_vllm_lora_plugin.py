@@ -235,27 +235,32 @@ def test_only_a_one_process_replica_whose_environment_says_fork_forks(fork) -> N
 
 
 def test_a_fork_needs_every_preloaded_library_already_loaded_and_alone(fork, tmp_path) -> None:
-    gomp, tcmalloc, system = (
-        tmp_path / "torch" / "libgomp.so.1",
-        tmp_path / "libtcmalloc.so.4",
-        tmp_path / "sys" / "libgomp.so.1",
+    torch_gomp, tcmalloc = tmp_path / "torch" / "libgomp.so.1", tmp_path / "libtcmalloc.so.4"
+    system_gomp, vendored = (
+        tmp_path / "sys" / "libgomp.so.1.0.0",
+        tmp_path / "sp" / "libgomp-6a29c32d.so.1.0.0",
     )
     link = tmp_path / "gomp-link.so"
-    for path in (gomp, tcmalloc, system):
+    for path in (torch_gomp, tcmalloc, system_gomp, vendored):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"")
-    link.symlink_to(gomp)
-    mapped = {str(gomp), "/usr/lib/libc.so.6"}
+    link.symlink_to(torch_gomp)
+    mapped = {str(torch_gomp), "/usr/lib/libc.so.6", str(vendored)}  # a vendored libgomp is another library
     assert fork.preload_problem("", mapped) is None
-    assert fork.preload_problem(str(gomp), mapped) is None
+    assert fork.preload_problem(str(torch_gomp), mapped) is None
     assert fork.preload_problem(str(link), mapped) is None  # by real path
-    assert fork.preload_problem(f"{gomp}:{tcmalloc}", mapped) == (
-        f"LD_PRELOAD names {tcmalloc}, which this process did not load at its start"
+    assert fork.preload_problem(f"{torch_gomp}:{tcmalloc}", mapped) == (
+        f"LD_PRELOAD names {tcmalloc}, which is not loaded in this process"
     )
-    assert fork.preload_problem(f"{gomp} {tcmalloc}", mapped | {str(tcmalloc)}) is None  # space-separated too
-    # two OpenMP runtimes of one name: vLLM preloads torch's so that only it is loaded
-    assert fork.preload_problem(str(gomp), mapped | {str(system)}) == (
-        f"this process maps {system} beside LD_PRELOAD's {gomp}"
+    # a malloc replaces malloc only when preloaded at the start, not when loaded later
+    with_malloc = mapped | {str(tcmalloc)}
+    assert fork.preload_problem(f"{torch_gomp} {tcmalloc}", with_malloc) == (
+        f"LD_PRELOAD names {tcmalloc}, a malloc this process did not start with"
+    )
+    assert fork.preload_problem(f"{torch_gomp} {tcmalloc}", with_malloc, started_with=str(tcmalloc)) is None
+    # two copies of one OpenMP runtime (the system's is libgomp.so.1 -> libgomp.so.1.0.0)
+    assert fork.preload_problem(str(torch_gomp), mapped | {str(system_gomp)}) == (
+        f"this process maps {system_gomp} beside LD_PRELOAD's {torch_gomp}"
     )
     assert str(Path(sys.executable).resolve()) in fork.mapped_files()  # this interpreter is mapped
 

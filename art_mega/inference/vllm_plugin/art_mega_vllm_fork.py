@@ -30,6 +30,10 @@ lost:
 - VLLM_WORKER_MULTIPROC_METHOD=fork in the environment the server started with:
   `art_mega.inference.replica.vllm_env(on_cpu=True)` sets it unless the environment names a
   method, so a user's explicit spawn wins.
+One hazard stays with fork, as for vLLM's own fork on GPUs: an OpenMP runtime that ran a
+parallel region in the server before the fork leaves the child a thread pool whose threads are
+gone. vLLM 0.32's server runs no torch op before it starts the engine core, nor do art-mega's
+plugins; a replica's first request (its warm-up, `replica.wait_ready`) decodes in the child.
 Otherwise (or with a vLLM whose `CpuPlatform.check_and_update_config` is not the classmethod
 `(vllm_config)` this was written for) it changes nothing, and the replica log says why.
 """
@@ -41,6 +45,9 @@ import os
 import sys
 
 METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+_STARTED_PRELOAD = os.environ.get("LD_PRELOAD", "")
+"""LD_PRELOAD as this process started (vLLM's CPU platform extends it later, for its children)."""
 
 _USER_METHOD = os.environ.get(METHOD_ENV)
 """The start method when vLLM imports this plugin: the replica's environment's, or the spawn that
@@ -73,21 +80,33 @@ def fork_problem(vllm_config: object, user_method: str | None) -> str | None:
     return None
 
 
-def preload_problem(preload: str, mapped: set[str]) -> str | None:
+def preload_problem(preload: str, mapped: set[str], started_with: str = "") -> str | None:
     """Why a forked engine core would not have the libraries a spawned one preloads (None: it
     would). `preload`: LD_PRELOAD as vLLM leaves it for its children (paths separated by ':' or
-    spaces); `mapped`: the real paths of the files mapped in this process. Each library must be
-    mapped, and no other file with its name (another libgomp.so.1, say) mapped beside it."""
+    spaces); `mapped`: the real paths of the files mapped in this process; `started_with`:
+    LD_PRELOAD as this process started (`_STARTED_PRELOAD`).
+
+    Each library must be mapped, and no other file of the same library (the name before `.so`:
+    a system `libgomp.so.1.0.0` beside torch's `libgomp.so.1`; a vendored `libgomp-<hash>.so.1`
+    is another library, loaded beside torch's in a spawned child too) mapped beside it. A
+    malloc replacement (tcmalloc, jemalloc) replaces malloc only when preloaded, not when mapped
+    later, so it must also be in `started_with`.
+    """
     import os.path
 
+    def library(path: str) -> str:
+        return os.path.basename(path).split(".so")[0]
+
+    started = {os.path.realpath(e) for e in started_with.replace(" ", ":").split(":") if e}
     for entry in preload.replace(" ", ":").split(":"):
         if not entry:
             continue
         path = os.path.realpath(entry)
         if path not in mapped:
-            return f"LD_PRELOAD names {entry}, which this process did not load at its start"
-        name = os.path.basename(path)
-        others = sorted(m for m in mapped if os.path.basename(m) == name and m != path)
+            return f"LD_PRELOAD names {entry}, which is not loaded in this process"
+        if "malloc" in library(path) and path not in started:
+            return f"LD_PRELOAD names {entry}, a malloc this process did not start with"
+        others = sorted(m for m in mapped if library(m) == library(path) and m != path)
         if others:
             return f"this process maps {others[0]} beside LD_PRELOAD's {entry}"
     return None
@@ -141,7 +160,7 @@ def register() -> None:
         original.__func__(cls, vllm_config)
         problem = fork_problem(vllm_config, _USER_METHOD)
         if problem is None:
-            problem = preload_problem(os.environ.get("LD_PRELOAD", ""), mapped_files())
+            problem = preload_problem(os.environ.get("LD_PRELOAD", ""), mapped_files(), _STARTED_PRELOAD)
         if problem is None:
             os.environ[METHOD_ENV] = "fork"
             print(f"{prefix} the engine core forks from the API server", file=sys.stderr, flush=True)
