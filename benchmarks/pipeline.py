@@ -24,11 +24,11 @@ the task's validation over fixed prompts with fixed seeds and the task's reward.
   the policy to write native tool calls, which SmolLM2-135M does not, so the reply itself is the
   tool call. Default latency TOOL_LATENCY_S (14 s), measured to balance the two phases on this
   2-core layout (RESULTS, 2026-12-02 02:42, at fc4ac67: a sync step's rollouts 45.3 s, its
-  training 42.3 s; PipelineTrainer 2.03x the sync loop's steps per minute). Overlap gives the issue's 1.5x only
-  while rollout and train seconds per step are within 2x of each other (pipeline step ~ the
-  larger, sync step ~ their sum); the `rollout_s` and `train_s` rows show the balance a run had:
-  on another machine, rerun with `--tool-latency-s` ~ (sync train_s - sync rollout_s + 2 x
-  latency) / 2.
+  training 42.3 s; PipelineTrainer 2.03x the sync loop's steps per minute). Overlap gives the
+  issue's 1.5x only while rollout and train seconds per step are within 2x of each other
+  (pipeline step ~ the larger, sync step ~ their sum); the `rollout_s` and `train_s` rows show
+  the balance a run had: on another machine, rerun with `--tool-latency-s` ~ (sync train_s -
+  sync rollout_s + 2 x latency) / 2.
 
 Figures per mode: steps per minute (the steps after the first, which both spend waiting for the
 first rollouts) and their ratio, trained groups per minute (groups whose rewards differ) and

@@ -239,7 +239,8 @@ NOT_IMPORTED = ("wandb",)
 wandb` in megatron/core/timers.py and its inference context and engine, for logging the rank
 does not do: the controller logs). `main` makes them fail to import (`block_unused_imports`):
 importing wandb was 5.8 s of `import megatron.core`'s 9.1 s on this 2-core machine (`python -X
-importtime`), and a rank's start to ready fell from 16.9 s to 7.0 s beside a starting replica."""
+importtime`), and a rank's start to ready fell from 16.9 s to 7.0 s beside a starting replica
+(controller-side timing of one start each, not a benchmarks/ row)."""
 
 
 def block_unused_imports() -> None:
