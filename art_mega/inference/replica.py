@@ -135,9 +135,13 @@ def vllm_env(
 
     `on_cpu` (a replica without GPUs) also sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which keeps
     vLLM's `uni` executor (the worker runs inside the engine-core process; without it vLLM's CPU
-    platform switches to `mp` and the engine core starts a worker process of its own). vLLM's
-    server still starts its engine core as a second, spawned interpreter. GPU replicas keep
-    vLLM's separate engine process.
+    platform switches to `mp` and the engine core starts a worker process of its own), and
+    `VLLM_WORKER_MULTIPROC_METHOD=fork` unless the base environment or `launch.env` names a
+    method: vLLM's server then forks its engine-core process instead of spawning a second
+    interpreter that imports vLLM again (the plugin `art_mega_vllm_fork` keeps fork past vLLM's
+    CPU platform, which sets spawn, when nothing a spawned process would preload is missing, and
+    makes the forked process let go of the server's listening socket and die with the server).
+    GPU replicas keep vLLM's spawn and separate engine process.
     It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH (before a PYTHONPATH of `launch.env` too;
     vLLM's own `VLLM_PLUGINS` is the switch that leaves it out): the plugin makes vLLM's CPU LoRA
     ops one matmul per adapter in the batch instead of one gathered weight matrix per token (32
@@ -164,6 +168,7 @@ def vllm_env(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
     env.update(launch.env)
     if on_cpu:  # before a PYTHONPATH of launch.env too: the plugin also fixes what base tokens get
+        env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     return env
 

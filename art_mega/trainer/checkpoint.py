@@ -448,16 +448,27 @@ def _model_fit_problem(
     return None, layout.shared_a
 
 
+def _float_values(bits: "np.ndarray", dtype: str) -> "np.ndarray":
+    """The float64 values of a safetensors tensor's raw bits (`bits`: the `_FLOAT_BITS` unsigned
+    view of dtype `dtype`; BF16 is the upper half of an F32, so it is widened through F32)."""
+    import numpy as np
+
+    if dtype == "BF16":
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return bits.view({"F64": np.float64, "F32": np.float32, "F16": np.float16}[dtype]).astype(np.float64)
+
+
 def _values_problem(
     path: Path, tensors: dict[str, _Tensor], shared_a: tuple[tuple[str, ...], ...]
 ) -> str | None:
     """What is wrong with the tensors' data in the safetensors file at `path`, or None: a dtype
     that is not a float of `_FLOAT_BITS`, data whose length is not its shape's, a NaN or an
-    infinity, or lora_A matrices of one fused layer (`shared_a`) that differ. Reads every tensor
-    (numpy on the raw bits, one tensor at a time)."""
+    infinity, or lora_A matrices of one fused layer (`shared_a`) whose values differ (compared as
+    numbers, as the trainer compares them: -0.0 equals 0.0, and a BF16 copy equals an F32 one
+    holding the same values). Reads every tensor (numpy on the raw bits, one tensor at a time)."""
     import numpy as np
 
-    digests: dict[str, bytes] = {}
+    values: dict[str, np.ndarray] = {}
     shared = {key for keys in shared_a for key in keys}
     with open(path, "rb") as handle:
         for key, tensor in tensors.items():
@@ -481,10 +492,10 @@ def _values_problem(
                     f"values (of {count}), which would reach the optimizer and the served adapter"
                 )
             if key in shared:
-                digests[key] = hashlib.sha256(data).digest()
+                values[key] = _float_values(bits, tensor.dtype)
     for keys in shared_a:
         for key in keys[1:]:
-            if digests[key] != digests[keys[0]]:
+            if not np.array_equal(values[key], values[keys[0]]):
                 return (
                     f"tensors {keys[0]} and {key} differ, but the trainer fuses their modules into one "
                     "layer with one lora_A and needs them equal (a PEFT adapter trained apart from "

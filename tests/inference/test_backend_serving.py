@@ -204,6 +204,8 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
     )
     await asyncio.sleep(0.3)
     assert not in_flight.done()
+    engines = children_of(child.pid)  # the engine core, forked from the server on CPU
+    assert engines, f"the replica's server {child.pid} runs no engine-core process"
     os.kill(child.pid, signal.SIGKILL)
     with pytest.raises(ReplicaRequestError) as info:
         await in_flight
@@ -216,6 +218,12 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
         await asyncio.sleep(0.1)
     assert "exited with code -9" in router.down()["vllm-0"]
     assert router.served_step == step  # the step is not lost
+    # the forked engine core ends with its server (parent-death signal), and kept no copy of its
+    # port: the restart below binds it again
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not any(alive(pid) for pid in engines), f"engine core {engines} outlived its killed server"
 
     # Trained while the replica is down: the publication skips it, the served step advances,
     # and the restarted replica must load this adapter before it takes traffic again.
@@ -239,6 +247,28 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
     assert sequence(old)[1] == before[1]
     assert max(abs(a - b) for a, b in zip(sequence(old)[2], before[2])) < 1e-5
     assert after[0] == before[0]
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
 
 
 def with_rewards(groups: list[Any], rewards: list[list[float]]) -> list[Any]:

@@ -86,8 +86,15 @@ def test_argv_and_env(tmp_path) -> None:
     assert "ART_MEGA_SECRET" not in env and "PYTHONPATH" not in env and env["HOME"] == "/root"
     same = launch.model_copy(update={"python": sys.executable})
     assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # GPU replicas keep the engine process
-    assert vllm_env(launch, {}, on_cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # CPU: uni
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in env  # GPU replicas keep vLLM's spawn
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # and its separate engine process
+    cpu = vllm_env(launch, {}, on_cpu=True)
+    assert cpu["VLLM_WORKER_MULTIPROC_METHOD"] == "fork" and cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # a method the environment names wins, whether the agent's or the launch's
+    method = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert vllm_env(launch, method, on_cpu=True)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    launch_spawn = launch.model_copy(update={"env": method})
+    assert vllm_env(launch_spawn, {}, on_cpu=True)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert "--enable-sleep-mode" not in argv and "--gpu-memory-utilization" not in argv
     assert "VLLM_SERVER_DEV_MODE" not in env
 

@@ -102,6 +102,8 @@ async def test_agent_supervises_replica(served: Served) -> None:
     assert "art-mega: starting replica vllm-0" in log and "--enable-lora" in log
     # a CPU replica loads art-mega's vLLM plugin (art_mega/inference/vllm_plugin), which says so
     assert re.search(r"art-mega: vLLM LoRA plugin \(vllm [^)]+\): bgmv_shrink/\S+ run one matmul", log)
+    # and forks its engine core (art_mega_vllm_fork), rather than spawning a second vLLM import
+    assert re.search(r"art-mega: vLLM fork plugin \(vllm [^)]+\): the engine core forks from the API server", log)
 
 
 async def test_token_ids_and_logprobs(served: Served) -> None:

@@ -1,7 +1,8 @@
 """art-mega's vLLM general plugin (art_mega/inference/vllm_plugin): its LoRA ops compute what
 vLLM 0.32's CPU ops compute (their gather-and-einsum written out below), except that a token
-whose index is -1 (no adapter) gets no LoRA delta, as on vLLM's GPU kernels, its dist-info names an
-entry point that resolves, and CPU replicas (only they) get it on PYTHONPATH."""
+whose index is -1 (no adapter) gets no LoRA delta, as on vLLM's GPU kernels; its fork plugin forks
+only a single-process replica whose environment says fork; its dist-info names entry points that
+resolve, and CPU replicas (only they) get it on PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from art_mega.inference.replica import VLLM_PLUGIN_DIR, vllm_env
 from tests.conftest import REPO
 
 MODULE = "art_mega_vllm_lora"
+FORK_MODULE = "art_mega_vllm_fork"
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +193,160 @@ def test_a_vllm_with_other_functions_is_left_alone(plugin) -> None:
     )
 
 
-def test_the_dist_info_names_an_entry_point_that_resolves(plugin, monkeypatch) -> None:
+def test_the_dist_info_names_entry_points_that_resolve(plugin, monkeypatch) -> None:
     (dist,) = importlib.metadata.distributions(path=[str(VLLM_PLUGIN_DIR)])
     assert dist.metadata["Name"] == "art-mega-vllm-lora"
-    (entry,) = dist.entry_points.select(group="vllm.general_plugins")
+    entries = {e.name: e for e in dist.entry_points.select(group="vllm.general_plugins")}
+    assert set(entries) == {"art_mega_lora", "art_mega_fork"}
     monkeypatch.syspath_prepend(str(VLLM_PLUGIN_DIR))
-    monkeypatch.delitem(sys.modules, MODULE, raising=False)
-    loaded = entry.load()
-    assert loaded.__name__ == "register" and loaded.__module__ == MODULE
-    assert Path(sys.modules[MODULE].__file__).resolve() == (VLLM_PLUGIN_DIR / f"{MODULE}.py").resolve()
+    for name, module in (("art_mega_lora", MODULE), ("art_mega_fork", FORK_MODULE)):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        loaded = entries[name].load()
+        assert loaded.__name__ == "register" and loaded.__module__ == module
+        assert Path(sys.modules[module].__file__).resolve() == (VLLM_PLUGIN_DIR / f"{module}.py").resolve()
+
+
+def parallel(world: int, data: int, backend: str = "uni") -> SimpleNamespace:
+    """The fields of a VllmConfig that `fork_problem` reads."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            world_size=world, data_parallel_size=data, distributed_executor_backend=backend
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def fork():
+    spec = importlib.util.spec_from_file_location(FORK_MODULE, VLLM_PLUGIN_DIR / f"{FORK_MODULE}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_a_one_process_replica_whose_environment_says_fork_forks(fork) -> None:
+    assert fork.fork_problem(parallel(1, 1), "fork") is None
+    assert "is 'spawn', not 'fork'" in fork.fork_problem(parallel(1, 1), "spawn")
+    assert "is None, not 'fork'" in fork.fork_problem(parallel(1, 1), None)
+    assert "2 worker(s) x 1" in fork.fork_problem(parallel(2, 1), "fork")  # tensor parallel
+    assert "1 worker(s) x 2" in fork.fork_problem(parallel(1, 2), "fork")  # data parallel
+    # the CPU platform's mp executor starts a worker process: its OpenMP set-up needs a fresh one
+    assert "through the 'mp' executor, not in-process" in fork.fork_problem(parallel(1, 1, "mp"), "fork")
+    assert "None worker(s)" in fork.fork_problem(SimpleNamespace(), "fork")  # another vLLM's config
+
+
+def test_a_fork_needs_every_preloaded_library_already_loaded_and_alone(fork, tmp_path) -> None:
+    torch_gomp, tcmalloc = tmp_path / "torch" / "libgomp.so.1", tmp_path / "libtcmalloc.so.4"
+    system_gomp, vendored = (
+        tmp_path / "sys" / "libgomp.so.1.0.0",
+        tmp_path / "sp" / "libgomp-6a29c32d.so.1.0.0",
+    )
+    link = tmp_path / "gomp-link.so"
+    for path in (torch_gomp, tcmalloc, system_gomp, vendored):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    link.symlink_to(torch_gomp)
+    mapped = {str(torch_gomp), "/usr/lib/libc.so.6", str(vendored)}  # a vendored libgomp is another library
+    assert fork.preload_problem("", mapped) is None
+    assert fork.preload_problem(str(torch_gomp), mapped) is None
+    assert fork.preload_problem(str(link), mapped) is None  # by real path
+    assert fork.preload_problem(f"{torch_gomp}:{tcmalloc}", mapped) == (
+        f"LD_PRELOAD names {tcmalloc}, which is not loaded in this process"
+    )
+    # a malloc replaces malloc only when preloaded at the start, not when loaded later
+    with_malloc = mapped | {str(tcmalloc)}
+    assert fork.preload_problem(f"{torch_gomp} {tcmalloc}", with_malloc) == (
+        f"LD_PRELOAD names {tcmalloc}, a malloc this process did not start with"
+    )
+    assert fork.preload_problem(f"{torch_gomp} {tcmalloc}", with_malloc, started_with=str(tcmalloc)) is None
+    # two copies of one OpenMP runtime (the system's is libgomp.so.1 -> libgomp.so.1.0.0)
+    assert fork.preload_problem(str(torch_gomp), mapped | {str(system_gomp)}) == (
+        f"this process maps {system_gomp} beside LD_PRELOAD's {torch_gomp}"
+    )
+    assert str(Path(sys.executable).resolve()) in fork.mapped_files()  # this interpreter is mapped
+
+
+FORKING_SERVER = """
+import os, socket, sys, time
+sys.path.insert(0, sys.argv[1])
+import art_mega_vllm_fork as fork
+
+listener = socket.socket()  # the server's port: bound before the fork, listened on after (vLLM)
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", 0))
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind(("127.0.0.1", 0))
+os.register_at_fork(before=fork._before_fork, after_in_child=fork.forked_child)
+ready_r, ready_w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the engine core: says it is set up, then works until it is killed
+    os.write(ready_w, b"x")
+    while True:
+        time.sleep(0.1)
+os.read(ready_r, 1)
+listener.listen()
+print(listener.getsockname()[1], udp.fileno(), listener.fileno(), pid, flush=True)
+sys.stdin.readline()  # the test checks the child's descriptors meanwhile
+listener.close()
+print("closed", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), 9)  # the server dies without cleaning up
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_a_forked_child_lets_go_of_the_servers_port_and_dies_with_it(tmp_path) -> None:
+    """The child a server forks keeps no copy of its listening socket (the port is free once the
+    server closes its own) and ends when the server is killed (its parent-death signal)."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    script = tmp_path / "server.py"
+    script.write_text(FORKING_SERVER)
+    server = subprocess.Popen(
+        [sys.executable, str(script), str(VLLM_PLUGIN_DIR)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    child = None
+    try:
+        port, udp_fd, listener_fd, child = map(int, server.stdout.readline().split())
+        fds = Path(f"/proc/{child}/fd")
+        assert os.readlink(fds / str(listener_fd)) == "/dev/null"  # released in place
+        assert os.readlink(fds / str(udp_fd)).startswith("socket:")  # not TCP: kept
+        server.stdin.write("\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "closed"
+        with socket.socket() as again:  # nobody listens on the port any more
+            again.bind(("127.0.0.1", port))
+            again.listen()
+        server.stdin.write("\n")
+        server.stdin.flush()
+        assert server.wait(timeout=10) == -9
+        deadline = time.monotonic() + 10
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), f"the forked child {child} outlived its killed parent"
+        err = server.stderr.read()
+        assert f"forked process {child} released TCP socket descriptor(s) [{listener_fd}] and ends with the server" in err
+    finally:
+        server.kill()
+        if child is not None and not _gone(child):
+            os.kill(child, 9)
+
+
+def test_release_listeners_without_a_descriptor_folder_releases_nothing(fork, tmp_path) -> None:
+    assert fork.release_listeners(str(tmp_path / "no-such-dir")) == []
 
 
 def test_a_built_wheel_carries_the_plugins_files() -> None:

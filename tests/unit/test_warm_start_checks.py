@@ -270,6 +270,32 @@ def test_unequal_fused_lora_a_and_integer_tensors_are_refused(tmp_path: Path, ti
     )
 
 
+def test_fused_lora_a_are_compared_as_numbers(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """-0.0 equals 0.0, and a BF16 lora_A equals an F32 one of the same values, as in the trainer."""
+    torch = pytest.importorskip("torch", reason="bfloat16 tensors are written by safetensors.torch")
+    from safetensors.torch import save_file as save_torch
+
+    tensors = adapter_tensors(tiny_llama_dir)
+    q, k, v = (f"{PREFIX}.1.self_attn.{m}_proj.lora_A.weight" for m in ("q", "k", "v"))
+    signed = {**tensors, q: tensors[q].copy(), k: tensors[k].copy(), v: tensors[v].copy()}
+    signed[q][0, 0], signed[k][0, 0], signed[v][0, 0] = 0.0, -0.0, 0.0
+    folder = write_adapter(tmp_path / "signed", tiny_llama_dir, signed)
+    assert ckpt.adapter_problem(folder, model_dir=tiny_llama_dir) is None
+    mixed = {key: torch.from_numpy(value.copy()) for key, value in tensors.items()}
+    fused = mixed[q].to(torch.bfloat16)  # values a bfloat16 holds exactly
+    mixed[q], mixed[k], mixed[v] = fused.float(), fused, fused.clone()
+    folder = write_adapter(tmp_path / "mixed", tiny_llama_dir, {})
+    save_torch(mixed, str(folder / "adapter_model.safetensors"))
+    assert ckpt.adapter_problem(folder, model_dir=tiny_llama_dir) is None
+    mixed[k] = fused.clone()
+    mixed[k][0, 0] = fused[0, 0] + 1
+    save_torch(mixed, str(folder / "adapter_model.safetensors"))
+    assert refusal(folder, tiny_llama_dir).endswith(
+        f"tensors {q} and {k} differ, but the trainer fuses their modules into one layer with one lora_A "
+        "and needs them equal (a PEFT adapter trained apart from art-mega has one lora_A per module)"
+    )
+
+
 def test_a_committed_step_is_checked_for_finite_values_and_against_the_model(
     tmp_path: Path, tiny_llama_dir: Path
 ) -> None:
