@@ -34,6 +34,10 @@ _FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 VLLM_PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
 """art-mega's vLLM general plugin (a standalone module and its dist-info; see its docstring), put on
 a CPU replica's PYTHONPATH so that vLLM's plugin loader finds it."""
+PLUGIN_ENTRY = "art_mega_lora"
+FORK_PLUGIN_ENTRY = "art_mega_fork"
+"""The names of the plugin's `vllm.general_plugins` entry points (its dist-info), as VLLM_PLUGINS
+names them."""
 
 
 def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
@@ -140,14 +144,14 @@ def vllm_env(
     method: vLLM's server then forks its engine-core process instead of spawning a second
     interpreter that imports vLLM again (the plugin `art_mega_vllm_fork` keeps fork past vLLM's
     CPU platform, which sets spawn, when nothing a spawned process would preload is missing, and
-    makes the forked process let go of the server's listening socket and die with the server).
+    makes the forked process let go of the server's TCP sockets and die with the server).
     GPU replicas keep vLLM's spawn and separate engine process.
     It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH (before a PYTHONPATH of `launch.env` too;
-    vLLM's own `VLLM_PLUGINS` is the switch that leaves it out): the plugin makes vLLM's CPU LoRA
-    ops one matmul per adapter in the batch instead of one gathered weight matrix per token (32
-    requests x 16 tokens through a LoRA of SmolLM2-135M: 5.62 s -> 3.34 s,
-    benchmarks/vllm_lora.py) and gives tokens without an adapter no LoRA delta (vLLM 0.32's CPU ops gave
-    them the last adapter slot's).
+    a VLLM_PLUGINS that would leave it out is refused by `spawn_replica`, `plugins_problem`): the
+    plugin makes vLLM's CPU LoRA ops one matmul per adapter in the batch instead of one gathered
+    weight matrix per token (32 requests x 16 tokens through a LoRA of SmolLM2-135M: 5.62 s ->
+    3.34 s, benchmarks/vllm_lora.py) and gives tokens without an adapter no LoRA delta (vLLM
+    0.32's CPU ops gave them the last adapter slot's).
 
     When `launch.python` is another interpreter, the agent's PYTHONPATH, PYTHONHOME and
     VIRTUAL_ENV are dropped: they point into the agent's environment, not vLLM's.
@@ -171,6 +175,22 @@ def vllm_env(
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     return env
+
+
+def plugins_problem(env: dict[str, str]) -> str | None:
+    """Why a CPU replica's environment `env` (`vllm_env`'s) would run without art-mega's vLLM
+    LoRA plugin, or None: vLLM loads only the general plugins `VLLM_PLUGINS` names (comma
+    separated, exact names), and a list that leaves out `art_mega_lora` brings back vLLM 0.32's
+    CPU LoRA ops, which give a base-model token batched with adapters' tokens an adapter's delta."""
+    chosen = env.get("VLLM_PLUGINS")
+    if chosen is None or PLUGIN_ENTRY in chosen.split(","):
+        return None
+    return (
+        f"VLLM_PLUGINS={chosen!r} in the replica's environment leaves out art-mega's vLLM plugin "
+        f"{PLUGIN_ENTRY!r}, without which vLLM's CPU LoRA ops serve base-model requests batched "
+        f"with adapter requests with an adapter's weights; add {PLUGIN_ENTRY},{FORK_PLUGIN_ENTRY} "
+        "to it or unset it"
+    )
 
 
 def read_log_tail(path: Path, offset: int = 0, max_bytes: int = LOG_TAIL_BYTES) -> str:
@@ -333,11 +353,17 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
     """Start the replica's server process, output appended to `<log_dir>/<NAME-INDEX>.log`.
 
     Returns at once (see `LocalReplica.wait_ready`). Raises `ReplicaStartError` when the
-    replica's port is already taken on its host (`check_port_free`), the interpreter cannot be
+    replica's port is already taken on its host (`check_port_free`), a CPU replica's
+    VLLM_PLUGINS leaves out art-mega's plugin (`plugins_problem`), the interpreter cannot be
     executed or the log directory cannot be written.
     """
     check_port_free(spec)
     argv = vllm_argv(spec, launch)
+    on_cpu = not any(gpus for _, gpus in spec.gpu_ids)
+    env = vllm_env(launch, on_cpu=on_cpu, sleep_mode=spec.shared_gpus, gpus=spec.gpu_ids[0][1])
+    problem = plugins_problem(env) if on_cpu else None
+    if problem is not None:
+        raise ReplicaStartError(f"replica {spec.process_name}: {problem}", spec.process_name)
     log_path = Path(launch.log_dir) / f"{spec.process_name}.log"
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,12 +379,7 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
         try:
             process = await spawn_child(
                 argv,
-                env=vllm_env(
-                    launch,
-                    on_cpu=not any(gpus for _, gpus in spec.gpu_ids),
-                    sleep_mode=spec.shared_gpus,
-                    gpus=spec.gpu_ids[0][1],
-                ),
+                env=env,
                 stdout=log.fileno(),
                 stderr=asyncio.subprocess.STDOUT,
             )

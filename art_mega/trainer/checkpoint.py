@@ -47,7 +47,7 @@ import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -448,9 +448,10 @@ def _model_fit_problem(
     return None, layout.shared_a
 
 
-def _float_values(bits: "np.ndarray", dtype: str) -> "np.ndarray":
-    """The float64 values of a safetensors tensor's raw bits (`bits`: the `_FLOAT_BITS` unsigned
-    view of dtype `dtype`; BF16 is the upper half of an F32, so it is widened through F32)."""
+def _float_values(bits: Any, dtype: str) -> Any:
+    """The float64 values (a numpy array) of a safetensors tensor's raw bits (`bits`: the numpy
+    `_FLOAT_BITS` unsigned view of dtype `dtype`; BF16 is the upper half of an F32, so it is
+    widened through F32)."""
     import numpy as np
 
     if dtype == "BF16":

@@ -18,7 +18,7 @@ from art_mega.inference import (
     lora_rank_slot,
 )
 from art_mega.inference.policy_client import served_step
-from art_mega.inference.replica import vllm_argv, vllm_env
+from art_mega.inference.replica import plugins_problem, spawn_replica, vllm_argv, vllm_env
 from tests.inference.common import replica_spec
 
 
@@ -97,6 +97,46 @@ def test_argv_and_env(tmp_path) -> None:
     assert vllm_env(launch_spawn, {}, on_cpu=True)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert "--enable-sleep-mode" not in argv and "--gpu-memory-utilization" not in argv
     assert "VLLM_SERVER_DEV_MODE" not in env
+
+
+async def test_a_vllm_plugins_list_without_art_megas_plugin_is_refused_before_the_spawn(
+    tmp_path, monkeypatch
+) -> None:
+    """vLLM loads only the plugins VLLM_PLUGINS names: one that leaves out art_mega_lora would
+    serve base-model tokens with an adapter's delta on CPU, so the replica is not started."""
+    from art_mega.agent.ports import free_port
+    from art_mega.errors import ReplicaStartError
+
+    assert plugins_problem({}) is None
+    assert plugins_problem({"VLLM_PLUGINS": "mine,art_mega_lora"}) is None
+    assert plugins_problem({"VLLM_PLUGINS": "art_mega_lora"}) is None  # without the fork: spawn
+    for chosen in ("mine", "", " art_mega_lora", "none"):  # vLLM matches exact names
+        assert plugins_problem({"VLLM_PLUGINS": chosen}) == (
+            f"VLLM_PLUGINS={chosen!r} in the replica's environment leaves out art-mega's vLLM plugin "
+            "'art_mega_lora', without which vLLM's CPU LoRA ops serve base-model requests batched with "
+            "adapter requests with an adapter's weights; add art_mega_lora,art_mega_fork to it or unset it"
+        )
+    spec = replica_spec(port=free_port())
+    marker = tmp_path / "ran"
+    launch = ReplicaLaunch(  # an interpreter that would leave a mark if it ran
+        model="/models/tiny",
+        served_model_name="tiny",
+        python=str(tmp_path / "python"),
+        log_dir=str(tmp_path / "logs"),
+        env={"VLLM_PLUGINS": "mine"},
+    )
+    (tmp_path / "python").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (tmp_path / "python").chmod(0o755)
+    with pytest.raises(ReplicaStartError) as caught:
+        await spawn_replica(spec, launch)
+    assert str(caught.value).startswith("replica vllm-0: VLLM_PLUGINS='mine' in the replica's environment")
+    assert not marker.exists() and not (tmp_path / "logs").exists()
+    monkeypatch.setenv("VLLM_PLUGINS", "mine")  # the agent's own environment counts too
+    with pytest.raises(ReplicaStartError):
+        await spawn_replica(spec, launch.model_copy(update={"env": {}}))
+    gpu = replica_spec(port=free_port()).model_copy(update={"gpu_ids": (("host0", (0,)),)})
+    replica = await spawn_replica(gpu, launch)  # a GPU replica runs vLLM's own LoRA kernels: started
+    assert await replica.process.wait() == 0 and marker.exists()
 
 
 def test_shared_gpu_replicas_get_sleep_mode(tmp_path) -> None:
