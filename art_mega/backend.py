@@ -67,13 +67,6 @@ def default_vllm_python() -> str:
     )
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
-    """The Hugging Face tokenizer of the model folder `model_dir` (transformers' AutoTokenizer)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def replica_python(topology: Any, vllm_python: str | None) -> str:
     """The interpreter every replica of `topology` (a `CompiledTopology`) runs under: each
     `InferenceSpec`'s `python`, else `vllm_python`, else `default_vllm_python()`.
@@ -848,7 +841,6 @@ class MegatronBackend:
         """Each replica's (queried, hit) prefix-cache prompt tokens at the last step's read."""
         self._recovery: Any = None
         self._tokenizer: Any = None
-        self._tokenizer_load: asyncio.Future | None = None  # register's background load
         self._checked_reference: tuple[Any, ...] | None = None
         """What `_check_reference` last accepted: folder, its files' stats, base model, LoRA."""
         self._step = 0
@@ -1127,12 +1119,21 @@ class MegatronBackend:
                 await self._service.run(ExportJob(step=0, checkpoint_dir=str(self._checkpoint(0))))
                 checkpoint.write_commit(checkpoints, 0)
 
-        await self._start_processes(config, launch, shared_gpus=bool(shared), then=export_first_step)
-        # The first train step's tokenizer (3.7-5.2 s of CPU on 2 cores, mostly importing
-        # transformers) loads once the replicas are up, while the first rollouts run (a CPU
-        # replica decodes on one core), not during the start, where it took CPU from the replica
-        # and rank imports that the first rollout waits for.
-        self._tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, resolved.model_dir))
+        def load_tokenizer(model_dir: Path) -> Any:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(model_dir)
+
+        # the first train step's tokenizer (3.7-5.2 s on 2 cores) loads while the processes start
+        tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, resolved.model_dir))
+        try:
+            await self._start_processes(config, launch, shared_gpus=bool(shared), then=export_first_step)
+        except BaseException:
+            tokenizer.cancel()  # its thread ends on its own; its result is not used
+            raise
+        (loaded,) = await asyncio.gather(tokenizer, return_exceptions=True)
+        if not isinstance(loaded, BaseException):  # else the first step's `tokenizer()` raises it
+            self._tokenizer = loaded
         self._router = PolicyRouter(model.name, [ReplicaEndpoint.from_spec(r) for r in topology.replicas])
         router = self._router
         self._shared = SharedGpuReplicas(
@@ -1224,9 +1225,7 @@ class MegatronBackend:
             await self._publisher.aclose()
         if self._service is not None and self._runtime is not None:
             await self._stop_processes()
-        if self._tokenizer_load is not None:
-            self._tokenizer_load.cancel()  # its thread ends on its own; its result is not used
-        self._model = self._model_dir = self._run_dir = self._tokenizer = self._tokenizer_load = None
+        self._model = self._model_dir = self._run_dir = self._tokenizer = None
         self._service = self._router = self._publisher = self._recovery = self._shared = None
         self._step = 0
 
@@ -1244,22 +1243,11 @@ class MegatronBackend:
         return dict(getattr(self._model, "_internal_config", {}).get("chat_template_kwargs") or {})
 
     def tokenizer(self) -> Any:
-        """The registered base model's Hugging Face tokenizer (loaded here when register's
-        background load has not finished; `_ready_tokenizer` waits for that load instead)."""
         if self._tokenizer is None:
-            load, self._tokenizer_load = self._tokenizer_load, None
-            if load is not None and load.done() and not load.cancelled() and load.exception() is None:
-                self._tokenizer = load.result()
-            else:  # a failed background load is tried again here, which raises its error
-                self._tokenizer = _load_tokenizer(self._model_dir)
-        return self._tokenizer
+            from transformers import AutoTokenizer
 
-    async def _ready_tokenizer(self) -> Any:
-        """`tokenizer()`, after waiting for register's background load (a failed one raises
-        from `tokenizer()`'s own load)."""
-        if self._tokenizer is None and self._tokenizer_load is not None:
-            await asyncio.gather(self._tokenizer_load, return_exceptions=True)
-        return self.tokenizer()
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        return self._tokenizer
 
     # ------------------------------------------------------------------ serving
 
@@ -1438,7 +1426,7 @@ class MegatronBackend:
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(
-                await self._ready_tokenizer(),
+                self.tokenizer(),
                 groups,
                 scale_rewards,
                 allow_training_without_logprobs,
@@ -1655,7 +1643,7 @@ class MegatronBackend:
             steps, total = [], BatchStats()
             for k in range(len(rates)):
                 documents, stats = sft_documents(
-                    await self._ready_tokenizer(),
+                    self.tokenizer(),
                     trajectories[k * size : (k + 1) * size],
                     config.assistant_turns,
                     k * size,

@@ -454,9 +454,9 @@ def _float_values(bits: Any, dtype: str) -> Any:
     widened through F32)."""
     import numpy as np
 
-    if dtype == "BF16":
+    if dtype == "BF16":  # astype converts the values, so this is byte-order safe
         return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return bits.view({"F64": np.float64, "F32": np.float32, "F16": np.float16}[dtype]).astype(np.float64)
+    return bits.view(_FLOAT_BITS[dtype][0].replace("u", "f")).astype(np.float64)  # "<u4" -> "<f4"
 
 
 def _values_problem(
@@ -466,10 +466,11 @@ def _values_problem(
     that is not a float of `_FLOAT_BITS`, data whose length is not its shape's, a NaN or an
     infinity, or lora_A matrices of one fused layer (`shared_a`) whose values differ (compared as
     numbers, as the trainer compares them: -0.0 equals 0.0, and a BF16 copy equals an F32 one
-    holding the same values). Reads every tensor (numpy on the raw bits, one tensor at a time)."""
+    holding the same values; a digest of each one's float64 values is kept, not the values).
+    Reads every tensor (numpy on the raw bits, one tensor at a time)."""
     import numpy as np
 
-    values: dict[str, np.ndarray] = {}
+    digests: dict[str, bytes] = {}
     shared = {key for keys in shared_a for key in keys}
     with open(path, "rb") as handle:
         for key, tensor in tensors.items():
@@ -492,11 +493,11 @@ def _values_problem(
                     f"tensor {key} holds {nan} NaN and {int(np.count_nonzero(special)) - nan} infinite "
                     f"values (of {count}), which would reach the optimizer and the served adapter"
                 )
-            if key in shared:
-                values[key] = _float_values(bits, tensor.dtype)
+            if key in shared:  # the values' digest: + 0.0 makes -0.0 0.0 (NaN was refused above)
+                digests[key] = hashlib.sha256((_float_values(bits, tensor.dtype) + 0.0).tobytes()).digest()
     for keys in shared_a:
         for key in keys[1:]:
-            if not np.array_equal(values[key], values[keys[0]]):
+            if digests[key] != digests[keys[0]]:
                 return (
                     f"tensors {keys[0]} and {key} differ, but the trainer fuses their modules into one "
                     "layer with one lora_A and needs them equal (a PEFT adapter trained apart from "

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -206,6 +207,16 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
     assert not in_flight.done()
     engines = children_of(child.pid)  # the engine core, forked from the server on CPU
     assert engines, f"the replica's server {child.pid} runs no engine-core process"
+    # the restart waits until the dead server's leftovers are checked: a restart stops the old
+    # process group first, which would kill a leftover engine core whatever it did
+    gate, held = asyncio.Event(), recovery.before_restart
+
+    async def hold(name: str) -> None:
+        await gate.wait()
+        if held is not None:
+            await held(name)
+
+    recovery.before_restart = hold
     os.kill(child.pid, signal.SIGKILL)
     with pytest.raises(ReplicaRequestError) as info:
         await in_flight
@@ -224,6 +235,11 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
     while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert not any(alive(pid) for pid in engines), f"engine core {engines} outlived its killed server"
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as probe:  # nobody holds the port: the engine core kept no copy of it
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", port))
+    gate.set()
 
     # Trained while the replica is down: the publication skips it, the served step advances,
     # and the restarted replica must load this adapter before it takes traffic again.
@@ -236,6 +252,7 @@ async def test_killed_replica_comes_back_with_the_latest_adapter(setup: Setup) -
     kinds = [(e.replica, e.kind) for e in recovery.events]
     print(f"recovery: {[(e.kind, e.detail) for e in recovery.events]}")
     assert kinds == [("vllm-0", "down"), ("vllm-0", "restarted"), ("vllm-0", "up")]
+    recovery.before_restart = held
     assert f"agent@{step}" in recovery.events[-1].detail and f"agent@{step + 1}" in recovery.events[-1].detail
 
     after = sequence(await greedy(model))  # through model.openai_client(), tagged step + 1

@@ -293,6 +293,15 @@ os.kill(os.getpid(), 9)  # the server dies without cleaning up
 """
 
 
+def _line(stream, timeout_s: float = 30.0) -> str:
+    """The next line of a child's pipe, or AssertionError after `timeout_s` (a wedged child)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    assert ready, f"no line from the child within {timeout_s} s"
+    return stream.readline()
+
+
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -320,13 +329,13 @@ def test_a_forked_child_lets_go_of_the_servers_port_and_dies_with_it(tmp_path) -
     )
     child = None
     try:
-        port, udp_fd, listener_fd, child = map(int, server.stdout.readline().split())
+        port, udp_fd, listener_fd, child = map(int, _line(server.stdout).split())
         fds = Path(f"/proc/{child}/fd")
         assert os.readlink(fds / str(listener_fd)) == "/dev/null"  # released in place
         assert os.readlink(fds / str(udp_fd)).startswith("socket:")  # not TCP: kept
         server.stdin.write("\n")
         server.stdin.flush()
-        assert server.stdout.readline().strip() == "closed"
+        assert _line(server.stdout).strip() == "closed"
         with socket.socket() as again:  # nobody listens on the port any more
             again.bind(("127.0.0.1", port))
             again.listen()
