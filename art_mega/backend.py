@@ -1421,8 +1421,9 @@ class MegatronBackend:
         scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
         if outside_reference and loss.get("kl_ref_adapter_path") is not None:  # reads tensors: off the loop
-            await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"])
+            await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"], self._model_dir)
         async with self._lock:
+            self._require(model)  # a close() that ran while this call waited
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(
@@ -1453,11 +1454,11 @@ class MegatronBackend:
                 rows_per_step=accumulate,
             )
 
-    def _check_reference(self, folder: str) -> None:
+    def _check_reference(self, folder: str, model_dir: Path) -> None:
         """Refuse a KL reference adapter (`kl_ref_adapter_path` as `_reference_adapter` resolved
         it) that the trainer ranks could not load into this backend's LoRA, before the step is
         sent: the checks of a warm start (`checkpoint.adapter_problem` against the registered base
-        model: whole files, tensors fitting its config and the model, finite values) and its
+        model's folder `model_dir`, read by the caller on the event loop: whole files, tensors fitting its config and the model, finite values) and its
         config against the backend's rank, alpha and targets. A folder whose two files have not
         changed since its last check (inode, size, mtime, ctime), for the same base model and
         LoRA, is not read again; the folder of the last accepted reference is refused once its
@@ -1472,13 +1473,13 @@ class MegatronBackend:
         from art_mega.errors import HyperParameterError
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
-        lora = self._lora_settings(self._model_dir)
+        lora = self._lora_settings(model_dir)
         try:
             stats = tuple(
                 (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
                 for s in (Path(folder, name).stat() for name in checkpoint.ADAPTER_FILES)
             )
-            key: tuple[Any, ...] | None = (folder, stats, str(self._model_dir), repr(lora))
+            key: tuple[Any, ...] | None = (folder, stats, str(model_dir), repr(lora))
         except OSError:
             key = None  # adapter_problem names the missing file
         if key is not None and key == self._checked_reference:
@@ -1492,12 +1493,12 @@ class MegatronBackend:
                 "kl_ref_adapter_path",
                 folder,
             )
-        found = checkpoint.adapter_problem(folder, model_dir=self._model_dir)
+        found = checkpoint.adapter_problem(folder, model_dir=model_dir)
         if found is not None:
             path, problem = found
             raise HyperParameterError(
                 f"{where} cannot be the KL reference: {path} {problem}; name a whole adapter with "
-                f"finite values trained on {self._model_dir}",
+                f"finite values trained on {model_dir}",
                 "kl_ref_adapter_path",
                 folder,
             )
@@ -1639,6 +1640,7 @@ class MegatronBackend:
         size = config.resolved_batch_size()
         rates = config.learning_rates(config.batch_count(len(trajectories)))
         async with self._lock:
+            self._require(model)  # a close() that ran while this call waited
             started = time.perf_counter()
             steps, total = [], BatchStats()
             for k in range(len(rates)):

@@ -183,6 +183,8 @@ class Supervisor:
         self.launch_id = launch_id
         self._children: dict[str, Child] = {}
         self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._closed = False
+        self._late: set[asyncio.Future] = set()  # stops of children added after close returned
 
     def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Run `closer()` at every `close`, before the children are stopped (in the order the
@@ -191,13 +193,25 @@ class Supervisor:
         self._closers.append(closer)
 
     async def close(self) -> tuple[ChildStatus, ...]:
-        """The agent closes: run every closer, then stop every child; the children stopped."""
+        """The agent closes: run every closer, then stop every child, until none is left (a start
+        under way when the close began adds its child while the others stop, and that one is
+        stopped too); the children stopped. A child added after a close returned is stopped at
+        once (`add`)."""
         for closer in self._closers:
             await closer()
-        return await self.stop(None)
+        stopped: list[ChildStatus] = []
+        while self._children:
+            stopped.extend(await self.stop(None))
+        self._closed = True
+        return tuple(stopped)
 
     def add(self, child: Child) -> None:
+        """Supervise `child`. After `close` returned, the agent keeps no children: the child is
+        recorded and stopped (SIGTERM, then SIGKILL after the default grace) in the background."""
         self._children[child.child_id] = child
+        if self._closed:
+            self._late.add(asyncio.ensure_future(self.stop([child.child_id])))
+            self._late = {task for task in self._late if not task.done()}
 
     def get(self, child_id: str) -> Child | None:
         return self._children.get(child_id)

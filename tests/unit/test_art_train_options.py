@@ -21,7 +21,7 @@ from art_mega.backend import (  # noqa: E402
     trajectories_learning_rate,
 )
 from art_mega.dev.train import TRAIN_CONFIG_KEYS  # noqa: E402
-from art_mega.errors import HyperParameterError  # noqa: E402
+from art_mega.errors import HyperParameterError, UserError  # noqa: E402
 from art_mega.model import dev_train_options  # noqa: E402
 from art_mega.trainer.batch import Document  # noqa: E402
 from art_mega.trainer.loss import grpo_loss  # noqa: E402
@@ -564,6 +564,29 @@ def test_a_kl_reference_adapter_the_ranks_could_not_load_is_refused_before_the_s
     write_adapter(other, backend._model_dir, adapter_tensors(backend._model_dir, rank=4), lora_alpha=16)
     with pytest.raises(AdapterMismatchError, match="the KL reference adapter \\(kl_ref_adapter_path\\) at"):
         train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=other)
+
+
+def test_a_close_while_the_reference_is_read_ends_the_step_with_one_sentence(
+    backend: MegatronBackend, tmp_path
+) -> None:  # noqa: ANN001
+    """close() does not wait for a step: one that runs while train reads the KL reference in a
+    thread (or waits for the backend's lock) leaves train a backend without a model."""
+    folder = reference_adapter(tmp_path / "ref", backend._model_dir)
+    real = backend._check_reference
+
+    def closing(path: str, model_dir: Any) -> None:
+        backend._model = backend._model_dir = None  # what close() does meanwhile
+        real(path, model_dir)
+
+    backend._check_reference = closing  # type: ignore[method-assign]
+    model = backend._model
+    with pytest.raises(UserError, match="model 'm' is not registered with this backend"):
+        asyncio.run(
+            backend.train(
+                model, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder,
+                allow_training_without_logprobs=True,
+            )
+        )
 
 
 def test_kl_penalty_reference_step_names_a_committed_checkpoint(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001

@@ -85,3 +85,31 @@ def test_a_child_added_under_the_same_name_during_a_stop_stays() -> None:
 
     kept_new, returncode = asyncio.run(scenario())
     assert kept_new and returncode is None
+
+
+def test_close_stops_a_child_added_while_it_runs_and_one_added_after() -> None:
+    """A start that was under way when the agent began to close adds its child while the other
+    children stop: close returns only once that one is stopped too; one added after close
+    returned is stopped in the background."""
+    from art_mega.agent.supervisor import Child, Supervisor
+
+    async def scenario() -> tuple[list[str], int | None, int | None]:
+        supervisor = Supervisor("launch")
+        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(300)"
+        old = await spawn_child([sys.executable, "-c", stubborn], stdout=asyncio.subprocess.PIPE)
+        await asyncio.wait_for(old.stdout.readline(), 30)  # SIGTERM is ignored from here on
+        supervisor.add(Child(child_id="rank", role="trainer", process=old))
+        closing = asyncio.ensure_future(supervisor.close())
+        await asyncio.sleep(0.5)  # the stop waits out its grace (5 s)
+        assert not closing.done()
+        during = await spawn_child([sys.executable, "-c", "import time; time.sleep(300)"])
+        supervisor.add(Child(child_id="vllm-0", role="inference", process=during))
+        stopped = await asyncio.wait_for(closing, 60)
+        after = await spawn_child([sys.executable, "-c", "import time; time.sleep(300)"])
+        supervisor.add(Child(child_id="late", role="inference", process=after))
+        await asyncio.wait_for(after.wait(), 30)
+        return [c.child_id for c in stopped], during.returncode, after.returncode
+
+    stopped, during, after = asyncio.run(scenario())
+    assert stopped == ["rank", "vllm-0"]
+    assert during is not None and after is not None  # neither outlived the agent's close
