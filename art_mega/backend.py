@@ -1420,10 +1420,14 @@ class MegatronBackend:
         )
         scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
         groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
-        if outside_reference and loss.get("kl_ref_adapter_path") is not None:  # reads tensors: off the loop
-            await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"], self._model_dir)
+        checked = outside_reference and loss.get("kl_ref_adapter_path") is not None
+        checked_dir = self._model_dir
+        if checked:  # reads tensors: off the loop
+            await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"], checked_dir)
         async with self._lock:
             self._require(model)  # a close() that ran while this call waited
+            if checked and self._model_dir != checked_dir:  # ... and a register of another model
+                await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"], self._model_dir)
             started = time.perf_counter()
             stale = self._check_policy_steps(groups, allow_stale)
             documents, stats = grpo_documents(
@@ -2046,8 +2050,11 @@ class MegatronBackend:
     async def close(self) -> None:
         """Stop the replicas and trainer ranks this backend started and forget its model (a later
         `register` starts them again); close the runtime when this backend owns it (a later
-        `register` starts a new one). Idempotent."""
-        await self._stop_serving()
+        `register` starts a new one). Idempotent. A step in flight (`train`, `train_sft`) ends
+        first: the ranks and replicas it uses are not stopped under it; a step that waits for
+        the backend then finds the model unregistered (UserError)."""
+        async with self._lock:
+            await self._stop_serving()
         if self._owns_runtime and self._runtime is not None:
             runtime, self._runtime = self._runtime, None
             await runtime.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import signal
 import time
@@ -210,8 +211,16 @@ class Supervisor:
         recorded and stopped (SIGTERM, then SIGKILL after the default grace) in the background."""
         self._children[child.child_id] = child
         if self._closed:
-            self._late.add(asyncio.ensure_future(self.stop([child.child_id])))
-            self._late = {task for task in self._late if not task.done()}
+            task = asyncio.ensure_future(self.stop([child.child_id]))
+            self._late.add(task)
+            task.add_done_callback(self._late_done)
+
+    def _late_done(self, task: asyncio.Future) -> None:
+        self._late.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logging.getLogger(__name__).warning(
+                "stopping a child added after the agent closed failed: %r", task.exception()
+            )
 
     def get(self, child_id: str) -> Child | None:
         return self._children.get(child_id)

@@ -13,6 +13,7 @@ import shlex
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,19 +178,20 @@ def vllm_env(
     return env
 
 
-def plugins_problem(env: dict[str, str]) -> str | None:
+def plugins_problem(env: Mapping[str, str], where: str = "the replica's environment") -> str | None:
     """Why a CPU replica's environment `env` (`vllm_env`'s) would run without art-mega's vLLM
     LoRA plugin, or None: vLLM loads only the general plugins `VLLM_PLUGINS` names (comma
     separated, exact names), and a list that leaves out `art_mega_lora` brings back vLLM 0.32's
-    CPU LoRA ops, which give a base-model token batched with adapters' tokens an adapter's delta."""
+    CPU LoRA ops, which give a base-model token batched with adapters' tokens an adapter's delta.
+    `where` names the environment in the sentence."""
     chosen = env.get("VLLM_PLUGINS")
     if chosen is None or PLUGIN_ENTRY in chosen.split(","):
         return None
     return (
-        f"VLLM_PLUGINS={chosen!r} in the replica's environment leaves out art-mega's vLLM plugin "
+        f"VLLM_PLUGINS={chosen!r} in {where} leaves out art-mega's vLLM plugin "
         f"{PLUGIN_ENTRY!r}, without which vLLM's CPU LoRA ops serve base-model requests batched "
         f"with adapter requests with an adapter's weights; add {PLUGIN_ENTRY},{FORK_PLUGIN_ENTRY} "
-        "to it or unset it"
+        "to it (exact names, comma separated) or unset it"
     )
 
 

@@ -36,6 +36,7 @@ ENV_WHITELIST = (
     "MASTER_ADDR",
     "OMP_NUM_THREADS",
     "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_PLUGINS",  # a CPU replica needs art-mega's plugin among them (`ArtRuntime.prove_replicas`)
 )
 
 

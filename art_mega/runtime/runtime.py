@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 from art_mega.agent.client import AgentClient
 from art_mega.agent.protocol import HealthResponse
-from art_mega.errors import AgentError, HostLostError, UserError
+from art_mega.errors import AgentError, HostLostError, PreflightError, UserError
 from art_mega.preflight.collective import CollectiveReport
 from art_mega.preflight.protocol import (
     ETCD_STOP,
@@ -476,7 +476,8 @@ class ArtRuntime:
         costs nothing. None when the topology has no replicas; `prove` must have run.
 
         Raises:
-            PreflightError: the interpreter cannot be run, cannot import torch.distributed or
+            PreflightError: a CPU replica host's VLLM_PLUGINS leaves out art-mega's plugin, or
+                the interpreter cannot be run, cannot import torch.distributed or
                 cannot join (names the host and the interpreter); nothing is left running.
             RuntimeError: the runtime is closed, or was never proved.
             HostLostError: a host was lost.
@@ -492,6 +493,7 @@ class ArtRuntime:
             return None
         names = tuple(dict.fromkeys(r.name for r in topology.replicas))
         host_ids = tuple(h for h in topology.cluster.host_ids if h in hosts)
+        self._check_replica_plugins()
         environment = ProofEnvironment(names, python, host_ids)
         key = self._proof_key(environment)
         if key in self._proved:
@@ -512,6 +514,22 @@ class ArtRuntime:
         if key is not None:
             self._proved[key] = report
         return report
+
+    def _check_replica_plugins(self) -> None:
+        """Raise `PreflightError` when the agent on a CPU replica's host has a VLLM_PLUGINS that
+        leaves out art-mega's vLLM plugin (`inference.replica.plugins_problem`): the replica
+        inherits it, and its spawn would be refused after the trainer ranks started."""
+        from art_mega.inference.replica import plugins_problem
+
+        for replica in self.topology.replicas:
+            if any(gpus for _, gpus in replica.gpu_ids):
+                continue
+            for host in replica.host_ids:
+                problem = plugins_problem(
+                    self.host_facts[host].env, where=f"the agent's environment on host {host}"
+                )
+                if problem is not None:
+                    raise PreflightError(f"replica {replica.process_name}: {problem}", (host,))
 
     async def _recheck_managed_etcd(self) -> str | None:
         """On a proof again: this runtime's managed etcd, checked from every host, or None when

@@ -114,7 +114,8 @@ async def test_a_vllm_plugins_list_without_art_megas_plugin_is_refused_before_th
         assert plugins_problem({"VLLM_PLUGINS": chosen}) == (
             f"VLLM_PLUGINS={chosen!r} in the replica's environment leaves out art-mega's vLLM plugin "
             "'art_mega_lora', without which vLLM's CPU LoRA ops serve base-model requests batched with "
-            "adapter requests with an adapter's weights; add art_mega_lora,art_mega_fork to it or unset it"
+            "adapter requests with an adapter's weights; add art_mega_lora,art_mega_fork to it (exact names, "
+            "comma separated) or unset it"
         )
     spec = replica_spec(port=free_port())
     marker = tmp_path / "ran"

@@ -103,3 +103,33 @@ async def test_the_start_proof_of_the_replica_environment_serves_the_backends_ch
         assert await runtime.prove_replicas(sys.executable) is report  # cached: no second probe
     finally:
         await runtime.close()
+
+
+async def test_a_vllm_plugins_without_art_megas_plugin_is_refused_before_any_rank_or_replica(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """The agent's VLLM_PLUGINS (which its replicas inherit) is in its host facts: one that leaves
+    out art-mega's plugin fails the replicas' proof, before the trainer rank starts."""
+    import art_mega as art
+
+    monkeypatch.setenv("VLLM_PLUGINS", "my_plugin")  # the agent inherits it
+    runtime = await ArtRuntime.start_local(one_host(tmp_path, None))
+    try:
+        assert runtime.host_facts["local"].env["VLLM_PLUGINS"] == "my_plugin"
+        backend = MegatronBackend(runtime, vllm_python=sys.executable, startup_timeout_s=60)
+        model = art.TrainableModel(name="agent", project="p", base_model=str(tiny_llama_dir))
+        with pytest.raises(PreflightError) as raised:
+            await model.register(backend)
+        assert str(raised.value) == (
+            "replica vllm-0: VLLM_PLUGINS='my_plugin' in the agent's environment on host local leaves out "
+            "art-mega's vLLM plugin 'art_mega_lora', without which vLLM's CPU LoRA ops serve base-model "
+            "requests batched with adapter requests with an adapter's weights; add "
+            "art_mega_lora,art_mega_fork to it (exact names, comma separated) or unset it"
+        )
+        assert raised.value.hosts == ("local",)
+        assert all(not reply.children for reply in (await runtime.health()).values())
+        logs = tmp_path / "artifacts" / "p" / "models" / "agent" / "logs"
+        assert not (logs / "trainer-rank0.log").exists() and not (logs / "vllm-0.log").exists()
+        await backend.close()
+    finally:
+        await runtime.close()

@@ -589,6 +589,42 @@ def test_a_close_while_the_reference_is_read_ends_the_step_with_one_sentence(
         )
 
 
+def test_close_lets_the_step_in_flight_end_and_a_waiting_step_is_refused(backend: MegatronBackend) -> None:
+    """close() takes the backend's lock: a step that runs keeps its ranks and replicas until it
+    ends; one that waited behind the close finds the model unregistered."""
+    model = backend._model
+    release = asyncio.Event()
+    order: list[str] = []
+    fake_step = backend._step_with
+
+    async def slow_step(*args: Any, **kwargs: Any) -> Any:
+        order.append("step started")
+        await release.wait()
+        order.append("step ended")
+        return await fake_step(*args, **kwargs)
+
+    backend._step_with = slow_step  # type: ignore[method-assign]
+
+    async def scenario() -> list[Any]:
+        options = {"allow_training_without_logprobs": True}
+        first = asyncio.ensure_future(backend.train(model, TRAINABLE, **options))
+        while not order:
+            await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(backend.close())
+        second = asyncio.ensure_future(backend.train(model, TRAINABLE, **options))
+        await asyncio.sleep(0.2)
+        assert not closing.done() and backend._model is model  # the step in flight keeps the backend
+        release.set()
+        results = await asyncio.gather(first, closing, second, return_exceptions=True)
+        order.append("closed" if backend._model is None else "still registered")
+        return results
+
+    first, closed, second = asyncio.run(scenario())
+    assert first["learning_rate"] > 0 and closed is None
+    assert isinstance(second, UserError) and "model 'm' is not registered with this backend" in str(second)
+    assert order == ["step started", "step ended", "closed"]
+
+
 def test_kl_penalty_reference_step_names_a_committed_checkpoint(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
     from art_mega.trainer import checkpoint
 
