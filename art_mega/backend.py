@@ -15,8 +15,9 @@ import operator
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,46 @@ def default_vllm_python() -> str:
         "no vLLM environment: set ART_MEGA_VLLM_PYTHON, pass InferenceSpec(python=...), or run "
         "ART_MEGA_WITH_VLLM=1 bash scripts/install.sh"
     )
+
+
+TOKENIZER_NICE = 10
+"""How much lower than the controller's the priority of the first step's tokenizer load is
+(Linux nice, per thread): while the replicas and ranks start beside it on a small machine."""
+
+
+async def in_lowered_thread(fn: Callable[..., Any], *args: Any, nice: int) -> Any:
+    """`fn(*args)` in a new daemon thread whose scheduling priority is `nice` steps lower than
+    the caller's (Linux: a thread's own nice value, which only threads it starts inherit;
+    elsewhere, or when it cannot be changed, the same priority); its result, or its exception
+    raised here.
+    Cancelling the wait leaves the thread to end on its own."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except (AttributeError, OSError):
+            pass
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name=f"art-mega-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return await done
 
 
 def replica_python(topology: Any, vllm_python: str | None) -> str:
@@ -950,13 +991,7 @@ class MegatronBackend:
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
         """
-        from art_mega.basemodels.resolve import resolve_base_model_off_loop
-        from art_mega.preflight.reach import (
-            check_artifact_root_reach,
-            check_controller_sees_artifact_root,
-            check_hosts_see_model,
-        )
-        from art_mega.transfer.adapters import adapter_transport_for
+        from art_mega.inference.remote import unwarm_replicas, warm_replicas
 
         if self._model is not None:
             raise UserError(
@@ -970,7 +1005,25 @@ class MegatronBackend:
             raise UserError(
                 "the runtime's topology needs a TrainerSpec and an InferenceSpec to train a model"
             )
-        replica_python(topology, self._vllm_python)  # UserError before any check that costs time
+        python = replica_python(topology, self._vllm_python)  # UserError before any check that costs time
+        # a CPU replica's vLLM import runs while the checks below prove the cluster
+        warmed = await warm_replicas(self._runtime.clients, topology.replicas, python)
+        try:
+            return await self._register_warmed(model, topology, python)
+        except BaseException:
+            await unwarm_replicas(self._runtime.clients, warmed)  # a start that began stopped its own
+            raise
+
+    async def _register_warmed(self, model: Any, topology: Any, python: str) -> Path:
+        """`register`'s checks and start, once the replicas' interpreters are warming."""
+        from art_mega.basemodels.resolve import resolve_base_model_off_loop
+        from art_mega.preflight.reach import (
+            check_artifact_root_reach,
+            check_controller_sees_artifact_root,
+            check_hosts_see_model,
+        )
+        from art_mega.transfer.adapters import adapter_transport_for
+
         check_artifact_root_reach(topology)  # before any trainer rank or replica starts
         await check_controller_sees_artifact_root(self._runtime)
         # UserError, also before any start; a step folder's rank state stays on the trainer's host
@@ -991,7 +1044,7 @@ class MegatronBackend:
         await check_hosts_see_model(self._runtime, resolved.model_dir, resolved.warm_start, resolved.hub_id)
         await check_runtime_idle(self._runtime)
         # the interpreter the replicas will run under joins a collective before any start (cached)
-        await self._runtime.prove_replicas(replica_python(topology, self._vllm_python))
+        await self._runtime.prove_replicas(python)
         try:
             await self._start_serving(model, resolved, run_dir, committed, transport)
         except BaseException:
@@ -1124,8 +1177,11 @@ class MegatronBackend:
 
             return AutoTokenizer.from_pretrained(model_dir)
 
-        # the first train step's tokenizer (3.7-5.2 s on 2 cores) loads while the processes start
-        tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, resolved.model_dir))
+        # the first train step's tokenizer (3.7-5.2 s on 2 cores) loads while the processes
+        # start, at a lower priority: the replicas' start is what the first rollout waits for
+        tokenizer = asyncio.ensure_future(
+            in_lowered_thread(load_tokenizer, resolved.model_dir, nice=TOKENIZER_NICE)
+        )
         try:
             await self._start_processes(config, launch, shared_gpus=bool(shared), then=export_first_step)
         except BaseException:

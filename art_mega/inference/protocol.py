@@ -121,5 +121,23 @@ class InferenceStopRequest(_Body):
     names: tuple[str, ...] = ()
 
 
+class InferenceWarmRequest(_Body):
+    """Warm the interpreter this host's CPU replica will run under (see `inference.warm`):
+    `python` imports vLLM's server now, started with the replica's environment (`vllm_env` with
+    `env` as the launch's); None stops the warm interpreter."""
+
+    python: str | None = Field(default=None, min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceWarmResponse(_Body):
+    """The warm interpreter's pid (`ok`), or why it could not be started (`error`)."""
+
+    ok: bool
+    pid: int | None = None
+    error: str = ""
+
+
 INFERENCE_START = Route("POST", "/inference/start", InferenceStartRequest, InferenceStartResponse)
 INFERENCE_STOP = Route("POST", "/inference/stop", InferenceStopRequest, ShutdownResponse)
+INFERENCE_WARM = Route("POST", "/inference/warm", InferenceWarmRequest, InferenceWarmResponse)

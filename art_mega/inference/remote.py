@@ -6,6 +6,7 @@ All replicas start concurrently; if one fails, the ones that came up are stopped
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -13,9 +14,11 @@ from art_mega.errors import ReplicaStartError, UserError
 from art_mega.inference.protocol import (
     INFERENCE_START,
     INFERENCE_STOP,
+    INFERENCE_WARM,
     InferenceStartRequest,
     InferenceStartResponse,
     InferenceStopRequest,
+    InferenceWarmRequest,
     ReplicaLaunch,
 )
 from art_mega.topology.compiled import ReplicaSpec
@@ -111,5 +114,37 @@ async def stop_replicas(clients: Mapping[str, AgentClient], replicas: Sequence[R
             for h, names in by_host.items()
             if h in clients
         ),
+        return_exceptions=True,
+    )
+
+
+async def warm_replicas(
+    clients: Mapping[str, AgentClient], replicas: Sequence[ReplicaSpec], python: str
+) -> list[str]:
+    """Ask the agent of each CPU replica's head host to warm `python`, the interpreter the
+    replica will run under (`inference.warm`: vLLM is imported while the cluster is proved);
+    returns those hosts. An optimisation only: a host whose agent could not start it is logged
+    (warning) and its replica starts fresh. `stop_replicas` stops what this started."""
+    hosts = sorted(
+        {s.host_ids[0] for s in replicas if not any(g for _, g in s.gpu_ids) and s.host_ids[0] in clients}
+    )
+    answers = await asyncio.gather(
+        *(clients[h].call(INFERENCE_WARM, InferenceWarmRequest(python=python)) for h in hosts),
+        return_exceptions=True,
+    )
+    for host, answer in zip(hosts, answers):
+        error = answer if isinstance(answer, BaseException) else (None if answer.ok else answer.error)
+        if error is not None:
+            logging.getLogger(__name__).warning(
+                "host %s: no warm replica interpreter (%s); its replica starts fresh", host, error
+            )
+    return hosts
+
+
+async def unwarm_replicas(clients: Mapping[str, AgentClient], hosts: Sequence[str]) -> None:
+    """Stop the warm interpreters `warm_replicas` started on `hosts`; an agent that does not
+    answer is skipped (its close stops it)."""
+    await asyncio.gather(
+        *(clients[h].call(INFERENCE_WARM, InferenceWarmRequest(python=None)) for h in hosts if h in clients),
         return_exceptions=True,
     )

@@ -16,12 +16,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from art_mega.agent.supervisor import spawn_child, stop_process
 from art_mega.errors import ReplicaHTTPError, ReplicaStartError
 from art_mega.inference.protocol import ReplicaLaunch
 from art_mega.inference.server_api import ReplicaClient
 from art_mega.topology.compiled import ReplicaSpec
+
+if TYPE_CHECKING:
+    from art_mega.inference.warm import WarmInterpreters
 
 LOG_TAIL_BYTES = 3000
 WARMUP_PROMPT = "hello"
@@ -176,6 +180,13 @@ def vllm_env(
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     return env
+
+
+def warm_env(python: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment `vllm_env` gives a CPU replica run by `python` whose launch adds `env`
+    (the default KV-cache size): what a warm interpreter for it starts with (`inference.warm`)."""
+    template = ReplicaLaunch(model="", served_model_name="warm", python=python, log_dir="", env=dict(env))
+    return vllm_env(template, on_cpu=True)
 
 
 def plugins_problem(env: Mapping[str, str], where: str = "the replica's environment") -> str | None:
@@ -351,8 +362,15 @@ def check_port_free(spec: ReplicaSpec) -> None:
         ) from exc
 
 
-async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplica:
+async def spawn_replica(
+    spec: ReplicaSpec, launch: ReplicaLaunch, warm: WarmInterpreters | None = None
+) -> LocalReplica:
     """Start the replica's server process, output appended to `<log_dir>/<NAME-INDEX>.log`.
+
+    A CPU replica is handed to `warm`'s warm interpreter when it has one that matches the
+    start's interpreter and environment (vLLM already imported: `inference.warm`); otherwise,
+    and for GPU replicas, a new process is exec'ed. The log's header line says which, and why
+    a warm interpreter was not used; `warm` has none afterwards either way.
 
     Returns at once (see `LocalReplica.wait_ready`). Raises `ReplicaStartError` when the
     replica's port is already taken on its host (`check_port_free`), a CPU replica's
@@ -376,10 +394,27 @@ async def spawn_replica(spec: ReplicaSpec, launch: ReplicaLaunch) -> LocalReplic
         ) from exc
     with log:
         offset = log.seek(0, os.SEEK_END)
-        log.write(f"=== art-mega: starting replica {spec.process_name}: {shlex.join(argv)}\n".encode())
+        header = f"=== art-mega: starting replica {spec.process_name}: {shlex.join(argv)}\n"
+        log.write(header.encode())
         log.flush()
+        process = None
+        current = warm.current if warm is not None and on_cpu else None
+        if warm is not None and current is not None:
+            why = current.mismatch(argv, env)
+            note = "its process is the warm interpreter" if why is None else f"started fresh: {why}"
+            log.write(
+                f"=== art-mega: replica {spec.process_name}: {note} (pid {current.process.pid})\n".encode()
+            )
+            log.flush()
+            if why is None:
+                process, why = await warm.hand_over(argv, env, os.getcwd(), log_path)
+                if process is None:
+                    log.write(f"=== art-mega: replica {spec.process_name}: started fresh: {why}\n".encode())
+                    log.flush()
+            else:
+                await warm.drop()
         try:
-            process = await spawn_child(
+            process = process or await spawn_child(
                 argv,
                 env=env,
                 stdout=log.fileno(),

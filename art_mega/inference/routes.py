@@ -1,7 +1,7 @@
 """The agent's inference routes: start and stop this host's vLLM replicas as supervised children.
 
-`register(router, supervisor)` adds `POST /v1/inference/start` and
-`POST /v1/inference/stop`; the router's signature check guards them like every other route.
+`register(router, supervisor)` adds `POST /v1/inference/start`, `POST /v1/inference/stop` and
+`POST /v1/inference/warm`; the router's signature check guards them like every other route.
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from art_mega.agent.supervisor import DEFAULT_STOP_GRACE_S, Child, Supervisor
 from art_mega.inference.protocol import (
     INFERENCE_START,
     INFERENCE_STOP,
+    INFERENCE_WARM,
     InferenceStartRequest,
     InferenceStartResponse,
     InferenceStopRequest,
+    InferenceWarmRequest,
+    InferenceWarmResponse,
 )
+from art_mega.inference.warm import WarmInterpreters
 
 ROLE = "inference"
 
@@ -30,9 +34,29 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
     reported: see `recovery`). One replica name runs at most once per agent; starting it again
     while it runs is refused, starting it after it died first stops what is left of its group.
     A stop that arrives while a start spawns waits for the spawn, then stops that replica too.
+
+    A warm interpreter (`INFERENCE_WARM`, see `inference.warm`) is this host's next CPU replica
+    start's, when it matches; every stop, and the agent's close, stops it.
     """
     lock = asyncio.Lock()
     grace_s: dict[str, float] = {}
+    warm = WarmInterpreters()
+    supervisor.on_close(warm.drop)
+
+    @router.serve(INFERENCE_WARM)
+    async def inference_warm(body: InferenceWarmRequest) -> InferenceWarmResponse:
+        from art_mega.inference.replica import warm_env
+
+        if body.python is None:
+            await warm.drop()
+            return InferenceWarmResponse(ok=True)
+        try:
+            process = await warm.warm(body.python, warm_env(body.python, body.env))
+        except OSError as exc:
+            return InferenceWarmResponse(
+                ok=False, error=f"cannot run {body.python!r} (InferenceSpec.python): {exc}"
+            )
+        return InferenceWarmResponse(ok=True, pid=process.process.pid)
 
     @router.serve(INFERENCE_START)
     async def inference_start(body: InferenceStartRequest) -> InferenceStartResponse:
@@ -54,7 +78,7 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
                 # server process; stopping the old group frees their memory and the port.
                 await supervisor.stop([name], 2.0)
             try:
-                replica = await spawn_replica(body.replica, body.launch)
+                replica = await spawn_replica(body.replica, body.launch, warm)
             except ReplicaStartError as exc:
                 return InferenceStartResponse(ok=False, name=name, error=str(exc))
             grace_s[name] = body.launch.stop_grace_s
@@ -78,6 +102,7 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
         # so a stop that arrives during its spawn stops it instead of finding nothing
         async with lock:
             ours = [c.child_id for c in supervisor.children() if c.role == ROLE]
+        await warm.drop()  # what only a start would have used
         names = [n for n in body.names if n in ours] if body.names else ours
         grace = max((grace_s.get(n, DEFAULT_STOP_GRACE_S) for n in names), default=DEFAULT_STOP_GRACE_S)
         return ShutdownResponse(stopped=await supervisor.stop(names, grace))

@@ -129,6 +129,12 @@ async def test_client_tags_choices_and_replica_has_the_trainer_lora_rank(setup: 
     (child,) = [c for c in health["local"].children if c.child_id == "vllm-0"]
     log = Path(child.log_path).read_text()
     assert "--max-lora-rank 16" in log and "--max-lora-rank 8" not in log
+    # register warmed the replica's interpreter: its first start's server is that process
+    note = log.splitlines()[1]
+    assert note.startswith("=== art-mega: replica vllm-0: its process is the warm interpreter (pid "), note
+    warm_pid = int(note.rsplit("pid ", 1)[1].rstrip(")"))
+    assert f"art-mega: warm interpreter {warm_pid}: vllm.entrypoints.openai.api_server imported" in log
+    assert f"(APIServer pid={warm_pid})" in log
 
 
 async def test_three_publications_change_outputs_and_match_megatron(setup: Setup, tmp_path: Path) -> None:

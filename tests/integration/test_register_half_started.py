@@ -8,7 +8,9 @@ second `register` on the backend said "this backend already trains model 'agent'
 after `close()` reused the closed runtime."""
 
 import asyncio
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,21 @@ async def _running(runtime) -> dict[str, int]:
         for c in reply.children
         if c.role in ("trainer", "inference") and c.returncode is None
     }
+
+
+def warm_interpreters() -> list[int]:
+    """This test process's descendants that are warm replica interpreters (`inference.warm`)."""
+    from art_mega.agent.supervisor import descendants
+
+    found = []
+    for pid, _ in descendants(os.getpid()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"art_mega_vllm_warm.py") for a in argv) and pid_alive(pid):
+            found.append(pid)
+    return found
 
 
 async def _watch(runtime, seen: dict[str, int]) -> None:
@@ -70,6 +87,11 @@ async def test_a_replica_that_cannot_start_stops_the_trainer_rank_and_frees_the_
             assert (logs / "trainer-rank0.log").is_file(), attempt  # the rank had been started
             assert await _running(runtime) == {}
             assert [pid for pid in seen.values() if pid_alive(pid)] == []
+            # the replica ran in the interpreter register warmed, which has no vLLM: its import
+            # error is in the replica's log, and no warm interpreter is left
+            log = (logs / "vllm-0.log").read_text().split("=== art-mega: starting replica")[-1]
+            assert "its process is the warm interpreter" in log and "No module named 'vllm'" in log
+            assert warm_interpreters() == []
     finally:
         await backend.close()
         await runtime.close()
@@ -98,8 +120,41 @@ async def test_close_after_a_failed_register_closes_an_owned_runtime_and_registe
     for _ in range(2):
         with pytest.raises(AdapterMismatchError, match="it has r=4 where the backend's lora_rank=8"):
             await model.register(backend)
+        assert warm_interpreters() == []  # warmed before the adapter check, stopped after it
         runtimes.append(backend._runtime)
         await backend.close()
         with pytest.raises(RuntimeError, match="closed"):
             await runtimes[-1].health()
     assert runtimes[0] is not runtimes[1]
+
+
+async def test_an_agents_close_stops_its_warm_interpreter(tmp_path):
+    """A warm interpreter is no child the agent's health lists, but the agent's close (here the
+    local runtime's, which owns its agent) stops it like one."""
+    from art_mega.inference.protocol import INFERENCE_WARM, InferenceWarmRequest
+
+    cluster = ClusterSpec(
+        hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
+        controller_host_id="local",
+        artifact_root=str(tmp_path / "artifacts"),
+        cache_root=str(tmp_path / "cache"),
+    )
+    topology = compile_topology(
+        cluster, trainer=TrainerSpec(cpu_ranks_per_host=1), inference=InferenceSpec(replicas=1)
+    )
+    runtime = await ArtRuntime.start_local(topology)
+    try:
+        reply = await runtime.clients["local"].call(INFERENCE_WARM, InferenceWarmRequest(python=sys.executable))
+        assert reply.ok and warm_interpreters() == [reply.pid]
+        again = await runtime.clients["local"].call(INFERENCE_WARM, InferenceWarmRequest(python=sys.executable))
+        assert again.pid == reply.pid  # the same interpreter and environment: the same process
+        missing = await runtime.clients["local"].call(
+            INFERENCE_WARM, InferenceWarmRequest(python=str(tmp_path / "no-python"))
+        )
+        assert not missing.ok and "no-python" in missing.error and "InferenceSpec.python" in missing.error
+        assert warm_interpreters() == []  # the other interpreter's request stopped the first
+        reply = await runtime.clients["local"].call(INFERENCE_WARM, InferenceWarmRequest(python=sys.executable))
+        assert warm_interpreters() == [reply.pid]
+    finally:
+        await runtime.close()
+    assert warm_interpreters() == [] and not pid_alive(reply.pid)
