@@ -97,6 +97,9 @@ async def in_lowered_thread(fn: Callable[..., Any], *args: Any, nice: int) -> An
             pass
         try:
             outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except StopIteration as exc:  # a Future cannot hold it (as in asyncio.to_thread)
+            outcome = (None, RuntimeError(f"{getattr(fn, '__name__', fn)!r} raised StopIteration"))
+            outcome[1].__cause__ = exc
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
             outcome = (None, exc)
         try:
@@ -991,7 +994,7 @@ class MegatronBackend:
             TrainerJobError, ReplicaStartError, AgentError: a rank or replica did not start
                 (named); nothing this call started is left running.
         """
-        from art_mega.inference.remote import unwarm_replicas, warm_replicas
+        from art_mega.inference.remote import cpu_replica_hosts, unwarm_replicas, warm_replicas
 
         if self._model is not None:
             raise UserError(
@@ -1007,8 +1010,9 @@ class MegatronBackend:
             )
         python = replica_python(topology, self._vllm_python)  # UserError before any check that costs time
         # a CPU replica's vLLM import runs while the checks below prove the cluster
-        warmed = await warm_replicas(self._runtime.clients, topology.replicas, python)
+        warmed = cpu_replica_hosts(self._runtime.clients, topology.replicas)
         try:
+            await warm_replicas(self._runtime.clients, warmed, python, topology.cluster.cache_root)
             return await self._register_warmed(model, topology, python)
         except BaseException:
             await unwarm_replicas(self._runtime.clients, warmed)  # a start that began stopped its own

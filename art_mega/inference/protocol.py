@@ -124,10 +124,12 @@ class InferenceStopRequest(_Body):
 class InferenceWarmRequest(_Body):
     """Warm the interpreter this host's CPU replica will run under (see `inference.warm`):
     `python` imports vLLM's server now, started with the replica's environment (`vllm_env` with
-    `env` as the launch's); None stops the warm interpreter."""
+    `env` as the launch's); None stops the warm interpreter. `cache_dir` (the host's cache root;
+    None: none) keeps the list of files the import read, read ahead the next time."""
 
     python: str | None = Field(default=None, min_length=1)
     env: dict[str, str] = Field(default_factory=dict)
+    cache_dir: str | None = Field(default=None, min_length=1)
 
 
 class InferenceWarmResponse(_Body):

@@ -118,18 +118,27 @@ async def stop_replicas(clients: Mapping[str, AgentClient], replicas: Sequence[R
     )
 
 
-async def warm_replicas(
-    clients: Mapping[str, AgentClient], replicas: Sequence[ReplicaSpec], python: str
-) -> list[str]:
-    """Ask the agent of each CPU replica's head host to warm `python`, the interpreter the
-    replica will run under (`inference.warm`: vLLM is imported while the cluster is proved);
-    returns those hosts. An optimisation only: a host whose agent could not start it is logged
-    (warning) and its replica starts fresh. `stop_replicas` stops what this started."""
-    hosts = sorted(
+def cpu_replica_hosts(clients: Mapping[str, AgentClient], replicas: Sequence[ReplicaSpec]) -> list[str]:
+    """The head hosts of the CPU replicas among `replicas` that `clients` reach, sorted."""
+    return sorted(
         {s.host_ids[0] for s in replicas if not any(g for _, g in s.gpu_ids) and s.host_ids[0] in clients}
     )
+
+
+async def warm_replicas(
+    clients: Mapping[str, AgentClient], hosts: Sequence[str], python: str, cache_dir: str | None = None
+) -> None:
+    """Ask the agent of each of `hosts` (`cpu_replica_hosts`) to warm `python`, the interpreter
+    its CPU replica will run under (`inference.warm`: vLLM is imported while the cluster is
+    proved; `cache_dir`, the hosts' cache root, keeps what the import read, read ahead the next
+    time). An optimisation only: a host whose agent could not start it is logged (warning)
+    and its replica starts fresh. `unwarm_replicas` (or `stop_replicas`) stops what this
+    started."""
     answers = await asyncio.gather(
-        *(clients[h].call(INFERENCE_WARM, InferenceWarmRequest(python=python)) for h in hosts),
+        *(
+            clients[h].call(INFERENCE_WARM, InferenceWarmRequest(python=python, cache_dir=cache_dir))
+            for h in hosts
+        ),
         return_exceptions=True,
     )
     for host, answer in zip(hosts, answers):
@@ -138,7 +147,6 @@ async def warm_replicas(
             logging.getLogger(__name__).warning(
                 "host %s: no warm replica interpreter (%s); its replica starts fresh", host, error
             )
-    return hosts
 
 
 async def unwarm_replicas(clients: Mapping[str, AgentClient], hosts: Sequence[str]) -> None:

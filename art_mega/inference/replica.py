@@ -369,8 +369,8 @@ async def spawn_replica(
 
     A CPU replica is handed to `warm`'s warm interpreter when it has one that matches the
     start's interpreter and environment (vLLM already imported: `inference.warm`); otherwise,
-    and for GPU replicas, a new process is exec'ed. The log's header line says which, and why
-    a warm interpreter was not used; `warm` has none afterwards either way.
+    and for GPU replicas, a new process is exec'ed. The log says after its header line which,
+    and why a warm interpreter was not used; `warm` has none afterwards either way.
 
     Returns at once (see `LocalReplica.wait_ready`). Raises `ReplicaStartError` when the
     replica's port is already taken on its host (`check_port_free`), a CPU replica's
@@ -398,21 +398,8 @@ async def spawn_replica(
         log.write(header.encode())
         log.flush()
         process = None
-        current = warm.current if warm is not None and on_cpu else None
-        if warm is not None and current is not None:
-            why = current.mismatch(argv, env)
-            note = "its process is the warm interpreter" if why is None else f"started fresh: {why}"
-            log.write(
-                f"=== art-mega: replica {spec.process_name}: {note} (pid {current.process.pid})\n".encode()
-            )
-            log.flush()
-            if why is None:
-                process, why = await warm.hand_over(argv, env, os.getcwd(), log_path)
-                if process is None:
-                    log.write(f"=== art-mega: replica {spec.process_name}: started fresh: {why}\n".encode())
-                    log.flush()
-            else:
-                await warm.drop()
+        if warm is not None and on_cpu:  # says in the log whether it ran the start, and why not
+            process, _ = await warm.hand_over(spec.process_name, argv, env, os.getcwd(), log_path)
         try:
             process = process or await spawn_child(
                 argv,

@@ -51,7 +51,7 @@ def register(router: SignedRouter, supervisor: Supervisor) -> None:
             await warm.drop()
             return InferenceWarmResponse(ok=True)
         try:
-            process = await warm.warm(body.python, warm_env(body.python, body.env))
+            process = await warm.warm(body.python, warm_env(body.python, body.env), body.cache_dir)
         except OSError as exc:
             return InferenceWarmResponse(
                 ok=False, error=f"cannot run {body.python!r} (InferenceSpec.python): {exc}"

@@ -19,8 +19,10 @@ for it would take a core's worth of import from the first rollouts).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +74,19 @@ class WarmProcess:
         return None
 
 
+def _append(path: Path, text: str) -> None:
+    with open(path, "a", errors="replace") as log:
+        log.write(text)
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process's group (it leads its own session), without waiting."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class WarmInterpreters:
     """This agent's warm replica interpreter (at most one). `module` and `preload` are what it
     imports (vLLM's server by default)."""
@@ -82,13 +97,22 @@ class WarmInterpreters:
         self._warm: WarmProcess | None = None
         self._lock = asyncio.Lock()
 
+    def files_read(self, python: str, cache_dir: str | Path) -> Path:
+        """Where the warm script keeps, under the host's `cache_dir`, the list of files
+        `python`'s import of `module` read (read ahead the next time: see the script)."""
+        key = hashlib.sha256(f"{python}\0{self.module}".encode()).hexdigest()[:16]
+        return Path(cache_dir) / "warm-interpreters" / f"{key}.files"
+
     @property
     def current(self) -> WarmProcess | None:
         return self._warm
 
-    async def warm(self, python: str, env: Mapping[str, str]) -> WarmProcess:
+    async def warm(
+        self, python: str, env: Mapping[str, str], cache_dir: str | Path | None = None
+    ) -> WarmProcess:
         """Start a warm interpreter `python` with `env` unless one with both already runs (then
-        that one); one with another python or environment is stopped first.
+        that one); one with another python or environment is stopped first. `cache_dir` (the
+        host's cache root; None: none) keeps the list of files its import reads.
 
         Raises:
             OSError: `python` cannot be executed.
@@ -98,10 +122,18 @@ class WarmInterpreters:
             if current is not None and current.mismatch([python, "-m", self.module], env) is None:
                 return current
             await self._drop()
+            listing = "" if cache_dir is None else str(self.files_read(python, cache_dir))
             fd, output = tempfile.mkstemp(prefix="art-mega-warm-", suffix=".log")
             try:
                 process = await spawn_child(
-                    [python, str(WARM_SCRIPT), output, self.module, *self.preload],
+                    [
+                        python,
+                        str(WARM_SCRIPT),
+                        output,
+                        listing,
+                        self.module,
+                        *self.preload,
+                    ],
                     env=dict(env),
                     stdin=asyncio.subprocess.PIPE,
                     stdout=fd,
@@ -116,17 +148,24 @@ class WarmInterpreters:
             return self._warm
 
     async def hand_over(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path
     ) -> tuple[asyncio.subprocess.Process | None, str]:
-        """Give the warm interpreter this start (`argv` as `python -m module ...`, `env`, `cwd`,
-        the log it appends to); returns (its process, "") or (None, why not), the warm process
-        then stopped. Either way this agent has no warm interpreter afterwards."""
+        """Give the warm interpreter the start of replica `name` (`argv` as `python -m module
+        ...`, `env`, `cwd`, the log it appends to); returns (its process, "") or (None, why not,
+        or "" when there is no warm interpreter). A used process first says so in the log; a
+        refused one is stopped, its output so far appended to the log. Either way this agent
+        has no warm interpreter afterwards."""
         async with self._lock:
             current, self._warm = self._warm, None
             if current is None:
-                return None, "no warm interpreter"
+                return None, ""
             why = current.mismatch(argv, env)
             if why is None:
+                pid = current.process.pid
+                _append(
+                    log_path,
+                    f"=== art-mega: replica {name}: its process is the warm interpreter (pid {pid})\n",
+                )
                 request = {"argv": list(argv[3:]), "env": dict(env), "cwd": cwd, "log": str(log_path)}
                 stdin = current.process.stdin
                 assert stdin is not None
@@ -137,7 +176,15 @@ class WarmInterpreters:
                     return current.process, ""
                 except (BrokenPipeError, ConnectionResetError) as exc:
                     why = f"the warm interpreter stopped reading ({exc.__class__.__name__})"
-            await self._stop(current)
+                except BaseException:  # cancelled: nobody would own the process it may become
+                    _kill_group(current.process)
+                    current.output.unlink(missing_ok=True)
+                    raise
+            await self._stop(current, log_path)
+            _append(
+                log_path,
+                f"=== art-mega: replica {name}: not in warm interpreter {current.process.pid}: {why}\n",
+            )
             return None, why
 
     async def drop(self) -> None:
@@ -151,6 +198,12 @@ class WarmInterpreters:
             await self._stop(current)
 
     @staticmethod
-    async def _stop(warm: WarmProcess) -> None:
+    async def _stop(warm: WarmProcess, log_path: Path | None = None) -> None:
+        """Stop `warm`; its output goes to the end of `log_path` (when given), then away."""
         await stop_process(warm.process, _STOP_GRACE_S)
+        if log_path is not None:
+            try:
+                _append(log_path, warm.output.read_text(errors="replace"))
+            except OSError:
+                pass
         warm.output.unlink(missing_ok=True)

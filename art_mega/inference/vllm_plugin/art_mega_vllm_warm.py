@@ -1,16 +1,24 @@
 """A warm interpreter for a replica: imports a server module now, runs it as `python -m` later.
 
-Run by the agent as `python art_mega_vllm_warm.py OUTPUT MODULE [PRELOAD ...]` in the replica's
-interpreter (vLLM's, where art-mega itself is not installed: this file imports only the standard
-library). It imports MODULE and each PRELOAD module (best effort: a PRELOAD that fails is named on
-stderr and skipped), then reads one JSON line from stdin:
+Run by the agent as `python art_mega_vllm_warm.py OUTPUT FILES MODULE [PRELOAD ...]` in the
+replica's interpreter (vLLM's, where art-mega itself is not installed: this file imports only the
+standard library). It imports MODULE and each PRELOAD module (best effort: a PRELOAD that fails is
+named on stderr and skipped), then reads one JSON line from stdin:
 
     {"argv": [...], "env": {...}, "cwd": "...", "log": "/path/replica.log"}
 
 and becomes the replica: it appends what it printed so far (stdout and stderr point at a scratch
 file OUTPUT until then, which is then removed) to `log`, points stdout and stderr at `log`,
-replaces its environment with `env`, changes to `cwd`, sets `sys.argv` to MODULE's file plus
+makes its environment `env` where `env` differs from the one it was started with (what the
+imports set stays, as in a fresh process), changes to `cwd`, sets `sys.argv` to MODULE's file plus
 `argv` and runs MODULE as `__main__`, as `python -m MODULE *argv` would.
+
+FILES ("" for none) lists (one path a line) the files the last such import read: the Python files and the
+shared libraries it mapped. A thread asks the kernel to read them ahead (`posix_fadvise`
+WILLNEED) while the import runs, which the import would otherwise wait for one page fault at a
+time when the page cache has dropped them (vLLM's server: 14.4 s cold, 10.0 s cold with the
+read-ahead, 9.2 s warm on this 2-core machine). After a successful import the list is written
+anew. A missing or unreadable list only costs the read-ahead.
 
 A MODULE that failed to import is reported the same way: its traceback lands in `log` once a
 request comes, and the process exits with code 1. End of input (the agent closed the pipe, or
@@ -29,6 +37,7 @@ import json
 import os
 import runpy
 import sys
+import threading
 import traceback
 
 
@@ -49,8 +58,57 @@ def _take_over_output(scratch: str, log_path: str) -> None:
     os.close(log)
 
 
+def _read_ahead(listing: str) -> None:
+    """Ask the kernel to read every file `listing` names into the page cache (asynchronously)."""
+    try:
+        with open(listing) as names:
+            paths = names.read().splitlines()
+    except OSError:
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
+
+
+def _write_files_read(listing: str) -> None:
+    """Write (atomically) the files this process's imports read to `listing`."""
+    paths = set()
+    for mod in list(sys.modules.values()):
+        for path in (getattr(mod, "__file__", None), getattr(getattr(mod, "__spec__", None), "cached", None)):
+            if isinstance(path, str):
+                paths.add(path)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    paths.add(fields[5].rstrip("\n"))
+    except OSError:
+        pass
+    kept = sorted(p for p in paths if os.path.isfile(p))
+    try:
+        os.makedirs(os.path.dirname(listing) or ".", exist_ok=True)
+        partial = f"{listing}.{os.getpid()}.partial"
+        with open(partial, "w") as out:
+            out.write("\n".join(kept) + "\n")
+        os.replace(partial, listing)
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
-    scratch, module, preload = argv[0], argv[1], argv[2:]
+    scratch, listing, module, preload = argv[0], argv[1], argv[2], argv[3:]
+    started_with = dict(os.environ)
+    if listing:
+        threading.Thread(target=_read_ahead, args=(listing,), daemon=True).start()
     failure = None
     try:
         importlib.import_module(module)
@@ -62,9 +120,10 @@ def main(argv: list[str]) -> int:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - an optimisation only
                 print(f"art-mega: warm interpreter: could not preload {name}: {exc!r}", file=sys.stderr)
-    print(
-        f"art-mega: warm interpreter {os.getpid()}: {module} imported, waiting", file=sys.stderr, flush=True
-    )
+    if failure is None and listing:
+        _write_files_read(listing)
+    state = "failed to import" if failure is not None else "imported"
+    print(f"art-mega: warm interpreter {os.getpid()}: {module} {state}, waiting", file=sys.stderr, flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         return 0
@@ -76,14 +135,25 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # as a replica spawned with stdin=DEVNULL
     os.close(devnull)
-    os.environ.clear()
-    os.environ.update(request["env"])
+    _apply_environment(started_with, request["env"])
     os.chdir(request["cwd"])
     spec = importlib.util.find_spec(module)
     sys.argv = [spec.origin if spec is not None and spec.origin else module, *request["argv"]]
-    sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first
+    if not sys.flags.safe_path:  # `python -m` puts the working directory first, a script its folder
+        sys.path[0] = request["cwd"]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
+
+
+def _apply_environment(started_with: dict[str, str], wanted: dict[str, str]) -> None:
+    """Make the environment `wanted` where it differs from `started_with` (what this process was
+    started with), keeping what the imports set themselves (vLLM sets torch and triton
+    variables when imported, as it would in a fresh `python -m`)."""
+    for key in started_with.keys() - wanted.keys():
+        os.environ.pop(key, None)
+    for key, value in wanted.items():
+        if started_with.get(key) != value or key not in os.environ:
+            os.environ[key] = value
 
 
 if __name__ == "__main__":
