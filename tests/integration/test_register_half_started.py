@@ -35,16 +35,23 @@ async def _running(runtime) -> dict[str, int]:
 
 
 def warm_interpreters() -> list[int]:
-    """This test process's descendants that are warm replica interpreters (`inference.warm`)."""
+    """This test process's descendants that are warm replica interpreters still waiting for a
+    start (`inference.warm`): its script runs them, and their stdin is still the agent's pipe
+    (a replica that runs in one, e.g. another test's session replica, has /dev/null there)."""
     from art_mega.agent.supervisor import descendants
 
     found = []
     for pid, _ in descendants(os.getpid()):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stdin = os.readlink(f"/proc/{pid}/fd/0")
         except OSError:
             continue
-        if any(a.endswith(b"art_mega_vllm_warm.py") for a in argv) and pid_alive(pid):
+        if (
+            any(a.endswith(b"art_mega_vllm_warm.py") for a in argv)
+            and stdin.startswith("pipe:")
+            and pid_alive(pid)
+        ):
             found.append(pid)
     return found
 
@@ -144,16 +151,22 @@ async def test_an_agents_close_stops_its_warm_interpreter(tmp_path):
     )
     runtime = await ArtRuntime.start_local(topology)
     try:
-        reply = await runtime.clients["local"].call(INFERENCE_WARM, InferenceWarmRequest(python=sys.executable))
+        reply = await runtime.clients["local"].call(
+            INFERENCE_WARM, InferenceWarmRequest(python=sys.executable)
+        )
         assert reply.ok and warm_interpreters() == [reply.pid]
-        again = await runtime.clients["local"].call(INFERENCE_WARM, InferenceWarmRequest(python=sys.executable))
+        again = await runtime.clients["local"].call(
+            INFERENCE_WARM, InferenceWarmRequest(python=sys.executable)
+        )
         assert again.pid == reply.pid  # the same interpreter and environment: the same process
         missing = await runtime.clients["local"].call(
             INFERENCE_WARM, InferenceWarmRequest(python=str(tmp_path / "no-python"))
         )
         assert not missing.ok and "no-python" in missing.error and "InferenceSpec.python" in missing.error
         assert warm_interpreters() == []  # the other interpreter's request stopped the first
-        reply = await runtime.clients["local"].call(INFERENCE_WARM, InferenceWarmRequest(python=sys.executable))
+        reply = await runtime.clients["local"].call(
+            INFERENCE_WARM, InferenceWarmRequest(python=sys.executable)
+        )
         assert warm_interpreters() == [reply.pid]
     finally:
         await runtime.close()
