@@ -139,15 +139,10 @@ async def test_an_agents_close_stops_its_warm_interpreter(tmp_path):
     """A warm interpreter is no child the agent's health lists, but the agent's close (here the
     local runtime's, which owns its agent) stops it like one."""
     from art_mega.inference.protocol import INFERENCE_WARM, InferenceWarmRequest
+    from art_mega.launch.local_topology import cpu_topology
 
-    cluster = ClusterSpec(
-        hosts=(HostSpec(host_id="local", node_rank=0, worker_address="tcp://127.0.0.1:0", cpu_slots=2),),
-        controller_host_id="local",
-        artifact_root=str(tmp_path / "artifacts"),
-        cache_root=str(tmp_path / "cache"),
-    )
-    topology = compile_topology(
-        cluster, trainer=TrainerSpec(cpu_ranks_per_host=1), inference=InferenceSpec(replicas=1)
+    topology = cpu_topology(
+        str(tmp_path / "artifacts"), str(tmp_path / "cache"), sys.executable, free_port(), free_port()
     )
     runtime = await ArtRuntime.start_local(topology)
     try:
