@@ -22,6 +22,7 @@ from art_mega.agent.supervisor import spawn_child, stop_process
 from art_mega.errors import ReplicaHTTPError, ReplicaStartError
 from art_mega.inference.protocol import ReplicaLaunch
 from art_mega.inference.server_api import ReplicaClient
+from art_mega.readahead import read_ahead_model
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
@@ -398,6 +399,7 @@ async def spawn_replica(
         log.write(header.encode())
         log.flush()
         process = None
+        read_ahead_model(launch.model)  # the weights the engine core loads (a trainer may have)
         if warm is not None and on_cpu:  # says in the log whether it ran the start, and why not
             process, _ = await warm.hand_over(spec.process_name, argv, env, os.getcwd(), log_path)
         try:

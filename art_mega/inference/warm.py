@@ -19,7 +19,6 @@ for it would take a core's worth of import from the first rollouts).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import signal
@@ -98,10 +97,11 @@ class WarmInterpreters:
         self._lock = asyncio.Lock()
 
     def files_read(self, python: str, cache_dir: str | Path) -> Path:
-        """Where the warm script keeps, under the host's `cache_dir`, the list of files
+        """Where the warm script keeps, under the host's `cache_dir`, the listing of the files
         `python`'s import of `module` read (read ahead the next time: see the script)."""
-        key = hashlib.sha256(f"{python}\0{self.module}".encode()).hexdigest()[:16]
-        return Path(cache_dir) / "warm-interpreters" / f"{key}.files"
+        from art_mega.readahead import listing_path
+
+        return listing_path(cache_dir, "replica", f"{python}\0{self.module}")
 
     @property
     def current(self) -> WarmProcess | None:

@@ -9,12 +9,13 @@ also take `٣`, `inf` and `nan`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import secrets
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Annotated
 
 import typer
@@ -213,6 +214,22 @@ def _refuse_loopback(hosts: Sequence[tuple[str, str]], option: str, fixes: Seque
     )
 
 
+@contextlib.contextmanager
+def _reading_ahead() -> Iterator[None]:
+    """Read ahead the files this controller's last run read, and list what this one read when
+    it ends (`art_mega.readahead`; under the local cache root). The local agent, started
+    later by the same interpreter, finds most of its files read with them."""
+    from art_mega.launch.context import default_cache_root
+    from art_mega.readahead import listing_path, read_ahead, record
+
+    listing = listing_path(default_cache_root(), "controller", sys.executable)
+    read_ahead(listing)
+    try:
+        yield
+    finally:
+        record(listing)
+
+
 @app.command()
 def local(
     program: ProgramOpt,
@@ -235,8 +252,9 @@ def local(
         _check_port(port)
         lease_s = parse_controller_lease(controller_lease)
         ref = parse_program(program)
-        main = load_program(ref)
-        return asyncio.run(run_local(main, ref, port, startup_timeout, debug, lease_s))
+        with _reading_ahead():  # before the program imports art-mega's modules
+            main = load_program(ref)
+            return asyncio.run(run_local(main, ref, port, startup_timeout, debug, lease_s))
 
     raise typer.Exit(_guarded(debug, body))
 
@@ -274,8 +292,9 @@ def controller(
         except ValueError as exc:
             raise UserError(str(exc)) from None
         ref = parse_program(program)
-        main = load_program(ref)
-        return asyncio.run(run_attached(main, ref, worker, secret, launch_id, debug))
+        with _reading_ahead():  # before the program imports art-mega's modules
+            main = load_program(ref)
+            return asyncio.run(run_attached(main, ref, worker, secret, launch_id, debug))
 
     raise typer.Exit(_guarded(debug, body))
 
@@ -325,11 +344,12 @@ def ssh(
             ],
         )
         ref = parse_program(program)
-        main = load_program(ref)
-        chosen = python or default_python()
-        return asyncio.run(
-            run_ssh(main, ref, host, chosen, port, ssh_arg or [], startup_timeout, debug, lease_s)
-        )
+        with _reading_ahead():  # before the program imports art-mega's modules
+            main = load_program(ref)
+            chosen = python or default_python()
+            return asyncio.run(
+                run_ssh(main, ref, host, chosen, port, ssh_arg or [], startup_timeout, debug, lease_s)
+            )
 
     raise typer.Exit(_guarded(debug, body))
 
@@ -358,8 +378,9 @@ def skypilot(
             raise UserError(f"--port {port} is out of range; use 1..65534 (rank 0 also listens on PORT+1)")
         node, secret = prepare(os.environ)
         ref = parse_program(program)
-        main = load_program(ref)
-        return asyncio.run(run_skypilot(main, ref, node, secret, port, startup_timeout, debug))
+        with _reading_ahead():  # before the program imports art-mega's modules
+            main = load_program(ref)
+            return asyncio.run(run_skypilot(main, ref, node, secret, port, startup_timeout, debug))
 
     raise typer.Exit(_guarded(debug, body))
 

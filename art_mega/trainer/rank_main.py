@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from art_mega.readahead import READ_AHEAD_ENV, read_ahead, read_ahead_model, record
 from art_mega.trainer.protocol import (
     Accepted,
     AdapterReady,
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extra = [p for p in os.environ.get("ART_MEGA_SYS_PATH", "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in extra if p not in sys.path]
+    listing = os.environ.get(READ_AHEAD_ENV)
+    read_ahead(listing)  # the files this start will read (art_mega.readahead)
     channel = Channel(args.fd)
     rank = args.rank
     channel.send(Starting(pid=os.getpid()))
@@ -265,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     last_step: int | None = None  # the last checkpoint's step: the next job must name the one after
     try:
         config = channel.config()
+        read_ahead_model(config.engine.model_dir if config.engine is not None else None)
         train_threads(config, rank)  # a set value above the rank's cores fails the start
         state = _init(config, rank)
         engine = None
@@ -277,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         channel.send(_failed(exc, None, dirty=True, stage="init"))
         return 1
     channel.send(Ready(seconds=time.perf_counter() - started))
+    record(listing)  # what this start read, for the next one
     dirty = False  # this rank's state may be ahead of its last checkpoint (see the module docstring)
     for request in channel.jobs():
         if isinstance(request, InvalidMessageError):

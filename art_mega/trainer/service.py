@@ -34,6 +34,7 @@ from typing import Any
 
 from art_mega.agent.client import AgentClient
 from art_mega.errors import RankRefusedStepError, TrainerJobError
+from art_mega.readahead import READ_AHEAD_ENV, listing_path
 from art_mega.topology import CompiledTopology
 from art_mega.trainer.protocol import (
     TRAINER_EVENTS,
@@ -164,6 +165,11 @@ class TrainerService:
                     # shared 2-core machine where ranks and replicas compete for the cores. A
                     # train job runs with TrainerSpec.cpu_train_threads (rank_main.train_threads).
                     env.setdefault("OMP_NUM_THREADS", "1")
+                # the files the rank's last start read, read ahead (art_mega.readahead)
+                env.setdefault(
+                    READ_AHEAD_ENV,
+                    str(listing_path(self._topology.cluster.cache_root, "trainer-rank", python or "")),
+                )
                 launches.append(TrainerRankLaunch(rank=r.rank, env=env, log_path=log_path))
             request = TrainerStartRequest(
                 ranks=tuple(launches), config=config, python=python, sys_path=sys_path

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from art_mega.readahead import parse_line
 from tests.conftest import REPO, cli_env, run_cli, wait_gone
 
 PROGRAMS = "tests/integration/programs"
@@ -26,10 +27,16 @@ def _one_sentence_error(result: subprocess.CompletedProcess[str], *fragments: st
         assert fragment in lines[0], lines[0]
 
 
-def test_smoke_program_passes_through_art_mega_local():
-    result = run_cli("local", "--program", "examples/multinode/program.py:main")
+def test_smoke_program_passes_through_art_mega_local(tmp_path):
+    env = {**cli_env(), "ART_MEGA_CACHE": str(tmp_path / "cache")}
+    result = run_cli("local", "--program", "examples/multinode/program.py:main", env=env)
     assert result.returncode == 0, result.stderr
     assert "ART_MULTINODE_SMOKE_PASS hosts=1 answers=['yes', 'no', 'maybe']" in result.stdout
+    # the controller listed what it read, for its next start to read ahead (art_mega.readahead)
+    (listing,) = (tmp_path / "cache" / "read-ahead").glob("controller-*.files")
+    named = [parse_line(line)[0] for line in listing.read_text().splitlines()]
+    assert str(REPO / "examples" / "multinode" / "program.py") in named
+    assert any(p.endswith(os.path.join("art_mega", "launch", "cli.py")) for p in named)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Trainer ranks as agent children: started from the rank table, driven by jobs, deaths named."""
 
+import asyncio
 import os
 import signal
 import time
@@ -9,6 +10,7 @@ import pytest
 from art_mega import ArtRuntime, TrainerSpec, compile_topology
 from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
+from art_mega.readahead import listing_path
 from art_mega.trainer.protocol import PingJob
 from art_mega.trainer.service import TrainerService
 from tests.helpers import loopback_cluster
@@ -25,6 +27,14 @@ async def test_ranks_run_jobs_and_a_dead_rank_is_named(tmp_path):
     try:
         ready_s = await service.start()
         assert ready_s < 120
+        # once ready, a rank lists the files its start read, for the next start to read ahead
+        listing = listing_path(topology.cluster.cache_root, "trainer-rank", "")
+        deadline = time.monotonic() + 30
+        while not listing.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        named = listing.read_text().splitlines()
+        assert any(p.endswith(os.path.join("torch", "distributed", "__init__.py")) for p in named)
+        assert any(os.path.basename(p).startswith("libtorch_cpu") for p in named)
         result = await service.run(PingJob())
         assert sorted(result.events) == [0, 1]
         assert all(e.metrics["sum"] == 3.0 for e in result.events.values())

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from art_mega.inference.warm import WarmInterpreters
+from art_mega.readahead import parse_line
 from tests.conftest import pid_alive
 
 pytestmark = pytest.mark.asyncio
@@ -107,7 +108,7 @@ async def test_the_files_an_import_read_are_listed_and_read_ahead_the_next_time(
         if "imported, waiting" in warm.output.read_text():
             break
         await asyncio.sleep(0.05)
-    names = listing.read_text().splitlines()
+    names = [parse_line(line)[0] for line in listing.read_text().splitlines()]  # art_mega.readahead's
     assert str(module_dir / "probe_server.py") in names
     assert any(n.endswith(".so") or ".so." in n for n in names)  # the libraries it mapped
     assert all(Path(n).is_file() for n in names)
@@ -120,6 +121,7 @@ async def test_the_files_an_import_read_are_listed_and_read_ahead_the_next_time(
     )
     assert why == "" and await _wait_exit(process) == 0 and json.loads(out.read_text())["value"] == "a"
     assert str(module_dir / "probe_server.py") in listing.read_text().splitlines()  # written anew
+    assert listing.parent.name == "read-ahead"
 
 
 async def test_another_interpreter_or_module_is_refused(module_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""art-mega's vLLM general plugin: a single-process CPU replica forks its engine core.
+"""art-mega's vLLM general plugin for a CPU replica's start-up: a single-process replica forks its
+engine core, and the server resolves its processor's chat template while the engine core loads.
 
 It runs inside a CPU replica's vLLM interpreter (torch and vllm, no art_mega) and imports nothing
 else; vLLM loads it in each of its processes through the entry point `art_mega_fork` in the
@@ -51,6 +52,22 @@ gone. vLLM 0.32's server runs no torch op before it starts the engine core, nor 
 plugins; a replica's first request (its warm-up, `replica.wait_ready`) decodes in the child.
 Otherwise (or with a vLLM whose `CpuPlatform.check_and_update_config` is not the classmethod
 `(vllm_config)` this was written for) it changes nothing, and the replica log says why.
+
+The chat template (`overlap_chat_template`): before it serves, vLLM 0.32's server renders one
+chat message (`BaseRenderer.warmup`), and for a request without tools that looks for a chat
+template of the model's processor first (`vllm.renderers.hf._try_get_processor_chat_template`,
+cached per tokenizer name, revisions and trust_remote_code), which loads the whole processor
+(for a text model, its tokenizer) a second time: 1.5 s for SmolLM2-135M on this 2-core machine
+(a py-spy profile of a replica start), spent after the engine core is ready, while the server
+idled for 3.8 s before that waiting for the engine core to load its weights. So once vLLM has
+started the engine core (`start_mm_warmup_in_background`, where vLLM overlaps a multimodal
+model's own warm-up with the same wait), a thread runs that same lookup with the arguments
+vLLM's `resolve_chat_template` passes it, and `warmup` waits for that thread before it renders:
+the warm-up finds the result in vLLM's cache. The replica log says how long the lookup took and
+whether the warm-up still loaded a processor itself (`cached_get_processor` misses after the
+thread), which would mean vLLM now asks with other arguments. With a server given
+`--chat-template`, or tools in its default chat template arguments, vLLM needs no processor
+template and the thread's load is spent in that wait for nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +78,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
@@ -270,3 +288,98 @@ def register() -> None:
 
     check_and_update_config._art_mega = True  # type: ignore[attr-defined]
     platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    overlap_chat_template(prefix)
+
+
+_TEMPLATE: dict = {"patched": False, "thread": None, "seconds": None, "misses": None}
+"""`overlap_chat_template`'s state in this process: whether it patched vLLM's renderer, the
+lookup's thread, its seconds, and `cached_get_processor`'s misses once it ended."""
+
+
+def _template_problem(base: object, hf: object, processor: object) -> str | None:
+    """Why vLLM's renderer is not the one `overlap_chat_template` was written for, or None."""
+    lookup = getattr(hf, "_try_get_processor_chat_template", None)
+    wanted = {
+        "start_mm_warmup_in_background": ("self",),
+        "warmup": ("self", "chat_params"),
+    }
+    for name, parameters in wanted.items():
+        method = getattr(getattr(base, "BaseRenderer", None), name, None)
+        if method is None or tuple(inspect.signature(method).parameters) != parameters:
+            return f"BaseRenderer.{name} is not the method {parameters} it was written for"
+    if lookup is None or tuple(inspect.signature(lookup).parameters) != (
+        "tokenizer",
+        "revision",
+        "code_revision",
+        "trust_remote_code",
+    ):
+        return "vllm.renderers.hf has no _try_get_processor_chat_template(tokenizer, revision, code_revision, trust_remote_code)"
+    if not hasattr(getattr(processor, "cached_get_processor", None), "cache_info"):
+        return "vllm.transformers_utils.processor.cached_get_processor is not an lru_cache"
+    return None
+
+
+def overlap_chat_template(prefix: str) -> None:
+    """In vLLM's API server: have the processor chat template lookup run while the engine core
+    starts (see the module docstring). Does nothing in a process that has not imported vLLM's
+    renderers (an engine core started with spawn); says on stderr when vLLM's renderer is not
+    the one this was written for. Once per process."""
+    if _TEMPLATE["patched"] or "vllm.renderers.base" not in sys.modules:
+        return
+    from vllm.renderers import base, hf
+    from vllm.transformers_utils import processor
+
+    problem = _template_problem(base, hf, processor)
+    if problem is not None:
+        print(
+            f"{prefix} the chat template is resolved after the engine core starts: {problem}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    _TEMPLATE["patched"] = True
+    renderer_cls = base.BaseRenderer
+    start_original = renderer_cls.start_mm_warmup_in_background
+    warmup_original = renderer_cls.warmup
+
+    def lookup(renderer: object) -> None:
+        model_config = renderer.model_config  # type: ignore[attr-defined]
+        started = time.perf_counter()
+        try:  # the arguments of vLLM 0.32's resolve_chat_template
+            hf._try_get_processor_chat_template(
+                renderer.get_tokenizer(),  # type: ignore[attr-defined]
+                revision=model_config.tokenizer_revision,
+                code_revision=(
+                    model_config.code_revision if model_config.tokenizer == model_config.model else None
+                ),
+                trust_remote_code=model_config.trust_remote_code,
+            )
+        except Exception:  # noqa: BLE001 - the warm-up then looks it up itself, and reports
+            pass
+        _TEMPLATE["seconds"] = time.perf_counter() - started
+        _TEMPLATE["misses"] = processor.cached_get_processor.cache_info().misses
+
+    def start_mm_warmup_in_background(self: object) -> None:
+        start_original(self)
+        if _TEMPLATE["thread"] is None and isinstance(self, hf.HfRenderer) and self.tokenizer is not None:
+            thread = threading.Thread(target=lookup, args=(self,), name="art-mega-chat-template", daemon=True)
+            _TEMPLATE["thread"] = thread
+            thread.start()
+
+    def warmup(self: object, chat_params: object) -> None:
+        thread = _TEMPLATE["thread"]
+        if thread is None:
+            warmup_original(self, chat_params)
+            return
+        thread.join()
+        warmup_original(self, chat_params)
+        again = processor.cached_get_processor.cache_info().misses != _TEMPLATE["misses"]
+        print(
+            f"{prefix} looked up the processor chat template in {_TEMPLATE['seconds']:.2f} s while the engine"
+            f" core started; the warm-up {'loaded a processor again' if again else 'loaded no processor'}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    renderer_cls.start_mm_warmup_in_background = start_mm_warmup_in_background  # type: ignore[method-assign]
+    renderer_cls.warmup = warmup  # type: ignore[method-assign]

@@ -1,9 +1,9 @@
 """A warm interpreter for a replica: imports a server module now, runs it as `python -m` later.
 
 Run by the agent as `python art_mega_vllm_warm.py OUTPUT FILES MODULE [PRELOAD ...]` in the
-replica's interpreter (vLLM's, where art-mega itself is not installed: this file imports only the
-standard library). It imports MODULE and each PRELOAD module (best effort: a PRELOAD that fails is
-named on stderr and skipped), then reads one JSON line from stdin:
+replica's interpreter (vLLM's, where art-mega itself is not installed). It imports MODULE and each
+PRELOAD module (best effort: a PRELOAD that fails is named on stderr and skipped), then reads one
+JSON line from stdin:
 
     {"argv": [...], "env": {...}, "cwd": "...", "log": "/path/replica.log"}
 
@@ -13,12 +13,22 @@ makes its environment `env` where `env` differs from the one it was started with
 imports set stays, as in a fresh process), changes to `cwd`, sets `sys.argv` to MODULE's file plus
 `argv` and runs MODULE as `__main__`, as `python -m MODULE *argv` would.
 
-FILES ("" for none) lists (one path a line) the files the last such import read: the Python files and the
-shared libraries it mapped. A thread asks the kernel to read them ahead (`posix_fadvise`
-WILLNEED) while the import runs, which the import would otherwise wait for one page fault at a
-time when the page cache has dropped them (vLLM's server: 14.4 s cold, 10.0 s cold with the
-read-ahead, 9.2 s warm on this 2-core machine). After a successful import the list is written
-anew. A missing or unreadable list only costs the read-ahead.
+FILES ("" for none) is the listing (`art_mega.readahead`) of the files the last such import
+read: a thread asks the kernel to read them ahead while the import runs, which the import would
+otherwise wait for one page fault at a time when the page cache has dropped them (vLLM's server:
+14.4 s cold, 10.0 s cold with the read-ahead, 9.2 s warm on this 2-core machine). After a
+successful import the listing is written anew. A missing or unreadable listing only costs the
+read-ahead. This file imports only the standard library, and art_mega/readahead.py (also
+standard library only) by its path.
+
+The imports run with Python's cyclic garbage collector paused, and what they built is then frozen
+(`gc.freeze`) before the collector resumes: a collection during the import finds almost nothing
+to free but walks every object built so far (vLLM's server: 0.7 million objects; 10.8 s against
+12.4 s for the import on this machine), and the collections vLLM runs itself later (after the
+engine core loads its weights, in the engine core forked from this process, and
+`freeze_gc_heap` when the server starts) walk only what was built after the freeze. The cost is
+what the imports left as cyclic garbage (about 22,000 objects for vLLM's server), which is never
+freed. vLLM freezes its start-up heap the same way once its server is up.
 
 A MODULE that failed to import is reported the same way: its traceback lands in `log` once a
 request comes, and the process exits with code 1. End of input (the agent closed the pipe, or
@@ -31,13 +41,13 @@ their environment when imported (vLLM's logging, torch's threads) then see the s
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import json
 import os
 import runpy
 import sys
-import threading
 import traceback
 
 
@@ -58,58 +68,25 @@ def _take_over_output(scratch: str, log_path: str) -> None:
     os.close(log)
 
 
-def _read_ahead(listing: str) -> None:
-    """Ask the kernel to read every file `listing` names into the page cache (asynchronously)."""
-    try:
-        with open(listing) as names:
-            paths = names.read().splitlines()
-    except OSError:
-        return
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except (OSError, AttributeError):
-            pass
-        finally:
-            os.close(fd)
-
-
-def _write_files_read(listing: str) -> None:
-    """Write (atomically) the files this process's imports read to `listing`."""
-    paths = set()
-    for mod in list(sys.modules.values()):
-        for path in (getattr(mod, "__file__", None), getattr(getattr(mod, "__spec__", None), "cached", None)):
-            if isinstance(path, str):
-                paths.add(path)
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    paths.add(fields[5].rstrip("\n"))
-    except OSError:
-        pass
-    kept = sorted(p for p in paths if os.path.isfile(p))
-    try:
-        os.makedirs(os.path.dirname(listing) or ".", exist_ok=True)
-        partial = f"{listing}.{os.getpid()}.partial"
-        with open(partial, "w") as out:
-            out.write("\n".join(kept) + "\n")
-        os.replace(partial, listing)
-    except OSError:
-        pass
+def _readahead_module():
+    """art_mega/readahead.py (standard library only), loaded by its path: art_mega is not
+    installed in this interpreter."""
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "readahead.py"
+    )
+    spec = importlib.util.spec_from_file_location("art_mega_readahead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str]) -> int:
     scratch, listing, module, preload = argv[0], argv[1], argv[2], argv[3:]
     started_with = dict(os.environ)
-    if listing:
-        threading.Thread(target=_read_ahead, args=(listing,), daemon=True).start()
+    readahead = _readahead_module()
+    readahead.read_ahead(listing)
     failure = None
+    gc.disable()  # see the module docstring
     try:
         importlib.import_module(module)
     except BaseException:  # noqa: BLE001 - reported in the replica's log when a request comes
@@ -120,8 +97,10 @@ def main(argv: list[str]) -> int:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - an optimisation only
                 print(f"art-mega: warm interpreter: could not preload {name}: {exc!r}", file=sys.stderr)
-    if failure is None and listing:
-        _write_files_read(listing)
+    gc.freeze()
+    gc.enable()
+    if failure is None:
+        readahead.record(listing)
     state = "failed to import" if failure is not None else "imported"
     print(f"art-mega: warm interpreter {os.getpid()}: {module} {state}, waiting", file=sys.stderr, flush=True)
     line = sys.stdin.readline()
