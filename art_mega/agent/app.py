@@ -89,6 +89,8 @@ class AgentState:
         self.lease = ControllerLease(controller_lease_s)
         self.closing = False
         """Set once `close` began: requests in flight may then lose their children and sockets."""
+        self.read_ahead_listing: str | None = None
+        """Where a shutdown request lists the files this agent read (`agent_main`)."""
 
     def health(self) -> HealthResponse:
         return HealthResponse(
@@ -153,6 +155,9 @@ def create_app(state: AgentState, services: Sequence[Service]) -> Starlette:
 
     @router.serve(SHUTDOWN)
     async def shutdown() -> ShutdownResponse:
+        from art_mega.readahead import record
+
+        record(state.read_ahead_listing)  # before the close: the launcher may SIGTERM after it
         stopped = await state.close()
         state.shutdown_requested.set()
         return stopped
@@ -274,12 +279,15 @@ def agent_main(
     services: Sequence[Service],
     exit_on_stdin_eof: bool = False,
     controller_lease_s: float = DEFAULT_CONTROLLER_LEASE_S,
+    read_ahead_listing: str | None = None,
 ) -> int:
     """Run an agent listening on `address` (tcp://HOST:PORT) that serves `services` (each one's
     `register`, see `Service`); prints the ready line on stdout.
 
     `controller_lease_s`: seconds the agent waits for a word from the controller that holds it
-    before it stops its children and exits (see `lease`).
+    before it stops its children and exits (see `lease`). `read_ahead_listing`: where a
+    shutdown request first lists the files this agent read (`art_mega.readahead`; None: not
+    listed), for the next agent's start to read ahead.
 
     Returns the process exit code: 0, or 1 when the controller lease expired. Raises
     `UserError` for an address already in use.
@@ -301,6 +309,7 @@ def agent_main(
     port = sock.getsockname()[1]
     bound = EndpointSpec(host=endpoint.host, port=port)
     state = AgentState(launch_id, secret, bound.address, controller_lease_s)
+    state.read_ahead_listing = read_ahead_listing
 
     def announce() -> None:
         holders = listener_pids(port) if sys.platform.startswith("linux") else {os.getpid()}

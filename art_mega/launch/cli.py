@@ -217,8 +217,8 @@ def _refuse_loopback(hosts: Sequence[tuple[str, str]], option: str, fixes: Seque
 @contextlib.contextmanager
 def _reading_ahead() -> Iterator[None]:
     """Read ahead the files this controller's last run read, and list what this one read when
-    it ends (`art_mega.readahead`; under the local cache root). The local agent, started
-    later by the same interpreter, finds most of its files read with them."""
+    it ends (`art_mega.readahead`; under the local cache root). An agent keeps its own
+    listing (`worker`)."""
     from art_mega.launch.context import default_cache_root
     from art_mega.readahead import listing_path, read_ahead, record
 
@@ -406,6 +406,12 @@ def worker(
     """Run this host's agent. The launch secret comes from ART_MEGA_SECRET or stdin, never argv."""
 
     def body() -> int:
+        from art_mega.launch.context import default_cache_root
+        from art_mega.readahead import listing_path, read_ahead
+
+        listing = str(listing_path(default_cache_root(), "agent", sys.executable))
+        read_ahead(listing)  # before the agent's modules are imported; listed at its shutdown
+
         from art_mega.agent.app import agent_main
         from art_mega.agent.auth import load_secret
         from art_mega.agent.lease import parse_controller_lease
@@ -429,7 +435,7 @@ def worker(
         if launch_id is None and from_env:
             _check_launch_id(from_env, "ART_MEGA_LAUNCH_ID")
         chosen = launch_id or from_env or secrets.token_hex(8)
-        return agent_main(address, chosen, secret, AGENT_SERVICES, exit_on_stdin_eof, lease_s)
+        return agent_main(address, chosen, secret, AGENT_SERVICES, exit_on_stdin_eof, lease_s, listing)
 
     raise typer.Exit(_guarded(debug, body))
 

@@ -24,6 +24,8 @@ import pytest
 import pytest_asyncio
 
 from art_mega.errors import UserError
+from art_mega.launch.context import default_cache_root
+from art_mega.readahead import listing_path, parse_line
 from tests.inference.common import REPO, rollout_groups
 
 # The replica start counts toward the first test: 30-55 s idle, over 300 s on a loaded machine.
@@ -135,6 +137,19 @@ async def test_client_tags_choices_and_replica_has_the_trainer_lora_rank(setup: 
     warm_pid = int(note.rsplit("pid ", 1)[1].rstrip(")"))
     assert f"art-mega: warm interpreter {warm_pid}: vllm.entrypoints.openai.api_server imported" in log
     assert f"(APIServer pid={warm_pid})" in log
+    # about to serve, the server listed again what it read (art_mega.readahead), now with the
+    # modules it imported after the hand-over (uvicorn's lifespan, loaded when the server starts)
+    python = log.splitlines()[0].split("vllm-0: ", 1)[1].split(" -m ", 1)[0]
+    listing = listing_path(default_cache_root(), "replica", f"{python}\0vllm.entrypoints.openai.api_server")
+    renderer = os.path.join("uvicorn", "lifespan", "on.py")
+    for _ in range(100):
+        if listing.exists() and any(
+            parse_line(x)[0].endswith(renderer) for x in listing.read_text().splitlines()
+        ):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"{listing} does not name {renderer}")
 
 
 async def test_three_publications_change_outputs_and_match_megatron(setup: Setup, tmp_path: Path) -> None:

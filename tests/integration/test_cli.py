@@ -37,6 +37,11 @@ def test_smoke_program_passes_through_art_mega_local(tmp_path):
     named = [parse_line(line)[0] for line in listing.read_text().splitlines()]
     assert str(REPO / "examples" / "multinode" / "program.py") in named
     assert any(p.endswith(os.path.join("art_mega", "launch", "cli.py")) for p in named)
+    # and so did the agent, when the controller asked it to shut down
+    (agent,) = (tmp_path / "cache" / "read-ahead").glob("agent-*.files")
+    named = [parse_line(line)[0] for line in agent.read_text().splitlines()]
+    assert any(p.endswith(os.path.join("art_mega", "agent", "app.py")) for p in named)
+    assert str(REPO / "examples" / "multinode" / "program.py") not in named
 
 
 @pytest.mark.parametrize(

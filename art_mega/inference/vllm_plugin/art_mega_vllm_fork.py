@@ -68,6 +68,10 @@ whether the warm-up still loaded a processor itself (`cached_get_processor` miss
 thread), which would mean vLLM now asks with other arguments. With a server given
 `--chat-template`, or tools in its default chat template arguments, vLLM needs no processor
 template and the thread's load is spent in that wait for nothing.
+
+A server that runs in a warm interpreter (art_mega_vllm_warm.py) also lists its files for the
+next start to read ahead once more, RELIST_DELAY_S after its warm-up (`relist`): the warm script
+listed them after its import, before the server imported and touched the rest.
 """
 
 from __future__ import annotations
@@ -319,6 +323,28 @@ def _template_problem(base: object, hf: object, processor: object) -> str | None
     return None
 
 
+RELIST_DELAY_S = 3.0
+"""Seconds after its warm-up at which a warm interpreter's server lists its files again: by then
+it serves (uvicorn and its lifespan, imported after the warm-up, are in)."""
+
+
+def relist() -> None:
+    """In a warm interpreter's server that warmed up: list again, in a thread, RELIST_DELAY_S
+    later, the files it read (`art_mega.readahead`, which the warm script loaded as
+    `art_mega_readahead` and gave its listing), now with what the server imported and touched
+    since the hand-over."""
+    readahead = sys.modules.get("art_mega_readahead")
+    listing = getattr(readahead, "LISTING", None)
+    if not listing:
+        return
+
+    def later() -> None:
+        time.sleep(RELIST_DELAY_S)
+        readahead.record(listing)
+
+    threading.Thread(target=later, name="art-mega-relist", daemon=True).start()
+
+
 def overlap_chat_template(prefix: str) -> None:
     """In vLLM's API server: have the processor chat template lookup run while the engine core
     starts (see the module docstring). Does nothing in a process that has not imported vLLM's
@@ -370,9 +396,11 @@ def overlap_chat_template(prefix: str) -> None:
         thread = _TEMPLATE["thread"]
         if thread is None:
             warmup_original(self, chat_params)
+            relist()
             return
         thread.join()
         warmup_original(self, chat_params)
+        relist()
         again = processor.cached_get_processor.cache_info().misses != _TEMPLATE["misses"]
         print(
             f"{prefix} looked up the processor chat template in {_TEMPLATE['seconds']:.2f} s while the engine"
