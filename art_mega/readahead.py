@@ -13,8 +13,9 @@ cache (ad hoc, three alternating runs each), the quickstart program's start-up w
 24.7 and 31.2 s to 19.4, 20.3 and 23.5 s with this and the start-up changes made with it (the
 warm interpreter's frozen heap, the chat template looked up during the engine core's load).
 
-A listing is a text file, one absolute path a line (the whole file), or for a shared library the
-path, a tab, a byte offset, a tab and a length (one range of it): the pages of a library the
+A listing is a text file, one absolute path a line (the whole file), or for a shared library (a
+file the process maps executable) the path, a tab, a byte offset, a tab and a length (one range
+of it): the pages of a library the
 process touched, found in its page tables (`/proc/self/pagemap`), runs closer than 128 KiB taken
 as one. vLLM's server maps 1.56 GB of shared libraries and touches about an eighth of them
 (`/proc/self/smaps`: 68 of triton's 500 MB, 50 of libtorch_cpu's 434 MB); reading all of them
@@ -38,7 +39,6 @@ interpreter where art_mega is not installed, loads this file by its path.
 from __future__ import annotations
 
 import array
-import hashlib
 import os
 import sys
 import threading
@@ -54,6 +54,8 @@ READ_AHEAD_ENV = "ART_MEGA_READ_AHEAD"
 def listing_path(cache_root: str | os.PathLike[str], kind: str, interpreter: str) -> Path:
     """The listing of the process kind `kind` ("trainer-rank", "controller", ...) run by
     `interpreter` (its path, with what tells its program apart) under a host's `cache_root`."""
+    import hashlib  # here: the read-ahead process, which runs this file, needs no libcrypto
+
     key = hashlib.sha256(f"{interpreter}\0{kind}".encode()).hexdigest()[:16]
     return Path(cache_root) / SUBDIR / f"{kind}-{key}.files"
 
@@ -115,13 +117,17 @@ def read_ahead(listing: str | os.PathLike[str] | None) -> bool:
                 null = os.open(os.devnull, os.O_RDWR)
                 for fd in (0, 1, 2):
                     os.dup2(null, fd)
-                os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
+                limit = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else -1
+                os.closerange(3, limit if limit > 3 else 65536)
                 os.execv(
                     sys.executable, [sys.executable, "-S", "-I", os.path.abspath(__file__), str(listing)]
                 )
         finally:
             os._exit(0)
-    os.waitpid(child, 0)
+    try:
+        os.waitpid(child, 0)
+    except ChildProcessError:  # SIGCHLD ignored: the kernel reaped it
+        pass
     return True
 
 
@@ -192,22 +198,25 @@ def _touched(pagemap: Any, start: int, end: int, offset: int) -> list[tuple[int,
 def mapped_files(
     maps: str = "/proc/self/maps", pagemap: str = "/proc/self/pagemap"
 ) -> list[tuple[str, list[tuple[int, int]] | None]]:
-    """The files this process maps, in the order of their first mapping (address order), each
-    with the (offset, length) ranges of it that the process touched, or None where that cannot
-    be read (then the whole file is listed)."""
+    """The shared libraries this process maps (files with an executable mapping: not a model's
+    weights or a dataset it maps for reading, which could be far larger than the memory), in the
+    order of their first mapping (address order), each with the (offset, length) ranges of all
+    its mappings that the process touched, or None where that cannot be read (then the whole
+    file is listed)."""
     found: dict[str, list[tuple[int, int]] | None] = {}
     try:
-        with open(maps) as lines:
+        with open(maps, errors="surrogateescape") as lines:
             mappings = [line.split(maxsplit=5) for line in lines]
     except OSError:
         return []
+    executable = {f[5].rstrip("\n") for f in mappings if len(f) == 6 and f[5].startswith("/") and "x" in f[1]}
     try:
         table = open(pagemap, "rb", buffering=0)
     except OSError:
         table = None
     try:
         for fields in mappings:
-            if len(fields) != 6 or not fields[5].startswith("/"):
+            if len(fields) != 6 or fields[5].rstrip("\n") not in executable:
                 continue
             path = fields[5].rstrip("\n")
             ranges = found.setdefault(path, [])
@@ -265,11 +274,32 @@ def needed_order(modules: list[tuple[str, list[str]]], mapped: list[str]) -> lis
 
 
 def record(listing: str | os.PathLike[str] | None) -> None:
-    """Write the files this process has read in its imports, and the files it maps, to
-    `listing` in need order (atomically); nothing when `listing` is None. Never raises for a
-    listing it cannot write (the next start reads nothing ahead)."""
+    """Write the files this process has read in its imports, and the shared libraries it maps,
+    to `listing` in need order (atomically); nothing when `listing` is None. Never raises (an
+    agent records before it stops its children, a rank after it reported ready): a listing it
+    cannot make leaves the last one, or none, and the next start reads that."""
     if not listing:
         return
+    partial = None
+    try:
+        lines = _listing_lines()
+        target = Path(listing)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("".join(f"{line}\n" for line in lines), errors="surrogateescape")
+        os.replace(partial, target)
+        partial = None
+    except Exception:  # noqa: BLE001 - an optimisation only, see the docstring
+        pass
+    finally:
+        if partial is not None:
+            try:
+                partial.unlink()
+            except OSError:
+                pass
+
+
+def _listing_lines() -> list[str]:
     modules = []
     for name, module in list(sys.modules.items()):
         files = []
@@ -279,7 +309,9 @@ def record(listing: str | os.PathLike[str] | None) -> None:
             getattr(module, "__file__", None),
         ):
             if isinstance(path, str) and os.path.isabs(path):
-                files.append(path)
+                # an extension module is mapped: /proc/self/maps names it by its real path
+                is_library = path.endswith(".so") or ".so." in os.path.basename(path)
+                files.append(os.path.realpath(path) if is_library else path)
         modules.append((name, files))
     mapped = dict(mapped_files())
     lines = []
@@ -293,17 +325,7 @@ def record(listing: str | os.PathLike[str] | None) -> None:
             lines.append(path)
         else:
             lines.extend(f"{path}\t{offset}\t{length}" for offset, length in ranges)
-    target = Path(listing)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text("".join(f"{line}\n" for line in lines))
-        os.replace(partial, target)
-    except OSError:
-        try:
-            partial.unlink()
-        except OSError:
-            pass
+    return lines
 
 
 if __name__ == "__main__":  # `read_ahead`'s process

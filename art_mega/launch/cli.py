@@ -410,7 +410,7 @@ def worker(
         from art_mega.readahead import listing_path, read_ahead
 
         listing = str(listing_path(default_cache_root(), "agent", sys.executable))
-        read_ahead(listing)  # before the agent's modules are imported; listed at its shutdown
+        read_ahead(listing)  # before the agent's own modules are imported; listed at its shutdown
 
         from art_mega.agent.app import agent_main
         from art_mega.agent.auth import load_secret

@@ -112,6 +112,21 @@ def test_nothing_is_read_for_a_missing_listing_and_an_unwritable_one_raises_noth
     blocker.write_text("")
     readahead.record(blocker / "cannot" / "be.files")  # a folder under a file: no listing, no error
     assert not (blocker / "cannot").exists()
+    # a module whose attributes raise (a lazy-import proxy) costs the listing, never the caller
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(readahead.__file__).parent)!r})
+import readahead
+class Proxy:
+    def __getattr__(self, name):
+        raise RuntimeError("a lazy module that cannot load")
+sys.modules["lazy_proxy"] = Proxy()
+readahead.record({str(tmp_path / "proxy.files")!r})
+print("returned")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "returned\n", done.stderr
+    assert list(tmp_path.glob("*.partial")) == []
 
 
 @needs_fincore
@@ -152,21 +167,24 @@ def test_a_model_larger_than_half_the_available_memory_is_not_read_ahead(tmp_pat
 
 def test_a_mapped_library_is_listed_by_the_pages_the_process_touched(tmp_path):
     library = evicted(tmp_path / "libfake.so", 512 * 4096)
+    weights = evicted(tmp_path / "model.safetensors", 64 * 4096)
     listing = tmp_path / "lib.files"
     script = f"""
 import mmap, sys
 sys.path.insert(0, {str(Path(readahead.__file__).parent)!r})
 import readahead
-with open({str(library)!r}, "rb") as f:
-    view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+with open({str(library)!r}, "rb") as f, open({str(weights)!r}, "rb") as w:
+    view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ | mmap.PROT_EXEC)  # as the loader maps code
+    data = mmap.mmap(w.fileno(), 0, prot=mmap.PROT_READ)  # as safetensors maps weights
     for page in (0, 300, 305):
         view[page * 4096]
+    data[:]
     readahead.record({str(listing)!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True)
-    ranges = [
-        (o, n) for p, o, n in map(readahead.parse_line, listing.read_text().splitlines()) if p == str(library)
-    ]
+    named = [readahead.parse_line(line) for line in listing.read_text().splitlines()]
+    assert str(weights) not in [p for p, _, _ in named]  # mapped for reading only: not a library
+    ranges = [(o, n) for p, o, n in named if p == str(library)]
     covers = lambda page: [r for r in ranges if r[0] <= page * 4096 < r[0] + r[1]]  # noqa: E731
     assert covers(0) and covers(300) and covers(300) == covers(305)  # 5 pages apart: one range
     assert not any(covers(p) for p in range(100, 250))  # untouched pages are not listed

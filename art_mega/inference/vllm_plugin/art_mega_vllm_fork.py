@@ -69,9 +69,11 @@ thread), which would mean vLLM now asks with other arguments. With a server give
 `--chat-template`, or tools in its default chat template arguments, vLLM needs no processor
 template and the thread's load is spent in that wait for nothing.
 
-A server that runs in a warm interpreter (art_mega_vllm_warm.py) also lists its files for the
-next start to read ahead once more, RELIST_DELAY_S after its warm-up (`relist`): the warm script
-listed them after its import, before the server imported and touched the rest.
+Only a text model's server does this (a multimodal one's warm-up shares vLLM's single multimodal
+executor, kept apart from other threads). A server that runs in a warm interpreter
+(art_mega_vllm_warm.py) and whose renderer this patched also lists its files for the next start
+to read ahead once more, RELIST_DELAY_S after its warm-up (`relist`): the warm script listed them
+after its import, before the server imported and touched the rest.
 """
 
 from __future__ import annotations
@@ -369,9 +371,9 @@ def overlap_chat_template(prefix: str) -> None:
     warmup_original = renderer_cls.warmup
 
     def lookup(renderer: object) -> None:
-        model_config = renderer.model_config  # type: ignore[attr-defined]
         started = time.perf_counter()
         try:  # the arguments of vLLM 0.32's resolve_chat_template
+            model_config = renderer.model_config  # type: ignore[attr-defined]
             hf._try_get_processor_chat_template(
                 renderer.get_tokenizer(),  # type: ignore[attr-defined]
                 revision=model_config.tokenizer_revision,
@@ -382,12 +384,21 @@ def overlap_chat_template(prefix: str) -> None:
             )
         except Exception:  # noqa: BLE001 - the warm-up then looks it up itself, and reports
             pass
-        _TEMPLATE["seconds"] = time.perf_counter() - started
-        _TEMPLATE["misses"] = processor.cached_get_processor.cache_info().misses
+        finally:
+            _TEMPLATE["seconds"] = time.perf_counter() - started
+            _TEMPLATE["misses"] = processor.cached_get_processor.cache_info().misses
 
     def start_mm_warmup_in_background(self: object) -> None:
         start_original(self)
-        if _TEMPLATE["thread"] is None and isinstance(self, hf.HfRenderer) and self.tokenizer is not None:
+        # a text model only: a multimodal one's own warm-up runs now on vLLM's single multimodal
+        # executor, which vLLM keeps apart from other threads (numba's workqueue aborts the
+        # process on concurrent use, renderers/base.py)
+        if (
+            _TEMPLATE["thread"] is None
+            and isinstance(self, hf.HfRenderer)
+            and self.tokenizer is not None
+            and getattr(self, "mm_processor", None) is None
+        ):
             thread = threading.Thread(target=lookup, args=(self,), name="art-mega-chat-template", daemon=True)
             _TEMPLATE["thread"] = thread
             thread.start()
@@ -402,8 +413,9 @@ def overlap_chat_template(prefix: str) -> None:
         warmup_original(self, chat_params)
         relist()
         again = processor.cached_get_processor.cache_info().misses != _TEMPLATE["misses"]
+        seconds = _TEMPLATE["seconds"] or 0.0
         print(
-            f"{prefix} looked up the processor chat template in {_TEMPLATE['seconds']:.2f} s while the engine"
+            f"{prefix} looked up the processor chat template in {seconds:.2f} s while the engine"
             f" core started; the warm-up {'loaded a processor again' if again else 'loaded no processor'}",
             file=sys.stderr,
             flush=True,

@@ -17,8 +17,8 @@ FILES ("" for none) is the listing (`art_mega.readahead`) of the files the last 
 read: a thread asks the kernel to read them ahead while the import runs, which the import would
 otherwise wait for one page fault at a time when the page cache has dropped them (vLLM's server:
 14.4 s cold, 10.0 s cold with the read-ahead, 9.2 s warm on this 2-core machine). After a
-successful import the listing is written anew, and once more by the server when it is about to
-serve (`art_mega_vllm_fork`), with what it imported and touched since. A missing or unreadable
+successful import the listing is written anew, and once more by a server that warmed up where
+`art_mega_vllm_fork` patched vLLM's renderer, with what it imported and touched since. A missing or unreadable
 listing only costs the read-ahead. This file imports only the standard library, and art_mega/readahead.py (also
 standard library only) by its path.
 
