@@ -121,14 +121,25 @@ def test_concurrent_callers_never_share_a_port():
     assert len(got) == 320 and len(set(got)) == 320
 
 
+def _taken_only_on_127_0_0_2() -> socket.socket:
+    """A listening socket on 127.0.0.2 whose port binds on 127.0.0.1: the kernel's pick for
+    127.0.0.2 may be a port another socket of this machine holds on 127.0.0.1 (CI saw one)."""
+    for _ in range(50):
+        busy = socket.socket()
+        busy.bind(("127.0.0.2", 0))
+        if _binds(busy.getsockname()[1], "127.0.0.1"):
+            busy.listen()
+            return busy
+        busy.close()
+    raise AssertionError("no port of 127.0.0.2 in 50 was free on 127.0.0.1")
+
+
 def test_a_port_taken_on_another_address_is_skipped(monkeypatch):
     # torch's TCPStore master listens on every address whatever host it is given, so a port
     # that binds on 127.0.0.1 but is taken on 127.0.0.2 fails it (EADDRINUSE)
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.2", 0))
-        busy.listen()
+    busy = _taken_only_on_127_0_0_2()
+    with busy:
         taken = busy.getsockname()[1]
-        assert _binds(taken, "127.0.0.1")
         others = [p for p in range(taken - 20, taken + 20) if p != taken]
         candidates = iter([taken, *others])
         monkeypatch.setattr(ports, "_candidate", lambda windows, sizes: next(candidates))
