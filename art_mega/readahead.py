@@ -318,8 +318,8 @@ def _listing_lines() -> list[str]:
     for path in needed_order(modules, list(mapped)):
         if "\t" in path or "\n" in path or not os.path.isfile(path):
             continue
-        ranges = mapped.get(path, None) if path in mapped else None
-        if path in mapped and ranges == []:
+        ranges = mapped.get(path)
+        if ranges == []:
             continue  # mapped, never touched: the loader's one read of its headers needs no help
         if ranges is None:  # a module's file, or a mapping whose pages could not be read: all of it
             lines.append(path)
