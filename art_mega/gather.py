@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import math
 import numbers
+import time
 import warnings
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -196,8 +198,17 @@ async def gather_trajectory_groups(
             return []
         return list(result) if isinstance(result, list) else [result]
 
+    started = time.monotonic()
     finished = await _run(progress, [finish(i, g) for i, g in enumerate(pending)])
-    return [g for batch in finished for g in batch]
+    gathered = (next(_GATHER_CALLS), time.monotonic() - started)
+    out = [g for batch in finished for g in batch]
+    for group in out:
+        group._gathered = gathered
+    return out
+
+
+_GATHER_CALLS = itertools.count()
+"""Numbers `gather_trajectory_groups` calls, so that groups of one call count its time once."""
 
 
 async def await_group(progress: GatherProgress, item: Any, index: int) -> TrajectoryGroup | None:

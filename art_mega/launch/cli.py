@@ -464,7 +464,7 @@ def report(
     run_dir: Annotated[str, typer.Argument(help="A model's run directory (it holds history.jsonl).")],
     debug: DebugOpt = False,
 ) -> None:
-    """Write PNG plots of RUN_DIR (reward, loss, KL, grad norm, step time) and print a summary."""
+    """Write PNG plots of RUN_DIR (reward, loss, KL when logged, grad norm, step time) and print a summary."""
 
     def body() -> int:
         from pathlib import Path

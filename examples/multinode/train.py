@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import art_mega as art
 from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
@@ -95,18 +94,16 @@ async def main(launch) -> None:
         ):
             if batch.step >= steps:
                 break
-            started = time.perf_counter()
             groups = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, q) for _ in range(group_size)) for q in batch.items),
                 pbar_desc=f"step {batch.step}",
             )
-            rollout_s = time.perf_counter() - started
             result = await backend.train(model, groups, learning_rate=3e-4)
             # logged at the step of the policy that sampled these groups, like the validation
             await model.log(
                 groups,
                 split="train",
-                metrics={**result.metrics, "time/rollout_s": rollout_s},
+                metrics=result.metrics,
                 step=batch.step,
             )
             if result.step % 2 == 0 or result.step >= steps:
