@@ -12,6 +12,7 @@ Environment knobs: ART_MEGA_STEPS (default 6), ART_MEGA_GROUP_SIZE (8), ART_MEGA
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -89,8 +90,9 @@ async def main(launch) -> None:
         first_val = await validate(model)
         print(f"step {await model.get_step()}: val/reward {first_val:.3f}", flush=True)
         val = first_val
+        epochs = math.ceil(steps * 4 / len(TRAIN_QUESTIONS))  # the epochs that hold `steps` steps
         for batch in art.iterate_dataset(
-            TRAIN_QUESTIONS, groups_per_step=4, num_epochs=100, initial_step=await model.get_step()
+            TRAIN_QUESTIONS, groups_per_step=4, num_epochs=epochs, initial_step=await model.get_step()
         ):
             if batch.step >= steps:
                 break
