@@ -291,18 +291,23 @@ class Model(BaseModel, Generic[ModelConfig]):
         return row
 
     def _reports_to_wandb(self) -> bool:
-        """ART's rule: report_metrics None -> W&B when WANDB_API_KEY is set; ['wandb'] -> W&B.
+        """ART's rule: report_metrics None -> W&B when WANDB_API_KEY is set; ['wandb'] -> W&B,
+        which needs the key unless WANDB_MODE is offline (or dryrun, disabled): an offline run
+        is written under WANDB_DIR without any account.
 
         Raises:
-            UserError: ['wandb'] without WANDB_API_KEY (ART would log nothing to W&B in silence).
+            UserError: ['wandb'] without WANDB_API_KEY and not offline (ART would log nothing to
+                W&B in silence).
         """
         key = bool(os.environ.get("WANDB_API_KEY"))
         if self.report_metrics is None:
             return key
-        if "wandb" in self.report_metrics and not key:
+        offline = os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "dryrun", "disabled")
+        if "wandb" in self.report_metrics and not key and not offline:
             raise UserError(
                 f"model {self.name!r} has report_metrics={self.report_metrics!r} but WANDB_API_KEY is not "
-                "set; set it, or pass report_metrics=None (W&B only when the key is set) or []"
+                "set; set it, set WANDB_MODE=offline to write the W&B run locally, or pass "
+                "report_metrics=None (W&B only when the key is set) or []"
             )
         return "wandb" in self.report_metrics
 
