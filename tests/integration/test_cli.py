@@ -157,7 +157,7 @@ def test_numeric_options_take_finite_ascii_numbers(command, option, value, reaso
     result = run_cli(command, *extra, option, value, "--program", "examples/multinode/program.py:main")
     _one_sentence_error(
         result,
-        f"art-mega {command}: Invalid value for '{option}': {reason}",
+        f"art-mega: error: {command}: Invalid value for '{option}': {reason}",
         f"see 'art-mega {command} --help'",
     )
 
