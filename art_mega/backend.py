@@ -2114,7 +2114,12 @@ class MegatronBackend:
         first: the ranks and replicas it uses are not stopped under it; a step that waits for
         the backend then finds the model unregistered (UserError)."""
         async with self._lock:
+            run_dir = self._run_dir
             await self._stop_serving()
+        if run_dir is not None:
+            from art_mega.progress import line
+
+            line(f"art-mega: run folder {run_dir}")
         if self._owns_runtime and self._runtime is not None:
             runtime, self._runtime = self._runtime, None
             await runtime.close()

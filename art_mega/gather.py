@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import math
 import numbers
+import time
 import warnings
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -61,27 +63,32 @@ class GatherProgress:
     exceptions: list[BaseException] = field(default_factory=list)
     _seen: set[int] = field(default_factory=set)
     _bar: Any = None
-    _task: Any = None
+    _started: float = 0.0
 
     def start(self) -> None:
+        """Open the bar (`art_mega.progress.bar`: tqdm on a terminal); elsewhere `stop` prints
+        one line instead."""
         if self.description is None:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from art_mega import progress
 
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[postfix]}"),
-            transient=False,
-        )
-        self._bar.start()
-        self._task = self._bar.add_task(self.description, total=self.total, postfix="")
+        self._started = time.monotonic()
+        self._bar = progress.bar(self.total, self.description, "rollout")
 
     def stop(self) -> None:
+        if self.description is None:
+            return
         if self._bar is not None:
-            self._bar.stop()
+            self._bar.close()
+            return
+        from art_mega import progress
+
+        shown = ", ".join(f"{name}={value:.4g}" for name, value in self.postfix().items())
+        seconds = time.monotonic() - self._started
+        progress.line(
+            f"{self.description}: {self.completed}/{self.total} rollouts in {seconds:.1f} s"
+            + (f", {shown}" if shown else "")
+        )
 
     def postfix(self) -> dict[str, float]:
         """What the bar shows after its counts: name -> sum / max(1, divisor), in first-seen
@@ -96,8 +103,8 @@ class GatherProgress:
 
     def _refresh(self) -> None:
         if self._bar is not None:
-            text = ", ".join(f"{name}={value:.4g}" for name, value in self.postfix().items())
-            self._bar.update(self._task, completed=self.completed, postfix=text)
+            self._bar.n = self.completed
+            self._bar.set_postfix({name: f"{value:.4g}" for name, value in self.postfix().items()})
 
     def record(self, trajectory: Trajectory) -> bool:
         """Add `trajectory`'s reward and metrics to the sums (once per trajectory: a group
@@ -196,8 +203,17 @@ async def gather_trajectory_groups(
             return []
         return list(result) if isinstance(result, list) else [result]
 
+    started = time.monotonic()
     finished = await _run(progress, [finish(i, g) for i, g in enumerate(pending)])
-    return [g for batch in finished for g in batch]
+    gathered = (next(_GATHER_CALLS), time.monotonic() - started)
+    out = [g for batch in finished for g in batch]
+    for group in out:
+        group._gathered = gathered
+    return out
+
+
+_GATHER_CALLS = itertools.count()
+"""Numbers `gather_trajectory_groups` calls, so that groups of one call count its time once."""
 
 
 async def await_group(progress: GatherProgress, item: Any, index: int) -> TrajectoryGroup | None:

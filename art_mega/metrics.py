@@ -4,6 +4,9 @@ totals and `throughput/*`), `track_api_cost`, and the W&B run.
 
 A row holds (for split "train", "val" or "test"): `{split}/reward`, `{split}/reward_std_dev`
 (mean over groups of more than one trajectory of the population std of their rewards),
+`{split}/reward_min` and `{split}/reward_max` (over the step's trajectories; art-mega's, for
+the report's band), `time/step_actor_s` (train) or `time/step_eval_s` (val, test): the seconds
+the `gather_trajectory_groups` calls that returned the groups took, unless the caller timed it,
 `{split}/exception_rate` (exceptions / (trajectories + exceptions)), `{split}/<metric>`
 (trajectory metrics, averaged over the trajectories that report them), `{split}/group_<metric>`
 (group metrics, averaged over the groups with trajectories), `data/step_num_scenarios`,
@@ -330,6 +333,11 @@ class MetricsBuilder:
         """The active builder. Raises LookupError when none is active (as ART's)."""
         return _ACTIVE.get()
 
+    def pending_keys(self) -> frozenset[str]:
+        """The keys this scope's pending step holds so far (e.g. `time/step_actor_s` a caller
+        added with `add_user_timing`)."""
+        return frozenset(self._pending().values)
+
     def flush_now(self) -> dict[str, float]:
         """This scope's pending step with its cost rollups, running totals and throughput,
         then cleared (see the module docstring); `flush` is the awaitable form."""
@@ -599,6 +607,13 @@ def art_train_metrics(metrics: Mapping[str, float], *, kl_loss: bool) -> dict[st
     return out
 
 
+def gather_seconds(groups: Iterable[TrajectoryGroup]) -> float | None:
+    """Seconds the `gather_trajectory_groups` calls that returned `groups` took, each call
+    counted once (groups of one call share its time); None when no group came from one."""
+    calls = {g._gathered[0]: g._gathered[1] for g in groups if g._gathered is not None}
+    return sum(calls.values()) if calls else None
+
+
 def history_row(
     groups: Iterable[TrajectoryGroup] | None,
     split: str = "train",
@@ -620,10 +635,16 @@ def history_row(
     """
     builder = (builder or MetricsBuilder()).for_split(split)
     metrics = dict(metrics or {})
-    _route({k: v for k, v in (automatic or {}).items() if k not in metrics}, builder)
-    values: dict[str, float] = {}
+    automatic = dict(automatic or {})
     if groups is not None:
         groups = list(groups)
+        timed = f"time/step_{'actor' if split == 'train' else 'eval'}_s"
+        seconds = gather_seconds(groups)
+        if seconds is not None and timed not in builder.pending_keys():
+            automatic.setdefault(timed, seconds)
+    _route({k: v for k, v in automatic.items() if k not in metrics}, builder)
+    values: dict[str, float] = {}
+    if groups is not None:
         if split in SPLITS:
             defaults = step_data_metrics(groups, trainable=split == "train")
             _route({k: v for k, v in defaults.items() if k not in metrics}, builder)
@@ -646,6 +667,9 @@ def history_row(
         values.update({f"group_{name}": _mean(v) for name, v in per_group.items()})
         spreads = [_pstd([t.reward for t in g.trajectories]) for g in groups if len(g.trajectories) > 1]
         values["reward_std_dev"] = _mean(spreads)
+        rewards = [t.reward for t in trajectories if math.isfinite(t.reward)]
+        if rewards:
+            values["reward_min"], values["reward_max"] = min(rewards), max(rewards)
     values.update(_route(metrics, builder))
     values.update(builder.flush_now())
     values = {k: v for k, v in values.items() if not math.isnan(v)}

@@ -284,21 +284,30 @@ class Model(BaseModel, Generic[ModelConfig]):
         self._save_metrics_state()
         if wandb:
             self._wandb.log(row)
+        if split == "train" and self._backend is not None:
+            from art_mega.progress import PLANNED_STEPS, line
+
+            line(step_line(row, PLANNED_STEPS["last"]))
         return row
 
     def _reports_to_wandb(self) -> bool:
-        """ART's rule: report_metrics None -> W&B when WANDB_API_KEY is set; ['wandb'] -> W&B.
+        """ART's rule: report_metrics None -> W&B when WANDB_API_KEY is set; ['wandb'] -> W&B,
+        which needs the key unless WANDB_MODE is offline (or dryrun, disabled): an offline run
+        is written under WANDB_DIR without any account.
 
         Raises:
-            UserError: ['wandb'] without WANDB_API_KEY (ART would log nothing to W&B in silence).
+            UserError: ['wandb'] without WANDB_API_KEY and not offline (ART would log nothing to
+                W&B in silence).
         """
         key = bool(os.environ.get("WANDB_API_KEY"))
         if self.report_metrics is None:
             return key
-        if "wandb" in self.report_metrics and not key:
+        offline = os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "dryrun", "disabled")
+        if "wandb" in self.report_metrics and not key and not offline:
             raise UserError(
                 f"model {self.name!r} has report_metrics={self.report_metrics!r} but WANDB_API_KEY is not "
-                "set; set it, or pass report_metrics=None (W&B only when the key is set) or []"
+                "set; set it, set WANDB_MODE=offline to write the W&B run locally, or pass "
+                "report_metrics=None (W&B only when the key is set) or []"
             )
         return "wandb" in self.report_metrics
 
@@ -510,6 +519,9 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         self._output_dir = str(await backend.register(self))
         self.inference_base_url, self.inference_api_key = backend.inference_endpoint(self)
         self.inference_model_name = backend.inference_name(self)
+        from art_mega.progress import line
+
+        line(f"art-mega: run folder {self._output_dir}")
 
     def openai_client(self, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` client over the backend's replicas (`kwargs`: its options).
@@ -718,6 +730,23 @@ def _merge_wandb_config(existing: dict[str, Any], updates: dict[str, Any], path:
                 value,
             )
     return merged
+
+
+def step_line(row: dict[str, Any], planned: int = 0) -> str:
+    """The one line a person reads per training step, from its history row: "step 3/6" (of
+    `planned`, the dataset iteration's steps, when known), the train reward, the loss, the
+    trained tokens and the step's wall time (`time/step_wall_s`), each when the row has it."""
+    parts = [f"step {row['step']}" + (f"/{planned}" if planned else "")]
+    for label, key, fmt in (
+        ("reward", "train/reward", ".3f"),
+        ("loss", "loss/train", ".4g"),
+        ("trained tokens", "data/step_trainer_tokens", ".0f"),
+        ("rollouts", "time/step_actor_s", ".1f"),
+        ("step", "time/step_wall_s", ".1f"),
+    ):
+        if isinstance(row.get(key), (int, float)):
+            parts.append(f"{label} {row[key]:{fmt}}" + (" s" if key.startswith("time/") else ""))
+    return "art-mega: " + ", ".join(parts)
 
 
 def _log_groups(value: Any) -> list[Any] | None:

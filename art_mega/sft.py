@@ -485,13 +485,13 @@ def _sft_chunks(
             bar.close()
 
 
-def _progress(show: bool, initial: int, total: int, desc: str, unit: str) -> Any:
-    """A tqdm bar (tqdm comes with huggingface-hub), or None when not shown."""
+def _progress(show: bool, initial: int, total: int, desc: str, unit: str, eta: bool = True) -> Any:
+    """A tqdm bar (`art_mega.progress.bar`: on a terminal only), or None when not shown."""
     if not show:
         return None
-    from tqdm.auto import tqdm
+    from art_mega.progress import bar
 
-    return tqdm(initial=initial, total=total, desc=desc, unit=unit)
+    return bar(total, desc, unit, initial=initial, eta=eta)
 
 
 @dataclass(frozen=True)
@@ -554,10 +554,14 @@ def _dataset_batches(
     shuffle: bool,
     seed: int,
 ) -> Iterator[DatasetBatch[T]]:
+    from art_mega.progress import PLANNED_STEPS
+
     per_epoch = math.ceil(len(dataset) / groups_per_step)
+    # no remaining-time estimate: a program often stops before the last epoch (issue 34)
     bar = _progress(
-        use_tqdm and per_epoch > 0, initial_step, per_epoch * num_epochs, "Iterating dataset", "batch"
+        use_tqdm and per_epoch > 0, initial_step, per_epoch * num_epochs, "Iterating dataset", "step", eta=False
     )
+    PLANNED_STEPS["last"] = per_epoch * num_epochs
     try:
         step = 0
         for epoch in range(num_epochs):
@@ -576,6 +580,7 @@ def _dataset_batches(
                         bar.update(1)
                 step += 1
     finally:
+        PLANNED_STEPS["last"] = 0
         if bar is not None:
             bar.close()
 

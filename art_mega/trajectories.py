@@ -377,6 +377,10 @@ class TrajectoryGroup(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # (call number, seconds) of the gather_trajectory_groups call that returned this group:
+    # model.log records the rollout time of a step from it (`metrics.gather_seconds`)
+    _gathered: tuple[int, float] | None = PrivateAttr(default=None)
+
     trajectories: list[Trajectory] = Field(default_factory=list)
     exceptions: list[PydanticException] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)

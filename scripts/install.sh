@@ -10,7 +10,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRAS="${ART_MEGA_EXTRAS:-test}"
-PYTHON="${ART_MEGA_PYTHON:-python3.11}"
+# ART_MEGA_PYTHON, else python3.11, else python3 when it is 3.11 or newer
+if [ -n "${ART_MEGA_PYTHON:-}" ]; then
+  PYTHON="$ART_MEGA_PYTHON"
+elif command -v python3.11 >/dev/null 2>&1; then
+  PYTHON=python3.11
+else
+  PYTHON=python3
+fi
 WITH_VLLM="${ART_MEGA_WITH_VLLM:-0}"
 REAL_MODEL="${ART_MEGA_REAL_MODEL:-0}"
 TORCH_SPEC="torch==2.13.0"
@@ -28,8 +35,8 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   fi
 fi
 
-if ! command -v "$PYTHON" >/dev/null 2>&1; then
-  echo "install.sh: $PYTHON not found; install Python 3.11 or set ART_MEGA_PYTHON" >&2
+if ! command -v "$PYTHON" >/dev/null 2>&1 || ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "install.sh: $PYTHON is not Python 3.11 or newer; install one or set ART_MEGA_PYTHON" >&2
   exit 2
 fi
 
@@ -38,6 +45,7 @@ pip_install() {
   local venv="$1"
   shift
   local log
+  echo "install.sh: pip install $* (in $venv)"
   log="$(mktemp)"
   if ! "$venv/bin/python" -m pip install "$@" >"$log" 2>&1; then
     grep -v "^WARNING: Location" "$log" >&2 || true

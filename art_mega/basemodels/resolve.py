@@ -79,6 +79,49 @@ def resolve_base_model(
                 revision,
             )
         return ResolvedModel(local)
+    try:
+        return _hub_model(base_model, cache_root, revision)
+    except BaseModelError as exc:
+        near = near_names(base_model, cache_root)
+        if not near or near[0] == base_model:
+            raise
+        named, hint = f"base_model {base_model!r}", f" (did you mean {near[0]!r}?)"
+        message = str(exc).replace(named, named + hint, 1) if named in str(exc) else f"{exc}{hint}"
+        raise BaseModelError(message, base_model, revision) from None
+
+
+def near_names(base_model: str, cache_root: str | Path) -> list[str]:
+    """The model names this machine holds that `base_model` may be a typo of, closest first:
+    the models in `<cache_root>/models`, the SmolLM2 and tiny names, and the repo ids with a
+    snapshot in the Hugging Face cache (`models--ORG--NAME` folders), compared without case by
+    difflib's ratio (at least 0.9: "Qwen3-8B" is no typo of "Qwen3-0.6B", 0.86)."""
+    import difflib
+
+    names = set(SMOLLM2_NAMES) | set(TINY_NAMES)
+    folders = [Path(cache_root) / "models"]
+    try:
+        from huggingface_hub import constants
+
+        folders.append(Path(constants.HF_HUB_CACHE))
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        pass
+    for folder in folders:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith("models--"):
+                names.add(entry.name.removeprefix("models--").replace("--", "/"))
+            elif (entry / "config.json").is_file():
+                names.add(entry.name)
+    by_lower = {name.lower(): name for name in sorted(names)}
+    close = difflib.get_close_matches(base_model.lower(), list(by_lower), n=3, cutoff=0.9)
+    return [by_lower[name] for name in close]
+
+
+def _hub_model(base_model: str, cache_root: str | Path, revision: str | None) -> ResolvedModel:
+    """Step 3 of `resolve_base_model`: `base_model` as a Hugging Face repo id."""
     from art_mega.basemodels.hub import repo_id_problem, resolve_hub_model
 
     if "@" in base_model and repo_id_problem(base_model.split("@", 1)[0]) is None:

@@ -28,7 +28,26 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from art_mega import __version__
+
+        print(f"art-mega {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Train LLM agents with GRPO and SFT on one machine or many."""
 
 ProgramOpt = Annotated[
     str,
@@ -445,7 +464,7 @@ def report(
     run_dir: Annotated[str, typer.Argument(help="A model's run directory (it holds history.jsonl).")],
     debug: DebugOpt = False,
 ) -> None:
-    """Write PNG plots of RUN_DIR (reward, loss, KL, grad norm, step time) and print a summary."""
+    """Write PNG plots of RUN_DIR (reward, loss, KL when logged, grad norm, step time) and print a summary."""
 
     def body() -> int:
         from pathlib import Path
@@ -469,6 +488,20 @@ def _click_class(name: str) -> type[Exception]:
     return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
 
 
+def _did_you_mean(exc: Exception, message: str) -> str:
+    """click's "(Possible options: A, B)" of an unknown option as "(did you mean A?)", A the
+    closest by difflib's ratio (click lists every option sharing a prefix, in no useful order);
+    an unknown command's ". Did you mean 'local'?" alike."""
+    import difflib
+
+    message = re.sub(r"\. Did you mean '([^']+)'\?", r" (did you mean \1?)", message)
+    option, possible = getattr(exc, "option_name", None), list(getattr(exc, "possibilities", None) or ())
+    if not option or not possible:
+        return message
+    best = difflib.get_close_matches(option, possible, n=1, cutoff=0.0)[0]
+    return re.sub(r"\(Possible options?: [^)]*\)", f"(did you mean {best}?)", message)
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Console-script entry point: run the CLI, exit with its code.
 
@@ -489,7 +522,9 @@ def main(args: Sequence[str] | None = None) -> None:
         if isinstance(exc, usage_error):
             ctx = getattr(exc, "ctx", None)
             where = ctx.command_path if ctx is not None else "art-mega"
-            message = f"{where}: {message}; see '{where} --help'"
+            message = _did_you_mean(exc, message)
+            command_name = where.removeprefix("art-mega").strip()
+            message = f"{command_name + ': ' if command_name else ''}{message}; see '{where} --help'"
         print(f"art-mega: error: {message}", file=sys.stderr, flush=True)
         sys.exit(getattr(exc, "exit_code", 2))
     sys.exit(code if isinstance(code, int) else 0)

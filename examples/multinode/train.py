@@ -12,9 +12,9 @@ Environment knobs: ART_MEGA_STEPS (default 6), ART_MEGA_GROUP_SIZE (8), ART_MEGA
 
 from __future__ import annotations
 
+import math
 import os
 import re
-import time
 
 import art_mega as art
 from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
@@ -90,23 +90,22 @@ async def main(launch) -> None:
         first_val = await validate(model)
         print(f"step {await model.get_step()}: val/reward {first_val:.3f}", flush=True)
         val = first_val
+        epochs = math.ceil(steps * 4 / len(TRAIN_QUESTIONS))  # the epochs that hold `steps` steps
         for batch in art.iterate_dataset(
-            TRAIN_QUESTIONS, groups_per_step=4, num_epochs=100, initial_step=await model.get_step()
+            TRAIN_QUESTIONS, groups_per_step=4, num_epochs=epochs, initial_step=await model.get_step()
         ):
             if batch.step >= steps:
                 break
-            started = time.perf_counter()
             groups = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(model, q) for _ in range(group_size)) for q in batch.items),
                 pbar_desc=f"step {batch.step}",
             )
-            rollout_s = time.perf_counter() - started
             result = await backend.train(model, groups, learning_rate=3e-4)
             # logged at the step of the policy that sampled these groups, like the validation
             await model.log(
                 groups,
                 split="train",
-                metrics={**result.metrics, "time/rollout_s": rollout_s},
+                metrics=result.metrics,
                 step=batch.step,
             )
             if result.step % 2 == 0 or result.step >= steps:

@@ -157,7 +157,7 @@ def test_numeric_options_take_finite_ascii_numbers(command, option, value, reaso
     result = run_cli(command, *extra, option, value, "--program", "examples/multinode/program.py:main")
     _one_sentence_error(
         result,
-        f"art-mega {command}: Invalid value for '{option}': {reason}",
+        f"art-mega: error: {command}: Invalid value for '{option}': {reason}",
         f"see 'art-mega {command} --help'",
     )
 
@@ -185,9 +185,12 @@ def test_numeric_ssh_args_take_ascii_digits(ssh_arg, fragment):
 @pytest.mark.parametrize(
     "args,fragments",
     [
-        (["local", "--bogus"], ["art-mega local: No such option: --bogus", "see 'art-mega local --help'"]),
-        (["local"], ["art-mega local: Missing option '--program'"]),
-        (["launch"], ["art-mega: No such command 'launch'", "see 'art-mega --help'"]),
+        (["local", "--bogus"], ["art-mega: error: local: No such option: --bogus", "see 'art-mega local --help'"]),
+        (["local"], ["art-mega: error: local: Missing option '--program'"]),
+        (["launch"], ["art-mega: error: No such command 'launch'; see 'art-mega --help'"]),
+        (["lcal"], ["art-mega: error: No such command 'lcal' (did you mean local?); see 'art-mega --help'"]),
+        (["local", "--programm", "x.py:main"], ["local: No such option: --programm (did you mean --program?)"]),
+        (["--versio"], ["art-mega: error: No such option: --versio (did you mean --version?)"]),
         (["ssh", "--program", "x.py:main"], ["Missing option '--host'"]),
     ],
 )
@@ -198,6 +201,15 @@ def test_usage_errors_are_one_line_not_a_box(args, fragments):
 def test_help_still_works():
     result = run_cli("local", "--help")
     assert result.returncode == 0 and "--startup-timeout" in result.stdout
+    short = run_cli("local", "-h")
+    assert short.returncode == 0 and short.stdout == result.stdout
+
+
+def test_version():
+    from art_mega import __version__
+
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout == f"art-mega {__version__}\n"
 
 
 def test_unicode_digit_skypilot_rank_is_refused():

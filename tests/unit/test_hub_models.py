@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from art_mega.agent.ports import free_port
-from art_mega.basemodels.resolve import resolve_base_model
+from art_mega.basemodels.resolve import near_names, resolve_base_model
 from art_mega.errors import BaseModelError, UserError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -27,7 +27,7 @@ OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
 RESOLVE = """
 import json, sys
-from art_mega.basemodels.resolve import resolve_base_model
+from art_mega.basemodels.resolve import near_names, resolve_base_model
 from art_mega.errors import BaseModelError
 out = []
 for name, revision in json.loads(sys.argv[1]):
@@ -455,3 +455,30 @@ def test_a_download_in_progress_leaves_the_loop_running_and_a_cancel_ends_it_at_
     finally:
         child.kill()
         child.communicate()
+
+
+@pytest.mark.parametrize(
+    "typo,meant", [("tiny-lama", "tiny-llama"), ("SmolLM2-135M-instruct", "SmolLM2-135M-Instruct")]
+)
+def test_a_base_model_typo_names_the_model_meant(tmp_path, monkeypatch, typo, meant):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(BaseModelError) as caught:
+        resolve_base_model(typo, tmp_path / "cache")
+    assert str(caught.value).startswith(f"base_model {typo!r} (did you mean {meant!r}?) ")
+
+
+def test_a_cached_hub_repo_is_suggested_and_an_unrelated_name_gets_no_hint(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--Qwen--Qwen3-0.6B").mkdir(parents=True)
+    assert near_names("qwen/qwen3-0.6b", tmp_path / "cache") == ["Qwen/Qwen3-0.6B"]
+    assert near_names("Qwen/Qwen3-0.6", tmp_path / "cache")[0] == "Qwen/Qwen3-0.6B"
+    with pytest.raises(BaseModelError) as caught:
+        resolve_base_model("meta-llama/Llama-3.1-8B", tmp_path / "cache")
+    assert "did you mean" not in str(caught.value)

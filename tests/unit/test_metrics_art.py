@@ -323,7 +323,7 @@ def test_wandb_run_is_arts_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     through the real wandb package in offline mode (no network)."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)  # offline needs no account (issue 34)
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     # the checkout is a git repo with a large working tree: wandb's git diff and code capture are not under test
@@ -331,7 +331,12 @@ def test_wandb_run_is_arts_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("WANDB_DISABLE_CODE", "true")
 
     model = art.Model(
-        name="wb-run", project="wb-project", entity="my-team", base_path=str(tmp_path), run_name="shown"
+        name="wb-run",
+        project="wb-project",
+        entity="my-team",
+        base_path=str(tmp_path),
+        run_name="shown",
+        report_metrics=["wandb"],
     )
     model.update_wandb_config({"rollout": {"turns": 3}})
 
