@@ -50,9 +50,12 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class LocalTrainResult(TrainResult):
-    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory."""
+    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory, and ART
+    0.5.23's `checkpoint_ready` (an awaitable for a checkpoint still being written; always None
+    here: art-mega's step returns once its checkpoint is committed)."""
 
     checkpoint_path: str | None = None
+    checkpoint_ready: Any = field(default=None, repr=False, compare=False)
 
 
 def default_vllm_python() -> str:
@@ -1813,12 +1816,18 @@ class MegatronBackend:
                     name,
                     value,
                 )
-        if _config is not None and (not isinstance(_config, dict) or _config):
+        if _config is not None and (not isinstance(_config, dict) or set(_config) - {"metric_logging"}):
             raise HyperParameterError(
-                f"train_sft(_config={_config!r}) must be ART's dev.TrainSFTConfig, which has no keys; "
-                "leave it out",
+                f"train_sft(_config={_config!r}) must be ART's dev.TrainSFTConfig, whose one key is "
+                "metric_logging; leave the others out",
                 "_config",
                 _config,
+            )
+        if _config and _config.get("metric_logging") is not None:
+            log.info(
+                "train_sft(_config={'metric_logging': %r}): art-mega logs every train_sft call's metrics "
+                "(model.train_sft(log_metrics=False) turns that off)",
+                _config["metric_logging"],
             )
         check("train_sft", "verbose", verbose, bool_problem, "True")
         config = config or TrainSFTConfig(**kwargs)

@@ -498,7 +498,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     trainable: bool = True
     _internal_config: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    def __init__(self, _internal_config: Any = None, **fields: Any) -> None:
+    def __init__(self, *, _internal_config: Any = None, **fields: Any) -> None:
         from art_mega.dev.lora import lora_settings
         from art_mega.dev.model import check_internal_config
 
@@ -600,7 +600,13 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         return list(await self._require_backend().delete_checkpoints(self, best_checkpoint_metric))
 
     async def train_sft(
-        self, trajectories: Any, config: Any = None, _config: Any = None, verbose: bool = False, **kwargs: Any
+        self,
+        trajectories: Any,
+        config: Any = None,
+        _config: Any = None,
+        verbose: bool = False,
+        log_metrics: bool = True,
+        **kwargs: Any,
     ) -> Any:
         """ART's `model.train_sft(trajectories, config=TrainSFTConfig(...), _config=, verbose=)`:
         one optimizer step per batch, one new step (see `MegatronBackend.train_sft`), then, as
@@ -608,13 +614,21 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         `loss/learning_rate`, `loss/grad_norm`, `data/step_*`, `time/step_trainer_s`).
 
         Returns the backend's TrainResult (ART returns None). `kwargs` are TrainSFTConfig fields.
+        `log_metrics` (ART 0.5.23's): False writes no history row.
 
         Raises:
             What `MegatronBackend.train_sft` raises (nothing is logged then).
         """
         backend = self._require_backend()
+        if not isinstance(log_metrics, bool):
+            raise HyperParameterError(
+                f"model.train_sft(log_metrics={log_metrics!r}) must be True or False",
+                "log_metrics",
+                log_metrics,
+            )
         result = await backend.train_sft(self, trajectories, config, _config, verbose, **kwargs)
-        await self.log(None, split="train", metrics=result.metrics, step=result.step)
+        if log_metrics:
+            await self.log(None, split="train", metrics=result.metrics, step=result.step)
         return result
 
     @field_validator("base_model")

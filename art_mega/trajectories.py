@@ -496,7 +496,7 @@ class TrajectoryGroup(BaseModel):
 
     def __init__(
         self,
-        trajectories: Iterable[Any] | None = None,
+        trajectories: Iterable[Any] | None = (),
         *,
         exceptions: Iterable[BaseException | PydanticException] = (),
         metadata: dict[str, Any] | None = None,

@@ -49,7 +49,8 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[list[Any], TrainSFTConfig, Any, bool]] = []
 
-    async def train_sft(self, trajectories, config, _config=None, verbose=False):  # noqa: ANN001, ANN201
+    async def train_sft(self, trajectories, config, _config=None, verbose=False, log_metrics=True):  # noqa: ANN001, ANN201
+        assert log_metrics is True  # ART 0.5.23's default, passed on
         self.calls.append((list(trajectories), config, _config, verbose))
         return "result"
 
