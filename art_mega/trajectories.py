@@ -887,3 +887,9 @@ async def _gather_group(
     options = {k: v for k, v in kwargs.items() if k != "exceptions"}
     raised = [*kwargs.get("exceptions", ()), *(r for r in results if isinstance(r, BaseException))]
     return cls([r for r in results if isinstance(r, Trajectory)], exceptions=raised, **options)
+
+
+def __getattr__(name: str) -> Any:
+    from art_mega.unsupported import missing  # ART 0.5.23's capture functions live in art_mega
+
+    raise missing("art_mega.trajectories", name)

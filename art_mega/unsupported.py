@@ -1,7 +1,7 @@
 """ART's public names art-mega does not provide, each with the README's one sentence
 (README "ART -> art-mega", rows marked "not supported"). A package's module `__getattr__`
 (`art_mega`, `art_mega.dev`, `art_mega.utils`, `art_mega.types`,
-`art_mega.pipeline_trainer`) raises `missing(...)` for a name it lacks: the sentence for these
+`art_mega.trajectories`, `art_mega.pipeline_trainer`) raises `missing(...)` for a name it lacks: the sentence for these
 names, Python's usual AttributeError for any other.
 """
 
@@ -62,6 +62,10 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
         "get_model_step": "use await model.get_step()",
     },
     "art_mega.types": {"ServerlessTrainResult": _SERVERLESS},
+    "art_mega.trajectories": {
+        name: "import it from art_mega (art_mega.trajectories holds the classes the capture builds)"
+        for name in ("trajectory", "trajectory_group", "current_trajectory", "no_capture")
+    },
     "art_mega.pipeline_trainer": {
         "CheckpointInfo": _RETENTION,
         "CheckpointRetentionContext": _RETENTION,
