@@ -275,3 +275,31 @@ def test_other_missing_names_are_plain_attribute_errors():
     assert not hasattr(art, "no_such_name") and not hasattr(art.dev, "no_such_name")
     with pytest.raises(AttributeError, match="module 'art_mega.utils' has no attribute 'nope'"):
         art.utils.nope  # noqa: B018
+
+
+def test_train_sft_log_metrics_false_writes_no_history_row(tmp_path, monkeypatch):
+    from art_mega.backend import TrainResult
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+    class Backend:
+        async def train_sft(self, model, trajectories, config, _config, verbose, **kwargs):  # noqa: ANN001, ANN202
+            return TrainResult(step=1, metrics={"loss/train": 0.5})
+
+        async def get_step(self, model):  # noqa: ANN001, ANN202
+            return 1
+
+    def run(log_metrics: bool) -> None:
+        model = art.TrainableModel(
+            name="m", project="p", base_model="b", base_path=str(tmp_path), report_metrics=[]
+        )
+        model._backend = Backend()
+        asyncio.run(model.train_sft([], log_metrics=log_metrics))
+
+    history = tmp_path / "p" / "models" / "m" / "history.jsonl"
+    run(False)
+    assert not history.exists()
+    run(True)
+    assert history.read_text().count("\n") == 1
+    with pytest.raises(HyperParameterError, match=r"train_sft\(log_metrics='no'\) must be True or False"):
+        run("no")

@@ -726,3 +726,38 @@ def test_optimizer_snapshot_options_are_accepted_with_one_logged_line(caplog) ->
         check_optimizer_snapshots(0, None, None)
     with pytest.raises(HyperParameterError, match=r"backend.train\(final_training_step=2.5\)"):
         check_optimizer_snapshots(5, 2.5, None)
+
+
+def test_backend_train_takes_arts_0_5_23_keywords_at_their_defaults_and_values(
+    backend: MegatronBackend,
+) -> None:
+    """ART's defaults change nothing; kl_penalty_source reaches the job's loss; the snapshot
+    options pass (art-mega commits the optimizer every step); TrainConfig carries them too."""
+    plain_job = train(backend, TRAINABLE, kl_penalty_source="current_learner", optimizer_save_interval=5)
+    assert "kl_penalty_source" not in plain_job["loss"]
+    job = train(
+        backend,
+        TRAINABLE,
+        kl_penalty_coef=0.1,
+        kl_penalty_source="sample",
+        optimizer_save_interval=1,
+        final_training_step=3,
+    )
+    assert GRPOLossConfig(**job["loss"]).kl_penalty_source == "sample"
+    assert job["documents"] == plain_job["documents"]
+    via_config = train(
+        backend, TRAINABLE, config=art.TrainConfig(kl_penalty_coef=0.1, kl_penalty_source="sample")
+    )
+    assert via_config["loss"]["kl_penalty_source"] == "sample"
+    via_model = asyncio.run(
+        _model_train(
+            backend, {"kl_penalty_source": "sample", "kl_penalty_coef": 0.1, "kl_penalty_step_lag": None}
+        )
+    )
+    assert via_model["loss"]["kl_penalty_source"] == "sample"
+
+
+async def _model_train(backend: MegatronBackend, dev_config: dict) -> Any:
+    model = backend._model
+    model._backend = backend
+    return await model.train(TRAINABLE, _config=dev_config, allow_training_without_logprobs=True)
