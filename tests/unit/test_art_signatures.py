@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_art_table import fields_of
+from tests.unit.test_art_table import member
 
 API = json.loads((Path(__file__).parent / "data" / "art_0_5_23_api.json").read_text())
 POSITIONAL = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
@@ -67,27 +67,19 @@ ALLOWED: dict[str, str] = {
 def resolve(qualified: str) -> Any:
     """The art_mega object ART's `qualified` names, by attribute first (`art.utils.retry` is the
     function, as in ART, though `art_mega.utils.retry` is also a module), then by module import,
-    then as a class's field (`test_art_table.fields_of`).
+    then as a class's field (`test_art_table.member`).
 
     Raises:
         AttributeError or ImportError (UnsupportedNameError): art_mega lacks it.
     """
     obj: Any = importlib.import_module("art_mega")
     for part in qualified.split(".")[1:]:
-        if isinstance(obj, types.ModuleType):
-            try:
-                obj = getattr(obj, part)
-                continue
-            except AttributeError:
-                obj = importlib.import_module(f"{obj.__name__}.{part}")
-                continue
-        if hasattr(obj, part):
-            obj = getattr(obj, part)
-            continue
-        fields = fields_of(obj)
-        if part not in fields:
-            raise AttributeError(f"{obj!r} has no attribute or field {part!r}")
-        obj = fields[part]
+        try:
+            obj = member(obj, part)
+        except AttributeError:
+            if not isinstance(obj, types.ModuleType):
+                raise
+            obj = importlib.import_module(f"{obj.__name__}.{part}")
     return obj
 
 
@@ -205,9 +197,9 @@ def coverage() -> tuple[int, int]:
     counts when it resolves in art_mega, a parameter when our callable takes it by name."""
     have = total = 0
     for owner, members in API["names"].items():
-        for member in members:
+        for name in members:
             total += 1
-            have += provided(f"{owner}.{member}")
+            have += provided(f"{owner}.{name}")
     for qualified, params in API["signatures"].items():
         named = [p for p in params if p[1] not in VARIADIC]
         total += len(named)

@@ -340,14 +340,22 @@ def resolve(qualified: str) -> Any:
     else:
         obj = importlib.import_module("art_mega")
     for part in parts[cut:]:
-        if hasattr(obj, part):
-            obj = getattr(obj, part)
-            continue
-        fields = fields_of(obj)
-        if part not in fields:
-            raise AttributeError(f"{obj!r} has no attribute or field {part!r}")
-        obj = fields[part]
+        obj = member(obj, part)
     return obj
+
+
+def member(obj: Any, part: str) -> Any:
+    """`obj`'s attribute `part`, else its field of that name (`fields_of`).
+
+    Raises:
+        AttributeError: neither.
+    """
+    if hasattr(obj, part):
+        return getattr(obj, part)
+    fields = fields_of(obj)
+    if part not in fields:
+        raise AttributeError(f"{obj!r} has no attribute or field {part!r}")
+    return fields[part]
 
 
 ART_0_5_23 = json.loads((Path(__file__).parent / "data" / "art_0_5_23_api.json").read_text())["names"]
