@@ -1,6 +1,7 @@
 """ART's `art.dev` model configuration: `InternalModelConfig` and the argument dicts it holds
-(typed as openpipe-art 0.5.18 types them), and `check_internal_config`, which refuses every
-field art-mega does not read (`READ_KEYS`) instead of dropping it."""
+(typed as openpipe-art 0.5.23 types them; 0.5.18's `rollout_weights_mode` kept), and
+`check_internal_config`, which refuses every field art-mega does not read (`READ_KEYS`) instead
+of dropping it."""
 
 from __future__ import annotations
 
