@@ -196,7 +196,7 @@ async def trajectory_group(
         BaseException that is not an Exception (cancellation, KeyboardInterrupt) always.
     """
     with no_capture():
-        items = list(trajectories)
+        items, exceptions = list(trajectories), list(exceptions)
         for item in [*items, *exceptions]:
             if isinstance(item, BaseException) and not isinstance(item, Exception):
                 raise item
