@@ -24,6 +24,13 @@ _EXPORTS = {
     "retry": "art_mega.utils.retry",
     "auto_trajectory": "art_mega.captured",
     "capture_auto_trajectory": "art_mega.captured",
+    "trajectory": "art_mega.captured",
+    "trajectory_group": "art_mega.captured",
+    "current_trajectory": "art_mega.captured",
+    "no_capture": "art_mega.captured",
+    "LoRAConfig": "art_mega.dev.lora",
+    "LocalServingUnavailableError": "art_mega.errors",
+    "get_tokenizer": "art_mega.utils.tokenizer",
     "yield_trajectory": "art_mega.yielded",
     "capture_yielded_trajectory": "art_mega.yielded",
     "TrajectoryGroup": "art_mega.trajectories",
@@ -54,7 +61,17 @@ _EXPORTS = {
     "CompiledTopology": "art_mega.topology",
 }
 
-_SUBMODULES = ("dev", "distributed", "local", "utils")
+_SUBMODULES = (
+    "dev",
+    "distributed",
+    "local",
+    "utils",
+    "types",
+    "pipeline_trainer",
+    "trajectories",
+    "gather",
+    "metrics",
+)
 """ART's submodules that programs reach as attributes (`art.dev.TrainConfig`, `art.utils.retry`)."""
 
 __all__ = ["__version__", *_SUBMODULES, *_EXPORTS]
@@ -67,7 +84,9 @@ def __getattr__(name: str) -> Any:
         return value
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'art_mega' has no attribute {name!r}")
+        from art_mega.unsupported import missing  # ART's names art-mega lacks: their sentence
+
+        raise missing("art_mega", name)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import operator
 import os
 import shutil
@@ -36,6 +37,8 @@ from art_mega.trainer.protocol import (
     SFTJob,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -47,9 +50,12 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class LocalTrainResult(TrainResult):
-    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory."""
+    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory, and ART
+    0.5.23's `checkpoint_ready` (an awaitable for a checkpoint still being written; always None
+    here: art-mega's step returns once its checkpoint is committed)."""
 
     checkpoint_path: str | None = None
+    checkpoint_ready: Any = field(default=None, repr=False, compare=False)
 
 
 def default_vllm_python() -> str:
@@ -196,6 +202,9 @@ GRPO_OPTIONS = (
     "num_trajectories_learning_rate_multiplier_power",
     "kl_ref_adapter_path",
     "kl_penalty_reference_step",
+    "kl_penalty_source",
+    "optimizer_save_interval",
+    "final_training_step",
     "config",
     "allow_stale",
     "drop_nonfinite_rewards",
@@ -237,6 +246,10 @@ ART_OPTION_HINTS: dict[str, RefusedOption] = {
         "every art-mega step commits its checkpoint (the served adapter is read from it), so remove it",
     ),
     "verbose": RefusedOption((False,), "art-mega reports each step in its metrics and logs, so remove it"),
+    "kl_penalty_step_lag": RefusedOption(
+        (None,),
+        "art-mega does not keep a lagged KL reference; pass kl_penalty_reference_step=<a committed step> instead",
+    ),
     "moe_routing_replay_bundle": RefusedOption((None,), _NO_MOE),
     "moe_routing_replay_path": RefusedOption((None,), _NO_MOE),
     "moe_routing_replay_strict": RefusedOption((False,), _NO_MOE),
@@ -274,6 +287,7 @@ def check_grpo_options(
     num_trajectories_learning_rate_multiplier_power: Any = 0.0,
     kl_ref_adapter_path: Any = None,
     logprob_calculation_chunk_size: Any = None,
+    kl_penalty_source: Any = "current_learner",
 ) -> tuple[float, dict[str, Any]]:
     """Check `backend.train`'s options before anything runs; returns (learning rate, the
     `GRPOLossConfig` fields of the job).
@@ -291,8 +305,10 @@ def check_grpo_options(
     the trainer's logprobs over chunks of that many positions, `logprobs.token_logprobs`).
     config: None or a `TrainConfig`, whose learning_rate replaces `learning_rate` (a
     `learning_rate` other than the default must agree with it), whose beta is `kl_beta` and
-    whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree).
-    `unknown` holds the other keywords: an ART option of `ART_OPTION_HINTS` at its off value
+    whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree),
+    and whose kl_penalty_source is `kl_penalty_source` unless that is not ART's default.
+    kl_penalty_source: ART 0.5.23's "current_learner" (the penalty's KL is new - ref) or
+    "sample" (sampling logprobs - ref, `loss.grpo_loss`). `unknown` holds the other keywords: an ART option of `ART_OPTION_HINTS` at its off value
     passes, any other is refused.
 
     Raises:
@@ -355,6 +371,15 @@ def check_grpo_options(
                 )
         kl_beta = kl_beta or config.beta
         kl_penalty_coef = kl_penalty_coef or config.kl_penalty_coef
+        if kl_penalty_source == "current_learner":
+            kl_penalty_source = config.kl_penalty_source
+        elif config.kl_penalty_source not in ("current_learner", kl_penalty_source):
+            raise HyperParameterError(
+                f"{where}(kl_penalty_source={kl_penalty_source!r}) disagrees with config.kl_penalty_source="
+                f"{config.kl_penalty_source!r}; set one of them",
+                "kl_penalty_source",
+                kl_penalty_source,
+            )
     check(where, "learning_rate", learning_rate, positive_problem, "5e-6")
     check(where, "loss_fn", loss_fn, one_of_problem(*LOSS_FNS), "'cispo'")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -368,6 +393,9 @@ def check_grpo_options(
     check(where, "epsilon_high", epsilon_high, optional(nonnegative_problem), "0.28")
     check(where, "kl_beta", kl_beta, nonnegative_problem, "0.04")
     check(where, "kl_penalty_coef", kl_penalty_coef, nonnegative_problem, "0.1")
+    check(
+        where, "kl_penalty_source", kl_penalty_source, one_of_problem("current_learner", "sample"), "'sample'"
+    )
     check(where, "tis_cap", tis_cap, optional(positive_problem), "2.0")
     check(
         where,
@@ -440,9 +468,48 @@ def check_grpo_options(
         "precalculate_logprobs": precalculate_logprobs,
         "kl_ref_adapter_path": _reference_adapter(kl_ref_adapter_path, kl_penalty_coef or kl_beta),
     }
+    if kl_penalty_source != "current_learner":  # absent: GRPOLossConfig's ART default
+        loss["kl_penalty_source"] = kl_penalty_source
     if logprob_calculation_chunk_size is not None:  # absent: GRPOLossConfig's None, whole rows
         loss["logprob_calculation_chunk_size"] = int(logprob_calculation_chunk_size)
     return float(learning_rate), loss
+
+
+def check_optimizer_snapshots(interval: Any, final_step: Any, config: Any) -> None:
+    """ART 0.5.23's `optimizer_save_interval` (whole >= 1, ART's default 5) and
+    `final_training_step` (None or whole >= 1), the keywords or `config`'s (a checked
+    `TrainConfig` or None). ART snapshots the optimizer state every `interval` steps and at the
+    final step (`art/megatron/train.py`); art-mega commits it with every step's checkpoint,
+    which covers every choice, so a value other than ART's default is accepted with one logged line.
+
+    Raises:
+        HyperParameterError: a value that is not a whole number in range (named).
+    """
+    from art_mega.hyperparams import check, optional, whole_problem
+
+    where = "backend.train"
+    if config is not None:
+        interval = config.optimizer_save_interval if interval == 5 else interval
+        final_step = config.final_training_step if final_step is None else final_step
+    check(where, "optimizer_save_interval", interval, whole_problem(1), "5")
+    check(where, "final_training_step", final_step, optional(whole_problem(1)), "100")
+    for name, value, default in (
+        ("optimizer_save_interval", interval, 5),
+        ("final_training_step", final_step, None),
+    ):
+        if value != default and (name, value) not in _LOGGED_SNAPSHOT_OPTIONS:
+            _LOGGED_SNAPSHOT_OPTIONS.add((name, value))
+            log.info(
+                "%s(%s=%r): art-mega commits the optimizer state with every step's checkpoint, "
+                "so every step resumes exactly (ART snapshots it less often)",
+                where,
+                name,
+                value,
+            )
+
+
+_LOGGED_SNAPSHOT_OPTIONS: set[tuple[str, Any]] = set()
+"""The (option, value) pairs `check_optimizer_snapshots` has logged (once per process)."""
 
 
 def check_packing(
@@ -723,6 +790,7 @@ def check_backend_options(
     keep_adapters: Any,
     startup_timeout_s: Any,
     vllm_python: Any,
+    where: str = "MegatronBackend",
 ) -> None:
     """Refuse `MegatronBackend`'s arguments before anything starts (see `BACKEND_WHOLE_NUMBERS`;
     lora_rank at most vLLM's largest slot; lora_alpha and startup_timeout_s: finite > 0; lora_targets: None or a list or tuple of known
@@ -737,7 +805,6 @@ def check_backend_options(
     from art_mega.inference.protocol import VLLM_LORA_RANKS
     from art_mega.trainer.families import LORA_NAMES
 
-    where = "MegatronBackend"
     values = {
         "lora_rank": lora_rank,
         "seq_len": seq_len,
@@ -960,6 +1027,54 @@ class MegatronBackend:
         if settings.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = settings.gpu_memory_utilization
 
+    def _apply_lora_config(self, model: Any) -> None:
+        """Take ART 0.5.23's `model.lora_config` (`rank`, `alpha`, `target_modules`; see
+        `dev.lora.lora_settings`) as this backend's LoRA before anything starts. A value the
+        backend was given otherwise (not its default) must agree.
+
+        Raises:
+            HyperParameterError: a LoRA value out of range, or one that disagrees with the
+                backend's `lora_rank` / `lora_alpha` / `lora_targets` (set it once).
+            UserError: unknown target modules (`check_backend_options`).
+        """
+        from art_mega.dev.lora import lora_settings
+        from art_mega.errors import HyperParameterError
+
+        wanted = lora_settings(getattr(model, "lora_config", None))
+        if not wanted:
+            return
+        current = {
+            "lora_rank": self.lora["rank"],
+            "lora_alpha": self.lora["alpha"],
+            "lora_targets": tuple(self.lora["targets"]) or None,
+        }
+        defaults = {"lora_rank": 8, "lora_alpha": 16.0, "lora_targets": None}
+        merged = {**current, **wanted}
+        check_backend_options(
+            **merged,
+            seq_len=self.seq_len,
+            max_model_len=self.max_model_len,
+            keep_adapters=self.keep_adapters,
+            startup_timeout_s=self.startup_timeout_s,
+            vllm_python=self._vllm_python,
+            where="TrainableModel(lora_config=...)",
+        )
+        for name, value in wanted.items():
+            mine = current[name]
+            if mine != defaults[name] and mine != (tuple(value) if name == "lora_targets" else value):
+                key = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "target_modules"}[name]
+                raise HyperParameterError(
+                    f"TrainableModel(lora_config=...) sets {key}={value!r}, but the backend was made with "
+                    f"{name}={mine!r}; set the LoRA once",
+                    f"lora_config.{key}",
+                    value,
+                )
+        self.lora = {
+            "rank": int(merged["lora_rank"]),
+            "alpha": float(merged["lora_alpha"]),
+            "targets": list(merged["lora_targets"] or []),
+        }
+
     async def register(self, model: Any) -> Path:
         """Start (or resume) training `model`; returns its run directory.
 
@@ -1001,6 +1116,7 @@ class MegatronBackend:
                 f"this backend already trains model {self._model.name!r}; make one backend per model"
             )
         self._apply_model_config(model)
+        self._apply_lora_config(model)
         if self._runtime is None:
             self._runtime = await self._local_runtime(model)
         topology = self._runtime.topology
@@ -1356,6 +1472,9 @@ class MegatronBackend:
         num_trajectories_learning_rate_multiplier_power: float = 0.0,
         kl_ref_adapter_path: str | None = None,
         kl_penalty_reference_step: int | None = None,
+        kl_penalty_source: str = "current_learner",
+        optimizer_save_interval: int = 5,
+        final_training_step: int | None = None,
         config: Any = None,
         allow_stale: bool = False,
         drop_nonfinite_rewards: bool = False,
@@ -1379,7 +1498,11 @@ class MegatronBackend:
         divided by their mean magnitude, as ART's packing does: `tokenize.balance_advantages`);
         `num_trajectories_learning_rate_multiplier_power` (`trajectories_learning_rate`);
         `logprob_calculation_chunk_size` (the trainer's logprobs over chunks of that many
-        positions, a memory knob: same values, `logprobs.token_logprobs`). The
+        positions, a memory knob: same values, `logprobs.token_logprobs`); ART 0.5.23's
+        `kl_penalty_source` ("current_learner" or "sample": whose logprobs the KL penalty
+        compares with the reference) and `optimizer_save_interval` / `final_training_step` (how
+        often ART snapshots the optimizer; art-mega commits it with every step, which covers
+        any interval: a value other than ART's default is accepted with one logged line). The
         ART options art-mega does not implement (`ART_OPTION_HINTS`) pass only at the value
         where they do nothing, else each is refused with what to use. art-mega's own: `kl_beta`
         (a k3 KL loss term), `tis_cap` (= truncated_importance_sampling with
@@ -1470,7 +1593,9 @@ class MegatronBackend:
             num_trajectories_learning_rate_multiplier_power=num_trajectories_learning_rate_multiplier_power,
             kl_ref_adapter_path=kl_ref_adapter_path,
             logprob_calculation_chunk_size=logprob_calculation_chunk_size,
+            kl_penalty_source=kl_penalty_source,
         )
+        check_optimizer_snapshots(optimizer_save_interval, final_training_step, config)
         accumulate, row_len = check_packing(
             grad_accumulation_sequences,
             packed_sequence_length,
@@ -1691,12 +1816,18 @@ class MegatronBackend:
                     name,
                     value,
                 )
-        if _config is not None and (not isinstance(_config, dict) or _config):
+        if _config is not None and (not isinstance(_config, dict) or set(_config) - {"metric_logging"}):
             raise HyperParameterError(
-                f"train_sft(_config={_config!r}) must be ART's dev.TrainSFTConfig, which has no keys; "
-                "leave it out",
+                f"train_sft(_config={_config!r}) must be ART's dev.TrainSFTConfig, whose one key is "
+                "metric_logging; leave the others out",
                 "_config",
                 _config,
+            )
+        if _config and _config.get("metric_logging") is not None:
+            log.info(
+                "train_sft(_config={'metric_logging': %r}): art-mega logs every train_sft call's metrics "
+                "(model.train_sft(log_metrics=False) turns that off)",
+                _config["metric_logging"],
             )
         check("train_sft", "verbose", verbose, bool_problem, "True")
         config = config or TrainSFTConfig(**kwargs)

@@ -1,5 +1,7 @@
-"""ART's `auto_trajectory` / `capture_auto_trajectory`: build a rollout's trajectory from the chat
-completions its code makes, without the code building one.
+"""ART's `auto_trajectory` / `capture_auto_trajectory` and ART 0.5.23's names for them
+(`trajectory`, `current_trajectory`, `trajectory_group`, `no_capture`): build a rollout's
+trajectory from the chat completions its code makes, without the code building one. Each
+captured completion is also kept as `Trajectory.exchanges.chat_completions` (request, reply).
 
 While `capture_auto_trajectory(coroutine)` runs, every chat completion answered over httpx or
 httpx2 (the OpenAI SDK's transports, so `model.openai_client()` and any `openai.AsyncOpenAI`) in its task
@@ -11,15 +13,17 @@ hooked once, at the first capture (not at import); outside a capture the hook on
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 from art_mega.errors import CompletionReplyError, UserError
 from art_mega.inference.replies import is_chat_completions_path, reply_problem
-from art_mega.trajectories import History, Trajectory
+from art_mega.trajectories import History, PydanticException, Trajectory, TrajectoryGroup
 
 
 class _Capture:
@@ -68,6 +72,13 @@ class _Capture:
         if problem is not None:
             self.unreadable.append(CompletionReplyError(f"server {url}", str(request.get("model")), problem))
             return
+        from art_mega.trajectories import ChatCompletionsExchange
+
+        response = ChatCompletion.construct(**data)
+        response.choices = [Choice.model_validate(c) for c in data.get("choices") or []]
+        self.trajectory.exchanges.chat_completions.append(
+            ChatCompletionsExchange(request=request, response=response)
+        )
         messages, tools = request["messages"], request.get("tools")
         history: Trajectory | History = self.trajectory
         seen = history.messages()
@@ -133,6 +144,78 @@ async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajec
     if capture.unreadable:
         raise capture.unreadable[0]
     return capture.trajectory
+
+
+async def trajectory(coroutine: Coroutine[Any, Any, object]) -> Trajectory:
+    """ART 0.5.23's `art.trajectory(coroutine)`: `capture_auto_trajectory` of a raw coroutine.
+
+    Raises:
+        TypeError: `coroutine` is a Task, Future or other awaitable (ART's check: a task would
+            run outside the capture's context); and what `capture_auto_trajectory` raises.
+    """
+    if isinstance(coroutine, asyncio.Future) or not isinstance(coroutine, Coroutine):
+        raise TypeError(
+            f"art.trajectory() takes a raw coroutine (e.g. art.trajectory(rollout(model, scenario))), "
+            f"not a {type(coroutine).__name__}"
+        )
+    return await capture_auto_trajectory(coroutine)
+
+
+def current_trajectory(*, require: bool = False) -> Trajectory | None:
+    """ART 0.5.23's `art.current_trajectory(require=)`: `auto_trajectory(required=require)`."""
+    return auto_trajectory(required=require)
+
+
+@contextmanager
+def no_capture() -> Iterator[None]:
+    """ART 0.5.23's `with art.no_capture():` completions made inside are not recorded by the
+    enclosing capture (a capture started inside records its own)."""
+    token = _CURRENT.set(None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+async def trajectory_group(
+    trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]],
+    *,
+    exceptions: Iterable[BaseException | PydanticException] = (),
+    metadata: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    logs: list[str] | None = None,
+    return_exceptions: bool = False,
+) -> TrajectoryGroup:
+    """ART 0.5.23's `await art.trajectory_group(items, ...)`: a `TrajectoryGroup` of the given
+    trajectories and of the awaitables' results (run concurrently, outside any enclosing
+    capture; the same awaitable listed twice runs once), in input order.
+
+    Raises:
+        The first exception an awaitable raised, unless `return_exceptions=True` (then it is
+        one of the group's `exceptions`, as an exception given in `trajectories` is); a
+        BaseException that is not an Exception (cancellation, KeyboardInterrupt) always.
+    """
+    with no_capture():
+        items, exceptions = list(trajectories), list(exceptions)
+        for item in [*items, *exceptions]:
+            if isinstance(item, BaseException) and not isinstance(item, Exception):
+                raise item
+        tasks: dict[int, asyncio.Future[Any]] = {}
+        for item in items:
+            if not isinstance(item, (Trajectory, BaseException)) and id(item) not in tasks:
+                tasks[id(item)] = asyncio.ensure_future(item)
+        if tasks:
+            await asyncio.wait(tasks.values())
+        results: list[Any] = []
+        for item in items:
+            if isinstance(item, (Trajectory, BaseException)):
+                results.append(item)
+                continue
+            error = tasks[id(item)].exception()
+            if error is not None and (not return_exceptions or not isinstance(error, Exception)):
+                raise error
+            results.append(error if error is not None else tasks[id(item)].result())
+    return TrajectoryGroup(results, exceptions=exceptions, metadata=metadata, metrics=metrics, logs=logs)
 
 
 def _hook_httpx() -> None:

@@ -367,6 +367,7 @@ class PeakFlopsError(UserError):
         self.device_name = device_name
         self.dtype = dtype
 
+
 class PreflightError(UserError):
     """The cluster failed a check before any model was allocated; names the host and the cause.
 
@@ -749,7 +750,20 @@ class CompletionReplyError(ArtMegaError):
         self.detail = detail
 
 
-class NoReplicaUpError(ArtMegaError):
+class UnsupportedNameError(UserError, ImportError):
+    """An ART name art-mega does not provide, accessed as an attribute or imported
+    (`from art_mega import ServerlessBackend`; the sentences: `art_mega.unsupported`). An
+    ImportError, not an AttributeError: Python replaces an AttributeError of `from m import x`
+    by its own "cannot import name" and the sentence would be lost."""
+
+
+class LocalServingUnavailableError(ArtMegaError, RuntimeError):
+    """ART 0.5.23's `art.LocalServingUnavailableError`: the managed local inference is
+    unavailable (in art-mega: every replica is down, `NoReplicaUpError`), so a rollout cannot be
+    served; `except art.LocalServingUnavailableError` catches it as in ART."""
+
+
+class NoReplicaUpError(LocalServingUnavailableError):
     """Every replica is down (restarting after a crash; `inference.router`).
 
     Attributes:
@@ -877,6 +891,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     LangGraphUsageError: _SENTENCE_USER,
     TopologyError: _SENTENCE_USER,
     RankRefusedStepError: _SENTENCE_USER,
+    UnsupportedNameError: _SENTENCE_USER,
     # A host or its agent failing: the sentence names it, exit 1.
     AgentError: _SENTENCE_FAILURE,
     AgentUnreachableError: _SENTENCE_FAILURE,
@@ -898,6 +913,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     TrainerJobError: _TRACEBACK_FAILURE,
     ReplicaHTTPError: _TRACEBACK_FAILURE,
     ReplicaRequestError: _TRACEBACK_FAILURE,
+    LocalServingUnavailableError: _TRACEBACK_FAILURE,
     NoReplicaUpError: _TRACEBACK_FAILURE,
     ReplicaSleepError: _TRACEBACK_FAILURE,
     ReplicaStartError: _TRACEBACK_FAILURE,

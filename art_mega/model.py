@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -28,9 +28,12 @@ def _check_name(value: str, field: str) -> str:
 
 class TrainConfig(BaseModel):
     """ART's TrainConfig: the learning rate of one step, ART's `kl_penalty_coef` (KL-penalised
-    advantages, see `backend.train`), `beta` (art-mega's k3 KL loss term, `kl_beta`) and ART's
-    `grad_accumulation_sequences` (packed rows per optimizer step, see `backend.train`; None:
-    ART's default, one row per DP rank and step).
+    advantages, see `backend.train`) and `kl_penalty_source` (whose logprobs the penalty
+    compares with the reference: "current_learner", ART's default, or "sample"), `beta`
+    (art-mega's k3 KL loss term, `kl_beta`), ART's `grad_accumulation_sequences` (packed rows per
+    optimizer step, see `backend.train`; None: ART's default, one row per DP rank and step), and
+    ART 0.5.23's `optimizer_save_interval` / `final_training_step` (when ART snapshots the
+    optimizer: art-mega commits it with every step, which covers both; see `backend.train`).
 
     Raises:
         pydantic.ValidationError: `learning_rate` is not a finite number > 0 (a string, NaN,
@@ -44,6 +47,9 @@ class TrainConfig(BaseModel):
     beta: float = 0.0
     kl_penalty_coef: float = 0.0
     grad_accumulation_sequences: int | None = Field(default=None, ge=1, strict=True)
+    kl_penalty_source: Literal["current_learner", "sample"] = "current_learner"
+    optimizer_save_interval: int = Field(default=5, ge=1, strict=True)
+    final_training_step: int | None = Field(default=None, ge=1, strict=True)
 
     @field_validator("learning_rate", mode="before")
     @classmethod
@@ -223,7 +229,7 @@ class Model(BaseModel, Generic[ModelConfig]):
 
     async def log(
         self,
-        trajectory_groups: Any = None,
+        trajectories: Any = None,
         split: str = "val",
         *,
         metrics: dict[str, float] | None = None,
@@ -234,7 +240,7 @@ class Model(BaseModel, Generic[ModelConfig]):
         also go to `<output_dir>/trajectories/<split>/<step:04d>.parquet` (ART's file,
         `art_mega.metrics_files`).
 
-        `trajectory_groups`: None (metrics only), a list of TrajectoryGroup, or a list of
+        `trajectories` (ART's name): None (metrics only), a list of TrajectoryGroup, or a list of
         Trajectory (and exceptions) logged as one group, as in ART (whose argument order this
         follows: split second, metrics and step by name). `split`: "val" unless given, as in
         ART, so training groups are logged with split="train". `metrics`: names -> numbers (a NaN
@@ -254,7 +260,7 @@ class Model(BaseModel, Generic[ModelConfig]):
         from art_mega.metrics import WandbRun, append_history, history_row
         from art_mega.metrics_files import trajectory_file, write_trajectory_groups
 
-        groups = _log_groups(trajectory_groups)
+        groups = _log_groups(trajectories)
         _check_log_options(split, metrics, step)
         if groups is None and metrics is None:
             return {}  # as ART: nothing to log, and the builder keeps its pending step
@@ -489,18 +495,24 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     `inference_base_url`, `inference_api_key` and `inference_model_name` from the backend.
 
     Raises:
-        HyperParameterError: an `_internal_config` field art-mega does not read, or of a wrong type.
+        HyperParameterError: an `_internal_config` field art-mega does not read, or of a wrong
+            type; a `lora_config` key art-mega's LoRA cannot train (`dev.lora.lora_settings`).
         pydantic.ValidationError: see `Model`; an empty `base_model`.
     """
 
     base_model: str
+    lora_config: dict[str, Any] | None = None
+    """ART 0.5.23's `art.dev.LoRAConfig` (None: the backend's LoRA); `rank`, `alpha` and
+    `target_modules` set the adapter the backend trains (`art_mega.dev.lora.lora_settings`)."""
     trainable: bool = True
     _internal_config: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    def __init__(self, _internal_config: Any = None, **fields: Any) -> None:
+    def __init__(self, *, _internal_config: Any = None, **fields: Any) -> None:
+        from art_mega.dev.lora import lora_settings
         from art_mega.dev.model import check_internal_config
 
         checked = {} if _internal_config is None else check_internal_config(_internal_config)
+        lora_settings(fields.get("lora_config"))
         super().__init__(**fields)
         self._internal_config = checked
 
@@ -600,7 +612,13 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         return list(await self._require_backend().delete_checkpoints(self, best_checkpoint_metric))
 
     async def train_sft(
-        self, trajectories: Any, config: Any = None, _config: Any = None, verbose: bool = False, **kwargs: Any
+        self,
+        trajectories: Any,
+        config: Any = None,
+        _config: Any = None,
+        verbose: bool = False,
+        log_metrics: bool = True,
+        **kwargs: Any,
     ) -> Any:
         """ART's `model.train_sft(trajectories, config=TrainSFTConfig(...), _config=, verbose=)`:
         one optimizer step per batch, one new step (see `MegatronBackend.train_sft`), then, as
@@ -608,13 +626,21 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         `loss/learning_rate`, `loss/grad_norm`, `data/step_*`, `time/step_trainer_s`).
 
         Returns the backend's TrainResult (ART returns None). `kwargs` are TrainSFTConfig fields.
+        `log_metrics` (ART 0.5.23's): False writes no history row.
 
         Raises:
             What `MegatronBackend.train_sft` raises (nothing is logged then).
         """
         backend = self._require_backend()
+        if not isinstance(log_metrics, bool):
+            raise HyperParameterError(
+                f"model.train_sft(log_metrics={log_metrics!r}) must be True or False",
+                "log_metrics",
+                log_metrics,
+            )
         result = await backend.train_sft(self, trajectories, config, _config, verbose, **kwargs)
-        await self.log(None, split="train", metrics=result.metrics, step=result.step)
+        if log_metrics:
+            await self.log(None, split="train", metrics=result.metrics, step=result.step)
         return result
 
     @field_validator("base_model")
@@ -764,9 +790,9 @@ def _log_groups(value: Any) -> list[Any] | None:
     if items is not None and all(isinstance(i, (Trajectory, BaseException)) for i in items):
         return [TrajectoryGroup(items)]  # exceptions become the group's exception records
     raise HyperParameterError(
-        f"model.log(trajectory_groups) got {_shown(value)}; pass a list of art.TrajectoryGroup, a "
+        f"model.log(trajectories) got {_shown(value)}; pass a list of art.TrajectoryGroup, a "
         "list of art.Trajectory, or None to log only metrics",
-        "trajectory_groups",
+        "trajectories",
         None,
     )
 

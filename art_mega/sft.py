@@ -598,7 +598,7 @@ async def train_sft_from_file(
     _config: Any = None,
     verbose: bool = False,
     shuffle_buffer_size: int = 10000,
-    *,
+    log_metrics: bool = True,
     assistant_turns: Literal["all", "last"] = "all",
 ) -> Any:
     """ART's `train_sft_from_file`: one `model.train_sft` call over the file's batches.
@@ -608,9 +608,9 @@ async def train_sft_from_file(
     the schedule (`create_lr_schedule`, warmup int(batches * warmup_ratio)) covers them all and
     this call trains batches `initial_step` up to `final_step` (exclusive; None or past the end:
     to the end), one optimizer step each at its rate, in one `train_sft` call: the model's step
-    moves by 1 (ART's too). `assistant_turns` (art-mega's, in ART's documentation): "last"
-    trains only each row's last assistant message. Every row is validated before anything
-    trains.
+    moves by 1 (ART's too). `assistant_turns` (ART 0.5.23's): "last" trains only each row's
+    last assistant message. `log_metrics` (ART 0.5.23's): False writes no history row for the
+    call. Every row is validated before anything trains.
 
     Returns:
         `model.train_sft`'s result (a TrainResult), or None when `initial_step` is at or past
@@ -634,6 +634,7 @@ async def train_sft_from_file(
     check(where, "final_step", final_step, optional(whole_problem(initial_step + 1)), f"{initial_step + 1}")
     check(where, "shuffle_buffer_size", shuffle_buffer_size, whole_problem(1), "10000")
     check(where, "verbose", verbose, bool_problem, "True")
+    check(where, "log_metrics", log_metrics, bool_problem, "False")
     if assistant_turns not in ("all", "last"):
         raise HyperParameterError(
             f"{where}(assistant_turns={assistant_turns!r}) must be 'all' or 'last'",
@@ -664,4 +665,6 @@ async def train_sft_from_file(
         print(f"Batches: {len(rates)}, batch_size: {batch_size}")
         print(f"Schedule: {schedule_type}, peak_lr: {peak_lr}")
     config = TrainSFTConfig(learning_rate=rates, batch_size=batch_size, assistant_turns=assistant_turns)
-    return await model.train_sft(trajectories, config, _config=_config, verbose=verbose)
+    return await model.train_sft(
+        trajectories, config, _config=_config, verbose=verbose, log_metrics=log_metrics
+    )

@@ -181,6 +181,27 @@ def _check_policy_version(value: Any) -> Any:
     return int(value)
 
 
+class ChatCompletionsExchange(BaseModel):
+    """One chat completion a capture recorded (ART 0.5.23's exchange): the JSON body sent and
+    the server's reply as an OpenAI `ChatCompletion` (its choices carry the token ids and
+    logprobs the replica returned)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request: dict[str, Any]
+    response: Any
+
+
+class TrajectoryExchanges(BaseModel):
+    """ART 0.5.23's `Trajectory.exchanges`: the requests a capture (`art.trajectory`,
+    `capture_auto_trajectory`) saw, in order. art-mega records chat completions (ART also
+    records completions, responses and Anthropic messages)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chat_completions: list[ChatCompletionsExchange] = Field(default_factory=list)
+
+
 class Trajectory(BaseModel):
     """One rollout: the conversation (messages and sampled choices), its reward and metrics.
 
@@ -201,6 +222,8 @@ class Trajectory(BaseModel):
         logs: free-form log lines (`log()`).
         start_time: when this object was built (local time; not serialized: a received
             trajectory starts anew), the start of `finish()`'s duration.
+        exchanges: the chat completions a capture recorded (ART 0.5.23; not serialized: the
+            conversation they built is `messages_and_choices` / `additional_histories`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=False, extra="forbid")
@@ -215,6 +238,7 @@ class Trajectory(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     start_time: datetime = Field(default_factory=datetime.now, exclude=True)
+    exchanges: TrajectoryExchanges = Field(default_factory=TrajectoryExchanges, exclude=True)
     _started: float | None = PrivateAttr(default=None)
     """time.monotonic() at construction when start_time was not given: finish() then measures
     with a clock that a wall-clock step (NTP) cannot make negative."""
@@ -283,6 +307,65 @@ class Trajectory(BaseModel):
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as plain chat messages (see `get_messages`)."""
         return get_messages(self.messages_and_choices)
+
+    def history(
+        self, *, model: str | None = None, reconcile_text_equivalent_tokenizations: bool = False
+    ) -> History:
+        """ART 0.5.23's main history view: this trajectory's conversation as a `History`
+        (`messages_and_choices`, `tools`). `model`: only ART's exchanges of that model count;
+        art-mega's trajectory holds one policy's conversations, so a model name is checked
+        against the captured requests (see `histories`)."""
+        return self.histories(
+            model=model, reconcile_text_equivalent_tokenizations=reconcile_text_equivalent_tokenizations
+        )[0]
+
+    def histories(
+        self, *, model: str | None = None, reconcile_text_equivalent_tokenizations: bool = False
+    ) -> list[History]:
+        """ART 0.5.23's history views: the main conversation then each of `additional_histories`.
+
+        Raises:
+            HyperParameterError: `model` names no captured request's model (ART raises too), or
+                `reconcile_text_equivalent_tokenizations=True` (art-mega trains the sampled token
+                ids as they are; there is nothing to reconcile).
+        """
+        from art_mega.errors import HyperParameterError
+
+        if reconcile_text_equivalent_tokenizations is not False:
+            raise HyperParameterError(
+                f"trajectory.history(reconcile_text_equivalent_tokenizations={reconcile_text_equivalent_tokenizations!r}): "
+                "art-mega keeps the sampled token ids as they are; leave it out",
+                "reconcile_text_equivalent_tokenizations",
+                reconcile_text_equivalent_tokenizations,
+            )
+        if model is not None:
+            seen = {e.request.get("model") for e in self.exchanges.chat_completions}
+            if model not in seen:
+                raise HyperParameterError(
+                    f"trajectory.history(model={model!r}) names no captured request's model (captured: "
+                    f"{sorted(str(m) for m in seen) or 'none'}); leave it out",
+                    "model",
+                    model,
+                )
+        main = History(messages_and_choices=list(self.messages_and_choices), tools=self.tools)
+        return [main, *self.additional_histories]
+
+    def chat_completions_history(
+        self, *, model: str | None = None, reconcile_text_equivalent_tokenizations: bool = False
+    ) -> History:
+        """ART 0.5.23's chat-completions history: the same as `history` (art-mega captures
+        chat completions only)."""
+        return self.history(
+            model=model, reconcile_text_equivalent_tokenizations=reconcile_text_equivalent_tokenizations
+        )
+
+    def chat_completions_histories(
+        self, *, model: str | None = None, reconcile_text_equivalent_tokenizations: bool = False
+    ) -> list[History]:
+        """ART 0.5.23's chat-completions histories: the same as `histories`."""
+        return self.histories(
+            model=model, reconcile_text_equivalent_tokenizations=reconcile_text_equivalent_tokenizations
+        )
 
     def policy_steps(self) -> list[int | None]:
         """The policy steps of this trajectory's tagged choices, distinct, in order of first
@@ -417,7 +500,7 @@ class TrajectoryGroup(BaseModel):
 
     def __init__(
         self,
-        trajectories: Iterable[Any] | None = None,
+        trajectories: Iterable[Any] | None = (),
         *,
         exceptions: Iterable[BaseException | PydanticException] = (),
         metadata: dict[str, Any] | None = None,
@@ -808,3 +891,9 @@ async def _gather_group(
     options = {k: v for k, v in kwargs.items() if k != "exceptions"}
     raised = [*kwargs.get("exceptions", ()), *(r for r in results if isinstance(r, BaseException))]
     return cls([r for r in results if isinstance(r, Trajectory)], exceptions=raised, **options)
+
+
+def __getattr__(name: str) -> Any:
+    from art_mega.unsupported import missing  # ART 0.5.23's capture functions live in art_mega
+
+    raise missing("art_mega.trajectories", name)

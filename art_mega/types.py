@@ -38,7 +38,9 @@ _CLASSES = {
 def __getattr__(name: str) -> Any:
     module = _CLASSES.get(name)
     if module is None:
-        raise AttributeError(f"module 'art_mega.types' has no attribute {name!r}")
+        from art_mega.unsupported import missing
+
+        raise missing("art_mega.types", name)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -1,6 +1,7 @@
 """ART's `art.dev` model configuration: `InternalModelConfig` and the argument dicts it holds
-(typed as openpipe-art 0.5.18 types them), and `check_internal_config`, which refuses every
-field art-mega does not read (`READ_KEYS`) instead of dropping it."""
+(typed as openpipe-art 0.5.23 types them; 0.5.18's `rollout_weights_mode` kept), and
+`check_internal_config`, which refuses every field art-mega does not read (`READ_KEYS`) instead
+of dropping it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ from typing_extensions import TypedDict
 
 from art_mega.dev.engine import EngineArgs
 from art_mega.errors import HyperParameterError
+
+RolloutWeightUpdateMode = Literal["step_lora", "in_flight_lora"]
+"""ART 0.5.23's `rollout_weight_update_mode` (0.5.18's `rollout_weights_mode`): "step_lora" loads
+one adapter per policy step, what art-mega's replicas do; "in_flight_lora" is refused."""
+
+
+class VllmRuntimeArgs(TypedDict, total=False):
+    """ART 0.5.23's `vllm_runtime`: "managed" (ART starts vLLM; art-mega always does) or
+    "external" (attach to a running server; refused: art-mega's replicas are its own)."""
+
+    mode: Literal["managed", "external"]
+    server_url: str
+    api_key: str | None
+    local_checkpoint_root: str | None
+    server_checkpoint_root: str | None
+    health_timeout_s: float
 
 
 class InternalModelConfig(TypedDict, total=False):
@@ -31,12 +48,15 @@ class InternalModelConfig(TypedDict, total=False):
     trainer_gpu_ids: list[int]
     inference_gpu_ids: list[int]
     rollout_weights_mode: Literal["lora", "merged"]
+    rollout_weight_update_mode: RolloutWeightUpdateMode
     chat_template_kwargs: dict[str, object]
     chat_template: str
     chat_template_path: str
     chat_template_content_format: str
     chat_template_tool_schema_format: Literal["default", "vllm_openai"]
+    vllm_runtime: VllmRuntimeArgs
     allow_unvalidated_arch: bool
+    megatron_model_initialization: Literal["pretrained", "random"]
 
 
 class InitArgs(TypedDict, total=False):
@@ -252,6 +272,9 @@ with None is read whole; a dict field with a set is read for those keys only."""
 
 OFF_VALUES: dict[str, object] = {
     "rollout_weights_mode": "lora",
+    "rollout_weight_update_mode": "step_lora",
+    "vllm_runtime": {"mode": "managed"},
+    "megatron_model_initialization": "pretrained",
     "allow_unvalidated_arch": False,
     "tinker_args": None,
     "tinker_native_args": None,
@@ -270,6 +293,11 @@ _INSTEAD: dict[str, str] = {
     "engine_args": "art-mega starts vLLM itself; MegatronBackend(max_model_len=, gpu_memory_utilization=) "
     "sets what it exposes",
     "rollout_weights_mode": "art-mega serves LoRA adapters ('lora'); leave it out",
+    "rollout_weight_update_mode": "art-mega's replicas load one adapter per policy step "
+    "('step_lora'); leave it out",
+    "vllm_runtime": "art-mega starts and manages its own vLLM replicas (mode='managed'); leave it out",
+    "megatron_model_initialization": "art-mega trains a LoRA adapter on the pretrained weights "
+    "('pretrained'); leave it out",
     "allow_unvalidated_arch": "art-mega trains only the families in art_mega.trainer.families; leave it out",
     "tinker_args": "art-mega has no Tinker backend; leave it out",
     "tinker_native_args": "art-mega has no Tinker backend; leave it out",

@@ -1,6 +1,6 @@
 """ART's `art.dev.TrainConfig`: the experimental per-call training options of
-`model.train(groups, config=..., _config=art.dev.TrainConfig(...))`, keyed as openpipe-art 0.5.18
-keys them (`art/dev/train.py`). `TrainableModel.train` maps each key to the `backend.train`
+`model.train(groups, config=..., _config=art.dev.TrainConfig(...))`, keyed as openpipe-art 0.5.23
+keys them (0.5.18's keys and `kl_penalty_reference_step`, `kl_penalty_source`, `kl_penalty_step_lag`) (`art/dev/train.py`). `TrainableModel.train` maps each key to the `backend.train`
 keyword of that name (`model.dev_train_options`), where it acts as in ART or is refused."""
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ class TrainConfig(TypedDict, total=False):
     importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"]
     kimi_k2_tau: float | None
     kl_penalty_coef: float
+    kl_penalty_reference_step: int | None
+    kl_penalty_source: Literal["current_learner", "sample"]
+    kl_penalty_step_lag: int | None
     kl_ref_adapter_path: str | None
     logprob_calculation_chunk_size: int
     mask_prob_ratio: bool

@@ -16,6 +16,7 @@ stale sample is importance-corrected by the loss against the logprobs it was sam
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -28,6 +29,7 @@ from art_mega.trajectories import Trajectory, TrajectoryGroup
 PIPELINE_STATE_KEY = "_pipeline_trainer"
 """The key of the trainer's resumable state in the model's state.json (ART's)."""
 
+log = logging.getLogger(__name__)
 WHERE = "PipelineTrainer"
 
 
@@ -62,6 +64,19 @@ def _check(
 
 def _refuse(name: str, value: Any, why: str) -> None:
     raise HyperParameterError(f"{WHERE}({name}={value!r}) is not supported: {why}", name, value)
+
+
+def kl_options(coef: float, lag: int | None, step: int) -> dict[str, Any]:
+    """ART 0.5.23's pipeline KL penalty (`art/pipeline_trainer/trainer.py`) as `backend.train`
+    keywords for the step trained from committed step `step`: none when `coef` is 0; else the
+    penalty against the sampling logprobs (`kl_penalty_source="sample"`) with the base model
+    as reference (`lag` None; ART: step 0, whose LoRA B is 0) or committed step max(0, step - lag)."""
+    if coef <= 0:
+        return {}
+    options: dict[str, Any] = {"kl_penalty_coef": coef, "kl_penalty_source": "sample"}
+    if lag is not None:
+        options["kl_penalty_reference_step"] = max(0, step - lag)
+    return options
 
 
 def make_group_rollout_fn(
@@ -129,7 +144,14 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         queue_maxsize: finished groups waiting for training (None: max(1,
             max_steps_off_policy * max_batch_size)).
         learning_rate, loss_fn ("cispo" or "ppo"), normalize_advantages,
-            packed_sequence_length: passed to `backend.train`.
+            grad_accumulation_sequences, optimizer_save_interval, packed_sequence_length:
+            passed to `backend.train`.
+        kl_penalty_coef, kl_penalty_step_lag: ART 0.5.23's KL penalty against the sampling
+            logprobs, reference the base model or the committed step `lag` steps back (`kl_options`).
+        num_rollout_workers / min_batch_size None: ART's defaults 16 / 4. ART 0.5.23's
+            `pipeline`, `autotune`, `rollout_executor` and `limit_mean_steps_off_policy` are
+            refused unless None; `score_reference_*` (ART's throughput score) are accepted with
+            a logged line.
         max_steps: steps this call trains (None: until the scenarios run out).
         discard_queue_multiplier: training stops (model collapse) once
             `discard_queue_multiplier * min_batch_size` groups with no reward variance piled up
@@ -156,29 +178,82 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         config: ConfigT,
         eval_fn: EvalFn[ConfigT] | None = None,
         *,
-        num_rollout_workers: int = 16,
-        min_batch_size: int = 4,
+        num_rollout_workers: int | None = None,
+        min_batch_size: int | None = None,
         max_batch_size: int | None = None,
-        max_steps_off_policy: int = 4,
         queue_maxsize: int | None = None,
+        pipeline: Any = None,
+        autotune: Any = None,
         learning_rate: float = 1e-5,
         loss_fn: str = "cispo",
         loss_fn_config: dict | None = None,
         normalize_advantages: bool = True,
+        grad_accumulation_sequences: int | None = None,
         adam_params: object | None = None,
-        packed_sequence_length: int | None = None,
+        kl_penalty_coef: float = 0.0,
+        kl_penalty_step_lag: int | None = None,
         max_steps: int | None = None,
         discard_queue_multiplier: int = 100,
+        max_steps_off_policy: int = 4,
+        limit_mean_steps_off_policy: float | None = None,
+        score_reference_groups_per_step: float | None = None,
+        score_reference_rollouts_per_group: float | None = None,
         log_interval_seconds: float = 60.0,
         status_ewa_alpha: float = 0.2,
         total_scenarios: int | None = None,
         eval_every_n_steps: int = 20,
         eval_at_start: bool = True,
         save_checkpoint: bool = True,
+        optimizer_save_interval: int = 5,
         checkpoint_retention_strategy: Any = None,
         checkpoint_retention_interval: int = 1,
         resume: bool = True,
+        rollout_executor: Any = None,
+        packed_sequence_length: int | None = None,
     ) -> None:
+        num_rollout_workers = 16 if num_rollout_workers is None else num_rollout_workers  # ART's defaults
+        min_batch_size = 4 if min_batch_size is None else min_batch_size
+        for name, value, instead in (
+            (
+                "pipeline",
+                pipeline,
+                "pass num_rollout_workers=, min_batch_size=, max_batch_size=, queue_maxsize= directly",
+            ),
+            (
+                "autotune",
+                autotune,
+                "art-mega has no pipeline autotuner; set num_rollout_workers= and the batch sizes",
+            ),
+            (
+                "rollout_executor",
+                rollout_executor,
+                "the pipeline runs its rollouts in this process; leave it out",
+            ),
+            (
+                "limit_mean_steps_off_policy",
+                limit_mean_steps_off_policy,
+                "art-mega bounds staleness per group with max_steps_off_policy; use that",
+            ),
+        ):
+            if value is not None:
+                _refuse(name, value, instead)
+        _check("grad_accumulation_sequences", grad_accumulation_sequences, 1, none=True)
+        _check("kl_penalty_coef", kl_penalty_coef, 0, whole=False)
+        _check("kl_penalty_step_lag", kl_penalty_step_lag, 1, none=True)
+        _check("optimizer_save_interval", optimizer_save_interval, 1)
+        for name, value in (
+            ("score_reference_groups_per_step", score_reference_groups_per_step),
+            ("score_reference_rollouts_per_group", score_reference_rollouts_per_group),
+        ):
+            _check(name, value, 0, whole=False, strict=True, none=True)
+            if value is not None:
+                log.info(
+                    "%s(%s=%r): it scales ART's pipeline throughput score; art-mega's status line "
+                    "shows groups and steps per second instead",
+                    WHERE,
+                    name,
+                    value,
+                )
         _check("num_rollout_workers", num_rollout_workers, 1)
         _check("min_batch_size", min_batch_size, 1)
         _check("max_batch_size", max_batch_size, min_batch_size, none=True)
@@ -255,6 +330,10 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.learning_rate = learning_rate
         self.loss_fn = loss_fn
         self.normalize_advantages = normalize_advantages
+        self.grad_accumulation_sequences = grad_accumulation_sequences
+        self.kl_penalty_coef = float(kl_penalty_coef)
+        self.kl_penalty_step_lag = kl_penalty_step_lag
+        self.optimizer_save_interval = optimizer_save_interval
         self.packed_sequence_length = packed_sequence_length
         self.max_steps = max_steps
         self.discard_queue_multiplier = discard_queue_multiplier
@@ -426,6 +505,17 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             except TimeoutError:
                 continue
 
+    def _art_train_options(self, step: int) -> dict[str, Any]:
+        """ART 0.5.23's keywords `backend.train` gets for the step trained from committed step
+        `step`: `grad_accumulation_sequences` when set, `optimizer_save_interval` when not ART's
+        default, and the KL penalty (`kl_options`)."""
+        options = kl_options(self.kl_penalty_coef, self.kl_penalty_step_lag, step)
+        if self.grad_accumulation_sequences is not None:
+            options["grad_accumulation_sequences"] = self.grad_accumulation_sequences
+        if self.optimizer_save_interval != 5:
+            options["optimizer_save_interval"] = self.optimizer_save_interval
+        return options
+
     async def _training_stage(self) -> None:
         step = self.next_training_step
         stop_at = None if self.max_steps is None else step + self.max_steps
@@ -450,6 +540,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 normalize_advantages=self.normalize_advantages,
                 packed_sequence_length=self.packed_sequence_length,
                 allow_stale=True,
+                **self._art_train_options(step),
             )
             trainer_s = time.monotonic() - train_started
             step = result.step

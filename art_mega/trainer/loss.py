@@ -115,8 +115,9 @@ def grpo_loss(
                     sqrt(r_tok s_i); then min(r_t, max_negative_...) and, with mask_prob_ratio,
                     0 outside (1 - eps_low, 1 + eps_high)
         A_t -= tau (new_t - old_t), no gradient                              (kimi_k2_tau)
-        A_t += coef (mean_kl - kl_t), kl_t = sg[new_t] - ref_t, mean_kl over the trained
-               tokens of the sequence's packed row                           (kl_penalty_coef)
+        A_t += coef (mean_kl - kl_t), kl_t = sg[new_t] - ref_t (kl_penalty_source "sample":
+               old_t - ref_t), mean_kl over the trained tokens of the sequence's packed
+               row                                                           (kl_penalty_coef)
         ppo:   l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)   (PPO eq. 7)
         cispo: l_t = -clip(sg[r_t], 1 - eps_low, 1 + eps_high) A_t new_t       (ART's default)
         l_t *= min(q_t, C), no gradient, q_t = exp(old_t - inference_t) (tis_cap, or
@@ -163,7 +164,10 @@ def grpo_loss(
     kl_policy_ref = None
     if config.kl_penalty_coef > 0:
         assert ref_logprobs is not None
-        kl_token = (new_logprobs - ref_logprobs).detach() * mask
+        if config.kl_penalty_source == "sample":  # ART 0.5.23: the sampling policy's KL to ref
+            kl_token = torch.where(mask > 0, old - ref_logprobs.detach(), torch.zeros_like(old)) * mask
+        else:
+            kl_token = (new_logprobs - ref_logprobs).detach() * mask
         rows = torch.zeros(mask.shape[0], dtype=torch.long) if packed_rows is None else packed_rows
         rows = rows.to(mask.device)
         count = int(rows.max()) + 1 if rows.numel() else 1

@@ -232,6 +232,9 @@ class GRPOLossConfig(_Body):
     gradient) and mean_kl its mean over the trained tokens of the packed row (ART: of the packed
     sequence; see `grpo_loss`'s `packed_rows`), so the step does not depend on how rows are split
     into microbatches or DP ranks (0 disables it; needs `ref_logprobs`)."""
+    kl_penalty_source: Literal["current_learner", "sample"] = "current_learner"
+    """ART 0.5.23's choice of kl_t for `kl_penalty_coef`: "current_learner" new_t - ref_t (ART's
+    default), "sample" old_t - ref_t with old the sampling logprobs (`art/loss.py`)."""
     precalculate_logprobs: bool = False
     """The engine recomputes the old logprobs with the policy before the step and passes the
     batch's as `inference_logprobs` (not read by `grpo_loss`)."""

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 import art_mega as art
-from art_mega.errors import HyperParameterError, UserError
+from art_mega.errors import HyperParameterError, UnsupportedNameError, UserError
 
 
 class Policy(BaseModel):
@@ -40,7 +40,7 @@ def test_art_submodules_and_names_resolve_where_art_programs_import_them():
         art.ArtLaunchContext,
     )
     assert {"dev", "local", "utils", "distributed", "Backend", "Messages", "Tools"} <= set(dir(art))
-    with pytest.raises(AttributeError, match="has no attribute 'ServerlessBackend'"):
+    with pytest.raises(UnsupportedNameError, match=r"^art.ServerlessBackend is not supported by art-mega: "):
         art.ServerlessBackend  # noqa: B018
 
 
@@ -68,9 +68,10 @@ def test_dev_train_config_has_arts_keys():
         "ppo", "precalculate_logprobs", "scale_learning_rate_by_reward_std_dev", "scale_rewards",
         "truncated_importance_sampling",
     }  # fmt: skip
-    assert set(art.dev.TrainConfig.__annotations__) == art_0_5_18
+    art_0_5_23 = art_0_5_18 | {"kl_penalty_reference_step", "kl_penalty_source", "kl_penalty_step_lag"}
+    assert set(art.dev.TrainConfig.__annotations__) == art_0_5_23
     assert art.dev.TrainConfig(ppo=True) == {"ppo": True}  # a TypedDict: a dict at run time
-    assert art.dev.TrainSFTConfig.__annotations__ == {}
+    assert set(art.dev.TrainSFTConfig.__annotations__) == {"metric_logging"}
     assert {"max_seq_length", "revision", "gpu_memory_utilization"} <= set(art.dev.InitArgs.__annotations__)
     assert {"r", "lora_alpha", "target_modules"} <= set(art.dev.PeftArgs.__annotations__)
     assert {"tensor_parallel_size", "enable_sleep_mode"} <= set(art.dev.EngineArgs.__annotations__)

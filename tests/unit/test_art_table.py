@@ -1,4 +1,4 @@
-"""README's ART -> art-mega table names every public name of openpipe-art 0.5.18 with a verdict
+"""README's ART -> art-mega table names every public name of openpipe-art 0.5.18 and 0.5.23 with a verdict
 ("same", "differs: how" or "not supported: why"), and every name it does not mark "not
 supported" is importable from art_mega as the table promises.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -339,17 +340,38 @@ def resolve(qualified: str) -> Any:
     else:
         obj = importlib.import_module("art_mega")
     for part in parts[cut:]:
-        if hasattr(obj, part):
-            obj = getattr(obj, part)
-            continue
-        fields = fields_of(obj)
-        if part not in fields:
-            raise AttributeError(f"{obj!r} has no attribute or field {part!r}")
-        obj = fields[part]
+        obj = member(obj, part)
     return obj
 
 
-NAMES = [(owner, member) for owner, members in ART_NAMES.items() for member in members]
+def member(obj: Any, part: str) -> Any:
+    """`obj`'s attribute `part`, else its field of that name (`fields_of`).
+
+    Raises:
+        AttributeError: neither.
+    """
+    if hasattr(obj, part):
+        return getattr(obj, part)
+    fields = fields_of(obj)
+    if part not in fields:
+        raise AttributeError(f"{obj!r} has no attribute or field {part!r}")
+    return fields[part]
+
+
+ART_0_5_23 = json.loads((Path(__file__).parent / "data" / "art_0_5_23_api.json").read_text())["names"]
+"""ART 0.5.23's public names and members, by owner (scripts/art_api.py read them from the wheel
+with `ast`: the `__all__` of the same packages, the same modules and classes, and
+`art.pipeline_trainer`, `art.utils.strip_logprobs`, `art.dev.LoRAConfig`)."""
+
+NAMES = sorted(
+    {
+        (owner, member)
+        for names in (ART_NAMES, ART_0_5_23)
+        for owner, members in names.items()
+        for member in members
+    }
+)
+"""0.5.18's names and 0.5.23's: a program written for either finds its names in the table."""
 
 
 def test_every_pinned_name_is_in_the_table_with_a_verdict():

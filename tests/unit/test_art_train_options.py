@@ -259,6 +259,7 @@ REFUSED = {
     "moe_routing_replay_path": "/replay",
     "moe_routing_replay_strict": True,
     "ppo": True,
+    "kl_penalty_step_lag": 2,
 }
 
 
@@ -281,8 +282,8 @@ def test_an_unimplemented_option_at_its_off_value_does_what_art_does(
 
 
 def test_every_art_option_is_implemented_or_refused() -> None:
-    """ART 0.5.18's dev.TrainConfig keys, types.TrainConfig fields and LocalBackend.train
-    keywords, each one a backend.train keyword or a row of ART_OPTION_HINTS."""
+    """ART 0.5.18's and 0.5.23's dev.TrainConfig keys, types.TrainConfig fields and
+    LocalBackend.train keywords, each one a backend.train keyword or a row of ART_OPTION_HINTS."""
     from art_mega.backend import GRPO_OPTIONS
 
     local_backend_train = {
@@ -295,7 +296,11 @@ def test_every_art_option_is_implemented_or_refused() -> None:
         "logprob_calculation_chunk_size", "packed_sequence_length",
         "num_trajectories_learning_rate_multiplier_power", "save_checkpoint", "verbose",
     }  # fmt: skip
-    train_config = {"learning_rate", "kl_penalty_coef", "grad_accumulation_sequences"}
+    local_backend_train |= {"kl_penalty_source", "optimizer_save_interval", "final_training_step"}  # 0.5.23
+    train_config = {
+        "learning_rate", "kl_penalty_coef", "grad_accumulation_sequences",
+        "kl_penalty_source", "optimizer_save_interval", "final_training_step",  # 0.5.23
+    }  # fmt: skip
     dev_keys = {"loss_fn" if k == "ppo" else k for k in TRAIN_CONFIG_KEYS}
     handled = set(GRPO_OPTIONS) | set(ART_OPTION_HINTS)
     assert (local_backend_train | dev_keys | train_config | {"ppo"}) - handled == set()
@@ -499,7 +504,9 @@ def reference_adapter(folder, model_dir, **config: Any):  # noqa: ANN001, ANN201
     alpha 16; `config` keys replaced), seeded finite values."""
     from tests.unit.test_warm_start_checks import adapter_tensors, write_adapter
 
-    return write_adapter(folder, model_dir, adapter_tensors(model_dir, rank=8), **{"r": 8, "lora_alpha": 16, **config})
+    return write_adapter(
+        folder, model_dir, adapter_tensors(model_dir, rank=8), **{"r": 8, "lora_alpha": 16, **config}
+    )
 
 
 def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBackend, tmp_path) -> None:  # noqa: ANN001
@@ -521,7 +528,8 @@ def test_kl_ref_adapter_path_names_the_reference_adapter(backend: MegatronBacken
 
 
 def test_a_kl_reference_adapter_the_ranks_could_not_load_is_refused_before_the_step(
-    backend: MegatronBackend, tmp_path  # noqa: ANN001
+    backend: MegatronBackend,
+    tmp_path,  # noqa: ANN001
 ) -> None:
     """kl_ref_adapter_path gets a warm start's checks before any rank reads it: whole files,
     tensors fitting the base model, finite values, and the backend's LoRA; a changed file is
@@ -542,9 +550,13 @@ def test_a_kl_reference_adapter_the_ranks_could_not_load_is_refused_before_the_s
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "adapter_config.json").write_text("{}")
-    assert "cannot be the KL reference" in refusal(config_only) and "safetensors is missing" in refusal(config_only)
+    assert "cannot be the KL reference" in refusal(config_only) and "safetensors is missing" in refusal(
+        config_only
+    )
     folder = reference_adapter(tmp_path / "ref", backend._model_dir)
-    assert train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder)["loss"]["kl_ref_adapter_path"]
+    assert train(backend, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder)["loss"][
+        "kl_ref_adapter_path"
+    ]
     weights = folder / "adapter_model.safetensors"
     tensors = load_file(str(weights))
     name = sorted(k for k in tensors if "lora_B" in k)[0]
@@ -583,7 +595,10 @@ def test_a_close_while_the_reference_is_read_ends_the_step_with_one_sentence(
     with pytest.raises(UserError, match="model 'm' is not registered with this backend"):
         asyncio.run(
             backend.train(
-                model, TRAINABLE, kl_penalty_coef=0.1, kl_ref_adapter_path=folder,
+                model,
+                TRAINABLE,
+                kl_penalty_coef=0.1,
+                kl_ref_adapter_path=folder,
                 allow_training_without_logprobs=True,
             )
         )
@@ -644,3 +659,105 @@ def test_kl_penalty_reference_step_names_a_committed_checkpoint(backend: Megatro
         train(
             backend, TRAINABLE, kl_penalty_coef=0.1, kl_penalty_reference_step=1, kl_ref_adapter_path=folder
         )
+
+
+# ------------------------------------------------------------------ ART 0.5.23's new options
+
+
+def test_kl_penalty_source_sample_takes_the_sampling_logprobs_kl() -> None:
+    """ART 0.5.23 (`art/loss.py`): "sample" uses kl_t = old_t - ref_t, "current_learner" new_t - ref_t.
+    Both tokens trained; ref = log 0.5 on both; coef 1.0."""
+    ref = t([0.0, L(0.5), L(0.5)])
+    old = t([0.0, L(0.25), L(0.5)])  # sampling: kl = (log 0.5, 0) -> mean log(0.5)/2
+    _, loss = check_grpo_options(**{**BASE, "kl_penalty_coef": 1.0, "kl_penalty_source": "sample"})
+    assert loss["kl_penalty_source"] == "sample"
+    config = GRPOLossConfig(**{**loss, "kl_ref_adapter_path": None})
+    out = grpo_loss(new(0.5, 0.5), old, A, MASK, config=config, ref_logprobs=ref)
+    kl = [L(0.5), 0.0]
+    mean = sum(kl) / 2
+    ratios = [0.5 / 0.25, 1.0]  # new / old; cispo weights inside [0, 5]
+    expected = -sum(r * (1.0 + (mean - k)) * L(0.5) for r, k in zip(ratios, kl, strict=True)) / 2
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert out.kl_policy_ref == pytest.approx(mean, abs=1e-6)
+    current = grpo_loss(
+        new(0.5, 0.5),
+        old,
+        A,
+        MASK,
+        config=GRPOLossConfig(**{**config.model_dump(), "kl_penalty_source": "current_learner"}),
+        ref_logprobs=ref,
+    )
+    assert current.kl_policy_ref == pytest.approx(0.0, abs=1e-9)  # new == ref: no penalty
+
+
+def test_train_config_carries_arts_0_5_23_fields_at_arts_defaults() -> None:
+    config = art.TrainConfig()
+    assert (config.kl_penalty_source, config.optimizer_save_interval, config.final_training_step) == (
+        "current_learner",
+        5,
+        None,
+    )
+    _, loss = check_grpo_options(**{**BASE, "config": art.TrainConfig(kl_penalty_source="sample")})
+    assert loss["kl_penalty_source"] == "sample"
+    _, loss = check_grpo_options(**{**BASE, "config": config})
+    assert "kl_penalty_source" not in loss  # ART's default: GRPOLossConfig's
+    with pytest.raises(HyperParameterError, match=r"backend.train\(kl_penalty_source='other'\)"):
+        check_grpo_options(**{**BASE, "kl_penalty_source": "other"})
+
+
+def test_optimizer_snapshot_options_are_accepted_with_one_logged_line(caplog) -> None:
+    import logging
+
+    from art_mega.backend import check_optimizer_snapshots
+
+    with caplog.at_level(logging.INFO, logger="art_mega.backend"):
+        check_optimizer_snapshots(5, None, None)  # ART's defaults: nothing to say
+        assert caplog.text == ""
+        check_optimizer_snapshots(1, 40, None)
+        check_optimizer_snapshots(1, 40, None)  # once per value
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "backend.train(optimizer_save_interval=1): art-mega commits the optimizer state with every "
+        "step's checkpoint, so every step resumes exactly (ART snapshots it less often)",
+        "backend.train(final_training_step=40): art-mega commits the optimizer state with every "
+        "step's checkpoint, so every step resumes exactly (ART snapshots it less often)",
+    ]
+    with pytest.raises(HyperParameterError, match=r"backend.train\(optimizer_save_interval=0\)"):
+        check_optimizer_snapshots(0, None, None)
+    with pytest.raises(HyperParameterError, match=r"backend.train\(final_training_step=2.5\)"):
+        check_optimizer_snapshots(5, 2.5, None)
+
+
+def test_backend_train_takes_arts_0_5_23_keywords_at_their_defaults_and_values(
+    backend: MegatronBackend,
+) -> None:
+    """ART's defaults change nothing; kl_penalty_source reaches the job's loss; the snapshot
+    options pass (art-mega commits the optimizer every step); TrainConfig carries them too."""
+    plain_job = train(backend, TRAINABLE, kl_penalty_source="current_learner", optimizer_save_interval=5)
+    assert "kl_penalty_source" not in plain_job["loss"]
+    job = train(
+        backend,
+        TRAINABLE,
+        kl_penalty_coef=0.1,
+        kl_penalty_source="sample",
+        optimizer_save_interval=1,
+        final_training_step=3,
+    )
+    assert GRPOLossConfig(**job["loss"]).kl_penalty_source == "sample"
+    assert job["documents"] == plain_job["documents"]
+    via_config = train(
+        backend, TRAINABLE, config=art.TrainConfig(kl_penalty_coef=0.1, kl_penalty_source="sample")
+    )
+    assert via_config["loss"]["kl_penalty_source"] == "sample"
+    via_model = asyncio.run(
+        _model_train(
+            backend, {"kl_penalty_source": "sample", "kl_penalty_coef": 0.1, "kl_penalty_step_lag": None}
+        )
+    )
+    assert via_model["loss"]["kl_penalty_source"] == "sample"
+
+
+async def _model_train(backend: MegatronBackend, dev_config: dict) -> Any:
+    model = backend._model
+    model._backend = backend
+    return await model.train(TRAINABLE, _config=dev_config, allow_training_without_logprobs=True)

@@ -112,7 +112,7 @@ def test_unknown_keywords_are_refused_by_backend_train() -> None:
         "normalize_advantages, advantage_balance, kl_penalty_coef, truncated_importance_sampling, "
         "precalculate_logprobs, mask_prob_ratio, max_negative_advantage_importance_sampling_weight, "
         "kimi_k2_tau, num_trajectories_learning_rate_multiplier_power, kl_ref_adapter_path, "
-        "kl_penalty_reference_step, config, "
+        "kl_penalty_reference_step, kl_penalty_source, optimizer_save_interval, final_training_step, config, "
         "allow_stale, drop_nonfinite_rewards, allow_training_without_logprobs, "
         "grad_accumulation_sequences, packed_sequence_length, logprob_calculation_chunk_size"
     )

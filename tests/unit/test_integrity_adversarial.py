@@ -265,8 +265,8 @@ def test_model_log_takes_arts_call_forms(tmp_path, monkeypatch) -> None:  # noqa
         ({"step": 1.5}, r"model.log\(step=1.5\) must be a whole number"),
         ({"split": ""}, r"model.log\(split=''\) must be a name"),
         ({"split": {"loss": 1.0}}, r"model.log\(split=\{'loss': 1.0\}\) must be a name"),
-        ({"trajectory_groups": "groups"}, r"model.log\(trajectory_groups\) got a str"),
-        ({"trajectory_groups": [1, 2]}, r"model.log\(trajectory_groups\) got a list of int"),
+        ({"trajectories": "groups"}, r"model.log\(trajectories\) got a str"),
+        ({"trajectories": [1, 2]}, r"model.log\(trajectories\) got a list of int"),
     ],
 )
 def test_model_log_refuses_what_the_row_cannot_hold(tmp_path, monkeypatch, call, message) -> None:  # noqa: ANN001

@@ -58,6 +58,16 @@ def make(backend: Any = DEDICATED, **options: Any) -> PipelineTrainer:
             "no retention",
         ),
         ({"checkpoint_retention_interval": 5}, "checkpoint_retention_interval", "leave it at 1"),
+        # ART 0.5.23's keywords
+        ({"pipeline": object()}, "pipeline", "pass num_rollout_workers=, min_batch_size="),
+        ({"autotune": object()}, "autotune", "no pipeline autotuner"),
+        ({"rollout_executor": object()}, "rollout_executor", "runs its rollouts in this process"),
+        ({"limit_mean_steps_off_policy": 1.5}, "limit_mean_steps_off_policy", "per group with max_steps_off_policy"),
+        ({"kl_penalty_coef": -0.1}, "kl_penalty_coef", "at least 0"),
+        ({"kl_penalty_step_lag": 0}, "kl_penalty_step_lag", "at least 1 or None"),
+        ({"grad_accumulation_sequences": 0}, "grad_accumulation_sequences", "at least 1 or None"),
+        ({"optimizer_save_interval": 0}, "optimizer_save_interval", "at least 1"),
+        ({"score_reference_groups_per_step": 0.0}, "score_reference_groups_per_step", "above 0"),
     ],
 )
 def test_out_of_range_and_unimplemented_options_are_refused(options: dict, field: str, words: str) -> None:
@@ -102,3 +112,36 @@ async def test_group_rollouts_keep_failures_as_records() -> None:
         HyperParameterError, match=r"make_group_rollout_fn\(n=0\) must be a whole number at least 1"
     ):
         make_group_rollout_fn(single, n=0)
+
+
+def test_art_0_5_23_keywords_reach_backend_train() -> None:
+    from art_mega.pipeline_trainer.trainer import kl_options
+
+    assert (
+        make().num_rollout_workers == 16
+        and make(num_rollout_workers=None, min_batch_size=None).min_batch_size == 4
+    )
+    assert make()._art_train_options(7) == {}  # ART's defaults: backend.train's own
+    trainer = make(
+        kl_penalty_coef=0.05, kl_penalty_step_lag=3, grad_accumulation_sequences=2, optimizer_save_interval=1
+    )
+    assert trainer._art_train_options(7) == {
+        "kl_penalty_coef": 0.05,
+        "kl_penalty_source": "sample",  # ART's pipeline trainer penalises the sampling policy's KL
+        "kl_penalty_reference_step": 4,
+        "grad_accumulation_sequences": 2,
+        "optimizer_save_interval": 1,
+    }
+    assert kl_options(0.05, 3, 1)["kl_penalty_reference_step"] == 0
+    assert kl_options(0.05, None, 9) == {"kl_penalty_coef": 0.05, "kl_penalty_source": "sample"}  # base model
+
+
+def test_score_reference_options_are_accepted_with_a_logged_line(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="art_mega.pipeline_trainer.trainer"):
+        make(score_reference_groups_per_step=8.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "PipelineTrainer(score_reference_groups_per_step=8.0): it scales ART's pipeline throughput "
+        "score; art-mega's status line shows groups and steps per second instead"
+    ]

@@ -49,7 +49,8 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[list[Any], TrainSFTConfig, Any, bool]] = []
 
-    async def train_sft(self, trajectories, config, _config=None, verbose=False):  # noqa: ANN001, ANN201
+    async def train_sft(self, trajectories, config, _config=None, verbose=False, log_metrics=True):  # noqa: ANN001, ANN201
+        assert log_metrics is True  # ART 0.5.23's default, passed on
         self.calls.append((list(trajectories), config, _config, verbose))
         return "result"
 
@@ -357,3 +358,19 @@ def test_a_host_local_root_gets_each_sft_batch_of_its_dp_rank(tmp_path) -> None:
     ]
     assert (tmp_path / "host1" / received[1]).read_bytes() == b"batch 1 dp 1"
     assert not (tmp_path / "host0").exists()  # the controller's own host reads its files in place
+
+
+def test_train_sft_takes_arts_0_5_23_metric_logging_with_a_logged_line(
+    backend: MegatronBackend, caplog
+) -> None:  # noqa: ANN001
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="art_mega.backend"):
+        sft(backend, trajectories(1), None, {"metric_logging": {"enabled": False}})
+    assert len(backend.jobs) == 1  # type: ignore[attr-defined]
+    assert [r.getMessage() for r in caplog.records] == [
+        "train_sft(_config={'metric_logging': {'enabled': False}}): art-mega logs every train_sft call's "
+        "metrics (model.train_sft(log_metrics=False) turns that off)"
+    ]
+    with pytest.raises(HyperParameterError, match=r"whose one key is metric_logging; leave the others out"):
+        sft(backend, trajectories(1), None, {"metric_logging": None, "beta": 1})
