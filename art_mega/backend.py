@@ -878,7 +878,7 @@ class MegatronBackend:
         """The trainer's sequence limit in tokens (None until `register` without one given)."""
         self._fixed_rows = seq_len is not None
         """Whether `seq_len` is also every packed row's length (set by the user), else rows
-        follow the batch (`_row_len`)."""
+        follow the batch (`PACKED_ROW_TOKENS`, `_step_with`)."""
         self.max_model_len: int | None = None if max_model_len is None else int(max_model_len)
         self._engine: Any = None
         """The model's checked `EngineSettings` (`dev.settings`), from `_apply_model_config`."""
@@ -950,7 +950,8 @@ class MegatronBackend:
         backend's) before anything starts.
 
         Raises:
-            HyperParameterError: a value `launch.local_topology.engine_settings` refuses; GPU
+            HyperParameterError: a value `dev.settings.engine_settings` refuses; a max_lora_rank
+                below the backend's lora_rank; GPU
                 placement (GPU id lists, tensor_parallel_size, enable_sleep_mode) set for a
                 runtime this backend did not build from it, whose topology places the processes.
         """
@@ -981,8 +982,15 @@ class MegatronBackend:
             self.max_model_len = settings.max_model_len
         if settings.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = settings.gpu_memory_utilization
-        if settings.trainer_dtype is not None and self._given["dtype"] == "auto":
-            self.dtype = settings.trainer_dtype
+        if self._given["dtype"] == "auto":  # init_args.dtype: the trainer's, unless the backend's is set
+            self.dtype = settings.trainer_dtype or "auto"
+        if settings.max_lora_rank is not None and settings.max_lora_rank < int(self.lora["rank"]):
+            raise HyperParameterError(
+                f"TrainableModel(_internal_config=...) sets max_lora_rank={settings.max_lora_rank!r}, below "
+                f"the LoRA rank {self.lora['rank']} the replicas must serve; raise it or leave it out",
+                "max_lora_rank",
+                settings.max_lora_rank,
+            )
 
     async def register(self, model: Any) -> Path:
         """Start (or resume) training `model`; returns its run directory.
@@ -1137,11 +1145,8 @@ class MegatronBackend:
         from the KV cache of a CPU replica, `ReplicaLaunch.kv_cache_gib`; on GPUs from each GPU's
         memory times gpu_memory_utilization less the weights) and `seq_len` to it when None.
 
-        Raises:
-            HyperParameterError: engine_args.max_lora_rank below the backend's lora_rank.
         """
         from art_mega.dev.settings import EngineSettings, default_max_model_len
-        from art_mega.errors import HyperParameterError
         from art_mega.inference.protocol import VLLM_LORA_RANKS, ReplicaLaunch, lora_rank_slot
         from art_mega.inference.replica import CPU_BLOCK_SIZE
         from art_mega.inference.vllm_engine_args import engine_argv
@@ -1152,13 +1157,6 @@ class MegatronBackend:
         # on GPUs vLLM's default, as ART's engine runs: the model's own dtype; on CPU float32
         dtype = settings.dtype or ("auto" if on_gpu else "float32")
         slot = lora_rank_slot(int(self.lora["rank"]))
-        if settings.max_lora_rank is not None and settings.max_lora_rank < int(self.lora["rank"]):
-            raise HyperParameterError(
-                f"TrainableModel(_internal_config=...) sets engine_args.max_lora_rank={settings.max_lora_rank!r}, "
-                f"below the LoRA rank {self.lora['rank']} the replicas must serve; raise it or leave it out",
-                "engine_args.max_lora_rank",
-                settings.max_lora_rank,
-            )
         if settings.max_lora_rank is not None:
             slot = lora_rank_slot(min(settings.max_lora_rank, VLLM_LORA_RANKS[-1]))
         if self.max_model_len is None:

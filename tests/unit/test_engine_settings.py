@@ -236,3 +236,14 @@ def test_register_logs_each_setting_it_accepts_but_does_otherwise(caplog):
         f"{WHERE}: engine_args.num_scheduler_steps=1 is dropped: vLLM 0.32.0's engine no longer has it "
         "(a vLLM V0 setting), and schedules and tunes itself",
     ]
+
+
+def test_a_max_lora_rank_below_the_trained_rank_is_refused_at_register():
+    model = art.TrainableModel(
+        name="m", project="p", base_model="b", _internal_config={"engine_args": {"max_lora_rank": 1}}
+    )
+    with pytest.raises(HyperParameterError) as caught:
+        art.LocalBackend(lora_rank=8)._apply_model_config(model)
+    assert str(caught.value) == (
+        f"{WHERE} sets max_lora_rank=1, below the LoRA rank 8 the replicas must serve; raise it or leave it out"
+    )
