@@ -5,7 +5,8 @@ and `engine_argv` (the command-line words of a dict of engine arguments).
 
 The table is generated from vLLM itself: run this file with vLLM's interpreter
 (`.venv-vllm/bin/python art_mega/inference/vllm_engine_args.py`: its version, then the lines
-between the GENERATED markers) and compare;
+between the GENERATED markers; given a server command line, then also its engine arguments as
+vLLM's parser reads them, as JSON) and compare;
 `tests/inference/test_vllm_engine_args.py` does and fails naming the difference. A name is an
 engine argument when it is a field of `vllm.engine.arg_utils.AsyncEngineArgs` that the server's
 parser (`vllm.entrypoints.launchers.cli_args.make_arg_parser`) has an option for. Kinds, from
@@ -413,3 +414,11 @@ if __name__ == "__main__":  # pragma: no cover - run with vLLM's interpreter
     import vllm
 
     sys.stdout.write(f"# vLLM {vllm.__version__}\n{_render(_generate())}")
+    if len(sys.argv) > 1:  # a server command line to parse as vLLM does: its engine arguments as JSON
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parsed = vars(make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:]))
+        sys.stdout.write(
+            json.dumps({k: v for k, v in parsed.items() if k in ENGINE_ARGS}, default=str) + "\n"
+        )
