@@ -707,6 +707,15 @@ PACKED_ROW_TOKENS = 1024
 whose longest trajectory is longer gets rows of that length (up to max_model_len), so the
 trainer's work follows the batch and not the model's context."""
 
+
+def packed_row_len(limit: int, longest: int) -> int:
+    """The packed row length in tokens of a batch whose longest sequence has `longest` tokens,
+    under the sequence limit `limit` (`seq_len` / `init_args.max_seq_length` / max_model_len):
+    `PACKED_ROW_TOKENS`, or `longest` when longer, never above `limit` (a longer sequence is
+    then refused by the packing, naming the limit)."""
+    return min(limit, max(PACKED_ROW_TOKENS, longest))
+
+
 BACKEND_WHOLE_NUMBERS = {
     "lora_rank": (1, "8"),
     "seq_len": (2, "1024"),
@@ -945,7 +954,8 @@ class MegatronBackend:
 
     def _apply_model_config(self, model: Any) -> None:
         """Check `model._internal_config` against this backend's runtime and take its
-        `init_args.max_seq_length` (the packed row length, replacing `seq_len`),
+        `init_args.max_seq_length` (the sequence limit, replacing `seq_len`; rows then follow
+        the batch, `PACKED_ROW_TOKENS`),
         `engine_args.max_model_len` and `engine_args.gpu_memory_utilization` (replacing the
         backend's) before anything starts.
 
@@ -975,8 +985,9 @@ class MegatronBackend:
             )
         log_notes(settings)  # one line per setting accepted but done otherwise here
         self._engine = settings
-        seq_len = self._given["seq_len"] if settings.max_seq_length is None else settings.max_seq_length
-        self.seq_len, self._fixed_rows = seq_len, seq_len is not None  # None: max_model_len, at start
+        # init_args.max_seq_length is ART's limit, rows follow the batch; MegatronBackend(seq_len=) fixes them
+        self.seq_len = self._given["seq_len"] if settings.max_seq_length is None else settings.max_seq_length
+        self._fixed_rows = self._given["seq_len"] is not None and settings.max_seq_length is None
         self.max_model_len = self._given["max_model_len"]
         if settings.max_model_len is not None:
             self.max_model_len = settings.max_model_len
@@ -1861,8 +1872,9 @@ class MegatronBackend:
         dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
         row_len = self.seq_len if seq_len is None else seq_len
         if seq_len is None and not self._fixed_rows:  # rows as long as the batch needs, up to the limit
-            longest = max((len(d) for documents in steps for d in documents), default=0)
-            row_len = min(row_len, max(PACKED_ROW_TOKENS, longest))
+            row_len = packed_row_len(
+                row_len, max((len(d) for documents in steps for d in documents), default=0)
+            )
         step_rows: int | None = None  # rl only
         try:
             if kind == "rl":

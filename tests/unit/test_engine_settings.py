@@ -247,3 +247,19 @@ def test_a_max_lora_rank_below_the_trained_rank_is_refused_at_register():
     assert str(caught.value) == (
         f"{WHERE} sets max_lora_rank=1, below the LoRA rank 8 the replicas must serve; raise it or leave it out"
     )
+
+
+def test_packed_rows_follow_the_batch_up_to_the_sequence_limit():
+    from art_mega.backend import packed_row_len
+
+    assert [packed_row_len(8192, n) for n in (0, 40, 1024, 1500, 9000)] == [1024, 1024, 1024, 1500, 8192]
+    assert packed_row_len(512, 40) == 512  # a limit below the default row: the limit
+    backend = art.LocalBackend()
+    config = {"init_args": {"max_seq_length": 8192}}  # ART's 2048 notebook: a limit, not a row
+    backend._apply_model_config(
+        art.TrainableModel(name="m", project="p", base_model="b", _internal_config=config)
+    )
+    assert (backend.seq_len, backend._fixed_rows) == (8192, False)
+    fixed = art.LocalBackend(seq_len=256)
+    fixed._apply_model_config(art.TrainableModel(name="m", project="p", base_model="b"))
+    assert (fixed.seq_len, fixed._fixed_rows) == (256, True)
