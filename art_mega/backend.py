@@ -1888,7 +1888,7 @@ class MegatronBackend:
                 if seq_len is not None
                 else "MegatronBackend(seq_len=...)"
                 if self._fixed_rows
-                else f"the replicas' max_model_len={self.max_model_len}; set engine_args.max_model_len"
+                else "init_args.max_seq_length, or engine_args.max_model_len by default"
             )
             raise UserError(f"{exc} ({where})") from None
         if step_rows is not None:
