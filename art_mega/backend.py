@@ -769,6 +769,20 @@ def checked_groups(
     return groups, len(bad)
 
 
+PACKED_ROW_TOKENS = 1024
+"""The packed row length in tokens when `MegatronBackend(seq_len=None)` (the default): a batch
+whose longest trajectory is longer gets rows of that length (up to max_model_len), so the
+trainer's work follows the batch and not the model's context."""
+
+
+def packed_row_len(limit: int, longest: int) -> int:
+    """The packed row length in tokens of a batch whose longest sequence has `longest` tokens,
+    under the sequence limit `limit` (`seq_len` / `init_args.max_seq_length` / max_model_len):
+    `PACKED_ROW_TOKENS`, or `longest` when longer, never above `limit` (a longer sequence is
+    then refused by the packing, naming the limit)."""
+    return min(limit, max(PACKED_ROW_TOKENS, longest))
+
+
 BACKEND_WHOLE_NUMBERS = {
     "lora_rank": (1, "8"),
     "seq_len": (2, "1024"),
@@ -812,7 +826,8 @@ def check_backend_options(
         "keep_adapters": keep_adapters,
     }
     for name, (minimum, example) in BACKEND_WHOLE_NUMBERS.items():
-        check(where, name, values[name], whole_problem(minimum), example)
+        if values[name] is not None or name not in ("seq_len", "max_model_len"):  # None: the model's
+            check(where, name, values[name], whole_problem(minimum), example)
     if lora_rank > VLLM_LORA_RANKS[-1]:
         raise HyperParameterError(
             f"{where}(lora_rank={lora_rank!r}) is above {VLLM_LORA_RANKS[-1]}, the largest LoRA rank "
@@ -847,8 +862,12 @@ class MegatronBackend:
         runtime: a started multi-host `ArtRuntime` whose topology has a trainer and inference;
             None builds and owns a local one.
         lora_rank, lora_alpha, lora_targets: the LoRA adapter (targets in HF or Megatron names).
-        seq_len: packed row length in tokens (a longer trajectory is an error naming it).
-        max_model_len: the replicas' context length in tokens.
+        seq_len: packed row length in tokens (a longer trajectory is an error naming it); None
+            (default): trajectories up to `max_model_len` tokens, packed into rows of
+            `PACKED_ROW_TOKENS` tokens or of the longest trajectory's length when longer.
+        max_model_len: the replicas' context length in tokens; None (default): the model's
+            context, capped by what the replica's KV cache holds (`dev.settings.default_max_model_len`,
+            one logged line when capped).
         keep_adapters: published steps each replica keeps loaded.
         startup_timeout_s: bound on trainer and replica start-up (seconds).
         vllm_python: the interpreter that runs vLLM (default: see `default_vllm_python`).
@@ -878,8 +897,8 @@ class MegatronBackend:
         lora_rank: int = 8,
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] | None = None,
-        seq_len: int = 1024,
-        max_model_len: int = 1024,
+        seq_len: int | None = None,
+        max_model_len: int | None = None,
         keep_adapters: int = 2,
         startup_timeout_s: float = 900.0,
         vllm_python: str | None = None,
@@ -929,8 +948,16 @@ class MegatronBackend:
             "alpha": float(lora_alpha),
             "targets": list(lora_targets or []),
         }
-        self.seq_len = int(seq_len)
-        self.max_model_len = int(max_model_len)
+        self._given = {"seq_len": seq_len, "max_model_len": max_model_len, "dtype": dtype}
+        """The backend's own arguments, before a model's `_internal_config` overrides them."""
+        self.seq_len: int | None = None if seq_len is None else int(seq_len)
+        """The trainer's sequence limit in tokens (None until `register` without one given)."""
+        self._fixed_rows = seq_len is not None
+        """Whether `seq_len` is also every packed row's length (set by the user), else rows
+        follow the batch (`PACKED_ROW_TOKENS`, `_step_with`)."""
+        self.max_model_len: int | None = None if max_model_len is None else int(max_model_len)
+        self._engine: Any = None
+        """The model's checked `EngineSettings` (`dev.settings`), from `_apply_model_config`."""
         self.keep_adapters = int(keep_adapters)
         self.startup_timeout_s = float(startup_timeout_s)
         self._vllm_python = None if vllm_python is None else str(vllm_python)
@@ -994,17 +1021,20 @@ class MegatronBackend:
 
     def _apply_model_config(self, model: Any) -> None:
         """Check `model._internal_config` against this backend's runtime and take its
-        `init_args.max_seq_length` (the packed row length, replacing `seq_len`),
+        `init_args.max_seq_length` (the sequence limit, replacing `seq_len`; rows then follow
+        the batch, `PACKED_ROW_TOKENS`),
         `engine_args.max_model_len` and `engine_args.gpu_memory_utilization` (replacing the
         backend's) before anything starts.
 
         Raises:
-            HyperParameterError: a value `launch.local_topology.engine_settings` refuses; GPU
+            HyperParameterError: a value `dev.settings.engine_settings` refuses; a max_lora_rank
+                below the backend's lora_rank; GPU
                 placement (GPU id lists, tensor_parallel_size, enable_sleep_mode) set for a
                 runtime this backend did not build from it, whose topology places the processes.
         """
+        from art_mega.dev.settings import engine_settings, log_notes
         from art_mega.errors import HyperParameterError
-        from art_mega.launch.local_topology import engine_settings, placement_of
+        from art_mega.launch.local_topology import placement_of
 
         config = getattr(model, "_internal_config", None) or {}
         settings = engine_settings(config)
@@ -1020,12 +1050,25 @@ class MegatronBackend:
             raise HyperParameterError(
                 f"TrainableModel(_internal_config=...) sets {name}={value!r}, but {where}; {fix}", name, value
             )
-        if settings.max_seq_length is not None:
-            self.seq_len = settings.max_seq_length
+        log_notes(settings)  # one line per setting accepted but done otherwise here
+        self._engine = settings
+        # init_args.max_seq_length is ART's limit, rows follow the batch; MegatronBackend(seq_len=) fixes them
+        self.seq_len = self._given["seq_len"] if settings.max_seq_length is None else settings.max_seq_length
+        self._fixed_rows = self._given["seq_len"] is not None and settings.max_seq_length is None
+        self.max_model_len = self._given["max_model_len"]
         if settings.max_model_len is not None:
             self.max_model_len = settings.max_model_len
         if settings.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = settings.gpu_memory_utilization
+        if self._given["dtype"] == "auto":  # init_args.dtype: the trainer's, unless the backend's is set
+            self.dtype = settings.trainer_dtype or "auto"
+        if settings.max_lora_rank is not None and settings.max_lora_rank < int(self.lora["rank"]):
+            raise HyperParameterError(
+                f"TrainableModel(_internal_config=...) sets max_lora_rank={settings.max_lora_rank!r}, below "
+                f"the LoRA rank {self.lora['rank']} the replicas must serve; raise it or leave it out",
+                "max_lora_rank",
+                settings.max_lora_rank,
+            )
 
     def _apply_lora_config(self, model: Any) -> None:
         """Take ART 0.5.23's `model.lora_config` (`rank`, `alpha`, `target_modules`; see
@@ -1222,6 +1265,71 @@ class MegatronBackend:
             "target_modules": names.hf_target_modules(targets),
         }
 
+    def _engine_for(self, topology: Any, model_dir: Path) -> dict[str, Any]:
+        """The replicas' engine settings from the model's `EngineSettings` (`self._engine`), as
+        `ReplicaLaunch` fields: dtype, LoRA slots, and the other vLLM engine arguments as argv
+        (`extra_args`); sets `max_model_len` when None (`dev.settings.default_max_model_len`,
+        from the KV cache of a CPU replica, `ReplicaLaunch.kv_cache_gib`; on GPUs from each GPU's
+        memory times gpu_memory_utilization less the weights) and `seq_len` to it when None.
+
+        """
+        from art_mega.dev.settings import EngineSettings, default_max_model_len
+        from art_mega.inference.protocol import VLLM_LORA_RANKS, ReplicaLaunch, lora_rank_slot
+        from art_mega.inference.replica import CPU_BLOCK_SIZE
+        from art_mega.inference.vllm_engine_args import engine_argv
+        from art_mega.trainer.hf_checkpoint import read_hf_config
+
+        settings = self._engine or EngineSettings()
+        on_gpu = any(gpus for r in topology.replicas for _, gpus in r.gpu_ids)
+        # on GPUs vLLM's default, as ART's engine runs: the model's own dtype; on CPU float32
+        dtype = settings.dtype or ("auto" if on_gpu else "float32")
+        slot = lora_rank_slot(int(self.lora["rank"]))
+        if settings.max_lora_rank is not None:
+            slot = lora_rank_slot(min(settings.max_lora_rank, VLLM_LORA_RANKS[-1]))
+        if self.max_model_len is None:
+            hf_config = read_hf_config(model_dir)
+            width = {"float32": 4}.get(dtype, 2)
+            if on_gpu:
+                kv_bytes = self._gpu_kv_bytes(topology, model_dir)
+                block = 16
+            else:
+                kv_bytes, block = ReplicaLaunch.model_fields["kv_cache_gib"].default * 2**30, CPU_BLOCK_SIZE
+            self.max_model_len, capped = default_max_model_len(hf_config, kv_bytes, width, block)
+            if capped is not None:
+                import logging
+
+                logging.getLogger(__name__).warning("%s", capped)
+        if self.seq_len is None:
+            self.seq_len = self.max_model_len
+        return {
+            "dtype": dtype,
+            "max_lora_rank": slot,
+            **({"max_loras": settings.max_loras} if settings.max_loras is not None else {}),
+            "extra_args": tuple(engine_argv(settings.vllm_args)),
+        }
+
+    def _gpu_kv_bytes(self, topology: Any, model_dir: Path) -> int | None:
+        """What a GPU replica's KV cache may take, in bytes: gpu_memory_utilization (vLLM's 0.9
+        when None) of its smallest GPU's memory times its GPUs, less the model's weight files and
+        1 GiB per GPU for activations (vLLM profiles the rest); None when the GPUs' memory is not
+        known (vLLM then fits the context itself)."""
+        runtime_facts = getattr(self._runtime, "host_facts", {}) or {}
+        util = 0.9 if self.gpu_memory_utilization is None else self.gpu_memory_utilization
+        budgets = []
+        for replica in topology.replicas:
+            memories = [
+                gpu.memory_bytes
+                for host, gpus in replica.gpu_ids
+                for gpu in getattr(runtime_facts.get(host), "gpus", ())
+                if gpu.index in gpus or gpu.uuid in gpus
+            ]
+            count = sum(len(gpus) for _, gpus in replica.gpu_ids)
+            if not memories or not count:
+                return None
+            budgets.append(int(util * min(memories) * count) - count * 2**30)
+        weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+        return max(min(budgets) - weights, 0) if budgets else None
+
     async def _start_serving(
         self, model: Any, resolved: Any, run_dir: Path, committed: int | None, transport: Any
     ) -> None:
@@ -1229,7 +1337,7 @@ class MegatronBackend:
         nothing is committed, publish the served step and start replica recovery. The caller
         stops what was started when this raises (`_stop_serving`)."""
         from art_mega.inference.adapters import AdapterPublisher
-        from art_mega.inference.protocol import ReplicaLaunch, lora_rank_slot
+        from art_mega.inference.protocol import ReplicaLaunch
         from art_mega.inference.recovery import ReplicaRecovery
         from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
         from art_mega.inference.sleep import SharedGpuReplicas
@@ -1261,11 +1369,11 @@ class MegatronBackend:
             # a committed step's own adapter and optimizer state replace the warm start
             warm_start=str(resolved.warm_start) if committed is None and resolved.warm_start else None,
         )
+        engine = self._engine_for(topology, resolved.model_dir)
         launch = ReplicaLaunch(
             model=str(resolved.model_dir),
             served_model_name=model.name,
             python=replica_python(topology, self._vllm_python),
-            max_lora_rank=lora_rank_slot(int(self.lora["rank"])),
             max_model_len=self.max_model_len,
             log_dir=str(run_dir / "logs"),
             ready_timeout_s=self.startup_timeout_s,
@@ -1279,8 +1387,7 @@ class MegatronBackend:
             # ART's chat_template_kwargs (e.g. enable_thinking) in every request's render; the
             # trainer tokenizes with the same ones (`_template_kwargs`)
             chat_template_kwargs=getattr(model, "_internal_config", {}).get("chat_template_kwargs") or {},
-            # on GPUs vLLM's default, as ART's engine runs: the model's own dtype; on CPU float32
-            dtype="auto" if any(gpus for r in topology.replicas for _, gpus in r.gpu_ids) else "float32",
+            **engine,
         )
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
         self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
@@ -1895,6 +2002,10 @@ class MegatronBackend:
         step = self._step + 1
         dp = max(r.dp_rank for r in self._runtime.topology.trainer_ranks) + 1
         row_len = self.seq_len if seq_len is None else seq_len
+        if seq_len is None and not self._fixed_rows:  # rows as long as the batch needs, up to the limit
+            row_len = packed_row_len(
+                row_len, max((len(d) for documents in steps for d in documents), default=0)
+            )
         step_rows: int | None = None  # rl only
         try:
             if kind == "rl":
@@ -1904,9 +2015,11 @@ class MegatronBackend:
                 packed = [pack(documents, row_len, dp) for documents in steps]
         except ValueError as exc:
             where = (
-                "MegatronBackend(seq_len=...)"
-                if seq_len is None
-                else "backend.train(packed_sequence_length=...)"
+                "backend.train(packed_sequence_length=...)"
+                if seq_len is not None
+                else "MegatronBackend(seq_len=...)"
+                if self._fixed_rows
+                else "init_args.max_seq_length, or engine_args.max_model_len by default"
             )
             raise UserError(f"{exc} ({where})") from None
         if step_rows is not None:
@@ -2104,8 +2217,10 @@ class MegatronBackend:
 
         Raises:
             UserError: `delete=True` or `exclude` (not supported); the model is registered here;
-                no bucket; the bucket is missing or unreachable, holds no committed checkpoint of
-                the run or not `only_step`; a committed local step differs from the bucket's.
+                no bucket; the bucket is missing or unreachable, or holds committed checkpoints of
+                the run but not `only_step`; a committed local step differs from the bucket's. A
+                bucket without a committed checkpoint of the run pulls nothing (one logged line),
+                as in ART: a first run goes on from its base model.
             CheckpointFileError: a manifest is malformed or does not match its adapter.
         """
         from art_mega.trainer import s3

@@ -33,7 +33,7 @@ class InternalModelConfig(TypedDict, total=False):
     """ART's `TrainableModel(_internal_config=...)`: unstable per-model settings.
 
     art-mega reads the fields of `READ_KEYS` (GPU ids: CUDA device indices on the local host;
-    `init_args.max_seq_length`: tokens; `chat_template_kwargs`: extra chat-template variables
+    `init_args` / `engine_args`: see `art_mega.dev.settings`; `chat_template_kwargs`: extra chat-template variables
     such as `enable_thinking`, JSON values, rendered into every request by the replicas and
     into every conversation the trainer tokenizes); `check_internal_config` refuses any other
     field that is set to something other than ART's "off" value.
@@ -60,7 +60,8 @@ class InternalModelConfig(TypedDict, total=False):
 
 
 class InitArgs(TypedDict, total=False):
-    """ART's `dev.InitArgs` (Unsloth's FastLanguageModel arguments; art-mega reads `max_seq_length`)."""
+    """ART's `dev.InitArgs` (Unsloth's FastLanguageModel arguments; how art-mega takes each:
+    `art_mega.dev.settings`)."""
 
     model_name: str
     max_seq_length: int
@@ -258,10 +259,9 @@ class TrainerArgs(TypedDict, total=False):
 READ_KEYS: dict[str, frozenset[str] | None] = {
     "trainer_gpu_ids": None,
     "inference_gpu_ids": None,
-    "init_args": frozenset({"max_seq_length"}),
-    "engine_args": frozenset(
-        {"gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enable_sleep_mode"}
-    ),
+    # honoured, mapped, accepted with a logged line or refused key by key (`dev.settings`)
+    "init_args": None,
+    "engine_args": None,
     # the optimizer (backend.art_optimizer): AdamW's betas and epsilon, RL's decay and clip
     "trainer_args": frozenset({"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm"}),
     # the replicas' --default-chat-template-kwargs and the trainer's tokenization (trainer.tokenize)
@@ -285,13 +285,9 @@ _INSTEAD: dict[str, str] = {
     "peft_args.r": "set MegatronBackend(lora_rank=...)",
     "peft_args.lora_alpha": "set MegatronBackend(lora_alpha=...)",
     "peft_args.target_modules": "set MegatronBackend(lora_targets=...)",
-    "init_args.model_name": "name the model with TrainableModel(base_model=...)",
-    "init_args.revision": "pin the revision in the base model's cached directory",
     "trainer_args": "art-mega trains with Megatron, not TRL: pass the learning rate as "
     "model.train(config=art.TrainConfig(learning_rate=...)) and the loss options to backend.train "
     "(of trainer_args it reads adam_beta1, adam_beta2, adam_epsilon, weight_decay, max_grad_norm)",
-    "engine_args": "art-mega starts vLLM itself; MegatronBackend(max_model_len=, gpu_memory_utilization=) "
-    "sets what it exposes",
     "rollout_weights_mode": "art-mega serves LoRA adapters ('lora'); leave it out",
     "rollout_weight_update_mode": "art-mega's replicas load one adapter per policy step "
     "('step_lora'); leave it out",
@@ -362,6 +358,10 @@ def check_internal_config(
                     raise _refusal(where, f"{key}.{sub}", sub_value)
             item = dict(item)
         checked[key] = item
+    if all(isinstance(checked.get(k, {}), dict) for k in ("init_args", "engine_args")):
+        from art_mega.dev.settings import engine_settings
+
+        engine_settings(checked)  # refused here, in vLLM's and ART's terms, not first at register
     try:
         TypeAdapter(InternalModelConfig).validate_python(checked, strict=True)
     except ValidationError as exc:

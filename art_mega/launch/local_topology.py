@@ -16,12 +16,12 @@ Three layouts:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from art_mega.agent.ports import free_port
+from art_mega.dev.settings import WHERE, engine_settings
 from art_mega.errors import HyperParameterError, TopologyError
 from art_mega.preflight.protocol import GpuInfo, HostFacts
 from art_mega.topology import (
@@ -36,21 +36,13 @@ from art_mega.topology import (
 Mode = Literal["cpu", "shared", "dedicated"]
 GpuId = int | str
 
-WHERE = "TrainableModel(_internal_config=...)"
-ENGINE_KEYS = ("gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "enable_sleep_mode")
-"""The `engine_args` keys art-mega implements (vLLM's names and meanings)."""
-INIT_KEYS = ("max_seq_length",)
-"""The `init_args` keys art-mega implements."""
-MIN_MODEL_LEN = 16
-"""The shortest vLLM context a replica is started with (`ReplicaLaunch.max_model_len`)."""
-
 
 @dataclass(frozen=True)
 class LocalPlan:
     """What `LocalBackend()` runs for one model.
 
-    `mode`: "cpu", "shared" or "dedicated" (module docstring). `max_seq_length`: the packed row
-    length in tokens (`init_args.max_seq_length`; None: the backend's `seq_len`).
+    `mode`: "cpu", "shared" or "dedicated" (module docstring). `max_seq_length`: the trainer's
+    sequence limit in tokens (`init_args.max_seq_length`; None: the backend's `seq_len`).
     `max_model_len`: the replicas' context in tokens (`engine_args.max_model_len`; None: the
     backend's `max_model_len`). `gpu_memory_utilization`: fraction (0, 1] of each GPU vLLM takes
     (None: the backend's, else vLLM's 0.9).
@@ -63,76 +55,8 @@ class LocalPlan:
     gpu_memory_utilization: float | None = None
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """The `init_args` / `engine_args` values art-mega implements, checked (see `engine_settings`)."""
-
-    max_seq_length: int | None = None
-    max_model_len: int | None = None
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    enable_sleep_mode: bool | None = None
-
-
 def _refuse(field: str, value: Any, why: str) -> HyperParameterError:
     return HyperParameterError(f"{WHERE} sets {field}={value!r}, {why}", field, value)
-
-
-def _whole_number(field: str, value: Any, least: int, example: int) -> int:
-    try:  # any integer type, numpy's too; not a bool and not a float
-        number = None if "bool" in type(value).__name__ else operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or number < least:
-        raise _refuse(field, value, f"which must be a whole number of at least {least}, e.g. {example}")
-    return number
-
-
-def engine_settings(config: Mapping[str, Any]) -> EngineSettings:
-    """The `init_args` and `engine_args` of `config` that art-mega implements, checked.
-
-    Raises:
-        HyperParameterError: a key of `init_args` / `engine_args` art-mega does not implement
-            (named), or a value of the wrong type or range (one sentence naming the field).
-    """
-    init = dict(config.get("init_args") or {})
-    engine = dict(config.get("engine_args") or {})
-    for section, values, known in (("init_args", init, INIT_KEYS), ("engine_args", engine, ENGINE_KEYS)):
-        for key, value in values.items():
-            if key not in known:
-                raise _refuse(
-                    f"{section}.{key}",
-                    value,
-                    f"which art-mega does not implement; of {section} it implements {', '.join(known)}",
-                )
-    settings: dict[str, Any] = {}
-    if "max_seq_length" in init:
-        settings["max_seq_length"] = _whole_number(
-            "init_args.max_seq_length", init["max_seq_length"], 1, 2048
-        )
-    if "max_model_len" in engine:
-        settings["max_model_len"] = _whole_number(
-            "engine_args.max_model_len", engine["max_model_len"], MIN_MODEL_LEN, 2048
-        )
-    if "tensor_parallel_size" in engine:
-        settings["tensor_parallel_size"] = _whole_number(
-            "engine_args.tensor_parallel_size", engine["tensor_parallel_size"], 1, 1
-        )
-    if "gpu_memory_utilization" in engine:
-        value = engine["gpu_memory_utilization"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise _refuse(
-                "engine_args.gpu_memory_utilization",
-                value,
-                "which is a fraction of each GPU's memory; use a number in (0, 1], e.g. 0.5",
-            )
-        settings["gpu_memory_utilization"] = float(value)
-    if "enable_sleep_mode" in engine:
-        value = engine["enable_sleep_mode"]
-        if not isinstance(value, bool):
-            raise _refuse("engine_args.enable_sleep_mode", value, "which must be True or False")
-        settings["enable_sleep_mode"] = value
-    return EngineSettings(**settings)
 
 
 def placement_of(config: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -3,6 +3,7 @@ embedded single-host `MegatronBackend` (one agent on loopback, one trainer rank,
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -10,6 +11,8 @@ from typing import Any
 
 from art_mega.backend import MegatronBackend
 from art_mega.errors import HyperParameterError, UserError
+
+log = logging.getLogger(__name__)
 
 AUTOMATIC_GPU_PRICES_USD = {"H200": 3.0}
 """ART 0.5.18's automatic per-GPU price in USD per hour, by a part of the GPU's name (upper case)."""
@@ -77,18 +80,22 @@ class LocalBackend(MegatronBackend):
 
     Args:
         in_process: ART runs its model service in this process when True; art-mega always runs
-            the trainer rank and vLLM as child processes of a loopback agent, so only False
-            (ART's default) is accepted.
+            the trainer rank and vLLM as child processes of a loopback agent, which changes no
+            result: True is accepted with one logged line saying so.
         path: the directory runs live under, as in ART (`<path>/<project>/models/<name>`:
             history, checkpoints, logs); None: `./.art-mega/artifacts` (ART's is `./.art`).
         gpu_cost_per_hour_usd: ART's per-GPU price in USD per hour for the `costs/gpu` row of
             each train step (`automatic_gpu_cost_per_hour_usd`); None: ART's automatic price
             when every visible GPU is of a priced kind (`AUTOMATIC_GPU_PRICES_USD`), else no row.
+        enable_expert_replay: ART replays vLLM's routed experts in its Megatron MoE trainer when
+            True (its default); art-mega's trainer routes each token itself, as ART does with
+            False: False is what art-mega does, True (the default) is accepted silently, as
+            it changes nothing for the dense models most programs train. Not a bool: refused.
         options: `MegatronBackend`'s keyword arguments (lora_rank, seq_len, max_model_len, ...);
             not `runtime` (a LocalBackend builds its own).
 
     Raises:
-        UserError: `in_process` is not False, `path` is not a non-empty string or None,
+        UserError: `in_process` or `enable_expert_replay` is not a bool, `path` is not a non-empty string or None,
             `runtime` is given; and what `MegatronBackend` raises for `options`.
         HyperParameterError: `gpu_cost_per_hour_usd` is not None or a finite number >= 0.
     """
@@ -99,12 +106,21 @@ class LocalBackend(MegatronBackend):
         in_process: bool = False,
         path: str | None = None,
         gpu_cost_per_hour_usd: float | None = None,
+        enable_expert_replay: bool = True,
         **options: Any,
     ) -> None:
-        if in_process is not False:
-            raise UserError(
-                f"LocalBackend(in_process={in_process!r}) is not supported: art-mega runs the trainer "
-                "and vLLM as child processes of a local agent; leave in_process out"
+        for name, value in (("in_process", in_process), ("enable_expert_replay", enable_expert_replay)):
+            if not isinstance(value, bool):
+                raise UserError(f"LocalBackend({name}={value!r}) must be True or False")
+        if in_process:
+            log.warning(
+                "LocalBackend(in_process=True) is accepted: art-mega runs the trainer and vLLM as child "
+                "processes of a local agent (ART's default placement), which changes no result"
+            )
+        if not enable_expert_replay:
+            log.warning(
+                "LocalBackend(enable_expert_replay=False) is accepted: art-mega's trainer never replays "
+                "vLLM's routed experts; it routes every token itself, as ART does with False"
             )
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise UserError(

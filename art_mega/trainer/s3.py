@@ -18,6 +18,7 @@ pointer last; a pull reads the bucket's `LATEST` and ignores newer step folders.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from typing import Any
 
 from art_mega.errors import CheckpointFileError, UserError
 from art_mega.trainer import checkpoint
+
+log = logging.getLogger(__name__)
 
 BUCKET_ENV = "BACKUP_BUCKET"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -235,11 +238,13 @@ def pull_run(
     `only_step` None: every committed step and the run's other files (history, logs,
     trajectories); an int: that committed step only; "latest": the bucket's committed step only.
     Steps the local run already holds with the same manifest are not downloaded again; the local
-    pointer moves to the newest step now present (never back).
+    pointer moves to the newest step now present (never back). A bucket that holds no committed
+    checkpoint of the run (a first run: nothing pushed yet) pulls nothing, with one logged line,
+    as ART's pull of an empty prefix syncs nothing; returns the local committed step (None).
 
     Raises:
-        UserError: the bucket is missing or unreachable; it holds no committed checkpoint of the run,
-            or not step `only_step`; a committed local step differs from the bucket's.
+        UserError: the bucket is missing or unreachable; it holds committed checkpoints of the run
+            but not step `only_step`; a committed local step differs from the bucket's.
         CheckpointFileError: a downloaded or local manifest is malformed or does not match its adapter.
     """
     where = "_experimental_pull_from_s3"
@@ -247,10 +252,16 @@ def pull_run(
     check_bucket(s3, bucket, where)
     latest, steps = remote_commit(s3, bucket, key)
     if latest is None:
-        raise UserError(
-            f"{where}: s3://{bucket}/{key} holds no committed checkpoint (no "
-            f"{checkpoint.CHECKPOINTS}/{checkpoint.COMMIT_FILE}); check the model name, project and prefix"
+        log.warning(
+            "%s: s3://%s/%s holds no committed checkpoint (no %s/%s), so nothing is pulled and the "
+            "run starts from its base model, as in ART (check the model name, project and prefix if it should)",
+            where,
+            bucket,
+            key,
+            checkpoint.CHECKPOINTS,
+            checkpoint.COMMIT_FILE,
         )
+        return checkpoint.read_commit(checkpoint.checkpoints_dir(run_dir))
     if only_step == "latest":
         steps = [latest]
     elif only_step is not None:

@@ -291,9 +291,24 @@ def test_an_unreachable_endpoint_is_refused(tmp_path, s3, monkeypatch):
     assert f"S3 bucket '{BUCKET}' is unreachable at http://127.0.0.1:" in text
 
 
-def test_pull_refuses_a_run_the_bucket_does_not_hold_and_an_absent_step(tmp_path, s3, adapters):
-    text = _refusal(backend_at(tmp_path)._experimental_pull_from_s3(M("ghost"), s3_bucket=BUCKET))
-    assert f"s3://{BUCKET}/proj/models/ghost holds no committed checkpoint" in text
+def test_pull_of_a_run_the_bucket_does_not_hold_pulls_nothing_with_a_logged_line(tmp_path, s3, caplog):
+    """ART's pull of an empty prefix syncs nothing, so a pull-then-train program's first run goes
+    on; art-mega's does too, in every spelling (all steps, only_step=int, 'latest', latest_only)."""
+    calls = [{}, {"only_step": 3}, {"only_step": "latest"}, {"latest_only": True}]
+    for kwargs in calls:
+        with caplog.at_level("WARNING", logger="art_mega.trainer.s3"):
+            run(backend_at(tmp_path)._experimental_pull_from_s3(M("ghost"), s3_bucket=BUCKET, **kwargs))
+    lines = [r.getMessage() for r in caplog.records if r.name == "art_mega.trainer.s3"]
+    assert lines == [
+        f"_experimental_pull_from_s3: s3://{BUCKET}/proj/models/ghost holds no committed checkpoint (no "
+        "checkpoints/LATEST), so nothing is pulled and the run starts from its base model, as in ART "
+        "(check the model name, project and prefix if it should)"
+    ] * len(calls)
+    checkpoints = tmp_path / PROJECT / "models" / "ghost" / "checkpoints"
+    assert not checkpoints.exists()  # nothing written: a later register starts the run afresh
+
+
+def test_pull_refuses_a_step_the_bucket_does_not_hold(tmp_path, s3, adapters):
     trained_run(tmp_path / "a", "m1", adapters)
     run(backend_at(tmp_path / "a")._experimental_push_to_s3(M("m1"), s3_bucket=BUCKET))
     text = _refusal(

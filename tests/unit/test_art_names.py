@@ -101,13 +101,13 @@ def test_internal_config_fields_art_mega_reads_are_kept():
             ["peft_args.r=16", "does not implement", "MegatronBackend(lora_rank=...)"],
         ),
         ({"trainer_args": {"learning_rate": 1e-5}}, ["trainer_args.learning_rate=1e-05", "art.TrainConfig"]),
-        ({"engine_args": {"enforce_eager": True}}, ["engine_args.enforce_eager=True", "starts vLLM itself"]),
+        ({"engine_args": {"enforce_eagr": True}}, ["engine_args.enforce_eagr=True", "did you mean enforce_eager"]),
         ({"init_args": {"load_in_4bit": True}}, ["init_args.load_in_4bit=True", "leave it out"]),
         ({"rollout_weights_mode": "merged"}, ["rollout_weights_mode='merged'", "LoRA adapters"]),
         ({"chat_template": "{{ x }}"}, ["chat_template='{{ x }}'", "does not implement"]),
         ({"gpu_ids": [0]}, ["'gpu_ids'", "InternalModelConfig does not have", "trainer_gpu_ids"]),
         ({"trainer_gpu_ids": [0.5]}, ["trainer_gpu_ids[0]=0.5", "valid integer"]),
-        ({"init_args": {"max_seq_length": True}}, ["init_args.max_seq_length=True", "valid integer"]),
+        ({"init_args": {"max_seq_length": True}}, ["init_args.max_seq_length=True", "a whole number"]),
         ([("trainer_gpu_ids", [0])], ["got list", "InternalModelConfig(...)"]),
     ],
 )
@@ -342,7 +342,7 @@ def test_local_backend_takes_arts_arguments_and_refuses_what_has_no_meaning_here
     assert backend.path == str(tmp_path) and backend.seq_len == 256
     assert isinstance(backend, art.Backend) and isinstance(backend, art.MegatronBackend)
     for kwargs, fragment in [
-        ({"in_process": True}, "LocalBackend(in_process=True) is not supported"),
+        ({"in_process": 1}, "LocalBackend(in_process=1) must be True or False"),
         ({"path": ""}, "LocalBackend(path='') must be a directory path"),
         ({"gpu_cost_per_hour_usd": -3.0}, "LocalBackend(gpu_cost_per_hour_usd=-3.0) must be a finite number"),
         ({"runtime": object()}, "LocalBackend(runtime=...) is not accepted"),

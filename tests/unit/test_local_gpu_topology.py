@@ -371,7 +371,8 @@ def test_sequence_length_and_engine_args_are_carried():
         ({"engine_args": {"gpu_memory_utilization": "0.5"}}, "engine_args.gpu_memory_utilization"),
         ({"engine_args": {"tensor_parallel_size": 0}}, "engine_args.tensor_parallel_size"),
         ({"engine_args": {"enable_sleep_mode": 1}}, "engine_args.enable_sleep_mode"),
-        ({"engine_args": {"enforce_eager": True}}, "engine_args.enforce_eager"),
+        ({"engine_args": {"enforce_eagr": True}}, "engine_args.enforce_eagr"),
+        ({"engine_args": {"enforce_eager": 1}}, "engine_args.enforce_eager"),
         ({"init_args": {"load_in_4bit": True}}, "init_args.load_in_4bit"),
     ],
 )
