@@ -55,7 +55,7 @@ async def test_a_killed_replica_loses_no_request_sent_after_it_died(
                 messages=MESSAGES,
                 max_tokens=max_tokens,
                 n=n,
-                temperature=0.0,
+                temperature=1.0,
                 extra_body={"ignore_eos": True},
             )
 

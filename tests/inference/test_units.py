@@ -276,3 +276,18 @@ def test_stream_events_are_tagged_choice_by_choice() -> None:
         "index": 0, "delta": {"content": "a"}, "token_ids": [5], "policy_step": 3, "prompt_token_ids": [1, 2]
     }
     assert done == b"data: [DONE]"
+
+
+def test_base_model_samples_are_on_policy_only_while_it_is_the_expected_step() -> None:
+    from openai.types.chat.chat_completion import Choice
+
+    import art_mega as art
+    from art_mega.trajectories import off_policy
+
+    choice = Choice.model_validate(
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}, "policy_step": None}
+    )
+    groups = [art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}, choice])])]
+    assert off_policy(groups, 0, base_is_expected=True) == []
+    assert off_policy(groups, 0) == [(0, 0, [None])]
+    assert off_policy(groups, 1, base_is_expected=False) == [(0, 0, [None])]
