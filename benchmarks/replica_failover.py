@@ -42,14 +42,16 @@ MESSAGES = [{"role": "user", "content": "Count: one two three"}]
 
 @dataclass
 class Tally:
-    """What the load saw: per request (start, end, failed replica or None, error or "")."""
+    """What the load saw: per request (start, end, failed replica or None, error or ""), and
+    per kill (when the killed process was gone, replica)."""
 
     requests: list[tuple[float, float, str | None, str]] = field(default_factory=list)
     kills: list[tuple[float, str]] = field(default_factory=list)
     moves: int = 0
 
     def in_flight(self, start: float, end: float, replica: str | None) -> bool:
-        """Whether a request failed because `replica` was killed while it was being answered."""
+        """Whether a request failed because `replica` died while it had it (sent before the
+        killed process was gone, failed after)."""
         return any(name == replica and start < at <= end for at, name in self.kills)
 
     def figures(self) -> dict[str, int]:
@@ -63,6 +65,14 @@ class Tally:
             "kills": len(self.kills),
             "failovers": self.moves,
         }
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie does not: its sockets are closed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
 
 
 class _Moves(logging.Handler):
@@ -113,7 +123,6 @@ async def measure(duration_s: float, interval_s: float, workers: int, work_dir: 
         recovery = ReplicaRecovery(clients, specs, launch, publisher)
         recovery.start()
         openai_client = policy_client(router, max_retries=0)
-        up_since = dict.fromkeys((s.process_name for s in specs), time.monotonic())
         started = time.monotonic()
         stop = started + duration_s
 
@@ -127,28 +136,41 @@ async def measure(duration_s: float, interval_s: float, workers: int, work_dir: 
                         )
                         tally.requests.append((begin, time.monotonic(), None, ""))
                     except ReplicaRequestError as exc:
-                        tally.requests.append((begin, time.monotonic(), exc.replica, str(exc)))
+                        root: BaseException = exc
+                        while root.__cause__ is not None:
+                            root = root.__cause__
+                        error = f"{exc} <- {type(root).__name__}: {root}"
+                        tally.requests.append((begin, time.monotonic(), exc.replica, error))
                     except ArtMegaError as exc:  # no replica up
                         tally.requests.append((begin, time.monotonic(), None, str(exc)))
                         await asyncio.sleep(0.1)
 
         async def killer() -> None:
-            while (next_kill := started + interval_s * (len(tally.kills) + 1)) < stop:
+            next_kill, turn = started + interval_s, 0
+            while next_kill < stop:
                 await asyncio.sleep(max(next_kill - time.monotonic(), 0))
                 while router.down() and time.monotonic() < stop:  # both up: one always serves
                     await asyncio.sleep(0.2)
                 if time.monotonic() >= stop:
                     return
-                for name in list(up_since):
-                    if name not in router.down() and up_since[name] == 0:
-                        up_since[name] = time.monotonic()
-                victim = min(up_since, key=lambda n: up_since[n])
+                victim = specs[turn % len(specs)].process_name  # in turn
                 health = await client.health()
                 (pid,) = [c.pid for c in health.children if c.child_id == victim and c.returncode is None]
                 os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                while alive(pid):  # the kernel ends it (and closes its sockets) a little later
+                    await asyncio.sleep(0.001)
                 tally.kills.append((time.monotonic(), victim))
-                up_since[victim] = 0
-                print(f"{time.monotonic() - started:6.1f} s: killed {victim} (pid {pid})", flush=True)
+                print(
+                    f"{killed - started:6.1f} s: killed {victim} (pid {pid}), gone "
+                    f"{1000 * (time.monotonic() - killed):.1f} ms later",
+                    flush=True,
+                )
+                turn += 1
+                next_kill = killed + interval_s
+                # the router hears of it from a refused request or from the recovery's poll
+                while victim not in router.down() and time.monotonic() < stop:
+                    await asyncio.sleep(0.05)
 
         await asyncio.gather(killer(), *(worker(w) for w in range(workers)))
         await recovery.stop()
@@ -172,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         tally = asyncio.run(measure(args.duration, args.interval, args.workers, Path(work)))
     found = tally.figures()
     print(found)
+    for start, end, replica, error in tally.requests:
+        if error and not tally.in_flight(start, end, replica):
+            deaths = [f"{start - at:+.3f} s" for at, name in tally.kills if name == replica]
+            print(f"lost: sent {deaths} after {replica}'s deaths: {error}")
     what = f"2 replicas, 1 SIGKILLed every {args.interval:g} s for {args.duration:g} s, {args.workers} workers"
     command = "python benchmarks/replica_failover.py"
     command += f" --duration {args.duration:g}" if args.duration != 120.0 else ""
