@@ -43,16 +43,16 @@ MESSAGES = [{"role": "user", "content": "Count: one two three"}]
 @dataclass
 class Tally:
     """What the load saw: per request (start, end, failed replica or None, error or ""), and
-    per kill (when the killed process was gone, replica)."""
+    per kill (SIGKILL sent, the killed process gone, replica)."""
 
     requests: list[tuple[float, float, str | None, str]] = field(default_factory=list)
-    kills: list[tuple[float, str]] = field(default_factory=list)
+    kills: list[tuple[float, float, str]] = field(default_factory=list)
     moves: int = 0
 
     def in_flight(self, start: float, end: float, replica: str | None) -> bool:
-        """Whether a request failed because `replica` died while it had it (sent before the
-        killed process was gone, failed after)."""
-        return any(name == replica and start < at <= end for at, name in self.kills)
+        """Whether a request failed because `replica` died while it had it: sent before the
+        killed process was gone, failed after the SIGKILL (its sockets close as it ends)."""
+        return any(name == replica and start < gone and end >= killed for killed, gone, name in self.kills)
 
     def figures(self) -> dict[str, int]:
         failed = [(s, e, r) for s, e, r, error in self.requests if error]
@@ -160,7 +160,7 @@ async def measure(duration_s: float, interval_s: float, workers: int, work_dir: 
                 killed = time.monotonic()
                 while alive(pid):  # the kernel ends it (and closes its sockets) a little later
                     await asyncio.sleep(0.001)
-                tally.kills.append((time.monotonic(), victim))
+                tally.kills.append((killed, time.monotonic(), victim))
                 print(
                     f"{killed - started:6.1f} s: killed {victim} (pid {pid}), gone "
                     f"{1000 * (time.monotonic() - killed):.1f} ms later",
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print(found)
     for start, end, replica, error in tally.requests:
         if error and not tally.in_flight(start, end, replica):
-            deaths = [f"{start - at:+.3f} s" for at, name in tally.kills if name == replica]
+            deaths = [f"{start - gone:+.3f} s" for _, gone, name in tally.kills if name == replica]
             print(f"lost: sent {deaths} after {replica}'s deaths: {error}")
     what = f"2 replicas, 1 SIGKILLed every {args.interval:g} s for {args.duration:g} s, {args.workers} workers"
     command = "python benchmarks/replica_failover.py"

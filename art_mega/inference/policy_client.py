@@ -11,7 +11,7 @@ from typing import Any
 from art_mega.errors import ReplicaRequestError
 from art_mega.inference.fleet import affinity_key
 from art_mega.inference.replies import checked_reply
-from art_mega.inference.router import BROKE, PolicyRouter, ReplicaEndpoint
+from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
 from art_mega.trajectories import POLICY_STEP_FIELD
 
 AFFINITY_HEADER = "x-art-mega-affinity"
@@ -65,16 +65,17 @@ def openai_httpx() -> Any:
 class FailoverTransport:
     """An httpx transport (`httpx.AsyncBaseTransport`'s interface) that sends each request of
     `policy_client` to the replica its URL names, and, when that replica refuses the connection
-    (`httpx.ConnectError`: the request reached no server, e.g. the replica was killed), marks it
-    down at once and sends the same request to another replica that is up
-    (`PolicyRouter.fail_over`: the affinity key, from the `AFFINITY_HEADER`, moves with it; the
-    move is logged). A request whose connection breaks once it was made (the replica may have
-    been working on it) is not sent again: it fails and names the replica
-    (`ReplicaRequestError`), as before; a reset (`httpx.ReadError`, `WriteError`) marks the
-    replica down at once all the same, a clean close without an answer (`RemoteProtocolError`:
-    also a keep-alive connection the server closed as it was reused) does not. With no other replica up, the refusal is raised as it came. `inner` (default:
-    an `httpx.AsyncHTTPTransport` with the openai SDK's connection limits) sends the requests.
-    httpx here is the openai SDK's (`openai_httpx`).
+    or resets it before any byte of the response (`httpx.ConnectError`, `ReadError`,
+    `WriteError`: the request reached no server process, e.g. the replica was killed; a reset
+    means the request's bytes met a socket no process reads), marks it down at once and sends
+    the same request to another replica that is up (`PolicyRouter.fail_over`: the affinity key,
+    from the `AFFINITY_HEADER`, moves with it; the move is logged). A connection the replica
+    closed without an answer (`httpx.RemoteProtocolError`: it had read the request and died
+    while working on it, or closed a keep-alive connection as it was reused) is not sent again:
+    the request fails and names the replica (`ReplicaRequestError`), as before. With no other
+    replica up, the error is raised as it came. `inner` (default: an `httpx.AsyncHTTPTransport`
+    with the openai SDK's connection limits) sends the requests. httpx here is the openai SDK's
+    (`openai_httpx`).
     """
 
     def __init__(self, router: PolicyRouter, inner: Any = None) -> None:
@@ -94,18 +95,13 @@ class FailoverTransport:
                 served_by["replica"] = replica
             try:
                 return await self.inner.handle_async_request(request)
-            except httpx.ConnectError as exc:
+            except (httpx.ConnectError, httpx.ReadError, httpx.WriteError) as exc:
                 if replica is None or not [r for r in self.router.up() if r.name != replica.name]:
                     raise
                 route = self.router.fail_over(replica.name, f"{type(exc).__name__}: {exc}", key)
                 where = httpx.URL(route.url)
                 request.url = request.url.copy_with(scheme=where.scheme, host=where.host, port=where.port)
                 request.headers["host"] = where.netloc.decode()
-            except (httpx.ReadError, httpx.WriteError) as exc:  # reset: not a clean close
-                if replica is not None and replica.name not in self.router.down():
-                    reason = f"{BROKE} with a request in flight ({type(exc).__name__}: {exc})"
-                    self.router.mark_down(replica.name, reason)
-                raise
 
     async def aclose(self) -> None:
         await self.inner.aclose()

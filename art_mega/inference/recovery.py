@@ -3,7 +3,7 @@ given the keep window's adapters, and only then routed to again.
 
 The agent supervises each replica as a child; its health answer lists the child with its exit
 code once the process is gone. `ReplicaRecovery` polls those answers. A replica a client's request
-marked down (it refused or broke a connection: `policy_client.FailoverTransport`) whose process
+marked down (it refused or reset a connection: `policy_client.FailoverTransport`) whose process
 still runs is routed to again once it answers its health check.
 """
 
@@ -20,7 +20,7 @@ from art_mega.errors import ReplicaHTTPError
 from art_mega.inference.adapters import AdapterPublisher
 from art_mega.inference.protocol import INFERENCE_STOP, InferenceStopRequest, ReplicaLaunch
 from art_mega.inference.remote import start_replica
-from art_mega.inference.router import SEEN_BY_CLIENT
+from art_mega.inference.router import REFUSED
 from art_mega.inference.server_api import ReplicaClient
 from art_mega.topology.compiled import ReplicaSpec
 
@@ -132,14 +132,14 @@ class ReplicaRecovery:
                         child.child_id in self.replicas
                         and child.returncode is None
                         and child.child_id not in self._recovering
-                        and self.publisher.router.down().get(child.child_id, "").startswith(SEEN_BY_CLIENT)
+                        and self.publisher.router.down().get(child.child_id, "").startswith(REFUSED)
                     ):
                         self._recovering[child.child_id] = asyncio.create_task(self._recheck(child.child_id))
             await asyncio.sleep(self.interval_s)
 
     async def _recheck(self, name: str) -> None:
         """Route to replica `name` again if it answers `GET /health`: a client's request marked
-        it down (`router.SEEN_BY_CLIENT`) while its agent still lists its process as running.
+        it down (`router.REFUSED`) while its agent still lists its process as running.
         It gets the keep window first (`publisher.restore`): publications skipped it meanwhile."""
         router = self.publisher.router
         try:

@@ -17,15 +17,11 @@ from art_mega.topology.compiled import ReplicaSpec
 
 log = logging.getLogger(__name__)
 
-REFUSED = "refused a connection"
-"""How a down reason set by `PolicyRouter.fail_over` begins: the replica's port took no
-connection (its process is gone, or not listening yet)."""
-BROKE = "broke a connection"
-"""How the down reason of a replica that closed a connection with a request in flight begins
-(`policy_client.FailoverTransport`)."""
-SEEN_BY_CLIENT = (REFUSED, BROKE)
-"""The down reasons a client's request set (not the replica's agent): `ReplicaRecovery` routes
-to such a replica again once it answers its health check while its process runs."""
+REFUSED = "refused or reset a connection"
+"""How a down reason set by `PolicyRouter.fail_over` begins: a request's connection to the
+replica was refused or reset before any answer (`policy_client.FailoverTransport`): its process
+is gone, or not listening. Set by a client, not the replica's agent: `ReplicaRecovery` routes to
+such a replica again once it answers its health check while its process runs."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +129,7 @@ class PolicyRouter:
         return None
 
     def fail_over(self, name: str, cause: str, key: str | None = None) -> Route:
-        """Replica `name` refused a request's connection (`cause`: the error): mark it down at
+        """Replica `name` refused or reset a request's connection (`cause`: the error): mark it down at
         once (unless it is already down; reason `REFUSED`...) and return the route of another
         replica that is up for the request's affinity `key` (which moves there, once). Logs the
         move. Raises `NoReplicaUpError` when no other replica is up."""
