@@ -982,6 +982,7 @@ class MegatronBackend:
         self._checked_reference: tuple[Any, ...] | None = None
         """What `_check_reference` last accepted: folder, its files' stats, base model, LoRA."""
         self._step = 0
+        self._base_is_step0 = True
         self._rl_optimizer = (ART_TRAINER_ARGS["weight_decay"], ART_TRAINER_ARGS["max_grad_norm"])
         self._lock = asyncio.Lock()
 
@@ -1372,7 +1373,8 @@ class MegatronBackend:
         engine = self._engine_for(topology, resolved.model_dir)
         launch = ReplicaLaunch(
             model=str(resolved.model_dir),
-            served_model_name=model.name,
+            served_model_name=model.name,  # the latest step; the base model also as `base_model`
+            base_model_name=model.base_model,
             python=replica_python(topology, self._vllm_python),
             max_model_len=self.max_model_len,
             log_dir=str(run_dir / "logs"),
@@ -1429,6 +1431,7 @@ class MegatronBackend:
             prune=transport.prune if transport is not None else None,
         )
         self._step = 0 if committed is None else committed
+        self._base_is_step0 = resolved.warm_start is None  # step 0 a fresh LoRA: B = 0
         committed = self._step
         await self._publisher.publish(committed, str(checkpoint.adapter_dir(self._checkpoint(committed))))
         self._recovery = ReplicaRecovery(
@@ -1846,7 +1849,8 @@ class MegatronBackend:
         `UserError` naming the first (group, index, expected and found steps) unless `allow_stale`."""
         from art_mega.trajectories import off_policy
 
-        stale = off_policy(groups, self._step)
+        # a fresh LoRA's step 0 has B = 0 (`trainer.lora`): the base model is that policy
+        stale = off_policy(groups, self._step, base_is_expected=self._step == 0 and self._base_is_step0)
         if stale and not allow_stale:
             group, index, steps = stale[0]
             found = " and ".join("the base model" if s is None else f"policy step {s}" for s in steps)

@@ -27,8 +27,45 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 MetricValue = Union[float, int, bool]
 
 POLICY_STEP_FIELD = "policy_step"
-"""The attribute `model.openai_client()` sets on each choice: the training step whose adapter
-served it (None: the base model). Kept through JSON round trips (choices allow extra fields)."""
+"""The field every replica sets on each choice it serves (and `model.openai_client()` from the
+reply's model name where a server did not): the training step whose adapter served it (None: the
+base model). Kept through JSON round trips (choices allow extra fields)."""
+
+SAMPLING_FIELD = "art_mega_sampling"
+"""The field every replica sets on each choice it serves: `SamplingRecord`, the settings vLLM
+drew its tokens with (art_mega/inference/vllm_plugin/art_mega_vllm_serve.py writes it; its
+`SAMPLING_FIELD` must equal this one)."""
+
+
+class SamplingRecord(BaseModel):
+    """The effective sampling settings of one served choice (`SAMPLING_FIELD`): the request's
+    values, else the server's defaults (the model's generation config unless the replica runs
+    with `--generation-config vllm`), else OpenAI's, as vLLM's `to_sampling_params` merges them;
+    temperature 0 is greedy (top_p 1, top_k 0, min_p 0).
+
+    `top_k` 0 or -1 means no top-k cut (vLLM's convention). `constrained`: a mask on the logits
+    (structured outputs: JSON schema or object, regex, choice, grammar, structural tag; or
+    `tool_choice` "required" or a named function). `processed`: any other change to the
+    distribution (repetition, presence or frequency penalties, logit_bias, bad_words,
+    allowed_token_ids, min_tokens > 0, a thinking token budget, logits processors' arguments).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(ge=0, allow_inf_nan=False)
+    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
+    top_k: int
+    min_p: float = Field(ge=0, le=1, allow_inf_nan=False)
+    constrained: bool
+    processed: bool
+
+    @classmethod
+    def of(cls, choice: Any) -> SamplingRecord | None:
+        """The record a replica set on `choice` (an openai Choice, or its dict); None when it
+        has none (a server other than art-mega's replicas answered)."""
+        fields = choice if isinstance(choice, dict) else getattr(choice, "model_extra", None) or {}
+        extra = fields.get(SAMPLING_FIELD)
+        return None if extra is None else cls.model_validate(extra)
 
 
 def _message_kind(value: Any) -> str:
@@ -563,12 +600,14 @@ class PendingTrajectoryGroup:
 
 
 def off_policy(
-    groups: Iterable[TrajectoryGroup], expected_step: int
+    groups: Iterable[TrajectoryGroup], expected_step: int, base_is_expected: bool = False
 ) -> list[tuple[int, int, list[int | None]]]:
     """The trajectories sampled by a step other than `expected_step`, as (group index,
     trajectory index, steps), in order. `steps` are the trajectory's `policy_steps()` followed
     by its `initial_policy_version` / `final_policy_version` when set and not already named;
-    a trajectory with no tagged choice and no policy version passes."""
+    a trajectory with no tagged choice and no policy version passes. With `base_is_expected`
+    (the expected step's adapter is the base model: step 0 of a fresh LoRA, whose B is zero)
+    choices of the base model (step None) pass too."""
     found = []
     for g, group in enumerate(groups):
         for t, trajectory in enumerate(group.trajectories):
@@ -576,7 +615,7 @@ def off_policy(
             for version in (trajectory.initial_policy_version, trajectory.final_policy_version):
                 if version is not None and version not in steps:
                     steps.append(version)
-            if any(step != expected_step for step in steps):
+            if any(step != expected_step and not (step is None and base_is_expected) for step in steps):
                 found.append((g, t, steps))
     return found
 

@@ -52,7 +52,9 @@ class ReplicaLaunch(_Body):
     "hermes"; None: no tool calling); `generation_config` is vLLM's `--generation-config`
     ("vllm": vLLM's own sampling defaults, not the model's generation_config.json; None: vLLM's
     default); `chat_template_kwargs` are rendered into every chat request's template (a request
-    may override them; {}: none).
+    may override them; {}: none). `base_model_name` (None: none) is a second name the base model
+    answers to (ART's `base_model`, e.g. "Qwen/Qwen2.5-7B-Instruct"); `served_model_name` itself
+    means the latest step the replica has loaded (`vllm_plugin/art_mega_vllm_serve.py`).
     """
 
     model: str
@@ -72,6 +74,7 @@ class ReplicaLaunch(_Body):
     tool_call_parser: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     generation_config: str | None = Field(default=None, min_length=1)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    base_model_name: str | None = Field(default=None, min_length=1)
 
     @field_validator("max_lora_rank")
     @classmethod

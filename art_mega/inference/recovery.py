@@ -2,7 +2,9 @@
 given the keep window's adapters, and only then routed to again.
 
 The agent supervises each replica as a child; its health answer lists the child with its exit
-code once the process is gone. `ReplicaRecovery` polls those answers.
+code once the process is gone. `ReplicaRecovery` polls those answers. A replica a client's request
+marked down (it refused or reset a connection: `policy_client.FailoverTransport`) whose process
+still runs is routed to again once it answers its health check.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from art_mega.errors import ReplicaHTTPError
 from art_mega.inference.adapters import AdapterPublisher
 from art_mega.inference.protocol import INFERENCE_STOP, InferenceStopRequest, ReplicaLaunch
 from art_mega.inference.remote import start_replica
+from art_mega.inference.router import REFUSED
+from art_mega.inference.server_api import ReplicaClient
 from art_mega.topology.compiled import ReplicaSpec
 
 if TYPE_CHECKING:
@@ -124,7 +128,31 @@ class ReplicaRecovery:
                         self._recovering[child.child_id] = asyncio.create_task(
                             self._recover(child.child_id, detail)
                         )
+                    elif (
+                        child.child_id in self.replicas
+                        and child.returncode is None
+                        and child.child_id not in self._recovering
+                        and self.publisher.router.down().get(child.child_id, "").startswith(REFUSED)
+                    ):
+                        self._recovering[child.child_id] = asyncio.create_task(self._recheck(child.child_id))
             await asyncio.sleep(self.interval_s)
+
+    async def _recheck(self, name: str) -> None:
+        """Route to replica `name` again if it answers `GET /health`: a client's request marked
+        it down (`router.REFUSED`) while its agent still lists its process as running.
+        It gets the keep window first (`publisher.restore`): publications skipped it meanwhile."""
+        router = self.publisher.router
+        try:
+            async with ReplicaClient(name, router.endpoint(name).url, 5.0) as client:
+                if not await client.healthy():
+                    return
+            loaded = await self.publisher.restore(name)
+            served = ", ".join(loaded) or "the base model"
+            self._record(name, "up", f"healthy again after a client's request failed; serving {served}")
+        except ReplicaHTTPError as exc:
+            self._record(name, "failed", f"reloading adapters after a failed request: {exc}")
+        finally:
+            self._recovering.pop(name, None)
 
     async def _recover(self, name: str, detail: str) -> None:
         spec = self.replicas[name]

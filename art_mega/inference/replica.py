@@ -46,6 +46,9 @@ PLUGIN_ENTRY = "art_mega_lora"
 FORK_PLUGIN_ENTRY = "art_mega_fork"
 """The names of the plugin's `vllm.general_plugins` entry points (its dist-info), as VLLM_PLUGINS
 names them."""
+SERVE_MIDDLEWARE = "art_mega_vllm_serve.TrainableCompletions"
+"""The ASGI middleware (in `VLLM_PLUGIN_DIR`) every replica's server runs: token ids, logprobs and
+step and sampling tags on every completion, names resolved to the served step (its docstring)."""
 
 
 def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
@@ -63,6 +66,9 @@ def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
         launch.model,
         "--served-model-name",
         launch.served_model_name,
+        *([launch.base_model_name] if launch.base_model_name not in (None, launch.served_model_name) else []),
+        "--middleware",
+        SERVE_MIDDLEWARE,
         "--host",
         spec.endpoint.host,
         "--port",
@@ -154,7 +160,8 @@ def vllm_env(
     CPU platform, which sets spawn, when nothing a spawned process would preload is missing, and
     makes the forked process let go of the server's TCP sockets and die with the server).
     GPU replicas keep vLLM's spawn and separate engine process.
-    It also puts `VLLM_PLUGIN_DIR` first on PYTHONPATH (before a PYTHONPATH of `launch.env` too;
+    Every replica gets `VLLM_PLUGIN_DIR` first on PYTHONPATH, for its server's middleware
+    (`SERVE_MIDDLEWARE`); on CPU (before a PYTHONPATH of `launch.env` too;
     a VLLM_PLUGINS that would leave it out is refused by `spawn_replica`, `plugins_problem`): the
     plugin makes vLLM's CPU LoRA ops one matmul per adapter in the batch instead of one gathered
     weight matrix per token (32 requests x 16 tokens through a LoRA of SmolLM2-135M: 5.62 s ->
@@ -179,9 +186,12 @@ def vllm_env(
     if gpus:  # the topology's GPUs, not whatever the agent's own environment shows
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
     env.update(launch.env)
-    if on_cpu:  # before a PYTHONPATH of launch.env too: the plugin also fixes what base tokens get
+    if on_cpu:
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
+    # before a PYTHONPATH of launch.env too: the plugin also fixes what base tokens get, and every
+    # replica's server loads its middleware (`SERVE_MIDDLEWARE`; the LoRA and fork plugins change
+    # nothing off the CPU platform)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH"))))
     return env
 
 

@@ -6,12 +6,22 @@ once every replica has loaded that step's adapter.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from art_mega.errors import NoReplicaUpError
 from art_mega.inference.fleet import FleetLoad
 from art_mega.topology.compiled import ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+REFUSED = "refused or reset a connection"
+"""How a down reason set by `PolicyRouter.fail_over` begins: a request's connection to the
+replica was refused or reset before any answer (`policy_client.FailoverTransport`): its process
+is gone, or not listening. Set by a client, not the replica's agent: `ReplicaRecovery` routes to
+such a replica again once it answers its health check while its process runs."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,33 @@ class PolicyRouter:
             if replica.name == name:
                 return replica
         raise ValueError(f"no replica {name!r}; the router has {[r.name for r in self.replicas]}")
+
+    def replica_at(self, url: str) -> ReplicaEndpoint | None:
+        """The replica whose server is at `url`'s scheme, host and port (any path), or None."""
+        where = urlsplit(url)
+        for replica in self.replicas:
+            mine = urlsplit(replica.url)
+            if (mine.scheme, mine.hostname, mine.port) == (where.scheme, where.hostname, where.port):
+                return replica
+        return None
+
+    def fail_over(self, name: str, cause: str, key: str | None = None) -> Route:
+        """Replica `name` refused or reset a request's connection (`cause`: the error): mark it down at
+        once (unless it is already down; reason `REFUSED`...) and return the route of another
+        replica that is up for the request's affinity `key` (which moves there, once). Logs the
+        move. Raises `NoReplicaUpError` when no other replica is up."""
+        if name not in self._down:
+            self.mark_down(name, f"{REFUSED} ({cause})")
+            log.warning("replica %s %s (%s): no more requests go to it until it is back", name, REFUSED, cause)
+        route = self.route(key)
+        log.warning(
+            "request moved from replica %s to %s (%s)%s",
+            name,
+            route.replica,
+            route.url,
+            "" if key is None else f", affinity key {key[:12]} with it",
+        )
+        return route
 
     def mark_down(self, name: str, reason: str) -> None:
         """Send no more requests to replica `name` (`reason`: why, shown in errors)."""

@@ -29,6 +29,9 @@ from art_mega.topology.compiled import ReplicaSpec
 from tests.inference.common import VLLM_PYTHON, replica_spec, vllm_unavailable_reason
 
 MODEL_NAME = "tiny"
+"""The session replica's served name: its latest loaded step (`tiny@<step>`), the base model before any."""
+BASE_NAME = "tiny-base"
+"""The base model's own name on the session replica, whatever adapters it holds."""
 
 
 @dataclass
@@ -117,6 +120,7 @@ async def served(
     launch = ReplicaLaunch(
         model=str(tiny_model),
         served_model_name=MODEL_NAME,
+        base_model_name=BASE_NAME,
         python=vllm_python,
         log_dir=str(run_dir / "logs"),
         ready_timeout_s=240.0,

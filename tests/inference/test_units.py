@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ from art_mega.inference import (
     lora_rank_slot,
 )
 from art_mega.inference.policy_client import served_step
-from art_mega.inference.replica import plugins_problem, spawn_replica, vllm_argv, vllm_env
+from art_mega.inference.replica import VLLM_PLUGIN_DIR, plugins_problem, spawn_replica, vllm_argv, vllm_env
 from tests.inference.common import replica_spec
 
 
@@ -83,9 +84,10 @@ def test_argv_and_env(tmp_path) -> None:
     assert argv[-2:] == ["--seed", "1"]
     env = vllm_env(launch, {"ART_MEGA_SECRET": "s", "PYTHONPATH": "/agent", "HOME": "/root"})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    assert "ART_MEGA_SECRET" not in env and "PYTHONPATH" not in env and env["HOME"] == "/root"
+    assert "ART_MEGA_SECRET" not in env and env["HOME"] == "/root"
+    assert env["PYTHONPATH"] == str(VLLM_PLUGIN_DIR)  # the agent's own is dropped, the middleware's added
     same = launch.model_copy(update={"python": sys.executable})
-    assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
+    assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == f"{VLLM_PLUGIN_DIR}:/agent"
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in env  # GPU replicas keep vLLM's spawn
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # and its separate engine process
     cpu = vllm_env(launch, {}, on_cpu=True)
@@ -222,3 +224,70 @@ def test_shared_mode_on_cpu_is_refused_before_any_start() -> None:
         "cannot sleep and wake around training; set shared_gpus=False."
     )
     check_serving_mode([replica_spec(port=8123)])
+
+
+def _serve_module():
+    """art-mega's serving middleware, loaded by its path (vLLM's interpreter imports it by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("art_mega_vllm_serve", VLLM_PLUGIN_DIR / "art_mega_vllm_serve.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_middleware_writes_the_fields_art_mega_reads() -> None:
+    from art_mega.inference.replica import SERVE_MIDDLEWARE
+    from art_mega.trajectories import POLICY_STEP_FIELD, SAMPLING_FIELD, SamplingRecord
+
+    serve = _serve_module()
+    assert (serve.POLICY_STEP_FIELD, serve.SAMPLING_FIELD) == (POLICY_STEP_FIELD, SAMPLING_FIELD)
+    assert SERVE_MIDDLEWARE == f"{serve.__name__}.{serve.TrainableCompletions.__name__}"
+    fields = {"temperature", "top_p", "top_k", "min_p", "constrained", "processed"}
+    assert set(SamplingRecord.model_fields) == fields
+    assert fields <= set(serve.sampling_record.__doc__.replace('"', " ").split())
+
+
+def test_names_resolve_to_the_latest_loaded_step_and_unknown_names_are_named() -> None:
+    serve = _serve_module()
+    bases = ["agent", "Qwen/Qwen2.5-0.5B"]
+    assert serve.resolve_model("agent", bases, []) == ("agent", {"policy_step": None})
+    assert serve.resolve_model(None, bases, ["agent@2", "agent@10", "other"]) == ("agent@10", {"policy_step": 10})
+    assert serve.resolve_model("agent@2", bases, ["agent@2", "agent@10"]) == ("agent@2", {"policy_step": 2})
+    assert serve.resolve_model("Qwen/Qwen2.5-0.5B", bases, ["agent@3"]) == ("Qwen/Qwen2.5-0.5B", {"policy_step": None})
+    assert serve.resolve_model("other", bases, ["other"]) == ("other", {})
+    assert serve.resolve_model("agent@1", bases, ["agent@2"]) is None
+    assert serve.not_served("agent-001@0", bases, ["agent@2", "agent@3"]) == (
+        "The model `agent-001@0` does not exist on this replica; it serves `agent` (the latest step, "
+        "now `agent@3`), `agent@2`, `agent@3`, `Qwen/Qwen2.5-0.5B` (the base model)."
+    )
+
+
+def test_stream_events_are_tagged_choice_by_choice() -> None:
+    serve = _serve_module()
+    events = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}],"prompt_token_ids":[1,2]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    tagged = serve.tag_events(events, {"policy_step": 3})
+    first, done = tagged.split(b"\n\n")[:2]
+    assert json.loads(first[6:])["choices"][0] == {
+        "index": 0, "delta": {"content": "a"}, "token_ids": [5], "policy_step": 3, "prompt_token_ids": [1, 2]
+    }
+    assert done == b"data: [DONE]"
+
+
+def test_base_model_samples_are_on_policy_only_while_it_is_the_expected_step() -> None:
+    from openai.types.chat.chat_completion import Choice
+
+    import art_mega as art
+    from art_mega.trajectories import off_policy
+
+    choice = Choice.model_validate(
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}, "policy_step": None}
+    )
+    groups = [art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}, choice])])]
+    assert off_policy(groups, 0, base_is_expected=True) == []
+    assert off_policy(groups, 0) == [(0, 0, [None])]
+    assert off_policy(groups, 1, base_is_expected=False) == [(0, 0, [None])]

@@ -16,7 +16,7 @@ import pytest
 from art_mega.errors import AdapterPublishError, ReplicaHTTPError
 from art_mega.inference import AdapterPublisher, PolicyRouter, ReplicaClient, ReplicaEndpoint
 from tests.inference.common import hf_logprobs, make_adapter
-from tests.inference.conftest import MODEL_NAME, Served
+from tests.inference.conftest import BASE_NAME, MODEL_NAME, Served
 
 # The replica start counts toward the first test: 30-55 s idle, over 300 s on a loaded machine.
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
@@ -116,7 +116,7 @@ async def test_agent_supervises_replica(served: Served) -> None:
 async def test_token_ids_and_logprobs(served: Served) -> None:
     from transformers import AutoTokenizer
 
-    got = await sample(served.url, MODEL_NAME)
+    got = await sample(served.url, BASE_NAME)
     tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
     expected = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
@@ -260,9 +260,9 @@ async def test_a_base_model_request_batched_with_two_adapters_gets_no_adapter(
         for name in ("mixed-a", "mixed-b"):
             await replica.load_adapter(name, str(adapters[name[-1]]))
         try:
-            alone = await sample(served.url, MODEL_NAME)
+            alone = await sample(served.url, BASE_NAME)  # MODEL_NAME: the latest step a test left
             together = await asyncio.gather(
-                *(sample(served.url, model) for model in (MODEL_NAME, "mixed-a", "mixed-b") * 3)
+                *(sample(served.url, model) for model in (BASE_NAME, "mixed-a", "mixed-b") * 3)
             )
         finally:
             for name in ("mixed-a", "mixed-b"):

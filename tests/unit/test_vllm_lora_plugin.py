@@ -2,7 +2,8 @@
 vLLM 0.32's CPU ops compute (their gather-and-einsum written out below), except that a token
 whose index is -1 (no adapter) gets no LoRA delta, as on vLLM's GPU kernels; its fork plugin forks
 only a single-process replica whose environment says fork; its dist-info names entry points that
-resolve, and CPU replicas (only they) get it on PYTHONPATH."""
+resolve, and every replica gets it on PYTHONPATH (GPU replicas for the serving middleware
+only: the LoRA and fork plugins change nothing off the CPU platform)."""
 
 from __future__ import annotations
 
@@ -367,7 +368,7 @@ def test_a_built_wheel_carries_the_plugins_files() -> None:
     assert files and files == carried
 
 
-def test_cpu_replicas_get_the_plugin_first_on_pythonpath(tmp_path) -> None:
+def test_replicas_get_the_plugin_first_on_pythonpath(tmp_path) -> None:
     launch = ReplicaLaunch(
         model="/m", served_model_name="tiny", log_dir=str(tmp_path), python="/opt/vllm/bin/python"
     )
@@ -375,7 +376,8 @@ def test_cpu_replicas_get_the_plugin_first_on_pythonpath(tmp_path) -> None:
     assert vllm_env(launch, {"PYTHONPATH": "/agent"}, on_cpu=True)["PYTHONPATH"] == plugin_dir
     same = launch.model_copy(update={"python": sys.executable})
     assert vllm_env(same, {"PYTHONPATH": "/agent"}, on_cpu=True)["PYTHONPATH"] == f"{plugin_dir}:/agent"
-    assert "PYTHONPATH" not in vllm_env(launch, {"PYTHONPATH": "/agent"})  # a GPU replica: no plugin
-    assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == "/agent"
+    # a GPU replica too: its server loads the middleware from there
+    assert vllm_env(launch, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == plugin_dir
+    assert vllm_env(same, {"PYTHONPATH": "/agent"})["PYTHONPATH"] == f"{plugin_dir}:/agent"
     users = launch.model_copy(update={"env": {"PYTHONPATH": "/mine"}})
     assert vllm_env(users, {}, on_cpu=True)["PYTHONPATH"] == f"{plugin_dir}:/mine"  # the plugin stays
