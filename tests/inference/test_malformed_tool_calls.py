@@ -22,24 +22,14 @@ import pytest
 from art_mega.inference import PolicyRouter, ReplicaEndpoint
 from art_mega.inference.policy_client import policy_client
 from art_mega.trainer.tokenize import _sampled_message, tokenize_history
+from tests.helpers import trained_turns
 from tests.inference.common import VLLM_PYTHON
 from tests.inference.conftest import MODEL_NAME, Policy, Served
-from tests.inference.test_tokenize_vllm import trained_turns
+from tests.inference.test_tool_calling import TOOLS
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(1200)]
 
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two numbers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+ADD = TOOLS[0]  # add(a, b)
 QUESTION = {"role": "user", "content": "add 2 and 3"}
 FORCED = {
     # shape: (the text the model is made to write, [(name, arguments)] vLLM's parser makes of it)

@@ -11,7 +11,13 @@ import pytest
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.errors import TokenizationError
 from art_mega.trainer.tokenize import grpo_documents, sft_documents, tokenize_history
-from tests.unit.test_tokenize_exact import QWEN25_TOOL_TEMPLATE, WEATHER, choice, encode
+from tests.helpers import trained_turns
+from tests.unit.test_tokenize_exact import (
+    WEATHER,
+    choice,
+    encode,
+    qwen25_tokenizer,  # noqa: F401  (the fixture)
+)
 
 EOT = "<|im_end|>"
 QUESTION = {"role": "user", "content": "weather in paris?"}
@@ -24,13 +30,10 @@ PROMPT = TOOLS_BLOCK + "<|im_start|>user\nweather in paris?<|im_end|>\n<|im_star
 RESULT = "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_tokenizer):
-    import copy
-
-    tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = QWEN25_TOOL_TEMPLATE
-    return tok
+@pytest.fixture
+def tok(qwen25_tokenizer):  # noqa: F811
+    """The tiny tokenizer with Qwen2.5's tool template."""
+    return qwen25_tokenizer
 
 
 def call(arguments, name="get_weather"):
@@ -60,11 +63,11 @@ SHAPES = {
 }
 
 
-def conversation(text, calls, content=None):
+def conversation(tok, text, calls, content=None):
     """[question, the sampled call turn, its tool result, the sampled answer], no prompt ids
     recorded (an ART-style client): the answer's context is rendered here."""
-    call_ids = encode(TOK, f"<tool_call>\n{text}\n</tool_call>{EOT}")
-    answer_ids = encode(TOK, "it is sunny" + EOT)
+    call_ids = encode(tok, f"<tool_call>\n{text}\n</tool_call>{EOT}")
+    answer_ids = encode(tok, "it is sunny" + EOT)
     return (
         [
             QUESTION,
@@ -77,37 +80,11 @@ def conversation(text, calls, content=None):
     )
 
 
-TOK = None
-
-
-@pytest.fixture(autouse=True)
-def _tok(tok):
-    global TOK
-    TOK = tok
-
-
-def turns(sequences):
-    """(context, trained ids, their old logprobs) of every trained run, in order."""
-    out = []
-    for seq in sequences:
-        k = 0
-        while k < len(seq.loss_mask):
-            if not seq.loss_mask[k]:
-                k += 1
-                continue
-            end = k
-            while end < len(seq.loss_mask) and seq.loss_mask[end]:
-                end += 1
-            out.append((seq.input_ids[:k], seq.input_ids[k:end], seq.old_logprobs[k:end]))
-            k = end
-    return out
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_malformed_sampled_call_trains_its_ids_after_vllms_render(tok, shape) -> None:
     text, calls, rendered = SHAPES[shape]
-    items, call_ids, answer_ids = conversation(text, calls)
-    (first, answer) = turns(tokenize_history(tok, items, tools=[WEATHER]))
+    items, call_ids, answer_ids = conversation(tok, text, calls)
+    (first, answer) = trained_turns(tokenize_history(tok, items, tools=[WEATHER]))
     # the call turn: exactly its sampled ids after the prompt; the answer: its sampled ids after
     # the conversation as vLLM renders it when it is sent back (the call by vLLM's rule)
     assert (first[0], first[1], first[2]) == (encode(tok, PROMPT), call_ids, [-0.5] * len(call_ids))
@@ -118,16 +95,18 @@ def test_a_malformed_sampled_call_trains_its_ids_after_vllms_render(tok, shape) 
 
 
 def test_content_beside_calls_and_a_required_choice_cut_off_train(tok) -> None:
-    items, call_ids, answer_ids = conversation('{"name": "get_weather", "arguments": 5}', [call("5")], "sure")
-    (first, answer) = turns(tokenize_history(tok, items, tools=[WEATHER]))
+    items, call_ids, answer_ids = conversation(
+        tok, '{"name": "get_weather", "arguments": 5}', [call("5")], "sure"
+    )
+    (first, answer) = trained_turns(tokenize_history(tok, items, tools=[WEATHER]))
     assert (first[1], answer[1]) == (call_ids, answer_ids)
     assert "<|im_start|>assistant\nsure\n<tool_call>" in tok.decode(answer[0])
     # tool_choice="required" cut off by max_tokens: no calls parse, vLLM returns content None and
     # no tool calls; the turn renders as an empty assistant turn, and both turns train
-    items, call_ids, answer_ids = conversation('[{"name": "get_wea', [], None)
+    items, call_ids, answer_ids = conversation(tok, '[{"name": "get_wea', [], None)
     items[1].message.tool_calls = []
     del items[2]
-    (first, answer) = turns(tokenize_history(tok, items, tools=[WEATHER]))
+    (first, answer) = trained_turns(tokenize_history(tok, items, tools=[WEATHER]))
     assert (first[1], answer[1]) == (call_ids, answer_ids)
     assert tok.decode(answer[0]).endswith(
         "<|im_start|>assistant\n<|im_end|>\n"
@@ -138,7 +117,7 @@ def test_content_beside_calls_and_a_required_choice_cut_off_train(tok) -> None:
 def test_a_step_of_malformed_calls_trains_every_sampled_token(tok) -> None:
     trajectories = []
     for k, shape in enumerate(SHAPES):  # rewards 0, 1, 0, ...: no advantage is 0 (9 shapes)
-        items, call_ids, answer_ids = conversation(*SHAPES[shape][:2])
+        items, call_ids, answer_ids = conversation(tok, *SHAPES[shape][:2])
         trajectories.append(Trajectory(messages_and_choices=items, tools=[WEATHER], reward=float(k % 2)))
     documents, stats = grpo_documents(tok, [TrajectoryGroup(trajectories)])
     sampled = sum(len(item.token_ids) for t in trajectories for item in t.messages_and_choices[1::2])
