@@ -246,7 +246,9 @@ class Trajectory(BaseModel):
             trajectory starts anew), the start of `finish()`'s duration.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=False, extra="forbid")
+    # assignments are validated as in ART 0.5.23 (`trajectory.metadata = {...}` is checked as
+    # the constructor checks it; changing a dict in place is checked where groups are used)
+    model_config = ConfigDict(arbitrary_types_allowed=False, extra="forbid", validate_assignment=True)
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None

@@ -65,6 +65,15 @@ def test_trajectory_refuses_the_value_naming_its_key(metadata, sentence) -> None
 
 
 @pytest.mark.parametrize("metadata,sentence", CASES, ids=IDS)
+def test_an_assignment_is_checked_as_the_constructor_checks(metadata, sentence) -> None:
+    trajectory = art.Trajectory(messages_and_choices=[USER], metadata={"kept": 1})
+    with pytest.raises(ValidationError) as caught:
+        trajectory.metadata = metadata  # ART 0.5.23's Trajectory validates assignments too
+    assert value_error(caught) == sentence
+    assert trajectory.metadata == {"kept": 1}
+
+
+@pytest.mark.parametrize("metadata,sentence", CASES, ids=IDS)
 def test_a_group_refuses_a_value_set_after_its_trajectory_was_built(metadata, sentence) -> None:
     with pytest.raises(ValidationError) as caught:
         art.TrajectoryGroup([built({}), built(metadata)])
