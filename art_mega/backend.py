@@ -2119,23 +2119,44 @@ class MegatronBackend:
         return {**out, "inference/prefix_cache_unread_replicas": float(unread)} if unread else out
 
     async def delete_checkpoints(self, model: Any, best_checkpoint_metric: str = "val/reward") -> list[int]:
-        """Delete every committed checkpoint but the latest and the best by `best_checkpoint_metric`
-        (read from history.jsonl; higher is better) and the adapters the replicas serve
-        (`checkpoint.deletable_steps`). Returns the deleted steps."""
+        """Delete every committed checkpoint but the latest and the best by `best_checkpoint_metric`,
+        ART's rule (`checkpoint.best_step`: the step of the highest mean of the metric in
+        history.jsonl; none logged: the latest only). A step the replicas still load (the
+        `keep_adapters` window) is unloaded from them first (`AdapterPublisher.unload`), so no
+        replica serves a deleted step; only the step the replicas serve as the policy stays
+        while it is served (its publication failed and a newer one did not happen: the
+        latest step is newer than it), with one logged line. Returns the deleted steps.
+
+        Raises:
+            ReplicaHTTPError: a replica could not unload a step (the first such answer); that
+                step's files stay, the other steps are deleted.
+        """
+        import logging
+
         from art_mega.metrics import read_history
 
         self._require(model)
         assert self._run_dir is not None
         checkpoints = checkpoint.checkpoints_dir(self._run_dir)
-        scores = {
-            int(r["step"]): float(r[best_checkpoint_metric])
-            for r in read_history(self._run_dir / "history.jsonl")
-            if best_checkpoint_metric in r
-        }
-        served = set(self._publisher.window()) if self._publisher else set()
-        deleted = checkpoint.deletable_steps(checkpoint.step_folders(checkpoints), self._step, scores, served)
+        best = checkpoint.best_step(read_history(self._run_dir / "history.jsonl"), best_checkpoint_metric)
+        deleted = checkpoint.deletable_steps(checkpoint.step_folders(checkpoints), self._step, best)
+        failures: dict[int, list[Any]] = {}
+        if self._publisher is not None:
+            served = self._publisher.router.served_step
+            if served in deleted:
+                logging.getLogger(__name__).warning(
+                    "delete_checkpoints keeps step %s: the replicas serve it as the policy (step %s was "
+                    "not published); it goes at the next call after a publication",
+                    served,
+                    self._step,
+                )
+                deleted.remove(served)
+            failures = await self._publisher.unload(deleted)
+        deleted = [s for s in deleted if s not in failures]
         for s in deleted:
             await self._remove_on_trainer_hosts(checkpoint.delete_step(checkpoints, s))
+        if failures:
+            raise next(iter(failures.values()))[0]
         return deleted
 
     # ------------------------------------------------------------------ checkpoints in S3 / forks

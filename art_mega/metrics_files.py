@@ -16,8 +16,8 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from art_mega.errors import UserError
-from art_mega.trajectories import Trajectory, TrajectoryGroup
+from art_mega.errors import TrainInputError, UserError
+from art_mega.trajectories import Trajectory, TrajectoryGroup, value_problem
 
 
 def trajectory_file(run_dir: Path, split: str, step: int) -> Path:
@@ -43,7 +43,14 @@ def _text(value: Any) -> str | None:
 
 
 def _json(value: Any) -> str | None:
-    return json.dumps(value) if value else None
+    return json.dumps(value, default=_number) if value else None
+
+
+def _number(value: Any) -> Any:
+    """A numpy scalar (which metrics and metadata accept) as the Python number JSON writes."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _message_row(item: Any) -> dict[str, Any]:
@@ -92,12 +99,21 @@ def _schema(pa: Any) -> Any:
     )
 
 
-def write_trajectory_groups(groups: list[TrajectoryGroup], path: Path) -> None:
+def write_trajectory_groups(
+    groups: list[TrajectoryGroup], path: Path, where: str = "model.log(trajectories)"
+) -> None:
     """Write `groups` to `path` (its folder created) as ART's parquet file, replacing it.
 
     Raises:
         UserError: pyarrow is not installed (names the extra).
+        TrainInputError: a group's or trajectory's metadata or metrics changed since it was
+            built to hold a value JSON or the metrics cannot take (`trajectories.value_problem`),
+            naming `where`, the group, the trajectory and the key; nothing is written.
     """
+    for g, group in enumerate(groups):
+        problem = value_problem(group)
+        if problem is not None:
+            raise TrainInputError(f"{where}: group {g}: {problem[1]}", "trajectories", g, problem[0])
     pa = _pyarrow()
     rows = [
         {

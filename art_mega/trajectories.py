@@ -22,7 +22,16 @@ from datetime import datetime
 from typing import Annotated, Any, Protocol, Union
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 MetricValue = Union[float, int, bool]
 
@@ -96,6 +105,39 @@ def _check_metrics(value: Any) -> Any:
             except OverflowError:
                 raise ValueError(f"metric {key!r} is {_magnitude(metric)}, too large for a float") from None
     return value
+
+
+def _check_metadata(value: Any, path: str = "metadata") -> Any:
+    """A `metadata` dict as given, when JSON can carry every value in it (None, bool, int,
+    float, str, lists, dicts with str keys; NaN and inf too, as ART's JSON writer writes them):
+    the rollout wire's check of an untyped field (`rollouts.wire.check_field`), so a value is
+    refused here, in `model.log` and on its way back from a rollout worker with one sentence.
+    ValueError otherwise, naming the key path under `path` (e.g. "metadata['tags'] is a set, ...")."""
+    from art_mega.rollouts import wire
+
+    try:
+        wire.check_field(value, path)
+    except wire.WireError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def value_problem(group: TrajectoryGroup) -> tuple[int | None, str] | None:
+    """The first value of `group` that metrics or JSON cannot take, checked again where groups
+    are used (their dicts may have changed since they were validated): the group's own metadata
+    and metrics, then each trajectory's. Returns (the trajectory's index, or None for the group
+    itself; the sentence naming the key path, e.g. "trajectories[2].metadata['tags'] is a set,
+    ..."), or None when every value is fine."""
+    parts: list[tuple[int | None, str, Any]] = [(None, "", group)]
+    parts += [(t, f"trajectories[{t}].", trajectory) for t, trajectory in enumerate(group.trajectories)]
+    for index, prefix, holder in parts:
+        try:
+            _check_metadata(holder.metadata, f"{prefix}metadata")
+            _check_metrics(holder.metrics)
+        except ValueError as exc:
+            text = str(exc)
+            return index, text if text.startswith(prefix) else f"{prefix.rstrip('.')}: {text}"
+    return None
 
 
 def _magnitude(value: int) -> str:
@@ -255,7 +297,8 @@ class Trajectory(BaseModel):
             counts a trajectory whose version differs from the current step as stale.
         metrics: named numbers averaged in logs (e.g. {"correct": 1.0}); `finish()` adds
             "duration" and `track_duration(name)` adds f"{name}_duration", in seconds.
-        metadata: free-form scalars kept with the trajectory.
+        metadata: free-form values kept with the trajectory: what JSON carries (a set, bytes or
+            another object is refused, naming its key).
         logs: free-form log lines (`log()`).
         start_time: when this object was built (local time; not serialized: a received
             trajectory starts anew), the start of `finish()`'s duration.
@@ -263,7 +306,9 @@ class Trajectory(BaseModel):
             conversation they built is `messages_and_choices` / `additional_histories`).
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=False, extra="forbid")
+    # assignments are validated as in ART 0.5.23 (`trajectory.metadata = {...}` is checked as
+    # the constructor checks it; changing a dict in place is checked where groups are used)
+    model_config = ConfigDict(arbitrary_types_allowed=False, extra="forbid", validate_assignment=True)
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
@@ -340,6 +385,11 @@ class Trajectory(BaseModel):
     @classmethod
     def _metrics(cls, value: Any) -> Any:
         return _check_metrics(value)
+
+    @field_validator("metadata", mode="after")
+    @classmethod
+    def _metadata(cls, value: Any) -> Any:
+        return _check_metadata(value)
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as plain chat messages (see `get_messages`)."""
@@ -486,7 +536,7 @@ class TrajectoryGroup(BaseModel):
     Attributes:
         trajectories: the group's trajectories.
         exceptions: `PydanticException` records of this group's rollouts that raised.
-        metadata: free-form scalars kept with the group.
+        metadata: free-form values kept with the group: what JSON carries (as a trajectory's).
         metrics: group-level metrics (averaged over groups in logs).
         logs: free-form log lines (`log()`).
 
@@ -511,6 +561,15 @@ class TrajectoryGroup(BaseModel):
     @classmethod
     def _metrics(cls, value: Any) -> Any:
         return _check_metrics(value)
+
+    @model_validator(mode="after")
+    def _values(self) -> TrajectoryGroup:
+        # the trajectories' dicts may have changed since each was built (a rollout sets
+        # trajectory.metadata["x"] = ... after construction): checked again as the group forms
+        problem = value_problem(self)
+        if problem is not None:
+            raise ValueError(problem[1])
+        return self
 
     @field_validator("exceptions", mode="before")
     @classmethod
@@ -637,7 +696,9 @@ def check_train_groups(value: Any, where: str = "backend.train") -> list[Traject
     Raises:
         TrainInputError: a string, a single group, something not iterable, an empty list, an
             element that is not a built TrajectoryGroup (a list, an un-awaited group), an empty
-            group without recorded exceptions, or a bad message (names group, trajectory, message).
+            group without recorded exceptions, a bad message (names group, trajectory, message),
+            or metadata / metrics changed since the group was built to hold a value JSON or the
+            metrics cannot take (`value_problem`: names group, trajectory and key).
         NonFiniteValueError: a sampled Choice with a NaN or inf logprob (names the token).
     """
     from art_mega.errors import TrainInputError
@@ -698,6 +759,9 @@ def check_train_groups(value: Any, where: str = "backend.train") -> list[Traject
             check_conversation(
                 trajectory, f"{argument}: trajectory {t} of group {g}", "trajectory_groups", g, t
             )
+        problem = value_problem(group)
+        if problem is not None:
+            raise TrainInputError(f"{argument}: group {g}: {problem[1]}", "trajectory_groups", g, problem[0])
     return groups
 
 

@@ -132,3 +132,20 @@ def save_checkpoint_step(
     if commit:
         ckpt.write_commit(root, step)
     return final
+
+
+def trained_turns(sequences: Any) -> list[tuple[list[int], list[int], list[float]]]:
+    """(context, ids, logprobs) of every run of trained tokens, in order."""
+    turns = []
+    for seq in sequences:
+        k = 0
+        while k < len(seq.loss_mask):
+            if not seq.loss_mask[k]:
+                k += 1
+                continue
+            end = k
+            while end < len(seq.loss_mask) and seq.loss_mask[end]:
+                end += 1
+            turns.append((seq.input_ids[:k], seq.input_ids[k:end], seq.old_logprobs[k:end]))
+            k = end
+    return turns

@@ -2,7 +2,8 @@
 
 Each step is loaded from its own new path as `<model>@<step>` (vLLM's prefix cache is keyed by
 adapter name and path: new weights at a reused path would be served mixed with stale state).
-Steps outside the keep window are unloaded afterwards.
+Steps outside the keep window are unloaded afterwards; `unload` takes given steps out of service
+(before `model.delete_checkpoints` deletes them).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from art_mega.errors import AdapterPublishError, ReplicaHTTPError
@@ -186,6 +187,52 @@ class AdapterPublisher:
             except ReplicaHTTPError as exc:
                 log.warning("rolling back %s: %s", model, exc)
             self._loaded[replica.name].pop(step, None)
+
+    async def unload(self, steps: Collection[int]) -> dict[int, list[ReplicaHTTPError]]:
+        """Stop serving `steps` (`model.delete_checkpoints` calls it before it deletes their
+        files): unload each from every replica that is up and holds it, and take it out of the
+        window, so that `restore` never loads it again. A 404 counts as unloaded; a replica that
+        is down is skipped (it restarts empty). Then `prune` runs, as after a publication.
+
+        Returns:
+            step -> the errors of the replicas that could not unload it (the step then stays
+            recorded as loaded there, and the next publication's unloads try again); {} when
+            every step is gone from every replica.
+
+        Raises:
+            ValueError: a step of `steps` is the served step (the policy itself).
+        """
+        async with self._lock:
+            served = self.router.served_step
+            if served in steps:
+                raise ValueError(
+                    f"step {served} is the served step; publish a newer step before unloading it"
+                )
+            down = self.router.down()
+            failures: dict[int, list[ReplicaHTTPError]] = {}
+
+            async def unload(replica: str, step: int) -> None:
+                try:
+                    await self._clients[replica].unload_adapter(inference_name(self.router.model_name, step))
+                except ReplicaHTTPError as exc:
+                    if exc.status != 404:
+                        failures.setdefault(step, []).append(exc)
+                        return
+                self._loaded[replica].pop(step, None)
+
+            await asyncio.gather(
+                *(
+                    unload(replica, step)
+                    for replica, loaded in self._loaded.items()
+                    for step in sorted(loaded)
+                    if step in steps and replica not in down
+                )
+            )
+            for step in steps:
+                self._published.pop(step, None)
+            if self.prune is not None:
+                await self.prune(set(self.window()) | {s for loaded in self._loaded.values() for s in loaded})
+            return failures
 
     def window(self) -> list[int]:
         """The published steps that stay loaded: the newest `keep` of them, oldest first."""

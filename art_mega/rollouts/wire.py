@@ -79,6 +79,19 @@ def encode(value: Any, path: str | None = None) -> Any:
     return _encode(value, _UNTYPED, root_name(value) if path is None else path, in_model=False)
 
 
+def check_field(value: Any, path: str) -> None:
+    """Refuse `value`, the value of an untyped (`Any`) field of a model (a trajectory's
+    `metadata`, a group's), where it could not travel as that field: the check `encode` makes
+    when the model travels, so `Trajectory(...)`, `model.log` and a rollout's result refuse the
+    same values with the same sentence.
+
+    Raises:
+        WireError: a value that cannot travel (bytes, a set, an arbitrary object, a pydantic
+            model, a dict with a non-str key), naming its key path under `path`.
+    """
+    _encode(value, _UNTYPED, path, in_model=True)
+
+
 def _encode(value: Any, declared: Any, path: str, in_model: bool) -> Any:
     """`value` at a position of declared type `declared` (`_UNTYPED` where nothing declares
     one); `in_model`: inside a model's data, where nested models are plain dicts that the

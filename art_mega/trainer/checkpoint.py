@@ -44,7 +44,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -689,17 +689,28 @@ def clean_uncommitted(root: str | os.PathLike[str]) -> list[Path]:
 # ---------------------------------------------------------------------------- keep / delete
 
 
-def deletable_steps(
-    steps: list[int], latest: int, scores: Mapping[int, float], protected: set[int]
-) -> list[int]:
-    """The steps of `steps` that `model.delete_checkpoints` removes: all but `latest`, the best
-    step by `scores` (higher is better; among the steps present that have a score; the earliest
-    wins a tie) and the `protected` ones (served adapters). Sorted as `steps`."""
-    keep = {latest} | protected
-    scored = [s for s in steps if s in scores]
-    if scored:
-        keep.add(max(scored, key=lambda s: scores[s]))
-    return [s for s in steps if s not in keep]
+def best_step(rows: Iterable[Mapping[str, Any]], metric: str) -> int | None:
+    """ART's best step for `model.delete_checkpoints` (ART 0.5.23 `Model.delete_checkpoints`):
+    the history rows (history.jsonl) that hold `metric` (a number, not null), grouped by their
+    "step", each step scored by the mean of its values; the step of the highest mean. None when
+    no row holds it (ART then keeps the latest step only). A NaN value is left out (ART's polars
+    sort would make a NaN step the best); among equal means the earliest step wins (ART's order
+    is unspecified there). The step may have no checkpoint left: nothing more is kept then."""
+    values: dict[int, list[float]] = {}
+    for row in rows:
+        value = row.get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            values.setdefault(int(row["step"]), []).append(float(value))
+    if not values:
+        return None
+    means = {step: sum(v) / len(v) for step, v in values.items()}
+    return max(sorted(means), key=lambda step: means[step])
+
+
+def deletable_steps(steps: list[int], latest: int, best: int | None) -> list[int]:
+    """The steps of `steps` that `model.delete_checkpoints` removes, by ART's rule: all but
+    `latest` and `best` (`best_step`; None: only the latest stays). Sorted as `steps`."""
+    return [s for s in steps if s not in (latest, best)]
 
 
 def delete_step(root: str | os.PathLike[str], step: int) -> Path:

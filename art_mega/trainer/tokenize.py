@@ -25,6 +25,13 @@ new sequence: each turn is then trained in its own history, as ART's `additional
 - Tool-call `arguments` given as a JSON string (OpenAI's wire format) are parsed once before
   rendering, as vLLM does, so templates that print them as an object (Qwen2.5's `| tojson`)
   never render a double-escaped string; missing or empty arguments render as `{}` (vLLM's rule).
+  A message the user wrote (a dict) is held to that form: arguments that are not a JSON object
+  are refused, naming the message. A sampled turn (a Choice) trains on its sampled ids whatever
+  vLLM's tool parser made of them (arguments that are a JSON int, list, string or null, JSON
+  that does not parse, a truncated call, an unknown function, content beside the calls): where
+  a later turn's context is rendered, its message is rendered as vLLM 0.32 renders it when the
+  conversation is sent back (`_sampled_message`: arguments that are not a JSON object become
+  `{}`, a null content no content parts).
 - A list `content` (content parts) reaches the template as vLLM hands it over
   (`content_format`): its text parts joined with newlines, or the parts themselves for a
   template that iterates over them; an image, audio or other part is refused (text only).
@@ -336,10 +343,55 @@ def template_tools(tools: Any, where: str) -> list[dict[str, Any]] | None:
     return rendered
 
 
+def _sampled_arguments(arguments: Any) -> Any:
+    """A sampled tool call's `arguments` as vLLM 0.32 hands them to the chat template when the
+    conversation comes back (`vllm/renderers/chat_utils.py::_postprocess_messages`): an object
+    as it is; a JSON string parsed; JSON that does not parse, a value that is not an object
+    (3598, [1], "x", true, null) and a missing or empty value as {}."""
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def _sampled_message(choice: Any) -> dict[str, Any]:
+    """A Choice's message as vLLM 0.32 renders it when it is sent back (a later turn's context):
+    a null content as no content parts (`_text_contents` makes that "" for a template that takes
+    a string, [] for one that iterates over parts), an empty tool_calls list dropped, and every
+    call's arguments as `_sampled_arguments` gives them. Calls that are not
+    {"function": {...}} objects stay as they are (`_chat_message` names them)."""
+    message = choice.message.model_dump(exclude_none=True)
+    if message.get("content") is None:
+        message["content"] = []
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and not calls:
+        del message["tool_calls"]
+    elif isinstance(calls, list):
+        message["tool_calls"] = [
+            {
+                **call,
+                "function": {
+                    **call["function"],
+                    "arguments": _sampled_arguments(call["function"].get("arguments")),
+                },
+            }
+            if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)
+            else call
+            for call in calls
+        ]
+    return message
+
+
 def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
     """`item` (a message dict or a Choice) as the message dict the template renders: a copy,
-    with every tool call's arguments parsed to an object."""
-    message = item.message.model_dump(exclude_none=True) if _is_choice(item) else dict(item)
+    with every tool call's arguments parsed to an object (a Choice's as vLLM renders them, see
+    `_sampled_message`; a dict's held to the form, see `parse_tool_arguments`)."""
+    sampled = _is_choice(item)
+    message = _sampled_message(item) if sampled else dict(item)
     calls = message.get("tool_calls")
     if not calls:
         return message
@@ -360,6 +412,9 @@ def _chat_message(item: Any, where: str, turn: int) -> dict[str, Any]:
                 where,
                 turn,
             )
+        if sampled:  # already as vLLM renders it
+            parsed.append(call)
+            continue
         try:
             arguments = parse_tool_arguments(
                 function.get("arguments"),
@@ -493,7 +548,9 @@ def tokenize_history(
     Raises:
         TokenizationError: names `where` and the message index: tools that are not function
             tools (see `template_tools`), a Choice without token ids or with a logprob count
-            that does not match them, or with a token or prompt id outside the vocabulary; a tool call whose arguments are not a JSON object; a chat template that
+            that does not match them, or with a token or prompt id outside the vocabulary; a
+            plain message's tool call whose arguments are not a JSON object (a sampled turn's
+            are rendered as vLLM renders them, see `_sampled_message`); a chat template that
             fails on the conversation; a plain assistant message whose render does not continue
             the generation prompt before it (templates that strip `<think>` blocks do this).
     """

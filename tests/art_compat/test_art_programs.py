@@ -29,9 +29,11 @@ async def test_multi_turn_game_with_retry_delete_checkpoints_and_train_config(wo
     assert steps == [1, 2]
     checkpoints = _run_dir(workdir, "tic-tac-toe", "ttt-001") / "checkpoints"
     assert (checkpoints / "LATEST").read_text().strip() == "2"
-    # the replicas keep serving the newest 2 steps (keep_adapters=2), so only the last call deletes
-    assert deleted == [0]
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["0001", "0002"]
+    # ART's rule (no val/reward logged): only the latest stays; the call before the second step
+    # deleted step 0 and the last one step 1, each unloaded from the replicas first (it was in
+    # their keep_adapters=2 window, which kept it before issue 33)
+    assert deleted == [1]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["0002"]
 
 
 async def test_typed_policy_config_and_a_prompted_model_on_the_same_rollout(workdir):

@@ -456,3 +456,36 @@ async def test_arts_default_takes_one_optimizer_step_per_packed_row(setup: Setup
         - rank_state(checkpoints / f"{step:04d}")["steps"]
     )
     assert updates == rows.shape[0]
+
+
+async def test_delete_checkpoints_keeps_arts_best_and_latest_and_unloads_the_rest_first(setup: Setup) -> None:
+    """ART's rule (issue 33): three steps with val/reward 0.9, 0.2, 0.5 keep the best (the first)
+    and the latest; the second goes although the replicas served it (keep_adapters=2) - it is
+    unloaded from them first. Before, it stayed because it sat in the served window. Last in
+    this module: it deletes the steps the tests above read."""
+    from art_mega.inference.server_api import ReplicaClient
+    from art_mega.metrics import read_history
+
+    backend, model = setup.backend, setup.model
+    assert not any("val/reward" in row for row in read_history(backend._run_dir / "history.jsonl"))
+    first = await model.get_step()
+    for reward in (0.9, 0.2, 0.5):
+        result = await backend.train(model, await rollout_groups(model), learning_rate=1e-3)
+        await model.log(None, split="val", metrics={"reward": reward}, step=result.step)
+    best, second, latest = first + 1, first + 2, first + 3
+    (replica,) = backend._router.replicas
+    async with ReplicaClient(replica.name, replica.url) as client:
+        assert {f"agent@{second}", f"agent@{latest}"} <= set(await client.model_ids())  # the window
+        checkpoints = backend._run_dir / "checkpoints"
+        deleted = await model.delete_checkpoints()
+        assert deleted == [*range(first + 1), second]  # every step before the best too
+        assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [best, latest]
+        assert [m for m in await client.model_ids() if m.startswith("agent@")] == [f"agent@{latest}"]
+        assert backend._publisher.window() == [latest]
+        # the window moves on from there: the next publication serves two steps again
+        result = await backend.train(model, await rollout_groups(model), learning_rate=1e-3)
+        assert result.step == latest + 1
+        assert sorted(m for m in await client.model_ids() if m.startswith("agent@")) == sorted(
+            [f"agent@{latest}", f"agent@{latest + 1}"]
+        )
+    assert await model.delete_checkpoints() == [latest]  # the best (first) and the new latest stay

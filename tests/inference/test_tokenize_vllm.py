@@ -8,28 +8,12 @@ import pytest
 from art_mega.inference import PolicyRouter, ReplicaEndpoint
 from art_mega.inference.policy_client import policy_client
 from art_mega.trainer.tokenize import tokenize_history
+from tests.helpers import trained_turns
 from tests.inference.conftest import MODEL_NAME, Served
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
 
 QUESTIONS = ["What is two plus three?", "And four plus five?", "Say it again"]
-
-
-def trained_turns(sequences) -> list[tuple[list[int], list[int], list[float]]]:
-    """(context, ids, logprobs) of every run of trained tokens, in order."""
-    turns = []
-    for seq in sequences:
-        k = 0
-        while k < len(seq.loss_mask):
-            if not seq.loss_mask[k]:
-                k += 1
-                continue
-            end = k
-            while end < len(seq.loss_mask) and seq.loss_mask[end]:
-                end += 1
-            turns.append((seq.input_ids[:k], seq.input_ids[k:end], seq.old_logprobs[k:end]))
-            k = end
-    return turns
 
 
 async def test_each_sampled_turn_trains_after_the_prompt_vllm_saw(served: Served) -> None:

@@ -204,6 +204,29 @@ async def test_publication_skips_a_down_replica_and_restore_waits_for_its_loads(
     assert "vllm-0" in router.down()
 
 
+async def test_unload_takes_steps_out_of_the_window_and_keeps_what_a_replica_still_holds() -> None:
+    """`model.delete_checkpoints` unloads the steps it deletes first: out of the window (a
+    restarted replica never loads them again), the served step refused; a replica that cannot
+    unload (nothing listens at port 9) keeps the step recorded as loaded and names itself."""
+    router = PolicyRouter("tiny", [ReplicaEndpoint("vllm-0", "http://127.0.0.1:9")])
+    router.mark_down("vllm-0", "exited with code -9")
+    async with AdapterPublisher(router, retry_delay_s=0.0) as publisher:
+        for step in (1, 2):
+            await publisher.publish(step, f"/ckpt/000{step}")
+        assert publisher.window() == [1, 2]
+        with pytest.raises(ValueError, match="step 2 is the served step"):
+            await publisher.unload({2})
+        assert await publisher.unload({1}) == {} and publisher.window() == [2]
+        with pytest.raises(ReplicaHTTPError, match=r"loading adapter tiny@2"):  # not tiny@1
+            await publisher.restore("vllm-0")
+        router.mark_up("vllm-0")
+        publisher._loaded["vllm-0"][1] = "/ckpt/0001"  # as if its unload had failed before
+        failures = await publisher.unload({1})
+        (error,) = failures[1]
+        assert "replica vllm-0 (http://127.0.0.1:9): unloading adapter tiny@1" in str(error)
+        assert publisher.loaded("vllm-0") == {1: "/ckpt/0001"}
+
+
 def test_policy_step_of_a_reply() -> None:
     router = PolicyRouter("tiny", [ReplicaEndpoint("vllm-0", "http://a:1")])
     assert [served_step(router, m) for m in ("tiny@3", "tiny", "tiny@x", "other@3", "tiny@12")] == [

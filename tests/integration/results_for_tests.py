@@ -16,7 +16,9 @@ async def scored(kind: str) -> Trajectory:
         "array": np.arange(3),
         "complex": 1j,
     }[kind]
-    return Trajectory(reward=1.0, metadata={"scores": [0.5, 1, odd]})
+    trajectory = Trajectory(reward=1.0)  # Trajectory(metadata=...) refuses the value itself
+    trajectory.metadata["scores"] = [0.5, 1, odd]
+    return trajectory
 
 
 async def numbers() -> list:

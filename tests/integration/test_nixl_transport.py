@@ -458,32 +458,25 @@ def test_trainer_ranks_on_two_hosts_with_private_roots_train_resume_and_delete(
         manifests = {
             host: [
                 json.loads((folder / "checkpoints" / s / "manifest.json").read_text())
-                for s in ("0002", "0003")
+                for s in ("0003",)
             ]
             for host, folder in (("host0", run), ("host1", host1))
         }
         host1_batches = sorted(p.name for p in (host1 / "batches").rglob("*") if p.is_file())
-    assert seen == {"first_at": 0, "trained": [1, 2, 3], "resumed_at": 2, "deleted": [0, 1]}
+    # ART's rule (no val/reward logged): only the latest stays; step 2, which the replicas still
+    # served (keep_adapters=2), is unloaded from them and then deleted on both hosts
+    assert seen == {"first_at": 0, "trained": [1, 2, 3], "resumed_at": 2, "deleted": [0, 1, 2]}
     adapter = [p for p in listing["host0"] if p.startswith("checkpoints/0003/adapter_")]  # ART's place
     assert listing == {
         "host0": sorted(
             [
                 "checkpoints/LATEST",
-                *(
-                    f"checkpoints/{s}/{n}"
-                    for s in ("0002", "0003")
-                    for n in ("manifest.json", "rank00000.pt")
-                ),
-                "checkpoints/0002",
+                *(f"checkpoints/0003/{n}" for n in ("manifest.json", "rank00000.pt")),
                 "checkpoints/0003",
-                *[p.replace("/0003/", "/0002/") for p in adapter],
                 *adapter,
             ]
         ),
         "host1": [
-            "checkpoints/0002",
-            "checkpoints/0002/manifest.json",
-            "checkpoints/0002/rank00001.pt",
             "checkpoints/0003",
             "checkpoints/0003/manifest.json",
             "checkpoints/0003/rank00001.pt",
@@ -492,5 +485,5 @@ def test_trainer_ranks_on_two_hosts_with_private_roots_train_resume_and_delete(
     assert "checkpoints/0003/adapter_model.safetensors" in adapter
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "3"
     assert manifests["host1"] == manifests["host0"]  # rank 0's manifest, broadcast
-    assert [m["step"] for m in manifests["host0"]] == [2, 3]
+    assert [m["step"] for m in manifests["host0"]] == [3]
     assert host1_batches == []  # each step's batch went away with it

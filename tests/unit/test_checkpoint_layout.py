@@ -198,12 +198,28 @@ def test_a_missing_manifest_is_refused_where_a_rank_resumes(tmp_path):
         ckpt.read_manifest(tmp_path / "0001")
 
 
-def test_delete_keeps_the_latest_the_best_and_the_served_steps(tmp_path):
+def test_delete_keeps_the_latest_and_the_best_by_arts_rule(tmp_path):
+    # ART 0.5.23: the best step is the one of the highest mean of the metric over its history
+    # rows (rows without it, or with null, count for nothing); the served window protects
+    # nothing here (the backend unloads those steps first)
+    rows = [
+        {"step": 1, "val/reward": 0.9},
+        {"step": 2, "val/reward": 0.2},
+        {"step": 2, "train/reward": 5.0},
+        {"step": 3, "val/reward": 0.5},
+    ]
+    assert ckpt.best_step(rows, "val/reward") == 1
+    assert ckpt.deletable_steps([0, 1, 2, 3], 3, ckpt.best_step(rows, "val/reward")) == [0, 2]
+    assert ckpt.best_step(rows, "train/reward") == 2
+    averaged = [{"step": 1, "m": 1.0}, {"step": 1, "m": 0.0}, {"step": 2, "m": 0.6}, {"step": 3, "m": None}]
+    assert ckpt.best_step(averaged, "m") == 2  # step 1's mean is 0.5
+    tied = [{"step": 4, "m": 0.5}, {"step": 2, "m": 0.5}, {"step": 3, "m": float("nan")}]
+    assert ckpt.best_step(tied, "m") == 2  # the earliest of equal means; NaN left out
+    assert ckpt.best_step(rows, "val/loss") is None
     steps = [0, 1, 2, 3, 4, 5]
-    assert ckpt.deletable_steps(steps, 5, {}, set()) == [0, 1, 2, 3, 4]
-    assert ckpt.deletable_steps(steps, 5, {1: 0.2, 2: 0.9, 3: 0.9, 4: 0.1}, set()) == [0, 1, 3, 4]
-    assert ckpt.deletable_steps(steps, 5, {2: 0.9, 9: 5.0}, {4, 5}) == [0, 1, 3]  # 9 has no folder
-    assert ckpt.deletable_steps([], 0, {}, set()) == []
+    assert ckpt.deletable_steps(steps, 5, None) == [0, 1, 2, 3, 4]  # no metric: the latest only
+    assert ckpt.deletable_steps(steps, 5, 9) == [0, 1, 2, 3, 4]  # the best step has no folder left
+    assert ckpt.deletable_steps([], 0, None) == []
     for step in (0, 1):
         save(tmp_path, step)
     assert ckpt.delete_step(tmp_path, 0) == tmp_path / "0000"

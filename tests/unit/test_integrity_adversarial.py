@@ -400,7 +400,9 @@ def test_wire_refuses_dicts_shaped_like_its_tags_and_lossy_long_doubles() -> Non
     with pytest.raises(
         wire.WireError, match=r"trajectory.metadata\['x'\] is a dict with only the keys \['__float__'\]"
     ):
-        wire.encode(art.Trajectory(metadata={"x": {"__float__": "nan"}}))
+        changed = art.Trajectory()  # Trajectory(metadata=...) refuses the value itself
+        changed.metadata["x"] = {"__float__": "nan"}
+        wire.encode(changed)
     with pytest.raises(
         wire.WireError, match=r"result\[0\] is a dict with only the keys \['__model__', 'data'\]"
     ):

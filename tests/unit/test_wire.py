@@ -69,39 +69,46 @@ def _through_json(value):
     return wire.decode(json.loads(json.dumps(wire.encode(value), allow_nan=False)))
 
 
+def changed(metadata, group=None):
+    """A trajectory (or `group`, its first trajectory) whose metadata got `metadata` after it was
+    built: `Trajectory(metadata=...)` refuses these values itself, so only a dict changed since
+    reaches the wire."""
+    trajectory = Trajectory() if group is None else group.trajectories[0]
+    trajectory.metadata.update(metadata)
+    return trajectory if group is None else group
+
+
 @pytest.mark.parametrize(
     "value,message",
     [
         (
-            Trajectory(metadata={"scores": [0.5, 1, {3}]}),
+            changed({"scores": [0.5, 1, {3}]}),
             "trajectory.metadata['scores'][2] is a set, which JSON cannot carry (it would arrive as a list)",
         ),
-        (Trajectory(metadata={"raw": b"\x00"}), "trajectory.metadata['raw'] is bytes"),
-        (Trajectory(metadata={"o": object()}), "trajectory.metadata['o'] is a builtins.object"),
+        (changed({"raw": b"\x00"}), "trajectory.metadata['raw'] is bytes"),
+        (changed({"o": object()}), "trajectory.metadata['o'] is a builtins.object"),
         (
-            Trajectory(metadata={"a": np.arange(3)}),
+            changed({"a": np.arange(3)}),
             "trajectory.metadata['a'] is a numpy array (shape (3,), dtype int64), which JSON cannot "
             "carry; return array.tolist()",
         ),
-        (Trajectory(metadata={"z": 1j}), "trajectory.metadata['z'] is the complex number 1j"),
-        (Trajectory(metadata={"z": np.complex64(1j)}), "trajectory.metadata['z'] is the complex number"),
+        (changed({"z": 1j}), "trajectory.metadata['z'] is the complex number 1j"),
+        (changed({"z": np.complex64(1j)}), "trajectory.metadata['z'] is the complex number"),
         (
-            Trajectory(
-                metadata={
-                    "m": Typed(when=datetime.datetime(2026, 1, 1), tags=set(), color=Color.RED, pair=(1, 2))
-                }
+            changed(
+                {"m": Typed(when=datetime.datetime(2026, 1, 1), tags=set(), color=Color.RED, pair=(1, 2))}
             ),
             "trajectory.metadata['m'] is a Typed model in a field that does not declare that class",
         ),
         (
-            Trajectory(metadata={"e": Color.RED}),
+            changed({"e": Color.RED}),
             f"trajectory.metadata['e'] is a {__name__}.Color, which JSON",
         ),
         ({1: "a"}, "result has the key 1 (int), but JSON object keys are strings"),
         ({"k": {1, 2}}, "result['k'] is a set"),
-        ([Trajectory(), Trajectory(metadata={"b": bytearray(b"x")})], "result[1].metadata['b'] is bytes"),
+        ([Trajectory(), changed({"b": bytearray(b"x")})], "result[1].metadata['b'] is bytes"),
         (
-            TrajectoryGroup([Trajectory(metadata={"s": frozenset()})]),
+            changed({"s": frozenset()}, TrajectoryGroup([Trajectory()])),
             "trajectory_group.trajectories[0].metadata['s'] is a frozenset",
         ),
     ],
