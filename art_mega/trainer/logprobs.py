@@ -93,7 +93,9 @@ def _temperature(sampling: SamplingRows) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _kept_threshold(logits: torch.Tensor, targets: torch.Tensor, sampling: SamplingRows) -> torch.Tensor | None:
+def _kept_threshold(
+    logits: torch.Tensor, targets: torch.Tensor, sampling: SamplingRows
+) -> torch.Tensor | None:
     """tau float32 [B, P]: position p's kept set is {v : logits[p, v] / T_p >= tau[p]} (-inf where
     nothing is truncated), None when no position is truncated.
 
@@ -103,7 +105,8 @@ def _kept_threshold(logits: torch.Tensor, targets: torch.Tensor, sampling: Sampl
     boundary, keeps a finite logprob). Collective over the TP group. vLLM 0.32's order: min_p
     on the softmax of l / T, then top_k, then top_p on the softmax of what top_k kept.
     """
-    truncated = (sampling.top_k > 0) | (sampling.top_p < 1.0) | (sampling.min_p > 0.0)
+    top_p = torch.where(sampling.top_p > 0.0, sampling.top_p, torch.ones_like(sampling.top_p))  # CP padding: 0
+    truncated = (sampling.top_k > 0) | (top_p < 1.0) | (sampling.min_p > 0.0)
     if not bool(truncated.any()):
         return None
     from megatron.core import parallel_state as mpu
@@ -126,7 +129,7 @@ def _kept_threshold(logits: torch.Tensor, targets: torch.Tensor, sampling: Sampl
             values,
             targets.reshape(-1)[chunk],
             sampling.top_k.reshape(-1)[chunk],
-            sampling.top_p.reshape(-1)[chunk].float(),
+            top_p.reshape(-1)[chunk].float(),
             sampling.min_p.reshape(-1)[chunk].float(),
         )
     return tau.reshape(logits.shape[:-1])
@@ -307,7 +310,10 @@ def _check_positions(logits: torch.Tensor, expected: int, what: str) -> None:
 def _slice(sampling: SamplingRows, start: int, size: int) -> SamplingRows:
     """Positions [start, start + size) of per-position `sampling` ([B, P] each)."""
     return SamplingRows(
-        *(values[:, start : start + size] for values in (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p))
+        *(
+            values[:, start : start + size]
+            for values in (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        )
     )
 
 

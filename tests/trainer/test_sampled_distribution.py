@@ -46,7 +46,12 @@ def vllm_processed_logprobs(tmp_path: Path, logits, params: list[tuple], targets
     }
     (tmp_path / "in.json").write_text(json.dumps(spec))
     done = subprocess.run(
-        [VLLM_PYTHON, str(HERE / "vllm_sampler_reference.py"), str(tmp_path / "in.json"), str(tmp_path / "out.json")],
+        [
+            VLLM_PYTHON,
+            str(HERE / "vllm_sampler_reference.py"),
+            str(tmp_path / "in.json"),
+            str(tmp_path / "out.json"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -55,7 +60,9 @@ def vllm_processed_logprobs(tmp_path: Path, logits, params: list[tuple], targets
     return json.loads((tmp_path / "out.json").read_text())["logprobs"]
 
 
-def test_token_logprobs_are_vllms_processed_logprobs(megatron_world, tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_token_logprobs_are_vllms_processed_logprobs(
+    megatron_world, tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     import torch
 
     from art_mega.trainer.logprobs import SamplingRows, forward_logits, token_logprobs
@@ -106,9 +113,7 @@ def test_token_logprobs_are_vllms_processed_logprobs(megatron_world, tiny_dirs: 
     read[:, 10] = False
     rows, cols = read.nonzero(as_tuple=True)
     settings = [SETTINGS[int(choice[r, c])] for r, c in zip(rows, cols)]
-    expected = vllm_processed_logprobs(
-        tmp_path, full[rows, cols - 1], settings, ids[rows, cols].tolist()
-    )
+    expected = vllm_processed_logprobs(tmp_path, full[rows, cols - 1], settings, ids[rows, cols].tolist())
     expected = torch.tensor(expected)
     # random ids: some targets lie outside vLLM's kept set (-inf there: it would never sample
     # them); the trainer keeps a trained token in its set (finite), and matches vLLM elsewhere

@@ -43,7 +43,14 @@ def choice(token_ids, tag=None):
 
 
 def tag(**changes):
-    base = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "constrained": False, "processed": False}
+    base = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.0,
+        "constrained": False,
+        "processed": False,
+    }
     return {**base, **changes}
 
 
@@ -134,7 +141,12 @@ def test_the_warning_names_the_cause_and_the_options_once(caplog):
         "constraint or processors; precalculate_logprobs=True (the trainer recomputes the old policy before "
         "the step) with truncated_importance_sampling=C (TIS caps exp(old - sampler) at C); or accept the gap."
     )
-    untagged = behaviour_warning({"offpolicy/sampler_logprob_gap_mean": 0.31, "offpolicy/untagged_token_fraction": 1.0})
-    assert "100% come from choices without art_mega_sampling, so their temperature and truncation are unknown" in untagged
+    untagged = behaviour_warning(
+        {"offpolicy/sampler_logprob_gap_mean": 0.31, "offpolicy/untagged_token_fraction": 1.0}
+    )
+    assert (
+        "100% come from choices without art_mega_sampling, so their temperature and truncation are unknown"
+        in untagged
+    )
     numerics = behaviour_warning({"offpolicy/sampler_logprob_gap_mean": 0.2})
     assert "not run with --logprobs-mode processed_logprobs" in numerics
