@@ -10,6 +10,7 @@ from art_mega.errors import ReplicaRequestError
 from art_mega.inference.fleet import affinity_key
 from art_mega.inference.replies import checked_reply
 from art_mega.inference.router import PolicyRouter
+from art_mega.trainer.behaviour import tag_request_sampling
 from art_mega.trajectories import POLICY_STEP_FIELD
 
 
@@ -75,7 +76,8 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
             if options.get("stream"):
                 return reply
             server = f"replica {route.replica} ({route.url})"
-            return tag_choices(router, checked_reply(reply, server, str(options.get("model")), chat))
+            reply = tag_choices(router, checked_reply(reply, server, str(options.get("model")), chat))
+            return tag_request_sampling(reply, options) if chat else reply
 
         return create
 

@@ -122,6 +122,71 @@ def choice_sampling(choice: Any, where: str = "the conversation", turn: int = 0)
     )
 
 
+_CONSTRAINING_EXTRAS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+_PROCESSING_EXTRAS = ("bad_words", "allowed_token_ids", "logits_processors")
+
+
+def request_sampling(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The `SAMPLING_FIELD` tag of a chat completion request from its options (top level or in
+    `extra_body`, as the OpenAI client sends them): what the replica samples with where it does
+    not tag its choices itself. An option left out is vLLM's default (T=1, top_p 1, top_k off,
+    min_p 0): the replicas run with `--generation-config vllm` (`MegatronBackend`), so the model's
+    generation_config.json does not change them. Constrained: a `response_format` of json_schema /
+    json_object, vLLM's structured_outputs or guided_* options, `tool_choice` "required" or a
+    named tool. Processed: a frequency / presence / repetition penalty, `logit_bias`,
+    `min_tokens`, bad words, allowed token ids or logits processors."""
+    extra = options.get("extra_body") or {}
+
+    def get(key: str, default: Any) -> Any:
+        value = options.get(key, extra.get(key))
+        return default if value is None else value
+
+    response_format = get("response_format", {})
+    tool_choice = get("tool_choice", "auto")
+    constrained = (
+        (
+            isinstance(response_format, Mapping)
+            and response_format.get("type") in ("json_schema", "json_object")
+        )
+        or any(extra.get(key) for key in _CONSTRAINING_EXTRAS)
+        or tool_choice == "required"
+        or isinstance(tool_choice, Mapping)
+    )
+    processed = (
+        get("frequency_penalty", 0.0) != 0.0
+        or get("presence_penalty", 0.0) != 0.0
+        or get("repetition_penalty", 1.0) != 1.0
+        or bool(get("logit_bias", None))
+        or get("min_tokens", 0) > 0
+        or any(extra.get(key) for key in _PROCESSING_EXTRAS)
+    )
+    return {
+        "temperature": float(get("temperature", 1.0)),
+        "top_p": float(get("top_p", 1.0)),
+        "top_k": int(get("top_k", 0)),
+        "min_p": float(get("min_p", 0.0)),
+        "constrained": bool(constrained),
+        "processed": bool(processed),
+    }
+
+
+def tag_request_sampling(reply: Any, options: Mapping[str, Any]) -> Any:
+    """Set `SAMPLING_FIELD` (`request_sampling(options)`) on each choice of a chat completion
+    `reply` that the replica did not tag; returns `reply`."""
+    tag = None
+    for choice in getattr(reply, "choices", None) or ():
+        if getattr(choice, SAMPLING_FIELD, None) is None:
+            tag = request_sampling(options) if tag is None else tag
+            setattr(choice, SAMPLING_FIELD, dict(tag))
+    return reply
+
+
 GAP_MEAN = "offpolicy/sampler_logprob_gap_mean"
 GAP_P95 = "offpolicy/sampler_logprob_gap_p95"
 CONSTRAINED_FRACTION = "offpolicy/constrained_token_fraction"

@@ -38,24 +38,6 @@ SCHEMA = {
 }
 
 
-def tagged(choice: Any, temperature: float, top_p: float, constrained: bool = False) -> Any:
-    """`choice` with the replica's `SAMPLING_FIELD` (set here where the replica has not set it)."""
-    if getattr(choice, SAMPLING_FIELD, None) is None and not (choice.model_extra or {}).get(SAMPLING_FIELD):
-        setattr(
-            choice,
-            SAMPLING_FIELD,
-            {
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": 0,
-                "min_p": 0.0,
-                "constrained": constrained,
-                "processed": False,
-            },
-        )
-    return choice
-
-
 async def groups(
     model: Any, temperature: float, top_p: float, *, tag: bool, schema: bool = False
 ) -> list[Any]:
@@ -72,8 +54,15 @@ async def groups(
         messages = [{"role": "user", "content": prompt}]
         reply = await client.chat.completions.create(model=name, messages=messages, seed=seed, **options)
         choice = reply.choices[0]
-        if tag:
-            choice = tagged(choice, temperature, top_p, constrained=schema)
+        # what it was sampled with: from the replica, else from the request (model.openai_client())
+        effective = getattr(choice, SAMPLING_FIELD)
+        assert (effective["temperature"], effective["top_p"], effective["constrained"]) == (
+            temperature,
+            top_p,
+            schema,
+        )
+        if not tag:  # a choice as before the rule: T=1, untruncated assumed
+            setattr(choice, SAMPLING_FIELD, None)
         reward = len(choice.message.content or "") / 10.0 + seed / 100.0
         return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
 
@@ -92,7 +81,7 @@ async def test_the_trainer_trains_the_distribution_the_replica_sampled_from(
     backend._behaviour = BehaviourMonitor()  # this test's steps as a run of their own (warned once)
     caplog.set_level(logging.WARNING, logger="art_mega.trainer.behaviour")
 
-    # 1. temperature 0.7, top_p 0.9, tagged: the trainer's logprobs are the sampler's
+    # 1. temperature 0.7, top_p 0.9: the trainer's logprobs are the sampler's
     sampled = await groups(model, 0.7, 0.9, tag=True)
     first = (await backend.train(model, sampled, learning_rate=1e-2)).metrics
     show("T=0.7 top_p=0.9 tagged", first)
@@ -113,7 +102,7 @@ async def test_the_trainer_trains_the_distribution_the_replica_sampled_from(
     assert "100% of the trained tokens were sampled under a constraint" in warning
     assert "precalculate_logprobs=True" in warning and "truncated_importance_sampling" in warning
 
-    # 3. the same sampling without the tag: today's rule (T=1, untruncated) and its gap
+    # 3. the same sampling with the tag removed: the old rule (T=1, untruncated) and its gap
     untagged = await groups(model, 0.7, 0.9, tag=False)
     third = (await backend.train(model, untagged, learning_rate=1e-2)).metrics
     show("T=0.7 top_p=0.9 untagged (T=1 assumed)", third)

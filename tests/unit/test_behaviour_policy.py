@@ -150,3 +150,57 @@ def test_the_warning_names_the_cause_and_the_options_once(caplog):
     )
     numerics = behaviour_warning({"offpolicy/sampler_logprob_gap_mean": 0.2})
     assert "not run with --logprobs-mode processed_logprobs" in numerics
+
+
+def test_a_request_without_a_replica_tag_is_tagged_from_its_options():
+    from art_mega.trainer.behaviour import request_sampling, tag_request_sampling
+
+    assert request_sampling({}) == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "constrained": False,
+        "processed": False,
+    }
+    options = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "extra_body": {"top_k": 20, "min_p": 0.05, "return_token_ids": True},
+    }
+    assert request_sampling(options) == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "constrained": False,
+        "processed": False,
+    }
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    for constraining in (
+        {"response_format": schema},
+        {"response_format": {"type": "json_object"}},
+        {"extra_body": {"structured_outputs": {"regex": "[ab]+"}}},
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    ):
+        assert request_sampling(constraining)["constrained"], constraining
+    assert not request_sampling({"tool_choice": "auto", "response_format": {"type": "text"}})["constrained"]
+    for processing in (
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": -0.1},
+        {"logit_bias": {"7": 5}},
+        {"extra_body": {"repetition_penalty": 1.1}},
+        {"extra_body": {"min_tokens": 3}},
+        {"extra_body": {"bad_words": ["x"]}},
+    ):
+        assert request_sampling(processing)["processed"], processing
+    server = choice([7], tag(temperature=0.3))
+    client = choice([7])
+
+    class Reply:
+        choices = [server, client]
+
+    tag_request_sampling(Reply(), {"temperature": 0.9, "response_format": schema})
+    assert choice_sampling(server).temperature == 0.3  # the replica's own tag is kept
+    assert choice_sampling(client).temperature == 0.9 and choice_sampling(client).code == CONSTRAINED
