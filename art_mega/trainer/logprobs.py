@@ -164,7 +164,9 @@ def _sampled_logits(logits: torch.Tensor, sampling: SamplingRows, tau: torch.Ten
     """float32 logits of the distribution the tokens were sampled from: `logits` [B, P, V/tp] /
     T, those below their position's `tau` [B, P] (`_kept_threshold`) at float32's minimum (out
     of the softmax); differentiable in the kept logits. A new tensor: `logits` is not modified."""
-    x = (logits.float() / _temperature(sampling)).clamp_min(torch.finfo(torch.float32).min)
+    # padded vocabulary columns (the dtype's minimum) may overflow to -inf at T < 1: out of the
+    # softmax all the same (exp gives 0, and so does their gradient)
+    x = logits.float() / _temperature(sampling)
     if tau is None:
         return x
     return x.masked_fill(x < tau[..., None], torch.finfo(torch.float32).min)
