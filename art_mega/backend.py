@@ -26,6 +26,7 @@ from typing import Any
 from art_mega.errors import UserError
 from art_mega.hyperparams import fraction_problem
 from art_mega.trainer import checkpoint
+from art_mega.trainer.behaviour import BehaviourMonitor
 from art_mega.trainer.protocol import (
     TRAINER_STOP,
     EngineConfig,
@@ -985,6 +986,8 @@ class MegatronBackend:
         self._base_is_step0 = True
         self._rl_optimizer = (ART_TRAINER_ARGS["weight_decay"], ART_TRAINER_ARGS["max_grad_norm"])
         self._lock = asyncio.Lock()
+        self._behaviour = BehaviourMonitor()
+        """Logs the behaviour-policy warning once per run (`trainer.behaviour`)."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -2070,6 +2073,7 @@ class MegatronBackend:
         shutil.rmtree(batch_dir, ignore_errors=True)
         await self._remove_on_trainer_hosts(batch_dir, best_effort=True)  # as the rmtree above
         metrics.update(result.rank0.metrics)
+        self._behaviour.check(metrics)
         metrics.update(
             {
                 "time/prepare_s": prepared - started,

@@ -12,6 +12,7 @@ from art_mega.errors import ReplicaRequestError
 from art_mega.inference.fleet import affinity_key
 from art_mega.inference.replies import checked_reply
 from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
+from art_mega.trainer.behaviour import tag_request_sampling
 from art_mega.trajectories import POLICY_STEP_FIELD
 
 AFFINITY_HEADER = "x-art-mega-affinity"
@@ -164,7 +165,8 @@ def policy_client(router: PolicyRouter, training_defaults: bool = True, **kwargs
                 return reply
             where = served_by["replica"]
             server = f"replica {where.name} ({where.url})"
-            return tag_choices(router, checked_reply(reply, server, str(options.get("model")), chat))
+            reply = tag_choices(router, checked_reply(reply, server, str(options.get("model")), chat))
+            return tag_request_sampling(reply, options) if chat else reply
 
         return create
 

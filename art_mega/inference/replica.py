@@ -82,6 +82,10 @@ def vllm_argv(spec: ReplicaSpec, launch: ReplicaLaunch) -> list[str]:
         str(launch.max_lora_rank),
         "--max-loras",
         str(launch.max_loras),
+        # the logprobs of the distribution each token was sampled from (after temperature and
+        # top_k/top_p/min_p), which the trainer computes too (trainer.behaviour)
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
     if not any(gpus for _, gpus in spec.gpu_ids):
         # vLLM's CPU default block is 128 tokens, longer than a typical chat prompt (the

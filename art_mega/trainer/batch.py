@@ -9,19 +9,32 @@ predicted from tokens < t of its own document; the per-token fields below descri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from art_mega.trainer.behaviour import NOT_SAMPLED, SFT_SAMPLING, TokenSampling
+
 INT_FIELDS = ("input_ids", "segment_ids", "position_ids")
 FLOAT_FIELDS = ("loss_mask", "old_logprobs", "advantages", "weights")
+SAMPLING_FIELDS: dict[str, tuple[type[np.generic], float]] = {
+    "temperature": (np.float32, 1.0),
+    "top_k": (np.int32, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "sampling": (np.int8, NOT_SAMPLED),
+}
+"""The behaviour-policy fields of a `TrainBatch` (see `trainer.behaviour`): dtype and the value of
+a token that was not sampled (T=1, no truncation)."""
 DTYPES: dict[str, type[np.generic]] = {
     "input_ids": np.int64,
     "segment_ids": np.int32,
     "position_ids": np.int64,
     **dict.fromkeys(FLOAT_FIELDS, np.float32),
+    **{name: dtype for name, (dtype, _) in SAMPLING_FIELDS.items()},
 }
 """The dtype of each `TrainBatch` field in its file, in field order (`TrainBatch.load` checks them)."""
 
@@ -41,6 +54,11 @@ class TrainBatch:
             uses the current policy's there (`loss.known_logprobs`). NaN nowhere else.
         advantages: float32 the advantage of token t's trajectory (0 for SFT).
         weights: float32 token weight: 1 / assistant tokens of its trajectory.
+        temperature, top_k, top_p, min_p: what token t was sampled with (float32, int32 with 0 =
+            off, float32, float32): the trainer computes its logprobs at that temperature and
+            truncation (`logprobs.SamplingRows`). None: T=1 without truncation everywhere.
+        sampling: int8 `trainer.behaviour` code of token t (EXACT, UNTAGGED, CONSTRAINED,
+            PROCESSED; NOT_SAMPLED on untrained and plain assistant tokens). None: NOT_SAMPLED.
     """
 
     input_ids: np.ndarray
@@ -50,9 +68,17 @@ class TrainBatch:
     old_logprobs: np.ndarray
     advantages: np.ndarray
     weights: np.ndarray
+    temperature: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    sampling: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         shape = self.input_ids.shape
+        for name, (dtype, default) in SAMPLING_FIELDS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(shape, default, dtype=dtype))
         for f in fields(self):
             value = getattr(self, f.name)
             if value.shape != shape or value.ndim != 2:
@@ -115,7 +141,8 @@ class Document:
     `old_logprobs[t]` is the sampling logprob of `input_ids[t]`: 0.0 where `loss_mask[t]` is 0
     or the token is trained for SFT without being sampled, NaN (unknown, see
     `TrainBatch.old_logprobs`) where a GRPO token is trained without being sampled;
-    `advantage` and `weight` are its trajectory's.
+    `advantage` and `weight` are its trajectory's. `sampling[t]` is what token t was sampled
+    with (`trainer.behaviour.TokenSampling`); None: nothing was sampled (SFT).
     """
 
     input_ids: list[int]
@@ -123,6 +150,7 @@ class Document:
     old_logprobs: list[float]
     advantage: float
     weight: float
+    sampling: Sequence[TokenSampling] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -214,6 +242,8 @@ def _fill(rows: list[list[Document]], height: int, seq_len: int) -> TrainBatch:
     out["segment_ids"] = np.zeros(shape, dtype=np.int32)
     for name in FLOAT_FIELDS:
         out[name] = np.zeros(shape, dtype=np.float32)
+    for name, (dtype, default) in SAMPLING_FIELDS.items():
+        out[name] = np.full(shape, default, dtype=dtype)
     for r, row in enumerate(rows):
         start = 0
         for segment, doc in enumerate(row, start=1):
@@ -225,5 +255,25 @@ def _fill(rows: list[list[Document]], height: int, seq_len: int) -> TrainBatch:
             out["old_logprobs"][r, start:end] = doc.old_logprobs
             out["advantages"][r, start:end] = np.where(np.asarray(doc.loss_mask) > 0, doc.advantage, 0.0)
             out["weights"][r, start:end] = np.where(np.asarray(doc.loss_mask) > 0, doc.weight, 0.0)
+            if doc.sampling is not None:
+                _fill_sampling(out, r, start, doc.sampling)
             start = end
     return TrainBatch(**out)
+
+
+def _fill_sampling(out: dict[str, np.ndarray], row: int, start: int, sampling: Sequence[TokenSampling]) -> None:
+    """Write a document's per-token `TokenSampling`s into the batch arrays from column `start`
+    (one `TokenSampling` object per choice, so runs of equal ones are written at once)."""
+    end = start + len(sampling)
+    first = start
+    while first < end:
+        current = sampling[first - start] or SFT_SAMPLING
+        last = first + 1
+        while last < end and sampling[last - start] is current:
+            last += 1
+        out["temperature"][row, first:last] = current.temperature
+        out["top_k"][row, first:last] = current.top_k
+        out["top_p"][row, first:last] = current.top_p
+        out["min_p"][row, first:last] = current.min_p
+        out["sampling"][row, first:last] = current.code
+        first = last

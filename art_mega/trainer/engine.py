@@ -21,7 +21,17 @@ import torch
 from art_mega.errors import NonFiniteStepError
 from art_mega.trainer import checkpoint
 from art_mega.trainer.batch import TrainBatch
-from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
+from art_mega.trainer.behaviour import (
+    CONSTRAINED,
+    CONSTRAINED_FRACTION,
+    GAP_MEAN,
+    GAP_P95,
+    PROCESSED,
+    PROCESSED_FRACTION,
+    UNTAGGED,
+    UNTAGGED_FRACTION,
+)
+from art_mega.trainer.logprobs import SamplingRows, forward_logits, token_entropy, token_logprobs
 from art_mega.trainer.lora import apply_lora, lora_disabled, lora_parameters
 from art_mega.trainer.loss import grpo_loss, known_logprobs, sft_loss
 from art_mega.trainer.parallel import ParallelState
@@ -274,6 +284,7 @@ class TrainerEngine:
             segment_ids=tensors["segment_ids"],
             chunk_size=chunk_size,
             needed=needed,
+            sampling=SamplingRows.from_tensors(tensors),
         )
 
     # ------------------------------------------------------------------ public API
@@ -283,8 +294,9 @@ class TrainerEngine:
     ) -> np.ndarray:
         """Per-token logprobs of `batch.input_ids` under the current policy, float32 [B, S].
 
-        Position t holds log p(token t | tokens < t of its document); the first token of each
-        document and padding hold 0. `reference=True` uses the base model (LoRA disabled).
+        Position t holds log p(token t | tokens < t of its document) under the distribution token
+        t was sampled from (the batch's temperature, top_k, top_p, min_p; `logprobs.SamplingRows`);
+        the first token of each document and padding hold 0. `reference=True` uses the base model (LoRA disabled).
         `trained_only=True`: only the trained tokens (`loss_mask` > 0) get theirs, the others
         hold 0 too (what a loss reads, at a fraction of the LM head's cost).
         Collective over the TP and CP groups (every rank of them returns the same whole rows).
@@ -332,7 +344,16 @@ class TrainerEngine:
         `loss/grad_norm` (before clipping), `loss/tokens` (trained tokens, all DP ranks),
         `loss/nothing_trainable`, `loss/learning_rate`, `loss/entropy` (nats per token, when
         computed) and for GRPO `loss/kl`, `loss/ratio_mean`, `loss/ratio_p95`, `loss/ratio_p99`,
-        `loss/clipped_fraction` and, with `kl_penalty_coef`, ART's `loss/kl_policy_ref`.
+        `loss/clipped_fraction` and, with `kl_penalty_coef`, ART's `loss/kl_policy_ref`; for GRPO
+        also the behaviour-policy metrics of `trainer.behaviour` (`offpolicy/sampler_logprob_gap_mean`
+        and `_p95`, from this step's forward pass, before its update; the constrained, processed
+        and untagged token fractions).
+
+        Behaviour policy: every logprob pass computes each token's logprob under the distribution
+        it was sampled from (the batch's temperature / top_k / top_p / min_p). A token sampled
+        under a constraint or with processed logits (`TrainBatch.sampling`) has an unknown
+        behaviour logprob: the trainer's own, detached, stands in (ratio 1; with a recomputed old
+        policy its TIS weight is 1).
 
         The step is aborted before the optimizer update when the loss or the gradient norm
         (both the same on every rank: summed over DP, the norm over every rank's shards) is NaN
@@ -512,6 +533,7 @@ class TrainerEngine:
             segment_ids=t["segment_ids"],
             chunk_size=loss_config.logprob_calculation_chunk_size,
             needed=needed,
+            sampling=SamplingRows.from_tensors(t),
         )
         loss_fn = functools.partial(
             self._loss,
@@ -555,8 +577,27 @@ class TrainerEngine:
             value = sft_loss(new, mask, weights) * local_denominator / denominator
             info["loss_sum"] = float(value.detach())
             return value, tokens.to(torch.int), info
-        old = docs(micro.old_logprobs if micro.old_logprobs is not None else t["old_logprobs"])
+        sampler = docs(t["old_logprobs"])
+        code = docs(t["sampling"].long())
+        trained = mask > 0
+        # the behaviour-policy rule (trainer.behaviour): a sampler logprob of a distribution the
+        # trainer cannot compute (grammar mask, processed logits) is unknown, like a NaN one
+        opaque = trained & ((code == CONSTRAINED) | (code == PROCESSED))
+        nan = torch.full_like(sampler, float("nan"))
+        inference = None
+        if micro.old_logprobs is not None:
+            old = docs(micro.old_logprobs)
+            inference = torch.where(opaque, nan, docs(micro.inference_logprobs))
+        else:
+            old = torch.where(opaque, nan, sampler)
         old = known_logprobs(old, new, mask)  # unknown (NaN) ones: the ratio metrics see 1 too
+        sampled = trained & torch.isfinite(sampler)
+        info.update(
+            sampler_gaps=(sampler - new.detach())[sampled].abs().cpu(),
+            constrained_count=float((trained & (code == CONSTRAINED)).sum()),
+            processed_count=float((trained & (code == PROCESSED)).sum()),
+            untagged_count=float((trained & (code == UNTAGGED)).sum()),
+        )
         out = grpo_loss(
             new,
             old,
@@ -565,7 +606,7 @@ class TrainerEngine:
             weights,
             config=loss_config,
             ref_logprobs=None if micro.ref_logprobs is None else docs(micro.ref_logprobs),
-            inference_logprobs=None if micro.inference_logprobs is None else docs(micro.inference_logprobs),
+            inference_logprobs=inference,
             packed_rows=rows[:, 0],
         )
         value = out.loss * local_denominator / denominator
@@ -585,8 +626,9 @@ class TrainerEngine:
         """Step metrics from every microbatch's diagnostics, summed over DP ranks
         (`kl_policy_ref`: report ART's `loss/kl_policy_ref`, the token mean of new - ref)."""
         keys = ["loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "kl_policy_ref_sum"]
+        keys += ["constrained_count", "processed_count", "untagged_count"]
         local = [sum(float(out.get(key, 0.0)) for out in outputs) for key in keys]
-        loss_sum, entropy_sum, kl_sum, clipped_sum, kl_policy_ref_sum = self._dp_sum(local)
+        loss_sum, entropy_sum, kl_sum, clipped_sum, kl_policy_ref_sum, *counts = self._dp_sum(local)
         count = max(tokens, 1.0)
         metrics = {"loss/policy" if loss == "grpo" else "loss/sft": loss_sum}
         if self.compute_entropy:
@@ -605,6 +647,12 @@ class TrainerEngine:
             )
             if kl_policy_ref:
                 metrics["loss/kl_policy_ref"] = kl_policy_ref_sum / count
+            gaps = self._dp_gather(torch.cat([out["sampler_gaps"] for out in outputs]))
+            if gaps.numel():
+                metrics[GAP_MEAN] = float(gaps.double().mean())
+                metrics[GAP_P95] = float(torch.quantile(gaps.double(), 0.95))
+            for name, value in zip((CONSTRAINED_FRACTION, PROCESSED_FRACTION, UNTAGGED_FRACTION), counts):
+                metrics[name] = value / count
         return metrics
 
     # ------------------------------------------------------------------ adapters and state

@@ -12,11 +12,164 @@ Needed positions: a loss reads the logprobs (and entropies) of its trained token
 predict those tokens (position t - 1 for token t of the same document; this CP rank's share),
 and `token_logprobs` / `token_entropy` with the same `needed` compute the vocabulary terms
 there and return whole rows [B, S] holding 0.0 at every other token, as today's masked tokens.
+
+The sampled distribution (`SamplingRows`, the behaviour-policy rule of `trainer.behaviour`): a
+token sampled at temperature T with top_k / top_p / min_p has the logprob of the distribution
+vLLM 0.32 drew it from (`v1/sample/sampler.py`, `ops/topk_topp_sampler.py`): the logits divided
+by T, then min_p (vLLM's `MinPLogitsProcessor`: tokens whose probability is below min_p times the
+largest are dropped), then top_k (the k largest kept), then top_p (the smallest set of largest
+logits whose probability reaches p, computed after top_k; the largest is always kept), the kept
+set renormalised by the softmax. As verl does, the temperature applies in every logprob pass
+(old-policy and reference recomputation, and the update). The kept set of every truncated
+position is {v : l_v / T >= tau} for one threshold tau per position (`_kept_threshold`; vLLM
+masks by sorted position, so only exact ties at the boundary can differ): the cross entropy then
+only compares each logit with its position's tau. Finding tau needs each truncated position's
+whole vocabulary row: `TRUNCATION_CHUNK` positions at a time are gathered over the TP group and
+sorted (no gradient), float32 [C, V] values plus int64 [C, V] sort indices, so the extra working
+set is about 16 * C * V bytes (C = 128, V = 152k: ~0.3 GB) and the cost O(K V log V) for K
+truncated positions; a temperature alone costs one division of the logits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
+
+from art_mega.trainer.behaviour import GREEDY_TEMPERATURE
+
+TRUNCATION_CHUNK = 128
+"""Positions whose whole vocabulary rows are sorted at once to find their kept sets."""
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """What each token was sampled with, per token of whole rows (each [B, S]): `temperature`
+    float32, `top_k` int (0: off), `top_p` float32 (1: off), `min_p` float32 (0: off); a token
+    that was not sampled holds T=1 and no truncation (`batch.SAMPLING_FIELDS`)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> SamplingRows | None:
+        """The rows' sampling from a batch's tensors (`TrainBatch.to_torch`), None where every
+        token is T=1 without truncation (the raw logits' distribution: nothing to do)."""
+        if "temperature" not in tensors:
+            return None
+        rows = cls(tensors["temperature"], tensors["top_k"], tensors["top_p"], tensors["min_p"])
+        if bool((rows.temperature == 1.0).all()) and not rows.truncates():
+            return None
+        return rows
+
+    def truncates(self) -> bool:
+        """Whether any token was sampled with top_k, top_p or min_p."""
+        return bool((self.top_k > 0).any() or (self.top_p < 1.0).any() or (self.min_p > 0.0).any())
+
+    def at_positions(self, keep: torch.Tensor | None) -> SamplingRows:
+        """Per position instead of per token (position t predicts token t + 1, the last position
+        predicts nothing: T=1), for this CP rank's positions (`_for_this_cp_rank`), and with
+        `keep` (bool [B, P]) only the kept ones, [1, K] each."""
+
+        def move(values: torch.Tensor, fill: float) -> torch.Tensor:
+            out = torch.full_like(values, fill)
+            out[:, :-1] = values[:, 1:]
+            out = _for_this_cp_rank(out)
+            return out if keep is None else out[keep][None]
+
+        return SamplingRows(
+            move(self.temperature, 1.0), move(self.top_k, 0), move(self.top_p, 1.0), move(self.min_p, 0.0)
+        )
+
+
+def _temperature(sampling: SamplingRows) -> torch.Tensor:
+    """Per-position temperatures [B, P, 1] (float32), greedy ones (T < `GREEDY_TEMPERATURE`, as
+    vLLM's sampler treats them, also CP padding) taken as 1."""
+    t = sampling.temperature.float()
+    return torch.where(t < GREEDY_TEMPERATURE, torch.ones_like(t), t)[..., None]
+
+
+@torch.no_grad()
+def _kept_threshold(
+    logits: torch.Tensor, targets: torch.Tensor, sampling: SamplingRows
+) -> torch.Tensor | None:
+    """tau float32 [B, P]: position p's kept set is {v : logits[p, v] / T_p >= tau[p]} (-inf where
+    nothing is truncated), None when no position is truncated.
+
+    `logits` [B, P, V_padded / tp] this TP rank's columns (padded ones already at the dtype's
+    minimum); `targets` int64 [B, P], the sampled token of each position, is always kept (tau is
+    lowered to its logit: a token sampled outside the trainer's kept set, by a rounding at the
+    boundary, keeps a finite logprob). Collective over the TP group. vLLM 0.32's order: min_p
+    on the softmax of l / T, then top_k, then top_p on the softmax of what top_k kept.
+    """
+    top_p = torch.where(sampling.top_p > 0.0, sampling.top_p, torch.ones_like(sampling.top_p))  # CP padding: 0
+    truncated = (sampling.top_k > 0) | (top_p < 1.0) | (sampling.min_p > 0.0)
+    if not bool(truncated.any()):
+        return None
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_tensor_model_parallel_group()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    flat = logits.reshape(-1, logits.shape[-1])
+    temperature = _temperature(sampling).reshape(-1, 1)
+    tau = torch.full((flat.shape[0],), float("-inf"), dtype=torch.float32, device=logits.device)
+    rows = truncated.reshape(-1).nonzero().flatten()
+    for first in range(0, rows.numel(), TRUNCATION_CHUNK):
+        chunk = rows[first : first + TRUNCATION_CHUNK]
+        local = flat[chunk].float()
+        if tp > 1:
+            pieces = [torch.empty_like(local) for _ in range(tp)]
+            torch.distributed.all_gather(pieces, local.contiguous(), group=group)
+            local = torch.cat(pieces, dim=-1)
+        values = local / temperature[chunk]
+        tau[chunk] = _row_threshold(
+            values,
+            targets.reshape(-1)[chunk],
+            sampling.top_k.reshape(-1)[chunk],
+            top_p.reshape(-1)[chunk].float(),
+            sampling.min_p.reshape(-1)[chunk].float(),
+        )
+    return tau.reshape(logits.shape[:-1])
+
+
+def _row_threshold(
+    values: torch.Tensor, targets: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """tau [C] of whole rows `values` float32 [C, V] (logits / T), as `_kept_threshold`."""
+    x = values.clone()
+    if bool((min_p > 0).any()):  # vLLM's MinPLogitsProcessor.apply
+        probs = x.softmax(dim=-1)
+        x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None], float("-inf"))
+    ordered = x.sort(dim=-1).values  # ascending, as apply_top_k_top_p_pytorch
+    vocab = ordered.shape[1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k.long(), torch.full_like(top_k.long(), vocab))
+    kth = ordered.gather(1, (vocab - k)[:, None])
+    masked = (ordered < kth) | (ordered == float("-inf"))
+    ordered = ordered.masked_fill(masked, float("-inf"))
+    if bool((top_p < 1.0).any()):
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        cut = cumulative <= (1.0 - top_p)[:, None]
+        cut[:, -1] = False  # at least one
+        masked |= cut
+    first = masked.sum(dim=-1).clamp(max=vocab - 1)  # the kept set is a suffix of the sorted row
+    tau = ordered.gather(1, first[:, None]).squeeze(1)
+    own = values.gather(1, targets.long()[:, None]).squeeze(1)
+    return torch.minimum(tau, own)
+
+
+def _sampled_logits(logits: torch.Tensor, sampling: SamplingRows, tau: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits of the distribution the tokens were sampled from: `logits` [B, P, V/tp] /
+    T, those below their position's `tau` [B, P] (`_kept_threshold`) at float32's minimum (out
+    of the softmax); differentiable in the kept logits. A new tensor: `logits` is not modified."""
+    # padded vocabulary columns (the dtype's minimum) may overflow to -inf at T < 1: out of the
+    # softmax all the same (exp gives 0, and so does their gradient)
+    x = logits.float() / _temperature(sampling)
+    if tau is None:
+        return x
+    return x.masked_fill(x < tau[..., None], torch.finfo(torch.float32).min)
 
 
 def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -80,6 +233,7 @@ def token_logprobs(
     segment_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
     needed: torch.Tensor | None = None,
+    sampling: SamplingRows | None = None,
 ) -> torch.Tensor:
     """log p(input_ids[t] | tokens < t of its document), float32 [B, S], differentiable.
 
@@ -101,6 +255,9 @@ def token_logprobs(
         needed: None (every position) or bool [B, S], the tokens whose logprob is read, as given
             to `forward_logits`: `logits` are then its [1, K, V_padded / tp] (K positions of this
             rank) and every other token holds 0.0.
+        sampling: None (the raw logits' distribution, T=1) or what each token was sampled with:
+            its logprob is then that of the distribution it was drawn from (temperature and
+            truncation, see the module docstring), per token of the rows.
 
     Position 0, the first token of every document and padding tokens hold 0.0: mask them out.
     Call on every rank of the TP group (it all-reduces over it). With CP > 1, `logits` are
@@ -121,12 +278,21 @@ def token_logprobs(
         keep = _kept_positions(needed, segment_ids)
         targets = targets[keep][None]
         _check_positions(logits, targets.shape[1], "needed positions of this rank")
+    positions = None if sampling is None else sampling.at_positions(keep)
+    tau = None if positions is None else _kept_threshold(logits.detach(), targets, positions)
     if chunk_size is None:
+        if positions is not None:
+            logits = _sampled_logits(logits, positions, tau)
         nll = vocab_parallel_cross_entropy(logits, targets)
     else:
         nll = torch.cat(
             [
-                _chunk_nll(logits[:, start : start + chunk_size], targets[:, start : start + chunk_size])
+                _chunk_nll(
+                    logits[:, start : start + chunk_size],
+                    targets[:, start : start + chunk_size],
+                    None if positions is None else _slice(positions, start, chunk_size),
+                    None if tau is None else tau[:, start : start + chunk_size],
+                )
                 for start in range(0, logits.shape[1], chunk_size)
             ],
             dim=1,
@@ -143,8 +309,24 @@ def _check_positions(logits: torch.Tensor, expected: int, what: str) -> None:
         )
 
 
-def _chunk_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """-log p of `targets` [B, C] under a slice of logits [B, C, V_padded / tp], float32 [B, C].
+def _slice(sampling: SamplingRows, start: int, size: int) -> SamplingRows:
+    """Positions [start, start + size) of per-position `sampling` ([B, P] each)."""
+    return SamplingRows(
+        *(
+            values[:, start : start + size]
+            for values in (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        )
+    )
+
+
+def _chunk_nll(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    sampling: SamplingRows | None = None,
+    tau: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """-log p of `targets` [B, C] under a slice of logits [B, C, V_padded / tp], float32 [B, C]
+    (with `sampling`, per position [B, C], and its `tau`: of the sampled distribution).
 
     Megatron's kernel upcasts and works in place, so it gets its own float32 copy of the slice
     (the caller's logits stay intact for the other chunks and for a recomputation). With a
@@ -154,6 +336,8 @@ def _chunk_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     def nll(chunk: torch.Tensor) -> torch.Tensor:
+        if sampling is not None:
+            return vocab_parallel_cross_entropy(_sampled_logits(chunk, sampling, tau), targets)
         return vocab_parallel_cross_entropy(chunk.to(torch.float32, copy=True), targets)
 
     if not (torch.is_grad_enabled() and logits.requires_grad):

@@ -53,6 +53,7 @@ from typing import Any, Literal
 from art_mega.errors import TokenizationError
 from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document
+from art_mega.trainer.behaviour import SFT_SAMPLING, TokenSampling, choice_sampling
 from art_mega.trajectories import Trajectory, TrajectoryGroup
 
 UNKNOWN_LOGPROB = float("nan")
@@ -73,17 +74,27 @@ class TokenizedSequence:
 
     The three lists have one entry per token; `old_logprobs[t]` is the logprob token t was
     sampled with: 0.0 on prompt tokens and on plain assistant messages trained for SFT,
-    `UNKNOWN_LOGPROB` (NaN) on plain assistant messages trained in GRPO.
+    `UNKNOWN_LOGPROB` (NaN) on plain assistant messages trained in GRPO. `sampling[t]` is what
+    token t was sampled with (`trainer.behaviour.choice_sampling` of its Choice; `SFT_SAMPLING`
+    where it was not sampled).
     """
 
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[float] = field(default_factory=list)
     old_logprobs: list[float] = field(default_factory=list)
+    sampling: list[TokenSampling] = field(default_factory=list)
 
-    def extend(self, ids: Sequence[int], trained: bool, logprobs: Sequence[float] | None = None) -> None:
+    def extend(
+        self,
+        ids: Sequence[int],
+        trained: bool,
+        logprobs: Sequence[float] | None = None,
+        sampling: TokenSampling = SFT_SAMPLING,
+    ) -> None:
         self.input_ids.extend(int(i) for i in ids)
         self.loss_mask.extend([1.0 if trained else 0.0] * len(ids))
         self.old_logprobs.extend(list(logprobs) if logprobs is not None else [0.0] * len(ids))
+        self.sampling.extend([sampling] * len(ids))
 
     @property
     def trained_tokens(self) -> int:
@@ -582,7 +593,8 @@ def tokenize_history(
         sequence.extend(prompt[len(sequence.input_ids) :], trained=False)
         if sampled:
             ids, logprobs = _choice_tokens(tokenizer, items[turn], where, turn)
-            sequence.extend(ids, trained=True, logprobs=logprobs)
+            sampling = choice_sampling(items[turn], where, turn)
+            sequence.extend(ids, trained=True, logprobs=logprobs, sampling=sampling)
             continue
         full_text = _render(tokenizer, messages[: turn + 1], tools, False, where, turn, template_kwargs)
         if not full_text.startswith(prompt_text):
@@ -704,7 +716,9 @@ def grpo_documents(
             stats.trajectories_used += 1
             for s in sequences:
                 stats.trained_tokens += s.trained_tokens
-                documents.append(Document(s.input_ids, s.loss_mask, s.old_logprobs, advantage, weight))
+                documents.append(
+                    Document(s.input_ids, s.loss_mask, s.old_logprobs, advantage, weight, s.sampling)
+                )
     return documents, stats
 
 
