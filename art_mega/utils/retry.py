@@ -22,30 +22,34 @@ def retry(
     max_attempts: int = 3,
     delay: float = 0.25,
     backoff_factor: float = 2.0,
-    exceptions: tuple[type[BaseException], ...] = (Exception,),
+    exceptions: tuple[type[BaseException], ...] | type[BaseException] = (Exception,),
     on_retry: Callable[[BaseException, int], None] | None = None,
 ) -> Callable[[F], F]:
     """A decorator that calls the function up to `max_attempts` times, as ART's does.
 
-    A call that raises one of `exceptions` is retried after `delay` seconds, the wait growing by
+    A call that raises one of `exceptions` (a tuple of exception classes, or one class: ART's
+    `except exceptions` takes either, and its 2048 notebook passes `exceptions=(requests.ReadTimeout)`,
+    which is the class itself) is retried after `delay` seconds, the wait growing by
     `backoff_factor` after each retry; the last attempt's exception is raised as is. Before each
     retry `on_retry(exception, attempt)` is called (attempt counts from 1), or a warning logged.
     Coroutine functions are awaited and wait with `asyncio.sleep`; others with `time.sleep`.
 
     Raises:
         HyperParameterError: `max_attempts` not a whole number >= 1, `delay` or
-            `backoff_factor` not a finite number >= 0, `exceptions` not a tuple of exception
-            classes, or `on_retry` not callable (when the decorator is made, not when it runs).
+            `backoff_factor` not a finite number >= 0, `exceptions` neither an exception class
+            nor a tuple of them, or `on_retry` not callable (when the decorator is made, not when it runs).
     """
     check("retry", "max_attempts", max_attempts, whole_problem(1), "3")
     check("retry", "delay", delay, nonnegative_problem, "0.25")
     check("retry", "backoff_factor", backoff_factor, nonnegative_problem, "2.0")
+    if isinstance(exceptions, type) and issubclass(exceptions, BaseException):
+        exceptions = (exceptions,)
     if not isinstance(exceptions, tuple) or not all(
         isinstance(e, type) and issubclass(e, BaseException) for e in exceptions
     ):
         raise HyperParameterError(
-            f"retry(exceptions={exceptions!r}) must be a tuple of exception classes, e.g. "
-            "exceptions=(TimeoutError, ValueError)",
+            f"retry(exceptions={exceptions!r}) must be an exception class or a tuple of them, "
+            "e.g. exceptions=(TimeoutError, ValueError)",
             "exceptions",
             exceptions,
         )

@@ -152,6 +152,25 @@ def test_retry_calls_again_with_backoff_and_reraises_the_last_exception():
     assert calls == [ValueError]
 
 
+def test_retry_takes_one_exception_class_as_arts_except_does():
+    # ART's 2048 notebook (art-notebooks examples/2048/2048.ipynb) writes
+    # `@art.retry(exceptions=(requests.ReadTimeout))`: the parentheses make no tuple
+    calls = []
+
+    @art.retry(max_attempts=2, delay=0, exceptions=(TimeoutError))
+    def slow(kind: type[Exception]) -> None:
+        calls.append(kind)
+        raise kind("no")
+
+    with pytest.raises(TimeoutError):
+        slow(TimeoutError)
+    assert calls == [TimeoutError, TimeoutError]
+    calls.clear()
+    with pytest.raises(KeyError):  # not the class given: raised at once
+        slow(KeyError)
+    assert calls == [KeyError]
+
+
 def test_retry_logs_a_warning_without_on_retry(caplog):
     attempts = []
 
@@ -174,7 +193,8 @@ def test_retry_logs_a_warning_without_on_retry(caplog):
         ({"max_attempts": 2.5}, "retry(max_attempts=2.5)"),
         ({"delay": -1}, "retry(delay=-1)"),
         ({"backoff_factor": float("nan")}, "retry(backoff_factor=nan)"),
-        ({"exceptions": ValueError}, "tuple of exception classes"),
+        ({"exceptions": "ValueError"}, "an exception class or a tuple of them"),
+        ({"exceptions": (ValueError, "KeyError")}, "an exception class or a tuple of them"),
         ({"on_retry": "print"}, "retry(on_retry='print')"),
     ],
 )
