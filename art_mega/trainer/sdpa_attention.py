@@ -17,10 +17,10 @@ mask type (Megatron's `forward_torch_softmax`), no mask and a causal mask type m
 Sliding windows: a layer that megatron-core's `is_layer_window_attention` marks (config
 `window_size` = (left, 0) with `window_attn_skip_freq`) lets query i see keys i - left .. i,
 i.e. the last left + 1 tokens (HF `sliding_window` = left + 1, `masking_utils.sliding_window_overlay`:
-kv_idx > q_idx - sliding_window). Unlike Megatron's local attention, which drops the window when
-an explicit mask is passed (`fusions/fused_softmax.py` forward_torch_softmax), the window is
-combined with a packed-row mask: documents are contiguous in a row, so distance in the row is
-distance in the document.
+kv_idx > q_idx - sliding_window). Unlike Megatron's local attention, whose window mask replaces an
+explicit mask (`fusions/fused_softmax.py` forward_torch_softmax), the window is combined with a
+packed-row mask: documents are contiguous in a row, so distance in the row is distance in the
+document.
 """
 
 from __future__ import annotations
