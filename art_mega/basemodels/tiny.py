@@ -164,12 +164,13 @@ def _hf_config(arch: TinyArch, spec: dict):
     return Qwen3Config(head_dim=spec["head_dim"], **qwen_window, **common)
 
 
-def _fill_weights(model, seed: int, hidden_size: int) -> None:
+def _fill_weights(model, seed: int, hidden_size: int, norm_offset: float = 1.0) -> None:
     """Overwrite every parameter with seeded values scaled so that mistakes show in the logits.
 
-    Linear weights ~ N(0, 1/fan_in); biases ~ N(0, 0.1^2); norm weights 1 + N(0, 0.1^2) (not
-    all ones, so swapped norms change the output); embedding and LM head ~ N(0, (1.5/sqrt(h))^2)
-    so logits have a standard deviation near 1.5. Parameters are filled in sorted name order.
+    Linear weights ~ N(0, 1/fan_in); biases ~ N(0, 0.1^2); norm weights norm_offset + N(0, 0.1^2)
+    (not all equal, so swapped norms change the output; `norm_offset` 0 for Gemma, whose norms
+    scale by 1 + weight); embedding and LM head ~ N(0, (1.5/sqrt(h))^2) so logits have a
+    standard deviation near 1.5. Parameters are filled in sorted name order.
     """
     import torch
 
@@ -180,7 +181,7 @@ def _fill_weights(model, seed: int, hidden_size: int) -> None:
             param = params[name]
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
+                param.copy_(norm_offset + 0.1 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * noise)
             elif "embed_tokens" in name or "lm_head" in name:
@@ -290,7 +291,7 @@ def _write_model(directory: Path, spec: dict) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _fill_weights(model, spec["seed"], spec["hidden_size"])
+    _fill_weights(model, spec["seed"], spec["hidden_size"], 0.0 if spec["arch"] == "gemma3_text" else 1.0)
     model.generation_config.do_sample = True
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
