@@ -1,4 +1,5 @@
-"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3, Mistral) built from a config, for tests.
+"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3, Mistral, Gemma 3 text) built from a
+config, for tests.
 
 Weights are seeded random numbers and the tokenizer is trained here on a built-in corpus, so a
 build needs no network and gives the same bytes every time on the same library versions.
@@ -17,7 +18,7 @@ from typing import Literal
 
 from art_mega.errors import UserError
 
-TinyArch = Literal["llama", "qwen2", "qwen3", "mistral"]
+TinyArch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text"]
 
 FORMAT_VERSION = 1
 """Bumped whenever the builder's output changes for the same arguments."""
@@ -44,7 +45,20 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+
+GEMMA3_TINY = {
+    "sliding_window_pattern": 2,
+    "query_pre_attn_scalar": 24,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+"""The tiny Gemma 3's features besides the sizes: local (even) / global (odd) layers, a query
+scale 24^-0.5 that is not head_dim^-0.5, and different RoPE on global (base 1e5, linear factor 2)
+and local (base 1e4) layers, so a mix-up shows in the logits."""
 
 _WORDS = (
     "the a an one two three four five six seven eight nine ten zero plus minus times what is "
@@ -105,7 +119,7 @@ def _train_tokenizer(vocab_size: int, seed: int):
 
 def _hf_config(arch: TinyArch, spec: dict):
     """The transformers config object for `arch` built from the normalised build arguments."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=spec["vocab_size"],
@@ -124,23 +138,39 @@ def _hf_config(arch: TinyArch, spec: dict):
         architectures=[_ARCHITECTURES[arch]],
         dtype="float32",
     )
+    window = spec.get("sliding_window")
+    qwen_window = {} if window is None else {"use_sliding_window": True, "sliding_window": window}
+    if "max_window_layers" in spec:
+        qwen_window["max_window_layers"] = spec["max_window_layers"]
     if arch == "llama":
         return LlamaConfig(head_dim=spec["head_dim"], **common)
     if arch == "qwen2":
         # Qwen2's config has no head_dim: the builder keeps hidden = heads * head_dim.
-        return Qwen2Config(**common)
+        return Qwen2Config(**qwen_window, **common)
     if arch == "mistral":
-        # Full attention, as Mistral-7B-v0.2 and later (a window below the length is refused).
-        return MistralConfig(head_dim=spec["head_dim"], sliding_window=None, **common)
-    return Qwen3Config(head_dim=spec["head_dim"], **common)
+        # Full attention unless a window is given (Mistral-7B-v0.2 and later have none).
+        return MistralConfig(head_dim=spec["head_dim"], sliding_window=window, **common)
+    if arch == "gemma3_text":
+        common.pop("rope_parameters")
+        common["rope_parameters"] = GEMMA3_TINY["rope_parameters"]
+        return Gemma3TextConfig(
+            head_dim=spec["head_dim"],
+            sliding_window=window or 6,
+            sliding_window_pattern=GEMMA3_TINY["sliding_window_pattern"],
+            query_pre_attn_scalar=GEMMA3_TINY["query_pre_attn_scalar"],
+            hidden_activation="gelu_pytorch_tanh",
+            **common,
+        )
+    return Qwen3Config(head_dim=spec["head_dim"], **qwen_window, **common)
 
 
-def _fill_weights(model, seed: int, hidden_size: int) -> None:
+def _fill_weights(model, seed: int, hidden_size: int, norm_offset: float = 1.0) -> None:
     """Overwrite every parameter with seeded values scaled so that mistakes show in the logits.
 
-    Linear weights ~ N(0, 1/fan_in); biases ~ N(0, 0.1^2); norm weights 1 + N(0, 0.1^2) (not
-    all ones, so swapped norms change the output); embedding and LM head ~ N(0, (1.5/sqrt(h))^2)
-    so logits have a standard deviation near 1.5. Parameters are filled in sorted name order.
+    Linear weights ~ N(0, 1/fan_in); biases ~ N(0, 0.1^2); norm weights norm_offset + N(0, 0.1^2)
+    (not all equal, so swapped norms change the output; `norm_offset` 0 for Gemma, whose norms
+    scale by 1 + weight); embedding and LM head ~ N(0, (1.5/sqrt(h))^2) so logits have a
+    standard deviation near 1.5. Parameters are filled in sorted name order.
     """
     import torch
 
@@ -151,7 +181,7 @@ def _fill_weights(model, seed: int, hidden_size: int) -> None:
             param = params[name]
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
+                param.copy_(norm_offset + 0.1 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * noise)
             elif "embed_tokens" in name or "lm_head" in name:
@@ -173,14 +203,20 @@ def tiny_spec(
     head_dim: int = 32,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool | None = None,
+    sliding_window: int | None = None,
+    max_window_layers: int | None = None,
 ) -> dict:
     """The normalised build arguments of `build_tiny_model` (a JSON-able dict).
 
     Defaults: hidden_size = 64 where the config carries head_dim (llama, qwen3, mistral), else
     num_heads * head_dim (qwen2, whose attention derives head_dim from hidden_size);
-    tie_word_embeddings = False for llama and mistral, True for qwen2/qwen3 (as their models do).
-    Raises `UserError` for an unknown arch, num_heads not divisible by num_kv_heads, or a
-    qwen2 hidden_size other than num_heads * head_dim.
+    tie_word_embeddings = False for llama and mistral, True for qwen2/qwen3/gemma3_text (as their
+    models do). `sliding_window` (tokens): Mistral's window on every layer, Qwen2/Qwen3's
+    `use_sliding_window` on the layers from `max_window_layers` on, Gemma 3's local layers
+    (default 6 there; `GEMMA3_TINY` has its other features). The two keys are in the dict only
+    when set, so the other models' build hashes stay as they were.
+    Raises `UserError` for an unknown arch, num_heads not divisible by num_kv_heads, a
+    qwen2 hidden_size other than num_heads * head_dim, or a window on an arch without one.
     """
     if arch not in _ARCHITECTURES:
         raise UserError(f"arch={arch!r} is not a tiny model family; use one of {', '.join(_ARCHITECTURES)}.")
@@ -195,7 +231,15 @@ def tiny_spec(
         )
     if tie_word_embeddings is None:
         tie_word_embeddings = arch not in ("llama", "mistral")
+    if arch == "llama" and sliding_window is not None:
+        raise UserError("sliding_window is not a Llama setting; use mistral, qwen2, qwen3 or gemma3_text.")
+    if max_window_layers is not None and arch not in ("qwen2", "qwen3"):
+        raise UserError("max_window_layers is a Qwen2/Qwen3 setting; use arch qwen2 or qwen3.")
+    windows = {} if sliding_window is None else {"sliding_window": sliding_window}
+    if max_window_layers is not None:
+        windows["max_window_layers"] = max_window_layers
     return {
+        **windows,
         "format_version": FORMAT_VERSION,
         "arch": arch,
         "seed": seed,
@@ -247,7 +291,7 @@ def _write_model(directory: Path, spec: dict) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _fill_weights(model, spec["seed"], spec["hidden_size"])
+    _fill_weights(model, spec["seed"], spec["hidden_size"], 0.0 if spec["arch"] == "gemma3_text" else 1.0)
     model.generation_config.do_sample = True
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

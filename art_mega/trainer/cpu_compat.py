@@ -171,12 +171,9 @@ def _default_causal_mask(sq: int):
 
 
 def _sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]):
-    import torch
+    from art_mega.trainer.sdpa_attention import sliding_window_causal_mask
 
-    mask = torch.ones(sq, skv, dtype=torch.bool)
-    upper = torch.triu(mask, diagonal=skv - sq - window_size[0])
-    lower = torch.tril(upper, diagonal=skv - sq + window_size[1])
-    return ~lower
+    return sliding_window_causal_mask(sq, skv, window_size)
 
 
 def cpu_causal_masks(log: _UndoLog) -> None:

@@ -205,6 +205,8 @@ def build_megatron_model(
     _norms_in(module, dtype_t)
     if getattr(module, "position_embedding_type", None) == "rope":
         RopeFromPositionIds.install(module)
+    if family.finish_model is not None:
+        family.finish_model(args, module)
     return MegatronModel(
         module=module,
         family=family,
@@ -282,18 +284,27 @@ class RopeFromPositionIds:
         self.position_ids = None
 
     def _angles(self, rope: Any, args: tuple, output: Any) -> Any:
-        import torch
-
         positions = self.position_ids
         if positions is None:
             return output
-        inv_freq = rope.inv_freq
-        seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
-        if rope.seq_len_interpolation_factor is not None:
-            seq = seq * (1 / rope.seq_len_interpolation_factor)
-        freqs = seq.transpose(0, 1)[..., None] * inv_freq  # [s, b, d/2]
-        if rope.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, :, None, :].to(output.dtype)
+        table = rope_table(
+            positions, rope.inv_freq, rope.seq_len_interpolation_factor, rope.rotary_interleaved
+        )
+        return table.to(output.dtype)
+
+
+def rope_table(positions: Any, inv_freq: Any, interpolation_factor: float | None, interleaved: bool) -> Any:
+    """RoPE angles [s, b, 1, d] (inv_freq's dtype) of `positions` [b, s] (int64): position / factor
+    (megatron-core's `seq_len_interpolation_factor`, HF's "linear" RoPE) outer `inv_freq` [d/2],
+    halves concatenated (or interleaved), as megatron-core's `RotaryEmbedding.get_emb`."""
+    import torch
+
+    seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
+    if interpolation_factor is not None:
+        seq = seq * (1 / interpolation_factor)
+    freqs = seq.transpose(0, 1)[..., None] * inv_freq  # [s, b, d/2]
+    if interleaved:
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, :, None, :]

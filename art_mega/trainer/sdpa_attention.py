@@ -13,6 +13,14 @@ its `np / ng` query heads (Megatron's `repeat_interleave` on the head dimension)
 1/sqrt(head dim) unless `softmax_scale` is given (`apply_query_key_layer_scaling` multiplies and
 divides by the layer number in Megatron, a no-op on the result), an explicit mask wins over the
 mask type (Megatron's `forward_torch_softmax`), no mask and a causal mask type mean causal.
+
+Sliding windows: a layer that megatron-core's `is_layer_window_attention` marks (config
+`window_size` = (left, 0) with `window_attn_skip_freq`) lets query i see keys i - left .. i,
+i.e. the last left + 1 tokens (HF `sliding_window` = left + 1, `masking_utils.sliding_window_overlay`:
+kv_idx > q_idx - sliding_window). Unlike Megatron's local attention, whose window mask replaces an
+explicit mask (`fusions/fused_softmax.py` forward_torch_softmax), the window is combined with a
+packed-row mask: documents are contiguous in a row, so distance in the row is distance in the
+document.
 """
 
 from __future__ import annotations
@@ -20,6 +28,17 @@ from __future__ import annotations
 import functools
 import math
 from typing import Any
+
+
+def sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int], device: Any = None):
+    """Bool [sq, skv], True = masked: query i (the last sq of skv positions) sees keys j with
+    i' - window_size[0] <= j <= i' + window_size[1], i' = i + skv - sq (megatron-core's
+    `transformer/utils.py` get_sliding_window_causal_mask, on `device` instead of "cuda")."""
+    import torch
+
+    allowed = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    allowed = torch.triu(allowed, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(allowed, diagonal=skv - sq + window_size[1])
 
 
 @functools.cache
@@ -30,6 +49,7 @@ def sdpa_core_attention() -> type:
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import is_layer_window_attention
     from megatron.core.utils import divide
 
     class SdpaCoreAttention(MegatronModule):
@@ -38,13 +58,14 @@ def sdpa_core_attention() -> type:
         forward(query [s, b, np, hn], key/value [s, b, ng, hn], attention_mask) -> [s, b, np*hn]
         in the inputs' dtype; np and ng are this TP rank's query heads and query groups.
         `attention_mask` bool [b or 1, 1, s, s], True = masked (Megatron's convention,
-        `logprobs.packed_attention_mask`), or None for the layer's mask type (causal). No
-        parameters of its own.
+        `logprobs.packed_attention_mask`), or None for the layer's mask type (causal); a
+        window layer (`self.window`, (left, 0) or None) also masks keys more than left tokens
+        back. No parameters of its own.
 
         Raises:
             ValueError: at construction for what it does not implement (context parallelism,
-                sliding windows, a softmax other than "vanilla"); in forward for an attention
-                bias or packed-sequence (THD) parameters.
+                a window that looks ahead or is unbounded on the left, a softmax other than
+                "vanilla"); in forward for an attention bias or packed-sequence (THD) parameters.
         """
 
         def __init__(
@@ -61,8 +82,16 @@ def sdpa_core_attention() -> type:
             super().__init__(config=config)
             if config.context_parallel_size != 1:
                 raise ValueError("SdpaCoreAttention runs without context parallelism (cp_attention does CP)")
-            if config.window_size is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
-                raise ValueError("SdpaCoreAttention has no sliding window and only the vanilla softmax")
+            if getattr(config, "softmax_type", "vanilla") != "vanilla":
+                raise ValueError("SdpaCoreAttention has only the vanilla softmax")
+            windowed = is_layer_window_attention(
+                config.window_size, config.window_attn_skip_freq, layer_number
+            )
+            self.window = tuple(config.window_size) if windowed else None
+            if self.window is not None and (self.window[1] != 0 or self.window[0] < 0):
+                raise ValueError(
+                    f"SdpaCoreAttention's sliding window is causal, (left >= 0, 0); got {self.window}"
+                )
             tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
             tp = tp_group.size() if tp_group is not None else mpu.get_tensor_model_parallel_world_size()
             self.heads = divide(config.num_attention_heads, tp)
@@ -89,6 +118,9 @@ def sdpa_core_attention() -> type:
                 k = k.repeat_interleave(self.heads // self.groups, dim=1)
                 v = v.repeat_interleave(self.heads // self.groups, dim=1)
             mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+            if self.window is not None:
+                band = sliding_window_causal_mask(q.shape[2], k.shape[2], self.window, q.device)
+                attention_mask = band if attention_mask is None else attention_mask | band
             out = torch.nn.functional.scaled_dot_product_attention(
                 q,
                 k,

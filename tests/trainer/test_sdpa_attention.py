@@ -75,8 +75,8 @@ def test_refuses_what_it_does_not_implement(megatron_world):
 
     config = _config(4, 2, 8)
     windowed = copy.copy(config)
-    windowed.window_size = (4, 0)
-    with pytest.raises(ValueError, match="sliding window"):
+    windowed.window_size = (4, 2)
+    with pytest.raises(ValueError, match="sliding window is causal"):
         sdpa_core_attention()(windowed, 1, AttnMaskType.causal, "self")
     sdpa = sdpa_core_attention()(config, 1, AttnMaskType.causal, "self")
     q = torch.zeros(3, 1, 4, 8)

@@ -44,6 +44,9 @@ class DenseArgs:
     newer Llama configs give it; otherwise hidden_size / num_heads). `rope_scaling_factor` is
     the Llama 3 factor or None. `qkv_bias`: q/k/v projections have biases (Qwen2).
     `qk_norm`: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
+    `sliding_window`: HF's window in tokens (a query sees itself and the sliding_window - 1
+    tokens before it) on the layers whose `window_layers` entry is True (one per layer), or
+    None (every layer attends to the whole causal prefix, `window_layers` empty).
     """
 
     model_type: str
@@ -61,14 +64,19 @@ class DenseArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> DenseArgs:
         """Parse an HF config dict; raises `UserError` for a feature Megatron's dense GPT lacks.
 
         Refused: an activation other than SiLU, MLP biases, an output-projection bias
-        (`attention_bias` on Llama/Qwen3 also biases o_proj), sliding-window attention, and
-        RoPE scaling other than none or Llama 3's.
+        (`attention_bias` on Llama/Qwen3 also biases o_proj), `use_sliding_window` on Llama
+        (whose HF model has no window), and RoPE scaling other than none or Llama 3's.
+        Qwen2/Qwen3 `use_sliding_window`: `sliding_window` on the layers `layer_types` names
+        "sliding_attention", or without `layer_types` on layers i >= `max_window_layers`
+        (transformers' Qwen2Config / Qwen3Config rule).
         """
         model_type = config.get("model_type")
         if model_type not in MODEL_TYPES:
@@ -82,8 +90,14 @@ class DenseArgs:
             raise UserError("mlp_bias=true is not supported by the Megatron dense model.")
         if model_type != "qwen2" and config.get("attention_bias"):
             raise UserError(f"attention_bias=true on {model_type} biases o_proj, which is not supported.")
-        if config.get("use_sliding_window"):
-            raise UserError("use_sliding_window=true is not supported; use a checkpoint with full attention.")
+        if model_type == "llama" and config.get("use_sliding_window"):
+            raise UserError(
+                "use_sliding_window=true is not a Llama setting; use the model's own config.json."
+            )
+        num_layers = int(config["num_hidden_layers"])
+        window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        max_window_layers = int(config.get("max_window_layers", 28))
+        layers = sliding_layers(config, window, num_layers, lambda i: i >= max_window_layers)
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") if model_type != "qwen2" else None
@@ -92,7 +106,7 @@ class DenseArgs:
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             ffn_hidden_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_query_groups=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim or hidden // num_heads),
@@ -103,7 +117,61 @@ class DenseArgs:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if any(layers) else None,
+            window_layers=layers if any(layers) else (),
         )
+
+
+_LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+"""HF `layer_types` entries: does the layer attend within the sliding window?"""
+
+
+def sliding_layers(
+    config: dict[str, Any], window: Any, num_layers: int, default: Callable[[int], bool]
+) -> tuple[bool, ...]:
+    """Per layer, whether it attends within `window` (HF `sliding_window`, tokens): all False
+    when `window` is None; else the config's `layer_types`, or `default(i)` for layer i (0-based)
+    where the config has none.
+
+    Raises:
+        UserError: a window below 1, or `layer_types` of the wrong length or with another entry.
+    """
+    if window is None:
+        return (False,) * num_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UserError(
+            f"sliding_window={window!r} is not a whole number of tokens >= 1; use the model's own config.json."
+        )
+    types = config.get("layer_types")
+    if types is None:
+        return tuple(bool(default(i)) for i in range(num_layers))
+    if len(types) != num_layers or any(kind not in _LAYER_TYPES for kind in types):
+        raise UserError(
+            f"layer_types={types!r} must name {num_layers} layers, each one of {', '.join(_LAYER_TYPES)}; "
+            "use the model's own config.json."
+        )
+    return tuple(_LAYER_TYPES[kind] for kind in types)
+
+
+def window_config(args: DenseArgs) -> dict[str, Any]:
+    """megatron-core `TransformerConfig` fields of `args`' sliding window: `window_size` (left, 0)
+    with left = sliding_window - 1 (HF's window counts the query itself) and
+    `window_attn_skip_freq` one entry per layer (1 = windowed, `transformer/utils.py`
+    is_layer_window_attention); empty without a window.
+
+    Raises:
+        UserError: a window under context parallelism (`cp_attention` has no window).
+    """
+    if args.sliding_window is None:
+        return {}
+    if _context_parallel_size() > 1:
+        raise UserError(
+            f"sliding_window={args.sliding_window} is not implemented under context parallelism; use cp=1."
+        )
+    return {
+        "window_size": (args.sliding_window - 1, 0),
+        "window_attn_skip_freq": [int(layer) for layer in args.window_layers],
+    }
 
 
 def model_args(config: dict[str, Any]) -> DenseArgs:
@@ -179,7 +247,8 @@ def transformer_config(
     `dtype`: "float32" or "bfloat16" (parameters and compute). On "cpu" the parameters are
     allocated on the CPU (`use_cpu_initialization`); Megatron's random init is skipped because
     the HF weights are loaded over it. Dropout is 0 (RL fine-tuning), biases only on q/k/v
-    (`add_qkv_bias`, Qwen2), SwiGLU MLP (`gated_linear_unit` with SiLU), RMSNorm.
+    (`add_qkv_bias`, Qwen2), SwiGLU MLP (`gated_linear_unit` with SiLU), RMSNorm; a sliding
+    window as `window_config` (`UserError` with context parallelism).
     """
     import torch
     import torch.nn.functional as F
@@ -208,6 +277,7 @@ def transformer_config(
         bf16=dtype == "bfloat16",
         use_cpu_initialization=device == "cpu",
         perform_initialization=False,
+        **window_config(args),
     )
 
 

@@ -3,8 +3,7 @@ LoRA names, with Mistral's config reading (`SPEC`).
 
 A Mistral decoder is a Llama decoder (RMSNorm, GQA attention without biases, RoPE over the whole
 head, SwiGLU MLP without biases; HF `modeling_mistral.py`) whose attention may be limited to a
-sliding window of the last `sliding_window` tokens. Megatron's attention here attends to the whole
-causal prefix, so a window that could take effect is refused rather than trained wrongly.
+sliding window of the last `sliding_window` tokens on every layer (Mistral-7B-v0.1: 4096).
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ def model_args(config: dict[str, Any]) -> llama.DenseArgs:
     """Parse an HF Mistral config dict into the Llama family's `DenseArgs` (model_type "mistral").
 
     Accepted: `head_dim` (Mistral NeMo's differs from hidden_size / heads), tied or untied
-    embeddings, default or Llama 3 RoPE. Refused besides the Llama family's refusals (activation,
-    RoPE type): a `sliding_window` smaller than `max_position_embeddings`, the only case where the
-    window changes attention (a sequence longer than the window); null or a window at least the
-    model's length is full causal attention.
+    embeddings, default or Llama 3 RoPE, `sliding_window` (null: full causal attention; else the
+    window on every layer, as HF's Mistral masks every layer with it). Refused: the Llama
+    family's refusals (activation, RoPE type).
 
     Raises:
         UserError: one sentence naming the field, its value and the fix.
@@ -44,17 +42,17 @@ def model_args(config: dict[str, Any]) -> llama.DenseArgs:
         raise UserError(f"model_type={model_type!r} is not a Mistral model ({', '.join(MODEL_TYPES)}).")
     max_positions = int(config.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS)
     window = config.get("sliding_window")
-    if window is not None and int(window) < max_positions:
-        raise UserError(
-            f"sliding_window={window} is smaller than max_position_embeddings={max_positions}, so it would "
-            f"limit attention in sequences longer than {window} tokens, which the Megatron trainer does not "
-            "implement; use a checkpoint with sliding_window null (Mistral-7B-v0.2 and later)."
-        )
     read = {key: value for key, value in config.items() if key not in _LLAMA_ONLY}
     dense = llama.DenseArgs.from_hf_config(
         {**read, "model_type": "llama", "max_position_embeddings": max_positions}
     )
-    return dataclasses.replace(dense, model_type=model_type)
+    layers = llama.sliding_layers({}, window, dense.num_layers, lambda i: True)
+    return dataclasses.replace(
+        dense,
+        model_type=model_type,
+        sliding_window=None if window is None else int(window),
+        window_layers=layers if window is not None else (),
+    )
 
 
 SPEC: FamilySpec[llama.DenseArgs] = dataclasses.replace(

@@ -229,6 +229,9 @@ class FamilySpec(Generic[ArgsT]):
     (local-spec names) from HF tensors read by `read(name)` (`KeyError` when absent);
     `te_name_map` local-spec -> TransformerEngine-spec parameter name suffixes (TE fuses a norm
     into the next linear); `lora` the LoRA <-> PEFT names both ways.
+
+    `finish_model(args, module)`, where set, is called on the built GPTModel after its weights
+    are loaded, for what a layer spec cannot express (forward hooks, e.g. Gemma's embedding scale).
     """
 
     name: str
@@ -243,3 +246,4 @@ class FamilySpec(Generic[ArgsT]):
     megatron_state_dict: Callable[[ArgsT, Callable[[str], Tensor], ParallelLayout], dict[str, Tensor]]
     te_name_map: Mapping[str, str]
     lora: LoraNames = field(repr=False)
+    finish_model: Callable[[ArgsT, Any], None] | None = None

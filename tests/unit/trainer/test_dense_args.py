@@ -56,7 +56,7 @@ def test_llama3_rope_scaling() -> None:
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"mlp_bias": True}, "mlp_bias=true is not supported"),
         ({"attention_bias": True}, "attention_bias=true on llama biases o_proj"),
-        ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+        ({"use_sliding_window": True}, "use_sliding_window=true is not a Llama setting"),
         ({"model_type": "gpt2"}, "model_type='gpt2' is not a Llama-family model"),
     ],
 )

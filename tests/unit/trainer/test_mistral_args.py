@@ -13,6 +13,7 @@ from art_mega.trainer.families import (
     LORA_NAMES,
     _by_model_type,
     family_for,
+    gemma3,
     llama,
     mistral,
     qwen3_moe,
@@ -59,21 +60,11 @@ def test_mistral_nemo_head_dim_is_its_own() -> None:
     assert (args.hidden_size, args.num_heads, args.head_dim) == (5120, 32, 128)
 
 
-def test_a_window_that_bites_is_refused_in_one_sentence() -> None:
-    v01 = {**MISTRAL_7B_V03, "sliding_window": 4096}
-    with pytest.raises(UserError) as caught:
-        mistral.model_args(v01)
-    assert str(caught.value) == (
-        "sliding_window=4096 is smaller than max_position_embeddings=32768, so it would limit attention "
-        "in sequences longer than 4096 tokens, which the Megatron trainer does not implement; use a "
-        "checkpoint with sliding_window null (Mistral-7B-v0.2 and later)."
-    )
-
-
-def test_a_window_as_long_as_the_model_is_full_attention() -> None:
-    assert mistral.model_args({**MISTRAL_7B_V03, "sliding_window": 32768}) == mistral.model_args(
-        MISTRAL_7B_V03
-    )
+def test_mistral_v01_window_is_on_every_layer() -> None:
+    v01 = mistral.model_args({**MISTRAL_7B_V03, "sliding_window": 4096})
+    assert v01.sliding_window == 4096 and v01.window_layers == (True,) * 32
+    assert dataclasses.replace(v01, sliding_window=None, window_layers=()) == mistral.model_args(MISTRAL_7B_V03)
+    assert mistral.model_args(MISTRAL_7B_V03).window_layers == ()
 
 
 def test_llama_only_fields_do_not_apply_to_mistral() -> None:
@@ -120,6 +111,7 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "qwen3": llama.SPEC,
         "qwen3_moe": qwen3_moe.SPEC,
         "mistral": mistral.SPEC,
+        "gemma3_text": gemma3.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")
@@ -156,13 +148,8 @@ def test_a_layout_outside_its_sizes_is_a_bug() -> None:
         ParallelLayout(tp=2, tp_rank=2)
 
 
-def test_register_refuses_the_window_from_config_json_alone(tmp_path) -> None:
+def test_register_accepts_the_window_from_config_json_alone(tmp_path) -> None:
     from art_mega.trainer.model_builder import check_model_fits
 
     (tmp_path / "config.json").write_text(json.dumps({**MISTRAL_7B_V03, "sliding_window": 4096}))
-    with pytest.raises(
-        UserError, match=r"^sliding_window=4096 is smaller than max_position_embeddings=32768"
-    ):
-        check_model_fits(tmp_path, 2)
-    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B_V03))
     check_model_fits(tmp_path, 8)

