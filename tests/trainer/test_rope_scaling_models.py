@@ -1,7 +1,8 @@
-"""YaRN and linear RoPE scaling (`trainer/rope_scaling.py`) on tiny Qwen3 and Llama checkpoints whose
-config.json sets them: Megatron's logits equal transformers' at TP=1 and TP=2 on 24-token rows, past
-the YaRN models' original_max_position_embeddings of 16; 3 GRPO steps train at TP=2 and the exported
-adapter loads in PEFT with the trained Megatron logits.
+"""YaRN and linear RoPE scaling (`trainer/rope_scaling.py`) on tiny Qwen3, Llama and Qwen3-MoE
+checkpoints whose config.json sets them: Megatron's logits equal transformers' at TP=1 (all) and
+TP=2 (the dense YaRN models) on 24-token rows, past the YaRN models' original_max_position_embeddings
+of 16; 3 GRPO steps train at TP=2 and the exported adapter loads in PEFT with the trained Megatron
+logits.
 
 Qwen3: transformers' defaults (beta 32/1, truncated ramp); Llama: GPT-OSS-style betas and
 `truncate: false`. factor 4 gives cos/sin the attention factor 0.1 ln 4 + 1 = 1.139, and interpolates
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from art_mega.basemodels.tiny import build_tiny_model
+from art_mega.basemodels.tiny_moe import build_tiny_moe
 from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
 
 require_trainer_deps()
@@ -31,8 +33,9 @@ ROPES = {
     "qwen3_yarn": ("qwen3", YARN),
     "llama_yarn": ("llama", {**YARN, "beta_fast": 8.0, "beta_slow": 0.5, "truncate": False}),
     "llama_linear": ("llama", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5}),
+    "qwen3_moe_yarn": ("qwen3_moe", YARN),
 }
-"""Test model -> (tiny arch, its rope_parameters)."""
+"""Test model -> (tiny arch, its rope_parameters); the MoE (`basemodels/tiny_moe.py`) at TP=1 only."""
 TP2_MODELS = ("qwen3_yarn", "llama_yarn")
 
 
@@ -44,11 +47,12 @@ def rope_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = {
         arch: build_tiny_model(root / arch, arch, max_position_embeddings=64) for arch in ("qwen3", "llama")
     }
+    dirs["qwen3_moe"] = build_tiny_moe(root / "qwen3_moe")
     for name, (arch, rope) in ROPES.items():
         path = root / name
         shutil.copytree(dirs[arch], path)
         config = json.loads((path / "config.json").read_text())
-        config["rope_parameters"] = rope
+        config.update(rope_parameters=rope, max_position_embeddings=64)
         (path / "config.json").write_text(json.dumps(config, indent=2))
         dirs[name] = path
     return dirs
