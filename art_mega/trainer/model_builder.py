@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_mega.errors import ModelSplitError, UserError
+from art_mega.trainer import rope_scaling
 from art_mega.trainer.families import family_for
 from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
 from art_mega.trainer.hf_checkpoint import SafetensorsReader, read_hf_config
@@ -204,6 +205,10 @@ def build_megatron_model(
         raise RuntimeError(f"HF -> Megatron weights mismatch: missing {missing}, unexpected {unexpected}")
     _norms_in(module, dtype_t)
     if getattr(module, "position_embedding_type", None) == "rope":
+        # linear / YaRN RoPE (a family's args without `rope_scaling` has none)
+        scaling = getattr(args, "rope_scaling", None)
+        if scaling is not None:
+            rope_scaling.install(module, scaling, args.rope_theta)
         RopeFromPositionIds.install(module)
     if family.finish_model is not None:
         family.finish_model(args, module)

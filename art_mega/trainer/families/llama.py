@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
+from art_mega.trainer import rope_scaling as scaled_rope
 from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, pad_rows, shard
 from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
@@ -42,7 +43,9 @@ class DenseArgs:
 
     `num_query_groups` is HF's num_key_value_heads; `head_dim` is the per-head width (Qwen3 and
     newer Llama configs give it; otherwise hidden_size / num_heads). `rope_scaling_factor` is
-    the Llama 3 factor or None. `qkv_bias`: q/k/v projections have biases (Qwen2).
+    the Llama 3 factor or None; `rope_scaling` the linear or YaRN scaling or None
+    (`trainer/rope_scaling.py`, installed into the built model by `model_builder`).
+    `qkv_bias`: q/k/v projections have biases (Qwen2).
     `qk_norm`: RMSNorm over head_dim on queries and keys before RoPE (Qwen3).
     `sliding_window`: HF's window in tokens (a query sees itself and the sliding_window - 1
     tokens before it) on the layers whose `window_layers` entry is True (one per layer), or
@@ -66,6 +69,7 @@ class DenseArgs:
     qk_norm: bool
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] = ()
+    rope_scaling: scaled_rope.RopeScaling | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> DenseArgs:
@@ -73,7 +77,8 @@ class DenseArgs:
 
         Refused: an activation other than SiLU, MLP biases, an output-projection bias
         (`attention_bias` on Llama/Qwen3 also biases o_proj), `use_sliding_window` on Llama
-        (whose HF model has no window), and RoPE scaling other than none or Llama 3's.
+        (whose HF model has no window), and RoPE scaling other than none, linear, Llama 3's or
+        YaRN (dynamic and longrope change with the sequence length).
         Qwen2/Qwen3 `use_sliding_window`: `sliding_window` on the layers `layer_types` names
         "sliding_attention", or without `layer_types` on layers i >= `max_window_layers`
         (transformers' Qwen2Config / Qwen3Config rule).
@@ -101,6 +106,7 @@ class DenseArgs:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         head_dim = config.get("head_dim") if model_type != "qwen2" else None
+        scaling = scaled_rope.read(config)
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
@@ -119,6 +125,7 @@ class DenseArgs:
             qk_norm=model_type == "qwen3",
             sliding_window=int(window) if any(layers) else None,
             window_layers=layers if any(layers) else (),
+            rope_scaling=scaling,
         )
 
 
@@ -179,22 +186,21 @@ def model_args(config: dict[str, Any]) -> DenseArgs:
     return DenseArgs.from_hf_config(config)
 
 
-def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from transformers 5's `rope_parameters` or the older `rope_scaling`."""
-    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-
-
 def _rope_theta(config: dict[str, Any]) -> float:
-    return float(_rope_params(config).get("rope_theta", config.get("rope_theta", 10000.0)))
+    return float(scaled_rope.rope_parameters(config).get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _rope_scaling_factor(config: dict[str, Any]) -> float | None:
-    params = _rope_params(config)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    """The Llama 3 factor (megatron-core's `rope_scaling`), None for default, linear and YaRN RoPE
+    (`rope_scaling.read`); `UserError` naming any other rope_type."""
+    params = scaled_rope.rope_parameters(config)
+    rope_type = scaled_rope.rope_type(config)
+    if rope_type in ("default", *scaled_rope.SCALED_TYPES):
         return None
     if rope_type != "llama3":
-        raise UserError(f"rope_type={rope_type!r} is not supported; use 'default' or 'llama3'.")
+        raise UserError(
+            f"rope_type={rope_type!r} is not supported; use 'default', 'linear', 'llama3' or 'yarn'."
+        )
     for key, expected in _LLAMA3_ROPE_FIXED.items():
         if float(params.get(key, expected)) != expected:
             raise UserError(

@@ -46,8 +46,8 @@ def test_llama3_rope_scaling() -> None:
     assert (args.rope_scaling_factor, args.rope_theta) == (32.0, 5e5)
     with pytest.raises(UserError, match="high_freq_factor=2.0 is not supported"):
         DenseArgs.from_hf_config({**SMOLLM2_135M, "rope_scaling": {**rope, "high_freq_factor": 2.0}})
-    with pytest.raises(UserError, match="rope_type='yarn' is not supported"):
-        DenseArgs.from_hf_config({**SMOLLM2_135M, "rope_parameters": {"rope_type": "yarn"}})
+    with pytest.raises(UserError, match="rope_type='su' is not supported; use 'default', 'linear', 'llama3'"):
+        DenseArgs.from_hf_config({**SMOLLM2_135M, "rope_parameters": {"rope_type": "su"}})
 
 
 @pytest.mark.parametrize(

@@ -78,8 +78,9 @@ def test_llama_only_fields_do_not_apply_to_mistral() -> None:
     [
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported; Llama-family models use 'silu'."),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-            "rope_type='yarn' is not supported; use 'default' or 'llama3'.",
+            {"rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
+            "rope_type='longrope' is not supported because it switches between short and long frequency "
+            "factors by sequence length; use a checkpoint with rope_type 'default', 'linear', 'llama3' or 'yarn'.",
         ),
         ({"model_type": "llama"}, "model_type='llama' is not a Mistral model (mistral)."),
     ],

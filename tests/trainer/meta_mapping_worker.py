@@ -1,0 +1,155 @@
+"""A full-size HF config's HF -> Megatron weight mapping checked on the `meta` device (no memory).
+
+Run as `python -m tests.trainer.meta_mapping_worker IN.json OUT.json`; IN holds `config` (an HF
+config.json dict), `tp` and `ep`. One process in a fake world of 8 ranks (torch's "fake"
+process-group backend: collectives are no-ops, which building a model never needs), so
+megatron-core's parallel state is that of rank 0 of a real 8-rank TP x EP job (expert-TP 1).
+
+It builds transformers' model and megatron-core's `GPTModel` (the family's `transformer_config`,
+`layer_spec` and `gpt_model_kwargs`) under `torch.device("meta")`, runs the family's
+`megatron_state_dict` for every rank's (tp_rank, ep_rank) with a reader that hands out the HF
+model's meta tensors and records each name, and writes to OUT: the HF tensor names never read,
+names read that HF lacks, Megatron keys missing or unexpected and shape mismatches against the
+rank's model, both parameter counts (Megatron's from its TP=1 EP=1 model on meta, vocabulary
+unpadded there), the LoRA layers `apply_lora` wraps on the TP x EP model and any whose HF module
+the HF model lacks, and a few rank-0 shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any
+
+import torch
+
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+"""The Hub's per-expert names, which `qwen3_moe.read_expert` asks for before the fused ones."""
+
+
+def _init(tp: int, ep: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        create_gloo_process_groups=False,
+    )
+
+
+def _megatron_model(family: Any, args: Any, layout: Any) -> Any:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = family.transformer_config(args, layout, dtype="bfloat16", device="cpu")
+    with torch.device("meta"):
+        return GPTModel(
+            config, family.layer_spec(args, use_te=False), **family.gpt_model_kwargs(args, tp=layout.tp)
+        )
+
+
+def _expert_module_exists(hf_params: dict[str, Any], parent: str, hf_module: str) -> bool:
+    """Whether HF has expert `e` of layer `l` (`parent` = "l.mlp.experts.e") for `hf_module`:
+    transformers 5's fused expert parameters [E, ...] (gate/up in gate_up_proj, down in down_proj)."""
+    layer, _, _, expert = parent.split(".")
+    fused = "gate_up_proj" if hf_module in ("gate_proj", "up_proj") else "down_proj"
+    tensor = hf_params.get(f"model.layers.{layer}.mlp.experts.{fused}")
+    return tensor is not None and int(expert) < tensor.shape[0]
+
+
+def main(in_path: str, out_path: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from art_mega.trainer.cpu_compat import apply_cpu_compat
+    from art_mega.trainer.families import family_for
+    from art_mega.trainer.families.spec import ParallelLayout
+    from art_mega.trainer.lora import apply_lora
+    from art_mega.trainer.protocol import LoraConfig
+
+    spec = json.load(open(in_path))
+    config, tp, ep = spec["config"], int(spec["tp"]), int(spec["ep"])
+    family = family_for(config)
+    args = family.model_args(config)
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    hf_params = dict(hf_model.named_parameters())
+
+    read_names: set[str] = set()
+    unknown: set[str] = set()
+
+    def read(name: str) -> torch.Tensor:
+        if name not in hf_params:
+            unknown.add(name)
+            raise KeyError(name)
+        read_names.add(name)
+        return hf_params[name].detach()
+
+    apply_cpu_compat()  # as a CPU trainer rank: e.g. the local spec's norm under sequence parallel
+    _init(tp, ep)
+    layouts = [ParallelLayout(tp=tp, tp_rank=r % tp, ep=ep, ep_rank=r % ep) for r in range(max(tp, ep))]
+    for layout in layouts:
+        family.check_parallel(args, layout)
+    model = _megatron_model(family, args, layouts[0])
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected, mismatched = set(), set(), []
+    for layout in layouts:
+        state = family.megatron_state_dict(args, read, layout)
+        missing |= expected.keys() - state.keys()
+        unexpected |= state.keys() - expected.keys()
+        for key in state.keys() & expected.keys():
+            if tuple(state[key].shape) != expected[key]:
+                mismatched.append(
+                    f"{key} (tp_rank {layout.tp_rank}): {tuple(state[key].shape)} != {expected[key]}"
+                )
+    # read_expert tries the Hub's per-expert names first, then transformers 5's fused parameters
+    unknown = {name for name in unknown if not _PER_EXPERT.search(name)}
+    shapes = {
+        key: list(expected[key]) for key in sorted(expected) if ".layers.0." in key or ".layers." not in key
+    }
+
+    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0))
+    hf_modules = dict(hf_model.named_modules())
+    lora_unmatched = []
+    for name in wrapped:
+        parent, target = family.lora.parse(name)
+        for hf_module in family.lora.modules[target]:
+            path = f"model.layers.{parent}.{hf_module}"
+            ok = path in hf_modules or (
+                ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
+            )
+            if not ok:
+                lora_unmatched.append(path)
+    lora_layers = len(wrapped)
+    del model, wrapped
+
+    _init(1, 1)
+    full = _megatron_model(family, args, ParallelLayout())
+    result = {
+        "family": family.name,
+        "hf_class": type(hf_model).__name__,
+        "hf_params": sum(p.numel() for p in hf_model.parameters()),
+        "megatron_params": sum(p.numel() for p in full.parameters()),
+        "hf_names": len(hf_params),
+        "unread": sorted(hf_params.keys() - read_names),
+        "unknown_reads": sorted(unknown),
+        "missing": sorted(missing),
+        "unexpected": sorted(unexpected),
+        "mismatched": mismatched[:20],
+        "megatron_keys": len(expected),
+        "lora_layers": lora_layers,
+        "lora_unmatched": sorted(set(lora_unmatched)),
+        "rank0_shapes": shapes,
+    }
+    json.dump(result, open(out_path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
