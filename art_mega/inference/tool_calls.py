@@ -28,6 +28,7 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "qwen3_moe": ("hermes", None),
     "llama": ("llama3_json", "<|python_tag|>"),
     "mistral": ("mistral", "[TOOL_CALLS]"),
+    "gemma3_text": ("hermes", None),  # Gemma 3's template has no tool format; ART serves it with hermes
 }
 """HF `model_type` -> (vLLM `--tool-call-parser` name, the token it needs in the tokenizer)."""
 

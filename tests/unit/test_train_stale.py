@@ -54,7 +54,9 @@ def test_backend_refuses_stale_trajectories_naming_the_steps() -> None:
     )
     assert backend._check_policy_steps(groups, allow_stale=True) == 2
     assert backend._check_policy_steps([TrajectoryGroup([trajectory(7, untagged=1)])], False) == 0
-    backend._step = 0
+    backend._step = 0  # a fresh LoRA's step 0 is the base model (B = 0): its samples are on-policy
+    assert backend._check_policy_steps([groups[1]], allow_stale=False) == 0
+    backend._base_is_step0 = False  # warm-started from an adapter: the base model is another policy
     with pytest.raises(UserError, match="sampled by the base model, but"):
         backend._check_policy_steps([groups[1]], allow_stale=False)
 
