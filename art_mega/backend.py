@@ -1229,10 +1229,14 @@ class MegatronBackend:
 
         Raises:
             ModelSplitError, AdapterMismatchError, UserError: see `register`.
+            TopologyError: trainer sizes the trainer cannot run yet (`TrainerSpec.unsupported`).
         """
+        from art_mega.errors import TopologyError
         from art_mega.trainer.model_builder import check_model_fits
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
+        if (refused := trainer.unsupported()) is not None:  # compile_topology refuses it first
+            raise TopologyError(refused[1], refused[0])
         check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, spec="TrainerSpec")
         for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
             check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
