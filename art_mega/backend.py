@@ -1204,6 +1204,8 @@ class MegatronBackend:
             checkpoint.read_resume_step, checkpoint.checkpoints_dir(run_dir), resolved.model_dir
         )
         self._check_model_and_adapter(topology.trainer, topology.replicas, resolved, run_dir, committed)
+        # MemoryPlanError before any start; written to the run folder once the starts begin
+        plan = self._plan_memory(model, topology, resolved.model_dir)
         if committed is None and resolved.warm_start is not None:  # what the ranks would load
             await asyncio.to_thread(
                 checkpoint.check_warm_start, resolved.warm_start, resolved.model_dir, model.base_model
@@ -1213,7 +1215,7 @@ class MegatronBackend:
         # the interpreter the replicas will run under joins a collective before any start (cached)
         await self._runtime.prove_replicas(python)
         try:
-            await self._start_serving(model, resolved, run_dir, committed, transport)
+            await self._start_serving(model, resolved, run_dir, committed, transport, plan)
         except BaseException:
             await self._stop_serving()  # a half-started register leaves no rank or replica behind
             raise
@@ -1229,10 +1231,14 @@ class MegatronBackend:
 
         Raises:
             ModelSplitError, AdapterMismatchError, UserError: see `register`.
+            TopologyError: trainer sizes the trainer cannot run yet (`TrainerSpec.unsupported`).
         """
+        from art_mega.errors import TopologyError
         from art_mega.trainer.model_builder import check_model_fits
         from art_mega.trainer.peft_config import check_adapter_config, read_adapter_config
 
+        if (refused := trainer.unsupported()) is not None:  # compile_topology refuses it first
+            raise TopologyError(refused[1], refused[0])
         check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, spec="TrainerSpec")
         for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
             check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
@@ -1315,8 +1321,11 @@ class MegatronBackend:
     def _gpu_kv_bytes(self, topology: Any, model_dir: Path) -> int | None:
         """What a GPU replica's KV cache may take, in bytes: gpu_memory_utilization (vLLM's 0.9
         when None) of its smallest GPU's memory times its GPUs, less the model's weight files and
-        1 GiB per GPU for activations (vLLM profiles the rest); None when the GPUs' memory is not
+        `memory_plan.REPLICA_ACTIVATION_RESERVE_BYTES` (1 GiB) per GPU for activations (vLLM
+        profiles the rest); None when the GPUs' memory is not
         known (vLLM then fits the context itself)."""
+        from art_mega.trainer.memory_plan import REPLICA_ACTIVATION_RESERVE_BYTES
+
         runtime_facts = getattr(self._runtime, "host_facts", {}) or {}
         util = 0.9 if self.gpu_memory_utilization is None else self.gpu_memory_utilization
         budgets = []
@@ -1330,16 +1339,76 @@ class MegatronBackend:
             count = sum(len(gpus) for _, gpus in replica.gpu_ids)
             if not memories or not count:
                 return None
-            budgets.append(int(util * min(memories) * count) - count * 2**30)
+            budgets.append(int(util * min(memories) * count) - count * REPLICA_ACTIVATION_RESERVE_BYTES)
         weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
         return max(min(budgets) - weights, 0) if budgets else None
 
+    def _trainer_dtype(self, topology: Any) -> str:
+        """The ranks' parameter dtype: the backend's, or for "auto" bfloat16 on GPU ranks and
+        float32 on CPU ranks."""
+        on_gpu = any(r.gpu_id is not None for r in topology.trainer_ranks)
+        return ("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype
+
+    def _plan_memory(self, model: Any, topology: Any, model_dir: Path) -> Any:
+        """The run's memory plan (`trainer.memory_plan`) from config.json, the backend's LoRA,
+        rows, context and `gpu_memory_utilization`, and the hosts' NVML GPU memory; logged in one
+        line (and a line when rows up to the limit would not fit). Sets `max_model_len` and
+        `seq_len` when None (`_engine_for`).
+
+        Raises:
+            MemoryPlanError: a trainer rank or a replica does not fit its GPU memory (never on
+                CPU ranks and replicas, whose plan is only logged).
+        """
+        from art_mega.inference.protocol import ReplicaLaunch
+        from art_mega.trainer import memory_plan
+        from art_mega.trainer.hf_checkpoint import read_hf_config
+
+        shape, valid_tp = memory_plan.ModelShape.from_model_dir(model_dir)
+        engine = self._engine_for(topology, model_dir)
+        replica_dtype = engine["dtype"]
+        if replica_dtype == "auto":  # vLLM serves float32 checkpoints in 16 bits too
+            replica_dtype = (
+                "float16" if read_hf_config(model_dir).get("torch_dtype") == "float16" else "bfloat16"
+            )
+        lora = LoraConfig(
+            rank=self.lora["rank"],
+            **({"targets": tuple(self.lora["targets"])} if self.lora["targets"] else {}),
+        )
+        seq_len = int(self.seq_len)
+        plan = memory_plan.plan_memory(
+            shape,
+            topology,
+            memory_plan.gpu_memory_of(topology, getattr(self._runtime, "host_facts", {}) or {}),
+            model=str(model.base_model),
+            trainer_dtype=self._trainer_dtype(topology),
+            replica_dtype=replica_dtype,
+            lora_rank=lora.rank,
+            lora_targets=lora.targets,
+            row_tokens=seq_len if self._fixed_rows else min(seq_len, PACKED_ROW_TOKENS),
+            seq_len=seq_len,
+            micro_batch_rows=self.micro_batch_rows,
+            max_model_len=int(self.max_model_len),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_loras=engine.get("max_loras", ReplicaLaunch.model_fields["max_loras"].default),
+            max_lora_rank=engine["max_lora_rank"],
+        )
+        memory_plan.log_plan(plan)
+        memory_plan.check_plan(plan, shape, valid_tp)
+        return plan
+
     async def _start_serving(
-        self, model: Any, resolved: Any, run_dir: Path, committed: int | None, transport: Any
+        self,
+        model: Any,
+        resolved: Any,
+        run_dir: Path,
+        committed: int | None,
+        transport: Any,
+        plan: Any = None,
     ) -> None:
-        """Start the trainer ranks and replicas of a checked registration, commit step 0 when
-        nothing is committed, publish the served step and start replica recovery. The caller
-        stops what was started when this raises (`_stop_serving`)."""
+        """Start the trainer ranks and replicas of a checked registration (writing its memory
+        `plan` into the run folder first), commit step 0 when nothing is committed, publish the
+        served step and start replica recovery. The caller stops what was started when this
+        raises (`_stop_serving`)."""
         from art_mega.inference.adapters import AdapterPublisher
         from art_mega.inference.protocol import ReplicaLaunch
         from art_mega.inference.recovery import ReplicaRecovery
@@ -1355,7 +1424,10 @@ class MegatronBackend:
         checkpoints.mkdir(parents=True, exist_ok=True)
         checkpoint.clean_uncommitted(checkpoints)  # a crashed save's leftovers; no rank runs yet
         self._run_dir = run_dir
-        on_gpu = any(r.gpu_id is not None for r in topology.trainer_ranks)
+        if plan is not None:
+            from art_mega.trainer.memory_plan import write_plan
+
+            write_plan(run_dir, plan)
         trainer_args = getattr(model, "_internal_config", {}).get("trainer_args") or {}
         optimizer, rl_decay, rl_clip = art_optimizer(trainer_args)
         self._rl_optimizer = (rl_decay, rl_clip)  # ART's RL steps decay and clip differently from SFT's
@@ -1367,7 +1439,7 @@ class MegatronBackend:
                 alpha=self.lora["alpha"],
                 **({"targets": tuple(self.lora["targets"])} if self.lora["targets"] else {}),
             ),
-            dtype=("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype,
+            dtype=self._trainer_dtype(topology),
             micro_batch_rows=self.micro_batch_rows,
             resume_dir=None if committed is None else str(checkpoint.step_dir(checkpoints, committed)),
             # a committed step's own adapter and optimizer state replace the warm start

@@ -107,6 +107,30 @@ class ModelSplitError(UserError):
         self.etp = etp
 
 
+class MemoryPlanError(UserError):
+    """A trainer rank or a vLLM replica would not fit its GPU's memory (the memory plan that
+    `MegatronBackend.register` computes from config.json and the GPUs' NVML memory before any
+    rank or replica starts, `trainer.memory_plan`).
+
+    Attributes:
+        model: the base model as the user named it.
+        process: "trainer rank 0" or "replica vllm/0".
+        host_id: the host it would run on.
+        needed_bytes: the bytes the plan gives it.
+        available_bytes: the bytes its GPU(s) offer it.
+    """
+
+    def __init__(
+        self, message: str, model: str, process: str, host_id: str, needed_bytes: int, available_bytes: int
+    ):
+        super().__init__(message)
+        self.model = model
+        self.process = process
+        self.host_id = host_id
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
 class AdapterMismatchError(UserError):
     """A LoRA adapter to start from (a warm-start `base_model`, or the run's committed checkpoint)
     does not have the backend's LoRA rank, alpha or target modules, or is not a plain LoRA.
@@ -871,6 +895,7 @@ EXIT_CODES: dict[type[BaseException], Exit] = {
     TokenizationError: _SENTENCE_USER,
     SFTFileError: _SENTENCE_USER,
     ModelSplitError: _SENTENCE_USER,
+    MemoryPlanError: _SENTENCE_USER,
     AdapterMismatchError: _SENTENCE_USER,
     RuntimeBusyError: _SENTENCE_USER,
     RemoteUserError: _SENTENCE_USER,

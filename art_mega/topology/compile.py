@@ -45,7 +45,8 @@ def compile_topology(
     hosts) without `ClusterSpec.nccl_transport` or with its `net_name` "Socket"; too few free
     GPUs for the replicas; trainer sizes that do not divide the world (tp*cp*pp, etp*ep*pp);
     tp*pp of a replica that spans hosts not a multiple of the GPUs per host; `cluster` that is
-    not a `ClusterSpec`.
+    not a `ClusterSpec`; trainer sizes art-mega cannot run yet (pp > 1, etp > 1 with LoRA:
+    `TrainerSpec.unsupported`).
     """
     if not isinstance(cluster, ClusterSpec):
         raise TopologyError(
@@ -53,6 +54,8 @@ def compile_topology(
             "cluster=launch.homogeneous_cluster(...) or a ClusterSpec(hosts=...)",
             "cluster",
         )
+    if trainer is not None and (refused := trainer.unsupported()) is not None:
+        raise TopologyError(refused[1], refused[0])  # before any placement: nothing may start
     specs = (inference,) if isinstance(inference, InferenceSpec) else tuple(inference)
     names = Counter(spec.name for spec in specs)
     for name, count in names.items():

@@ -61,6 +61,27 @@ class TrainerSpec(SpecModel):
             raise ValueError("gpu_ids is empty; list at least one GPU or use None for all")
         return unique_gpu_ids(value, "gpu_ids")
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, sentence) of the first size art-mega's trainer cannot run yet, or None.
+
+        pp > 1: pipeline parallelism is not built; etp > 1: expert-tensor parallelism with LoRA
+        is not built (`trainer/lora.py`), and training is LoRA only. `compile_topology` raises
+        it as a `TopologyError` (and `MegatronBackend.register` and a rank's `init_parallel`
+        again, for a topology not compiled here), so it is refused before any rank or replica
+        starts.
+        """
+        if self.pp != 1:
+            return "TrainerSpec.pp", (
+                f"TrainerSpec.pp={self.pp} is not supported yet (pipeline parallelism is not built); "
+                "use pp=1 and split the model with tp (or ep for experts) instead."
+            )
+        if self.etp != 1:
+            return "TrainerSpec.etp", (
+                f"TrainerSpec.etp={self.etp} is not supported with LoRA (expert-tensor parallel LoRA "
+                "is not built); use etp=1 and split the experts with ep instead."
+            )
+        return None
+
     @property
     def model_parallel_size(self) -> int:
         """tp * cp * pp: the ranks one copy of the dense model spans."""

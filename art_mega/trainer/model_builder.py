@@ -73,6 +73,15 @@ def check_model_fits(
         raise ModelSplitError(f"{spec}.{exc}", exc.model_dir, tp, ep, etp) from None
 
 
+def read_model_args(model_dir: str | os.PathLike[str]) -> tuple[FamilySpec[Any], Any]:
+    """The family and its architecture arguments of the HF model in `model_dir` (config.json
+    only, no torch; `trainer.memory_plan` sizes the model from them). Raises `UserError` as
+    `check_model_fits` does."""
+    config = read_hf_config(model_dir)
+    args = _model_args(config, model_dir)
+    return family_for(config), args
+
+
 CONFIG_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 """config.json sizes every family reads: whole numbers >= 1."""
 

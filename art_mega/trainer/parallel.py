@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from art_mega.errors import UserError
+from art_mega.errors import TopologyError
 from art_mega.topology.compiled import TrainerRank
 from art_mega.topology.trainer import TrainerSpec
 
@@ -43,12 +43,11 @@ class ParallelState:
     expert_dp_rank: int
 
 
-def _check_supported(trainer: TrainerSpec, on_cpu: bool) -> None:
-    if trainer.pp != 1:
-        raise UserError(f"trainer.pp={trainer.pp} is not supported yet; use pp=1.")
-    if trainer.etp != 1:
-        # LoRA on expert layers split by expert-TP is not built (trainer/lora.py); training is LoRA-only.
-        raise UserError(f"trainer.etp={trainer.etp} is not supported with LoRA yet; use etp=1.")
+def _check_supported(trainer: TrainerSpec) -> None:
+    """`compile_topology` refuses these first; a rank given a spec compiled elsewhere refuses again."""
+    refused = trainer.unsupported()
+    if refused is not None:
+        raise TopologyError(refused[1], refused[0])
 
 
 def _megatron_coordinates() -> dict[str, int]:
@@ -84,7 +83,7 @@ def init_parallel(
     layer, gloo and the CPU; a GPU rank NCCL and cuda:0. Megatron's data-parallel, tensor-
     and model-parallel RNG states are seeded from `seed` (`model_parallel_cuda_manual_seed`).
 
-    Raises `UserError` for pp > 1, which is not supported yet, `ValueError` when neither
+    Raises `TopologyError` for pp > 1 or etp > 1 (`TrainerSpec.unsupported`), `ValueError` when neither
     `master_port` nor `trainer.master_port` gives a port, and `RuntimeError` when the coordinates megatron-core derives differ from the rank table's
     (the table and megatron's RankGenerator disagree: a bug, not a user error).
     """
@@ -94,7 +93,7 @@ def init_parallel(
     from megatron.core import tensor_parallel
 
     on_cpu = rank.gpu_id is None
-    _check_supported(trainer, on_cpu)
+    _check_supported(trainer)
     if on_cpu:
         from art_mega.trainer.cpu_compat import apply_cpu_compat
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from art_mega.errors import UserError
+from art_mega.errors import TopologyError
 from art_mega.topology.compiled import TrainerRank
 from art_mega.topology.groups import rank_coordinates
 from art_mega.topology.trainer import TrainerSpec
 from art_mega.trainer.cpu_compat import PATCHES, applied_patches
 from art_mega.trainer.parallel import init_parallel
 from tests.trainer.common import require_trainer_deps
+from tests.unit.test_topology_compile import ETP_REFUSED, PP_REFUSED
 
 require_trainer_deps()
 
@@ -25,14 +26,14 @@ def test_cpu_world_of_one(megatron_world) -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (TrainerSpec(pp=2), "trainer.pp=2 is not supported yet; use pp=1."),
-        (TrainerSpec(etp=2), "trainer.etp=2 is not supported with LoRA yet; use etp=1."),
+        (TrainerSpec(pp=2), PP_REFUSED),
+        (TrainerSpec(etp=2), ETP_REFUSED),
     ],
 )
 def test_unsupported_sizes_are_refused_before_joining(spec: TrainerSpec, message: str) -> None:
     rank = TrainerRank(
         rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 2, pp=spec.pp, cp=spec.cp, etp=spec.etp)
     )
-    with pytest.raises(UserError) as caught:
+    with pytest.raises(TopologyError) as caught:
         init_parallel(rank, spec, 2, master_addr="127.0.0.1", master_port=1)
     assert str(caught.value) == message

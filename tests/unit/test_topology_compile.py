@@ -114,14 +114,15 @@ def test_process_env_accepts_a_dict() -> None:
 
 def test_gpu_trainer_two_hosts_rank_table_and_env() -> None:
     spec = cluster(host(0, gpus=4), host(1, gpus=4), nccl_transport=IB)
-    topology = compile_topology(spec, trainer=TrainerSpec(tp=2, pp=2, master_port=29600))
+    topology = compile_topology(spec, trainer=TrainerSpec(tp=2, cp=2, master_port=29600))
     assert topology.trainer_world_size == 8
     rank5 = topology.trainer_ranks[5]
     assert (rank5.rank, rank5.host_id, rank5.local_rank, rank5.gpu_id) == (5, "h1", 1, 1)
-    assert (rank5.tp_rank, rank5.cp_rank, rank5.dp_rank, rank5.pp_rank) == (1, 0, 0, 1)
-    assert (rank5.ep_rank, rank5.etp_rank, rank5.expert_dp_rank) == (0, 0, 1)
+    # megatron-core's tp-cp-ep-dp-pp order: 5 = tp 1 + 2 * (cp 0) + 4 * (dp 1)
+    assert (rank5.tp_rank, rank5.cp_rank, rank5.dp_rank, rank5.pp_rank) == (1, 0, 1, 0)
+    assert (rank5.ep_rank, rank5.etp_rank, rank5.expert_dp_rank) == (0, 0, 5)
     assert topology.trainer_groups is not None
-    assert topology.trainer_groups.dp == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert topology.trainer_groups.dp == ((0, 4), (1, 5), (2, 6), (3, 7))
     trainer5 = topology.process("trainer-5")
     assert trainer5.environ == {
         "RANK": "5",
@@ -200,6 +201,29 @@ def test_trainer_expert_divisibility() -> None:
     assert topology.trainer_groups.expert_dp == ((0, 2), (1, 3))
     with pytest.raises(TopologyError, match=r"etp=1 x ep=3 x pp=1 = 3 does not divide .* size 4"):
         compile_topology(spec, trainer=TrainerSpec(ep=3))
+
+
+PP_REFUSED = (
+    "TrainerSpec.pp=2 is not supported yet (pipeline parallelism is not built); use pp=1 and split "
+    "the model with tp (or ep for experts) instead."
+)
+ETP_REFUSED = (
+    "TrainerSpec.etp=2 is not supported with LoRA (expert-tensor parallel LoRA is not built); use "
+    "etp=1 and split the experts with ep instead."
+)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "field", "sentence"),
+    [(TrainerSpec(tp=2, pp=2), "TrainerSpec.pp", PP_REFUSED), (TrainerSpec(ep=2, etp=2), "TrainerSpec.etp", ETP_REFUSED)],
+)
+def test_sizes_the_trainer_cannot_run_are_refused_at_compile(trainer, field, sentence) -> None:
+    # sizes that divide the world (8 GPUs): before, these compiled and failed on every started rank
+    spec = cluster(host(0, gpus=4), host(1, gpus=4), nccl_transport=IB)
+    with pytest.raises(TopologyError) as info:
+        compile_topology(spec, trainer=trainer)
+    assert (str(info.value), info.value.field) == (sentence, field)
+    assert info.value.exit_code == 2
 
 
 def test_multi_host_gpu_trainer_needs_nccl_transport() -> None:

@@ -1,0 +1,185 @@
+"""Published full-size config.json values of the existing families and their parameter counts:
+built on the meta device by `tests/trainer/test_real_size_mapping.py`, sized analytically by
+`tests/unit/test_memory_plan.py`."""
+
+from __future__ import annotations
+
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+    "torch_dtype": "bfloat16",
+}
+_LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
+}
+_QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+    "torch_dtype": "bfloat16",
+}
+_QWEN3_MOE = {
+    **_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+}
+
+CONFIGS = {
+    "Qwen3-4B": {
+        **_QWEN3,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "Qwen3-8B": {
+        **_QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "Qwen3-32B": {
+        **_QWEN3,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "Qwen3-30B-A3B": {
+        **_QWEN3_MOE,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+    },
+    "Qwen3-235B-A22B": {
+        **_QWEN3_MOE,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 94,
+        "num_key_value_heads": 4,
+    },
+    "Llama-3.1-8B": {
+        **_LLAMA31,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+    },
+    "Llama-3.1-70B": {
+        **_LLAMA31,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_hidden_layers": 80,
+        "num_key_value_heads": 8,
+    },
+    "Mistral-7B-v0.3": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "attention_dropout": 0.0,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "vocab_size": 32768,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen2.5-7B": _QWEN25_7B,
+}
+CONFIGS["Qwen3-8B-YaRN"] = {
+    **CONFIGS["Qwen3-8B"],
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+}
+CONFIGS["Qwen2.5-7B-Instruct-YaRN"] = {
+    **_QWEN25_7B,
+    "max_position_embeddings": 32768,
+    "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+}
+"""config.json of each model on the Hugging Face Hub (Qwen/*, meta-llama/*, mistralai/*); the -YaRN
+variants add the rope_scaling block their model cards give for 131072-token contexts."""
+
+PUBLISHED = {
+    "Qwen3-4B": 4_022_468_096,
+    "Qwen3-8B": 8_190_735_360,
+    "Qwen3-8B-YaRN": 8_190_735_360,
+    "Qwen3-32B": 32_762_123_264,
+    "Qwen3-30B-A3B": 30_532_122_624,
+    "Qwen3-235B-A22B": 235_093_634_560,
+    "Llama-3.1-8B": 8_030_261_248,
+    "Llama-3.1-70B": 70_553_706_496,
+    "Mistral-7B-v0.3": 7_248_023_552,
+    "Qwen2.5-7B": 7_615_616_512,
+    "Qwen2.5-7B-Instruct-YaRN": 7_615_616_512,
+}
+"""Parameter counts of the published safetensors checkpoints (the Hub's model pages)."""
