@@ -17,7 +17,7 @@ constructor is its fields, keyword-only):
 - every parameter art-mega adds has a default (or is `*args` / `**kwargs`), so ART's calls bind;
 - an async function or method of ART's is async in ours.
 `ALLOWED` lists the documented differences, each with its reason. Callables art-mega does not
-provide are checked by test_art_table.py (the README marks them "not supported") and
+provide are checked by test_art_table.py (docs/art-compatibility.md marks them "not supported") and
 test_art_0_5_23.py (their sentence).
 """
 
@@ -212,5 +212,5 @@ def coverage() -> tuple[int, int]:
 def test_coverage_of_arts_0_5_23_surface() -> None:
     have, total = coverage()
     assert total == 1015
-    # before issue 30: 558 (55%); the rest is mostly what the README marks "not supported"
+    # before issue 30: 558 (55%); the rest is mostly what docs/art-compatibility.md marks "not supported"
     assert have >= 656, f"art-mega has {have} of ART 0.5.23's {total} names, members and parameters"
