@@ -39,10 +39,6 @@ POSITIONAL = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
 VARIADIC = ("VAR_POSITIONAL", "VAR_KEYWORD")
 
 ALLOWED: dict[str, str] = {
-    "art.Model:base_path": "default '.art-mega' (ART '.art'): art-mega's runs do not mix with ART's",
-    "art.TrainableModel:base_path": "default '.art-mega' (ART '.art'): art-mega's runs do not mix with ART's",
-    "art.local.LocalBackend:path": "default None: ./.art-mega/artifacts (ART './.art')",
-    "art.local.backend.LocalBackend:path": "default None: ./.art-mega/artifacts (ART './.art')",
     "art.local.LocalBackend.train:logprob_calculation_chunk_size": "default None: whole rows (ART 1024); the same values",
     **{
         f"art.local.LocalBackend.train:{name}": "taken by **unknown, refused unless at ART's off value (ART_OPTION_HINTS)"
