@@ -1198,6 +1198,7 @@ class MegatronBackend:
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
+        checkpoint.warn_earlier_launch_run(cluster.artifact_root, model.project, model.name)
         # both read and hash every adapter tensor (GBs for a big MoE's LoRA): off the event loop,
         # which keeps the agents' leases
         committed = await asyncio.to_thread(

@@ -145,6 +145,25 @@ def root_holding_run(kind: str, project: str, name: str) -> Path:
     return earlier
 
 
+def warn_earlier_launch_run(root: str | os.PathLike[str], project: str, name: str) -> bool:
+    """For an artifact root fixed before the model was known (a launch's cluster, which
+    `root_holding_run` cannot redirect): when `root` is the default root, the run is not under it
+    and it exists under the earlier default artifact root, one warning names both folders and
+    says how to resume the earlier run. Returns whether it warned."""
+    new = run_dir(root, project, name)
+    found = run_dir(os.path.abspath(EARLIER_ROOTS["artifact_root"]), project, name)
+    if Path(root) != Path(os.path.abspath(DEFAULT_ROOT)) or new.exists() or not found.is_dir():
+        return False
+    log.warning(
+        "art-mega: a new run starts at %s (ART's default root); the run at %s (art-mega's earlier "
+        "default root) is not read: pass launch.homogeneous_cluster(artifact_root=%r) to resume it",
+        new,
+        found,
+        os.path.abspath(EARLIER_ROOTS["artifact_root"]),
+    )
+    return True
+
+
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
     """`<run>/checkpoints`: the folder holding a run's step folders and its commit pointer."""
     return Path(run_dir) / CHECKPOINTS

@@ -10,7 +10,7 @@ import logging
 from art_mega import TrainableModel
 from art_mega.launch.context import ArtLaunchContext, default_artifact_root
 from art_mega.metrics import read_history
-from art_mega.trainer.checkpoint import root_holding_run, run_dir
+from art_mega.trainer.checkpoint import root_holding_run, run_dir, warn_earlier_launch_run
 
 WARNING = (
     "art-mega: reading the run at {old} (art-mega's earlier default root); new runs go to {new} "
@@ -65,3 +65,21 @@ async def test_an_earlier_unregistered_run_keeps_its_history(tmp_path, monkeypat
     assert not new.exists()
     # a base_path given explicitly is used as given, even at ART's default
     assert TrainableModel(name="judge", project="proj", base_model="tiny", base_path=".art").output_dir == new
+
+
+def test_a_launch_names_an_earlier_run_it_does_not_read(tmp_path, monkeypatch, caplog):
+    """A launch's cluster root is fixed before any model is known: at `register` a run that
+    exists only under the earlier root is named, with the artifact_root that resumes it."""
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.WARNING)
+    root = tmp_path / ".art"
+    assert not warn_earlier_launch_run(root, "proj", "agent")  # nothing earlier
+    old = run_dir(tmp_path / ".art-mega" / "artifacts", "proj", "agent")
+    old.mkdir(parents=True)
+    assert not warn_earlier_launch_run(tmp_path / "elsewhere", "proj", "agent")  # a root the program chose
+    assert warn_earlier_launch_run(root, "proj", "agent")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"art-mega: a new run starts at {root / 'proj' / 'models' / 'agent'} (ART's default root); the run at "
+        f"{old} (art-mega's earlier default root) is not read: pass launch.homogeneous_cluster(artifact_root="
+        f"{str(tmp_path / '.art-mega' / 'artifacts')!r}) to resume it"
+    ]
