@@ -629,7 +629,7 @@ def _reference_adapter(path: Any, kl: float) -> str | None:
     if not isinstance(path, str | os.PathLike) or not str(path):
         raise HyperParameterError(
             f"{where} must be the path of a PEFT adapter folder; pass e.g. "
-            "kl_ref_adapter_path='.art-mega/.../checkpoints/0003'",
+            "kl_ref_adapter_path='.art/.../checkpoints/0003'",
             "kl_ref_adapter_path",
             path,
         )
@@ -992,9 +992,9 @@ class MegatronBackend:
     # ------------------------------------------------------------------ set-up
 
     async def _local_runtime(self, model: Any) -> Any:
-        from art_mega.launch.context import default_artifact_root
+        from art_mega.trainer.checkpoint import root_holding_run
 
-        return await self._start_local(model, default_artifact_root())
+        return await self._start_local(model, str(root_holding_run("artifact_root", model.project, model.name)))
 
     async def _start_local(self, model: Any, artifact_root: str) -> Any:
         """Start the loopback runtime `model` trains on, artifacts under `artifact_root`: its
@@ -1198,6 +1198,7 @@ class MegatronBackend:
         cluster = topology.cluster
         resolved = await resolve_base_model_off_loop(model.base_model, cluster.cache_root)  # may download
         run_dir = checkpoint.run_dir(cluster.artifact_root, model.project, model.name)
+        checkpoint.warn_earlier_launch_run(cluster.artifact_root, model.project, model.name)
         # both read and hash every adapter tensor (GBs for a big MoE's LoRA): off the event loop,
         # which keeps the agents' leases
         committed = await asyncio.to_thread(

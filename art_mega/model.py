@@ -78,7 +78,8 @@ class Model(BaseModel, Generic[ModelConfig]):
     evaluates it unchanged. `entity`, `id` and `run_id` are ART's W&B / server identifiers (kept
     on the model, None by default); `config` is the program's own pydantic model (`Model[Cfg]`
     types it); `base_path` is where an unregistered model's history goes
-    (`<base_path>/<project>/models/<name>`; ART's default is `.art`, art-mega's `.art-mega`);
+    (`<base_path>/<project>/models/<name>`; default `.art`, as ART's; left at its default, a run
+    that exists only under art-mega's earlier `.art-mega` is read there, with one logged line);
     `report_metrics`: None = W&B when WANDB_API_KEY is set (ART's default), [] = history.jsonl only,
     ["wandb"] = W&B too.
 
@@ -101,7 +102,7 @@ class Model(BaseModel, Generic[ModelConfig]):
     inference_api_key: str | None = None
     inference_base_url: str | None = None
     inference_model_name: str | None = None
-    base_path: str = ".art-mega"
+    base_path: str = ".art"
     report_metrics: list[str] | None = None
     _openai_client: Any = PrivateAttr(default=None)
     _backend: Any = PrivateAttr(default=None)
@@ -166,9 +167,11 @@ class Model(BaseModel, Generic[ModelConfig]):
         `<base_path>/<project>/models/<name>`, or the backend's run directory after `register`."""
         if self._output_dir is not None:
             return Path(self._output_dir)
-        from art_mega.trainer.checkpoint import run_dir
+        from art_mega.trainer.checkpoint import root_holding_run, run_dir
 
-        return run_dir(Path(self.base_path).resolve(), self.project, self.name)
+        if "base_path" in self.model_fields_set:
+            return run_dir(Path(self.base_path).resolve(), self.project, self.name)
+        return run_dir(root_holding_run("base_path", self.project, self.name), self.project, self.name)
 
     def metrics_builder(self, cost_context: str | None = None) -> Any:
         """ART's `model.metrics_builder()`: the model's `art_mega.metrics.MetricsBuilder` (cost
@@ -489,7 +492,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
 
     Serializable without loading anything; the backend resolves `base_model` on `register`.
     Until registered, `log` writes to `<base_path>/<project>/models/<name>/history.jsonl`
-    (`./.art-mega/...` by default). `_internal_config` is ART's `art.dev.InternalModelConfig`:
+    (`./.art/...` by default, as ART's). `_internal_config` is ART's `art.dev.InternalModelConfig`:
     checked by `art_mega.dev.check_internal_config` (fields art-mega does not read are refused)
     and kept as `model._internal_config` ({} when not given) for the backend. `register` fills
     `inference_base_url`, `inference_api_key` and `inference_model_name` from the backend.

@@ -1,5 +1,5 @@
-"""ART's public names art-mega does not provide, each with the README's one sentence
-(README "ART -> art-mega", rows marked "not supported"). A package's module `__getattr__`
+"""ART's public names art-mega does not provide, each with the ART table's one sentence
+(docs/art-compatibility.md, rows marked "not supported"). A package's module `__getattr__`
 (`art_mega`, `art_mega.dev`, `art_mega.utils`, `art_mega.types`,
 `art_mega.trajectories`, `art_mega.pipeline_trainer`) raises `missing(...)` for a name it lacks: the sentence for these
 names, Python's usual AttributeError for any other.
@@ -84,7 +84,7 @@ NOT_PROVIDED: dict[str, dict[str, str]] = {
 
 def missing(module: str, name: str) -> Exception:
     """The error for `module.name`, which `module` lacks: `UnsupportedNameError` with the
-    README's sentence for a name of `NOT_PROVIDED`, else an AttributeError worded as Python's."""
+    The ART table's sentence for a name of `NOT_PROVIDED`, else an AttributeError worded as Python's."""
     why = NOT_PROVIDED.get(module, {}).get(name)
     if why is None:
         return AttributeError(f"module {module!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from _results import report  # noqa: E402
 
 from art_mega.metrics import read_history  # noqa: E402
 
-RUN = Path(".art-mega/artifacts/art-mega-quickstart/models/yes-no")
+RUN = Path(".art/art-mega-quickstart/models/yes-no")
 
 
 def summarize(run_dir: Path) -> list[tuple[str, float, str]]:

@@ -49,7 +49,7 @@ def require_vllm() -> None:
 
 
 def program_workdir(tmp_path: Path, monkeypatch: Any, *, without_wandb: bool = False) -> Path:
-    """Run an ART-style program in `tmp_path` (its `.art-mega/` lands there) with the shared
+    """Run an ART-style program in `tmp_path` (its `.art/` lands there) with the shared
     art-mega model cache; `without_wandb` unsets WANDB_API_KEY so nothing reports to W&B."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ART_MEGA_CACHE", str(Path.home() / ".cache" / "art-mega"))

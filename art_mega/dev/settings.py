@@ -1,7 +1,7 @@
 """ART's engine and hardware settings (`InternalModelConfig.engine_args` / `init_args`) as
 art-mega runs them: `engine_settings` turns them into `EngineSettings`.
 
-The rule (README, "ART's settings"): a setting that tunes how the hardware or the engine runs is
+The rule (docs/art-compatibility.md, "ART's settings rule"): a setting that tunes how the hardware or the engine runs is
 honoured where it means the same here, or accepted with one logged line saying what art-mega
 does instead; only what would change what is trained, or what art-mega cannot do, is refused
 (`HyperParameterError`, one sentence naming the field, the value and the fix).

@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 
 
 def default_artifact_root() -> str:
-    """`<cwd>/.art-mega/artifacts`: where batches, checkpoints and adapters go by default."""
-    return os.path.abspath(os.path.join(".art-mega", "artifacts"))
+    """`<cwd>/.art`, ART's default root: where runs (batches, checkpoints, adapters, history) go
+    by default (`trainer.checkpoint.DEFAULT_ROOT`)."""
+    from art_mega.trainer.checkpoint import DEFAULT_ROOT
+
+    return os.path.abspath(DEFAULT_ROOT)
 
 
 def default_cache_root() -> str:

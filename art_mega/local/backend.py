@@ -83,7 +83,8 @@ class LocalBackend(MegatronBackend):
             the trainer rank and vLLM as child processes of a loopback agent, which changes no
             result: True is accepted with one logged line saying so.
         path: the directory runs live under, as in ART (`<path>/<project>/models/<name>`:
-            history, checkpoints, logs); None: `./.art-mega/artifacts` (ART's is `./.art`).
+            history, checkpoints, logs); None: `./.art`, as ART's (a run that exists only under
+            art-mega's earlier default `./.art-mega/artifacts` is read there, with one logged line).
         gpu_cost_per_hour_usd: ART's per-GPU price in USD per hour for the `costs/gpu` row of
             each train step (`automatic_gpu_cost_per_hour_usd`); None: ART's automatic price
             when every visible GPU is of a priced kind (`AUTOMATIC_GPU_PRICES_USD`), else no row.
@@ -164,7 +165,10 @@ class LocalBackend(MegatronBackend):
     async def _local_runtime(self, model: Any) -> Any:
         import os
 
-        from art_mega.launch.context import default_artifact_root
+        from art_mega.trainer.checkpoint import root_holding_run
 
-        root = default_artifact_root() if self.path is None else os.path.abspath(self.path)
+        if self.path is None:
+            root = str(root_holding_run("artifact_root", model.project, model.name))
+        else:
+            root = os.path.abspath(self.path)
         return await self._start_local(model, root)

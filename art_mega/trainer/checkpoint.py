@@ -111,6 +111,59 @@ def run_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
     return Path(root) / project / "models" / name
 
 
+DEFAULT_ROOT = ".art"
+"""ART's default root, relative to the working directory: runs of `LocalBackend(path=None)`, of a
+launch's `homogeneous_cluster(artifact_root=None)` and of a model that is not registered
+(`base_path`) live in `./.art/<project>/models/<name>` (ART 0.5.23: `Model.base_path = ".art"`,
+`LocalBackend` -> `utils.output_dirs.get_default_art_path()`, `<repo root or .>/.art`)."""
+
+EARLIER_ROOTS = {"artifact_root": os.path.join(".art-mega", "artifacts"), "base_path": ".art-mega"}
+"""art-mega's default roots before it took ART's: a backend's artifact root and a model's base
+path. A run that exists only there is still read (`root_holding_run`)."""
+
+_EARLIER_RUNS_LOGGED: set[Path] = set()
+
+
+def root_holding_run(kind: str, project: str, name: str) -> Path:
+    """The absolute default root (`DEFAULT_ROOT` under the working directory) for the run
+    `project`/`name`, or art-mega's earlier default root of that `kind` ("artifact_root" or
+    "base_path", `EARLIER_ROOTS`) when the run folder exists only there, so that a run started
+    before the change resumes where it is; the first time for each such run one warning names
+    both folders."""
+    root = Path(os.path.abspath(DEFAULT_ROOT))
+    earlier = Path(os.path.abspath(EARLIER_ROOTS[kind]))
+    if run_dir(root, project, name).exists() or not run_dir(earlier, project, name).is_dir():
+        return root
+    if (found := run_dir(earlier, project, name)) not in _EARLIER_RUNS_LOGGED:
+        _EARLIER_RUNS_LOGGED.add(found)
+        log.warning(
+            "art-mega: reading the run at %s (art-mega's earlier default root); new runs go to %s "
+            "(ART's default root): move the folder there to keep them together",
+            found,
+            run_dir(root, project, name),
+        )
+    return earlier
+
+
+def warn_earlier_launch_run(root: str | os.PathLike[str], project: str, name: str) -> bool:
+    """For an artifact root fixed before the model was known (a launch's cluster, which
+    `root_holding_run` cannot redirect): when `root` is the default root, the run is not under it
+    and it exists under the earlier default artifact root, one warning names both folders and
+    says how to resume the earlier run. Returns whether it warned."""
+    new = run_dir(root, project, name)
+    found = run_dir(os.path.abspath(EARLIER_ROOTS["artifact_root"]), project, name)
+    if Path(root) != Path(os.path.abspath(DEFAULT_ROOT)) or new.exists() or not found.is_dir():
+        return False
+    log.warning(
+        "art-mega: a new run starts at %s (ART's default root); the run at %s (art-mega's earlier "
+        "default root) is not read: pass launch.homogeneous_cluster(artifact_root=%r) to resume it",
+        new,
+        found,
+        os.path.abspath(EARLIER_ROOTS["artifact_root"]),
+    )
+    return True
+
+
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
     """`<run>/checkpoints`: the folder holding a run's step folders and its commit pointer."""
     return Path(run_dir) / CHECKPOINTS

@@ -18,7 +18,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def _run_dir(workdir: Path, project: str, name: str) -> Path:
-    return workdir / ".art-mega" / "artifacts" / project / "models" / name
+    return workdir / ".art" / project / "models" / name
 
 
 async def test_multi_turn_game_with_retry_delete_checkpoints_and_train_config(workdir):

@@ -21,7 +21,7 @@ async def test_capture_api_lora_config_and_log_trajectories_train_two_steps(tmp_
     assert out["exchanges"] == [8, 8]  # one captured request per rollout; the no_capture one is not held
     assert out["lora"]["rank"] == 4 and out["lora"]["alpha"] == 8.0
     assert all(getattr(c, "logprobs", None) is None for c in out["stripped"] if not isinstance(c, dict))
-    run = workdir / ".art-mega" / "artifacts" / "capture" / "models" / "capture-001"
+    run = workdir / ".art" / "capture" / "models" / "capture-001"
     adapter = (run / "checkpoints" / "0002" / "adapter_config.json").read_text()
     assert '"r": 4' in adapter
     assert (run / "history.jsonl").read_text().count("\n") >= 2

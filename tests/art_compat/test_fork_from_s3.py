@@ -48,7 +48,7 @@ async def test_a_fork_pulled_from_s3_resumes_at_its_step_and_trains_on(bucket, t
     from tests.art_compat import fork_from_s3
 
     assert await fork_from_s3.train_base(bucket) == [1]
-    runs = tmp_path / ".art-mega" / "artifacts" / "my-project" / "models"
+    runs = tmp_path / ".art" / "my-project" / "models"
     shutil.rmtree(runs / "my-model-v1")  # the fork reads the bucket, not the local run
     start, steps = await fork_from_s3.train(bucket)
     assert (start, steps) == (1, [2, 3])

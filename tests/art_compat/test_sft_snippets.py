@@ -35,7 +35,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def _history(workdir: Path, project: str, name: str) -> tuple[Path, list[dict]]:
-    run = workdir / ".art-mega" / "artifacts" / project / "models" / name
+    run = workdir / ".art" / project / "models" / name
     return run, [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
 
 

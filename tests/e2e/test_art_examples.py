@@ -22,7 +22,7 @@ async def test_rl_example_trains_two_steps(workdir):
 
     steps = await art_rl_example.main(steps=2)
     assert steps == [1, 2]
-    run = workdir / ".art-mega" / "artifacts" / "my-agentic-task" / "models" / "agent-001"
+    run = workdir / ".art" / "my-agentic-task" / "models" / "agent-001"
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "2"
     manifest = json.loads((run / "checkpoints" / "0002" / "manifest.json").read_text())
     assert manifest["step"] == 2 and len(manifest["adapter_sha256"]) == 64
@@ -47,5 +47,5 @@ async def test_sft_from_file_example(workdir):
     # 4 rows, batch 2, 1 epoch: 2 optimizer steps in ART's one train_sft call, one model step
     assert await art_sft_example.main(str(data)) == 1
     assert os.path.exists(
-        workdir / ".art-mega" / "artifacts" / "sft-demo" / "models" / "sft-agent" / "checkpoints" / "0001"
+        workdir / ".art" / "sft-demo" / "models" / "sft-agent" / "checkpoints" / "0001"
     )

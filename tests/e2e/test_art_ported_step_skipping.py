@@ -48,7 +48,7 @@ async def test_step_skipping(workdir: Path) -> None:
         await model.register(backend)
         assert await model.get_step() == 0
         checkpoints = (
-            workdir / ".art-mega" / "artifacts" / "test-project" / "models" / "test-step-skip" / "checkpoints"
+            workdir / ".art" / "test-project" / "models" / "test-step-skip" / "checkpoints"
         )
         assert (checkpoints / "0000").is_dir(), "the initial checkpoint exists after registration"
 

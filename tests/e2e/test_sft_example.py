@@ -50,7 +50,7 @@ def test_sft_then_grpo_example_under_art_mega_local(tmp_path):
     assert int(done["sft_steps"]) == sft_steps
     # ART: one train_sft_from_file call is one step (one per epoch here), then the GRPO step
     assert int(done["grpo_step"]) == 2 + 1
-    run = tmp_path / ".art-mega" / "artifacts" / "art-mega-quickstart" / "models" / "yes-no-sft"
+    run = tmp_path / ".art" / "art-mega-quickstart" / "models" / "yes-no-sft"
     assert (run / "checkpoints" / "LATEST").read_text().strip() == str(2 + 1)
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert any("train/reward" in h and "loss/train" in h for h in history)

@@ -17,7 +17,7 @@ async def test_lora_config_is_the_lora_register_checks(tiny_llama_dir, tmp_path,
     import art_mega as art
     from art_mega.errors import AdapterMismatchError
 
-    monkeypatch.chdir(tmp_path)  # the default artifact_root is <cwd>/.art-mega/artifacts
+    monkeypatch.chdir(tmp_path)  # the default artifact_root is <cwd>/.art
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     targets = ["q_proj", "k_proj", "v_proj"]

@@ -114,7 +114,7 @@ async def test_close_after_a_failed_register_closes_an_owned_runtime_and_registe
     import art_mega as art
     from art_mega.errors import AdapterMismatchError
 
-    monkeypatch.chdir(tmp_path)  # the default artifact_root is <cwd>/.art-mega/artifacts
+    monkeypatch.chdir(tmp_path)  # the default artifact_root is <cwd>/.art
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     config = {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj"]}

@@ -53,7 +53,7 @@ def test_train_example_two_steps_over_ssh(netns_cluster, tmp_path):
         assert re.search(rf"^art-mega: step {step}/3, reward \d\.\d{{3}}, loss \S+, trained tokens [1-9]\d*, ", out, re.M)
     assert "\r" not in out and "━" not in out and "<" not in out
     assert re.search(r"^step 0: \d+/16 rollouts in \d+\.\d s, reward=", out, re.M)
-    run = tmp_path / ".art-mega" / "artifacts" / "art-mega-quickstart" / "models" / "yes-no"
+    run = tmp_path / ".art" / "art-mega-quickstart" / "models" / "yes-no"
     assert (run / "checkpoints" / "LATEST").read_text().strip() == "2"
     assert (run / "report" / "reward.png").is_file()
     assert sorted(p.name for p in (run / "logs").glob("trainer-rank*.log")) == [

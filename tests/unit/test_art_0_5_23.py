@@ -4,7 +4,7 @@
 `TrainableModel(lora_config=...)`; `InternalModelConfig`'s 0.5.23 fields;
 `art.utils.strip_logprobs`, `art.get_tokenizer`, `art.LocalServingUnavailableError`;
 `model.log(trajectories=..., split=...)`; and every name art-mega does not provide raising the
-README's sentence through its module's `__getattr__`."""
+ART table's sentence (docs/art-compatibility.md) through its module's `__getattr__`."""
 
 from __future__ import annotations
 

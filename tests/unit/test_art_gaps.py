@@ -1,4 +1,4 @@
-"""ART 0.5.18 names programs use that the README table once marked "not supported":
+"""ART 0.5.18 names programs use that the ART table (docs/art-compatibility.md) once marked "not supported":
 `art.utils.iterate_dataset` as a module, `art.types`' config and result classes, and a prompted
 `art.Model`'s `register`, `get_step`, `backend()` and `safe_model_dump` (ART's meanings)."""
 

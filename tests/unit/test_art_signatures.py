@@ -17,7 +17,7 @@ constructor is its fields, keyword-only):
 - every parameter art-mega adds has a default (or is `*args` / `**kwargs`), so ART's calls bind;
 - an async function or method of ART's is async in ours.
 `ALLOWED` lists the documented differences, each with its reason. Callables art-mega does not
-provide are checked by test_art_table.py (the README marks them "not supported") and
+provide are checked by test_art_table.py (docs/art-compatibility.md marks them "not supported") and
 test_art_0_5_23.py (their sentence).
 """
 
@@ -39,10 +39,6 @@ POSITIONAL = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
 VARIADIC = ("VAR_POSITIONAL", "VAR_KEYWORD")
 
 ALLOWED: dict[str, str] = {
-    "art.Model:base_path": "default '.art-mega' (ART '.art'): art-mega's runs do not mix with ART's",
-    "art.TrainableModel:base_path": "default '.art-mega' (ART '.art'): art-mega's runs do not mix with ART's",
-    "art.local.LocalBackend:path": "default None: ./.art-mega/artifacts (ART './.art')",
-    "art.local.backend.LocalBackend:path": "default None: ./.art-mega/artifacts (ART './.art')",
     "art.local.LocalBackend.train:logprob_calculation_chunk_size": "default None: whole rows (ART 1024); the same values",
     **{
         f"art.local.LocalBackend.train:{name}": "taken by **unknown, refused unless at ART's off value (ART_OPTION_HINTS)"
@@ -212,5 +208,5 @@ def coverage() -> tuple[int, int]:
 def test_coverage_of_arts_0_5_23_surface() -> None:
     have, total = coverage()
     assert total == 1015
-    # before issue 30: 558 (55%); the rest is mostly what the README marks "not supported"
+    # before issue 30: 558 (55%); the rest is mostly what docs/art-compatibility.md marks "not supported"
     assert have >= 656, f"art-mega has {have} of ART 0.5.23's {total} names, members and parameters"

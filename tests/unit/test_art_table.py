@@ -1,4 +1,4 @@
-"""README's ART -> art-mega table names every public name of openpipe-art 0.5.18 and 0.5.23 with a verdict
+"""docs/art-compatibility.md's ART -> art-mega table names every public name of openpipe-art 0.5.18 and 0.5.23 with a verdict
 ("same", "differs: how" or "not supported: why"), and every name it does not mark "not
 supported" is importable from art_mega as the table promises.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "art-compatibility.md"
 
 ART_NAMES: dict[str, tuple[str, ...]] = {
     # art.__all__ (0.5.18 lists LocalBackend there but does not import it)
@@ -274,7 +274,7 @@ def table_rows(text: str) -> list[tuple[str, str]]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        assert len(cells) == 2, f"README ART table row without two cells: {line[:120]}"
+        assert len(cells) == 2, f"docs/art-compatibility.md ART table row without two cells: {line[:120]}"
         rows.append((cells[0], cells[1]))
     return rows
 
@@ -375,19 +375,19 @@ NAMES = sorted(
 
 
 def test_every_pinned_name_is_in_the_table_with_a_verdict():
-    rows = table_rows(README.read_text())
+    rows = table_rows(TABLE_PAGE.read_text())
     missing, unjudged = [], []
     for owner, member in NAMES:
         found = listed_in(owner, member, rows)
         if not found:
             missing.append(f"{owner}.{member}")
         unjudged += [f"{owner}.{member}: {m[:60]!r}" for _, m in found if not m.startswith(VERDICTS)]
-    assert missing == [], f"ART names missing from README's ART table: {missing}"
+    assert missing == [], f"ART names missing from docs/art-compatibility.md's ART table: {missing}"
     assert unjudged == [], f"rows whose art-mega cell does not start with {VERDICTS}: {unjudged}"
 
 
 def test_every_name_not_marked_not_supported_imports_from_art_mega():
-    rows = table_rows(README.read_text())
+    rows = table_rows(TABLE_PAGE.read_text())
     failed = []
     for owner, member in NAMES:
         found = listed_in(owner, member, rows)
@@ -397,7 +397,7 @@ def test_every_name_not_marked_not_supported_imports_from_art_mega():
             resolve(f"{owner}.{member}")
         except (AttributeError, ImportError) as exc:
             failed.append(f"{owner}.{member} ({type(exc).__name__}: {exc})")
-    assert failed == [], f"README lists these as supported, but art_mega lacks them: {failed}"
+    assert failed == [], f"docs/art-compatibility.md lists these as supported, but art_mega lacks them: {failed}"
 
 
 @pytest.mark.parametrize(

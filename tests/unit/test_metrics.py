@@ -37,7 +37,7 @@ async def test_model_log_appends_history(tmp_path, monkeypatch):
     model = TrainableModel(name="agent", project="proj", base_model="tiny")
     await model.log(groups(), step=0, split="train")
     await model.log(groups()[:1], step=1, split="val")
-    path = tmp_path / ".art-mega" / "proj" / "models" / "agent" / "history.jsonl"
+    path = tmp_path / ".art" / "proj" / "models" / "agent" / "history.jsonl"
     rows = read_history(path)
     assert [r["step"] for r in rows] == [0, 1]
     assert "train/reward" in rows[0] and "val/reward" in rows[1]
