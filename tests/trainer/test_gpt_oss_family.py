@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,10 +24,10 @@ import pytest
 from art_mega.basemodels.tiny_gpt_oss import build_tiny_gpt_oss
 from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
 from tests.trainer.gpt_oss_configs import GPT_OSS_20B, GPT_OSS_120B, GPT_OSS_PARAMETERS
+from tests.trainer.test_real_size_mapping import meta_mapping
 
 require_trainer_deps()
 
-REPO = Path(__file__).resolve().parents[2]
 HF_TOLERANCE = 1e-4
 PARALLEL_TOLERANCE = 1e-5
 """As tests/trainer: HF vs Megatron logits; TP=2 / EP=2 vs TP=1 logits."""
@@ -180,20 +177,7 @@ def test_grpo_steps_train_and_the_adapter_round_trips(layout: str, gpt_oss_tp1, 
 def test_published_config_maps_every_tensor_on_meta(name: str, tmp_path: Path) -> None:
     """`tests.trainer.meta_mapping_worker` (see tests/trainer/test_real_size_mapping.py) at TP=8, EP=8."""
     config = {"gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}[name]
-    spec = tmp_path / "in.json"
-    spec.write_text(json.dumps({"config": config, "tp": 8, "ep": 8}))
-    out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.trainer.meta_mapping_worker", str(spec), str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = meta_mapping(config, 8, 8, tmp_path)
     print(
         f"{name}: {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron tensors per rank, "
         f"{got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"

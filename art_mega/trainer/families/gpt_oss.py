@@ -24,7 +24,7 @@ with:
   [gate; up] rows of linear_fc1 [2I, h] and linear_fc2 [h, I].
 
 The published checkpoints store the experts' weights in MXFP4 (`gate_up_proj_blocks` /
-`_scales`); `read_dequantized` expands them to the parameter values as transformers'
+`_scales`); `read_experts` expands this rank's experts to the parameter values as transformers'
 `integrations/mxfp4.py` convert_moe_packed_tensors does. Refused (one sentence each): attention
 without biases, a swiglu_limit other than transformers' fixed 7.0, another quantization method,
 RoPE other than default / linear / YaRN, attention sinks under context parallelism. The layer
@@ -209,14 +209,16 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     return torch.ldexp(values, exponent[..., None]).flatten(-2)
 
 
-def read_dequantized(read: Callable[[str], Tensor], name: str) -> Tensor:
-    """The HF parameter `name` (an experts' `gate_up_proj` [E, h, 2I] or `down_proj` [E, I, h]):
-    read as it is, or, when absent, from its MXFP4 `{name}_blocks` / `{name}_scales`, which hold
-    the transposed tensor ([E, 2I, h/32, 16] for gate_up_proj). `KeyError` when neither exists."""
+def read_experts(read: Callable[[str], Tensor], name: str, experts: range) -> Tensor:
+    """Rows `experts` of the HF experts' parameter `name` (`gate_up_proj` [E, h, 2I] or `down_proj`
+    [E, I, h]), read as it is or, when absent, from its MXFP4 `{name}_blocks` / `{name}_scales`,
+    which hold the transposed tensor ([E, 2I, h/32, 16] for gate_up_proj); only those experts are
+    dequantized (float32). `KeyError` when neither exists."""
+    rows = slice(experts.start, experts.stop)
     try:
-        return read(name)
+        return read(name)[rows]
     except KeyError:
-        values = dequantize_mxfp4(read(name + "_blocks"), read(name + "_scales"))
+        values = dequantize_mxfp4(read(name + "_blocks")[rows], read(name + "_scales")[rows])
         return values.transpose(-1, -2).contiguous()
 
 
@@ -255,16 +257,16 @@ def megatron_state_dict(
         )
         state[mc + "mlp.router.weight"] = read(hf + "mlp.router.weight")
         state[mc + "mlp.router.bias"] = read(hf + "mlp.router.bias")
-        gate_up = read_dequantized(read, hf + "mlp.experts.gate_up_proj")
+        gate_up = read_experts(read, hf + "mlp.experts.gate_up_proj", experts)
         gate_up_bias = read(hf + "mlp.experts.gate_up_proj_bias")
-        down = read_dequantized(read, hf + "mlp.experts.down_proj")
+        down = read_experts(read, hf + "mlp.experts.down_proj", experts)
         down_bias = read(hf + "mlp.experts.down_proj_bias")
         for j, e in enumerate(experts):
             local = f"{mc}mlp.experts.local_experts.{j}."
-            weight, bias = gate_up[e].t(), gate_up_bias[e]
+            weight, bias = gate_up[j].t(), gate_up_bias[e]
             state[local + "linear_fc1.weight"] = fc1_shard(weight[0::2], weight[1::2], etp, etp_rank)
             state[local + "linear_fc1.bias"] = fc1_shard(bias[0::2], bias[1::2], etp, etp_rank)
-            state[local + "linear_fc2.weight"] = shard(down[e].t(), 1, etp, etp_rank)
+            state[local + "linear_fc2.weight"] = shard(down[j].t(), 1, etp, etp_rank)
             state[local + "linear_fc2.bias"] = down_bias[e].clone()
     return state
 

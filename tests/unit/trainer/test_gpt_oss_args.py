@@ -100,8 +100,9 @@ def test_mxfp4_experts_are_dequantized_as_transformers() -> None:
     scales = torch.randint(120, 134, (2, 6, 4), generator=generator, dtype=torch.uint8)
     expected = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, h, 2I]
     tensors = {"w_blocks": blocks, "w_scales": scales}
-    got = gpt_oss.read_dequantized(tensors.__getitem__, "w")
+    got = gpt_oss.read_experts(tensors.__getitem__, "w", range(2))
     assert got.shape == (2, 128, 6) and torch.equal(got, expected)
+    assert torch.equal(gpt_oss.read_experts(tensors.__getitem__, "w", range(1, 2)), expected[1:])
     # the first byte's low nibble is the first value
     one = gpt_oss.dequantize_mxfp4(
         torch.tensor([[0x53] + [0] * 15], dtype=torch.uint8), torch.tensor([128], dtype=torch.uint8)
