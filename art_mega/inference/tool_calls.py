@@ -29,6 +29,7 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "llama": ("llama3_json", "<|python_tag|>"),
     "mistral": ("mistral", "[TOOL_CALLS]"),
     "gemma3_text": ("hermes", None),  # Gemma 3's template has no tool format; ART serves it with hermes
+    "gpt_oss": ("openai", None),  # the harmony format's parser, as ART's GPT-OSS handler names it
 }
 """HF `model_type` -> (vLLM `--tool-call-parser` name, the token it needs in the tokenizer)."""
 

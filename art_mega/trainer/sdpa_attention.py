@@ -21,6 +21,13 @@ kv_idx > q_idx - sliding_window). Unlike Megatron's local attention, whose windo
 explicit mask (`fusions/fused_softmax.py` forward_torch_softmax), the window is combined with a
 packed-row mask: documents are contiguous in a row, so distance in the row is distance in the
 document.
+
+Attention sinks (GPT-OSS, megatron-core's `softmax_type="learnable"`): a learned logit per head
+joins each query's softmax denominator and is dropped from its numerator, p_j = exp(s_j) /
+(sum_k exp(s_k) + exp(sink)) (transformers' `models/gpt_oss/modeling_gpt_oss.py`
+eager_attention_forward; Megatron's `fusions/fused_softmax.py` SoftmaxOne). SDPA has no such
+term, so a layer with sinks computes its scores explicitly (`_attention_with_sinks`); the
+parameter is `softmax_offset` [np], this rank's heads, as in Megatron's `DotProductAttention`.
 """
 
 from __future__ import annotations
@@ -41,12 +48,30 @@ def sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int], 
     return ~torch.tril(allowed, diagonal=skv - sq + window_size[1])
 
 
+def _attention_with_sinks(
+    q: Any, k: Any, v: Any, masked: Any, sinks: Any, scale: float, dropout: float
+) -> Any:
+    """Softmax attention with one sink logit per head: q [b, h, sq, d], k/v [b, h, skv, d] (KV heads
+    already repeated), `masked` bool [b or 1, 1 or h, sq, skv] (True = masked), `sinks` [h]. Scores
+    and softmax in fp32, probabilities cast back to v's dtype; returns [b, h, sq, d]."""
+    import torch
+
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    scores = scores.masked_fill(masked, float("-inf"))
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if dropout:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 @functools.cache
 def sdpa_core_attention() -> type:
     """The `SdpaCoreAttention` class, a core-attention module for Megatron `ModuleSpec`s (built on
     first use: it subclasses megatron-core's `MegatronModule`)."""
     import torch
     from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.utils import is_layer_window_attention
@@ -65,7 +90,8 @@ def sdpa_core_attention() -> type:
         Raises:
             ValueError: at construction for what it does not implement (context parallelism,
                 a window that looks ahead or is unbounded on the left, a softmax other than
-                "vanilla"); in forward for an attention bias or packed-sequence (THD) parameters.
+                "vanilla" or "learnable" (sinks, `softmax_offset` [np], loaded from the
+                checkpoint)); in forward for an attention bias or packed-sequence (THD) parameters.
         """
 
         def __init__(
@@ -82,8 +108,9 @@ def sdpa_core_attention() -> type:
             super().__init__(config=config)
             if config.context_parallel_size != 1:
                 raise ValueError("SdpaCoreAttention runs without context parallelism (cp_attention does CP)")
-            if getattr(config, "softmax_type", "vanilla") != "vanilla":
-                raise ValueError("SdpaCoreAttention has only the vanilla softmax")
+            softmax_type = getattr(config, "softmax_type", "vanilla")
+            if softmax_type not in ("vanilla", "learnable"):
+                raise ValueError(f"SdpaCoreAttention has no {softmax_type!r} softmax (vanilla, learnable)")
             windowed = is_layer_window_attention(
                 config.window_size, config.window_attn_skip_freq, layer_number
             )
@@ -100,6 +127,13 @@ def sdpa_core_attention() -> type:
             self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
             self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
             self.attn_mask_type = attn_mask_type
+            self.softmax_offset = None
+            if softmax_type == "learnable":
+                device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+                self.softmax_offset = torch.nn.Parameter(
+                    torch.zeros(self.heads, dtype=config.params_dtype, device=device)
+                )
+                set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
         def forward(
             self,
@@ -121,15 +155,28 @@ def sdpa_core_attention() -> type:
             if self.window is not None:
                 band = sliding_window_causal_mask(q.shape[2], k.shape[2], self.window, q.device)
                 attention_mask = band if attention_mask is None else attention_mask | band
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=None if attention_mask is None else ~attention_mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                is_causal=attention_mask is None and mask_type == AttnMaskType.causal,
-                scale=self.softmax_scale,
-            )
+            dropout = self.dropout if self.training else 0.0
+            if self.softmax_offset is not None:
+                if attention_mask is None:
+                    sq, skv = q.shape[2], k.shape[2]
+                    attention_mask = (
+                        sliding_window_causal_mask(sq, skv, (skv, 0), q.device)
+                        if mask_type == AttnMaskType.causal
+                        else torch.zeros(sq, skv, dtype=torch.bool, device=q.device)
+                    )
+                out = _attention_with_sinks(
+                    q, k, v, attention_mask, self.softmax_offset, self.softmax_scale, dropout
+                )
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=None if attention_mask is None else ~attention_mask,
+                    dropout_p=dropout,
+                    is_causal=attention_mask is None and mask_type == AttnMaskType.causal,
+                    scale=self.softmax_scale,
+                )
             seq, batch = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(seq, batch, self.heads * self.head_dim)
 

@@ -51,8 +51,14 @@ RANK0_SHAPES = {
 
 def _check(name: str, tmp_path: Path) -> dict:
     tp, ep = PARALLEL.get(name, (8, 1))
+    return meta_mapping(CONFIGS[name], tp, ep, tmp_path)
+
+
+def meta_mapping(config: dict, tp: int, ep: int, tmp_path: Path) -> dict:
+    """`tests.trainer.meta_mapping_worker`'s result for an HF config dict at these TP / EP sizes
+    (one subprocess; its files in `tmp_path`)."""
     spec = tmp_path / "in.json"
-    spec.write_text(json.dumps({"config": CONFIGS[name], "tp": tp, "ep": ep}))
+    spec.write_text(json.dumps({"config": config, "tp": tp, "ep": ep}))
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(

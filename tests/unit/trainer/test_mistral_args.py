@@ -14,6 +14,7 @@ from art_mega.trainer.families import (
     _by_model_type,
     family_for,
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     qwen3_moe,
@@ -113,6 +114,7 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "qwen3_moe": qwen3_moe.SPEC,
         "mistral": mistral.SPEC,
         "gemma3_text": gemma3.SPEC,
+        "gpt_oss": gpt_oss.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")

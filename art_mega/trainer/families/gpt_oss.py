@@ -1,0 +1,285 @@
+"""GPT-OSS decoders (HF `GptOssForCausalLM`, model_type "gpt_oss"): config mapping, Megatron layer
+spec, weights and LoRA names (`SPEC`).
+
+A GPT-OSS decoder (transformers `models/gpt_oss/modeling_gpt_oss.py`) is a Llama-style pre-norm
+decoder (RMSNorm, GQA, rotate-half RoPE, untied embeddings) whose every MLP is a mixture of experts,
+with:
+
+- attention sinks: a learned logit per head in each query's softmax denominator
+  (`GptOssAttention.sinks` -> megatron-core's `softmax_type="learnable"`, computed by
+  `sdpa_attention` into the core attention's `softmax_offset`);
+- alternating sliding-window / full attention (`layer_types`; HF's default: even layers slide,
+  window 128) through the trainer's general sliding window (`llama.window_config`);
+- YaRN RoPE (`trainer/rope_scaling.py`; the published configs: factor 32 over 4096 positions,
+  truncate false);
+- biases on q/k/v and o (`add_bias_linear`), on the router and on every expert's two layers;
+- the router `GptOssTopKRouter`: logits x W^T + b, top-k of the logits, softmax over those k
+  (megatron-core's default top-k-then-softmax, `moe_router_pre_softmax` False);
+- the experts' clamped SwiGLU (`GptOssExperts._apply_gate`): gate = min(g, limit),
+  up = clamp(u, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 * gate) with limit 7 ->
+  megatron-core's GLU with `activation_func=quick_gelu` (x * sigmoid(1.702 x)),
+  `glu_linear_offset=1` and `activation_func_clamp_value=limit` (`transformer/mlp.py` glu);
+  HF keeps each expert's gate and up as interleaved columns of `gate_up_proj` [E, h, 2I]
+  (gate = [..., ::2], up = [..., 1::2]) and `down_proj` as [E, I, h] (x @ W), Megatron as
+  [gate; up] rows of linear_fc1 [2I, h] and linear_fc2 [h, I].
+
+The published checkpoints store the experts' weights in MXFP4 (`gate_up_proj_blocks` /
+`_scales`); `read_experts` expands this rank's experts to the parameter values as transformers'
+`integrations/mxfp4.py` convert_moe_packed_tensors does. Refused (one sentence each): attention
+without biases, a swiglu_limit other than transformers' fixed 7.0, another quantization method,
+RoPE other than default / linear / YaRN, attention sinks under context parallelism. The layer
+spec is megatron-core's local one on every device (the sinks live in `sdpa_attention`).
+
+LoRA: ART 0.5.23 adapts q/k/v/o_proj and the experts on GPT-OSS
+(`art/megatron/model_support/registry.py` _GPT_OSS_MOE_TARGET_MODULES); here the Megatron targets
+linear_qkv, linear_proj and each expert's linear_fc1 / linear_fc2 (a GPT-OSS layer has no dense
+MLP), exported under the shared per-expert names (`mlp.experts.{e}.gate_proj` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from art_mega.errors import UserError
+from art_mega.trainer import rope_scaling as scaled_rope
+from art_mega.trainer.families import llama, qwen3_moe
+from art_mega.trainer.families.layout import fc1_shard, shard
+from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+MODEL_TYPES = ("gpt_oss",)
+"""HF `model_type` values this family reads."""
+
+SWIGLU_LIMIT = 7.0
+"""The experts' clamp, fixed in transformers' `GptOssExperts` (it does not read `swiglu_limit`)."""
+
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+"""The RoPE GptOssConfig gives a config without rope_parameters / rope_scaling (base 150000)."""
+
+_MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""FP4 (e2m1) code -> value (transformers `integrations/mxfp4.py` FP4_VALUES)."""
+
+
+@dataclass(frozen=True)
+class GptOssArgs(qwen3_moe.MoeArgs):
+    """A GPT-OSS checkpoint's architecture: `qwen3_moe.MoeArgs` (its `dense` a `llama.DenseArgs`
+    with q/k/v biases, no QK norm, the sliding layers and the YaRN scaling; every layer an MoE of
+    `num_experts` experts of width `expert_ffn_hidden_size`, top `top_k`, softmax over the top-k
+    logits) plus `mxfp4`: the checkpoint stores the experts' weights as MXFP4 blocks and scales."""
+
+    mxfp4: bool = False
+
+
+def model_args(config: dict[str, Any]) -> GptOssArgs:
+    """Parse an HF gpt_oss config dict (transformers 5.19's GptOssConfig defaults for absent
+    fields: 128 experts, top 4, head_dim 64, window 128, even layers sliding, untied embeddings,
+    attention_bias true, YaRN factor 32 over 4096 positions, RoPE base 150000).
+
+    Raises:
+        UserError: one sentence naming the field, its value and the fix (module docstring).
+    """
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UserError(f"model_type={model_type!r} is not a GPT-OSS model ({', '.join(MODEL_TYPES)}).")
+    if not config.get("attention_bias", True):
+        raise UserError(
+            "attention_bias=false is not supported for GPT-OSS; use the model's own config.json (attention_bias true)."
+        )
+    limit = config.get("swiglu_limit", SWIGLU_LIMIT)
+    if float(limit) != SWIGLU_LIMIT:
+        raise UserError(
+            f"swiglu_limit={limit} is not supported; transformers' GPT-OSS experts clamp at {SWIGLU_LIMIT}, so use that."
+        )
+    quantization = config.get("quantization_config") or {}
+    method = quantization.get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise UserError(
+            f"quantization_config.quant_method={method!r} is not supported for GPT-OSS; use the bf16 or mxfp4 checkpoint."
+        )
+    if not scaled_rope.rope_parameters(config):
+        config = {**config, "rope_parameters": DEFAULT_ROPE}
+    num_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window", 128)
+    layers = llama.sliding_layers(config, window, num_layers, lambda i: (i + 1) % 2 == 1)
+    rope_kind = scaled_rope.rope_type(config)
+    if rope_kind not in ("default", *scaled_rope.SCALED_TYPES):
+        raise UserError(
+            f"rope_type={rope_kind!r} is not supported for GPT-OSS; use 'default', 'linear' or 'yarn'."
+        )
+    theta = scaled_rope.rope_parameters(config).get("rope_theta", config.get("rope_theta", 150000.0))
+    num_heads = int(config.get("num_attention_heads", 64))
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 128)
+    top_k = int(config.get("num_experts_per_tok") or config.get("experts_per_token") or 4)
+    if not 1 <= top_k <= num_experts:
+        raise UserError(f"num_experts_per_tok={top_k} must be between 1 and num_local_experts={num_experts}.")
+    dense = llama.DenseArgs(
+        model_type=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        ffn_hidden_size=int(config["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_query_groups=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or 64),
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(theta),
+        rope_scaling_factor=None,
+        max_position_embeddings=int(config.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=True,
+        qk_norm=False,
+        sliding_window=int(window) if any(layers) else None,
+        window_layers=layers if any(layers) else (),
+        rope_scaling=scaled_rope.read(config),
+    )
+    return GptOssArgs(
+        dense=dense,
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_ffn_hidden_size=int(config["intermediate_size"]),
+        norm_topk_prob=True,
+        mxfp4=method == "mxfp4",
+    )
+
+
+def transformer_config(
+    args: GptOssArgs, layout: ParallelLayout, *, dtype: str = "float32", device: str = "cpu"
+):
+    """The Qwen3-MoE family's `TransformerConfig` (`qwen3_moe.transformer_config`: RMSNorm,
+    GQA, the sliding window, the softmax router with top-k-then-softmax, SequentialMLP experts,
+    EP / ETP) with biases on every linear layer and the router, the clamped SwiGLU (quick_gelu,
+    offset 1, clamp `SWIGLU_LIMIT`) and attention sinks (`softmax_type="learnable"`).
+
+    Raises:
+        UserError: context parallelism (the sinks' attention has no CP path).
+    """
+    from megatron.core.activations import quick_gelu
+
+    if llama._context_parallel_size() > 1:
+        raise UserError("GPT-OSS's attention sinks are not implemented under context parallelism; use cp=1.")
+    base = qwen3_moe.transformer_config(args, layout, dtype=dtype, device=device)
+    return dataclasses.replace(
+        base,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        activation_func=quick_gelu,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=SWIGLU_LIMIT,
+        bias_activation_fusion=False,
+        softmax_type="learnable",
+    )
+
+
+def layer_spec(args: GptOssArgs, *, use_te: bool):
+    """megatron-core's local MoE layer spec (SequentialMLP experts, no QK norm) with the SDPA core
+    attention, on every device (`use_te` is not used: the sinks are `sdpa_attention`'s)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from art_mega.trainer.sdpa_attention import with_sdpa_attention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=False, normalization="RMSNorm"
+    )
+    return with_sdpa_attention(spec)
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """Float32 values of MXFP4 tensors: `blocks` uint8 [..., G, 16] (two FP4 codes per byte, low
+    nibble first) and `scales` uint8 [..., G] (exponent + 127 of each group of 32 values) ->
+    [..., G * 32], value = FP4(code) * 2^(scale - 127) (transformers `integrations/mxfp4.py`
+    convert_moe_packed_tensors, before its final transpose)."""
+    import torch
+
+    lut = torch.tensor(_MXFP4_VALUES, dtype=torch.float32)
+    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]
+    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., G, 32]
+    exponent = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponent[..., None]).flatten(-2)
+
+
+def read_experts(read: Callable[[str], Tensor], name: str, experts: range) -> Tensor:
+    """Rows `experts` of the HF experts' parameter `name` (`gate_up_proj` [E, h, 2I] or `down_proj`
+    [E, I, h]), read as it is or, when absent, from its MXFP4 `{name}_blocks` / `{name}_scales`,
+    which hold the transposed tensor ([E, 2I, h/32, 16] for gate_up_proj); only those experts are
+    dequantized (float32). `KeyError` when neither exists."""
+    rows = slice(experts.start, experts.stop)
+    try:
+        return read(name)[rows]
+    except KeyError:
+        values = dequantize_mxfp4(read(name + "_blocks")[rows], read(name + "_scales")[rows])
+        return values.transpose(-1, -2).contiguous()
+
+
+def megatron_state_dict(
+    args: GptOssArgs, read: Callable[[str], Tensor], layout: ParallelLayout
+) -> dict[str, Tensor]:
+    """This rank's Megatron tensors (local-spec names) from HF tensors read by `read(name)`.
+
+    Embedding, untied output layer, norms, fused QKV weight and bias (TP-sharded rows) and
+    o_proj (TP-sharded columns) come from `llama.megatron_state_dict`; besides, per layer i:
+    o_proj.bias -> linear_proj.bias [h] (replicated), sinks [nh] ->
+    self_attention.core_attention.softmax_offset [nh/tp], post_attention_layernorm ->
+    pre_mlp_layernorm, router.weight [E, h] / router.bias [E] -> mlp.router.weight / .bias
+    (replicated), and for local expert j of this EP rank (global e, `qwen3_moe.local_experts`):
+    gate_up_proj[e] [h, 2I] -> linear_fc1.weight [2I/etp, h] (gate = even columns, up = odd,
+    `fc1_shard` over ETP) with gate_up_proj_bias[e] likewise -> linear_fc1.bias,
+    down_proj[e] [I, h] -> linear_fc2.weight [h, I/etp] (transposed, column shard over ETP),
+    down_proj_bias[e] -> linear_fc2.bias [h].
+    """
+    import torch
+
+    def read_or_stand_in(name: str) -> Tensor:
+        if name.endswith(qwen3_moe._DENSE_MLP):
+            return torch.empty(0, 0)
+        return read(name)
+
+    state = llama.megatron_state_dict(args.dense, read_or_stand_in, layout)
+    tp, tp_rank, etp, etp_rank = layout.tp, layout.tp_rank, layout.etp, layout.etp_rank
+    experts = qwen3_moe.local_experts(args, layout.ep, layout.ep_rank)
+    for i in range(args.num_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        del state[mc + "mlp.linear_fc1.weight"], state[mc + "mlp.linear_fc2.weight"]
+        state[mc + "self_attention.linear_proj.bias"] = read(hf + "self_attn.o_proj.bias")
+        state[mc + "self_attention.core_attention.softmax_offset"] = shard(
+            read(hf + "self_attn.sinks"), 0, tp, tp_rank
+        )
+        state[mc + "mlp.router.weight"] = read(hf + "mlp.router.weight")
+        state[mc + "mlp.router.bias"] = read(hf + "mlp.router.bias")
+        gate_up = read_experts(read, hf + "mlp.experts.gate_up_proj", experts)
+        gate_up_bias = read(hf + "mlp.experts.gate_up_proj_bias")
+        down = read_experts(read, hf + "mlp.experts.down_proj", experts)
+        down_bias = read(hf + "mlp.experts.down_proj_bias")
+        for j, e in enumerate(experts):
+            local = f"{mc}mlp.experts.local_experts.{j}."
+            weight, bias = gate_up[j].t(), gate_up_bias[e]
+            state[local + "linear_fc1.weight"] = fc1_shard(weight[0::2], weight[1::2], etp, etp_rank)
+            state[local + "linear_fc1.bias"] = fc1_shard(bias[0::2], bias[1::2], etp, etp_rank)
+            state[local + "linear_fc2.weight"] = shard(down[j].t(), 1, etp, etp_rank)
+            state[local + "linear_fc2.bias"] = down_bias[e].clone()
+    return state
+
+
+SPEC: FamilySpec[GptOssArgs] = dataclasses.replace(
+    qwen3_moe.SPEC,
+    name="gpt_oss",
+    model_types=MODEL_TYPES,
+    model_args=model_args,
+    transformer_config=transformer_config,
+    layer_spec=layer_spec,
+    megatron_state_dict=megatron_state_dict,
+    te_name_map={},
+)
+"""The GPT-OSS family: Qwen3-MoE's parallel limits (TP over heads, EP over experts, ETP over the
+expert width), GPTModel arguments and LoRA names; its own config, layer spec and weights."""
