@@ -228,10 +228,11 @@ RANK0_SHAPES = {
 """A few rank-0 Megatron shapes written out from the architecture (the rest are compared with the model)."""
 
 
-def _check(name: str, tmp_path: Path) -> dict:
+def _check(name: str, tmp_path: Path, config: dict | None = None) -> dict:
+    """The worker's result for `CONFIGS[name]` (or `config`) at `PARALLEL`'s sizes."""
     tp, ep = PARALLEL.get(name, (8, 1))
     spec = tmp_path / "in.json"
-    spec.write_text(json.dumps({"config": CONFIGS[name], "tp": tp, "ep": ep}))
+    spec.write_text(json.dumps({"config": config or CONFIGS[name], "tp": tp, "ep": ep}))
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
