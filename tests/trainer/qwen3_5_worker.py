@@ -1,5 +1,6 @@
 """One gloo rank of the Qwen3.5 TP=2 checks (run as `python -m tests.trainer.qwen3_5_worker`):
-the tiny model's full logits on whole rows and on packed rows (two documents per row), to
+the tiny model's full logits on whole rows and on packed rows (two documents per row), and
+`engine_scenarios.training` (3 GRPO steps, save/resume, adapter export and import round trip), to
 OUT/rankR.pt."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from art_mega.trainer.model_builder import build_megatron_model
 from art_mega.trainer.parallel import destroy_parallel
 from tests.trainer.common import input_ids, megatron_logits
+from tests.trainer.engine_scenarios import training
 from tests.trainer.tp_worker import join
 
 
@@ -40,6 +42,7 @@ def main(rank: int, world: int, out: Path, port: int, models: dict[str, str]) ->
         ids = input_ids(built.vocab_size)
         results[f"logits/{name}"] = megatron_logits(built, ids)
         results[f"packed/{name}"] = packed_logits(built, ids)
+        results[f"training/{name}"] = training(state, path, out / name, dp_split=False)
     destroy_parallel()
     torch.save(results, out / f"rank{rank}.pt")
 

@@ -3,6 +3,10 @@ token mixers (a gated delta-net layer with 2 key heads shared by 4 value heads, 
 full-attention layer with the output gate, RoPE on a quarter of each head and QK norm; Qwen's
 1 + w norms; untied LM head) gives Megatron logits equal to transformers' at TP=1 and TP=2, on
 whole rows and on rows packed with two documents (the delta rule's state restarts per document).
+Its LoRA (as the other families: q/k/v/o on the full-attention layers, gate/up/down on every
+layer; q_proj's adapter covers the output gate's rows too) trains for 3 GRPO steps, exports a PEFT
+adapter that transformers + PEFT load with the Megatron logits (TP=1 and TP=2 exports) and
+imports back bit-exactly.
 The chunked torch delta rule equals the token-by-token recurrence and transformers' own. The
 published Qwen3.6-27B config, built on the meta device, maps every HF tensor at TP=8 with
 Megatron's shapes and parameter count. Config values the family cannot express are refused with
@@ -23,7 +27,9 @@ require_trainer_deps()
 
 HF_TOLERANCE = 1e-4
 TP_TOLERANCE = 1e-5
-"""As tests/trainer: HF vs Megatron logits, TP=2 vs TP=1 logits."""
+ADAM_DRIFT_TOLERANCE = 1e-3
+"""As tests/trainer: HF vs Megatron logits, TP=2 vs TP=1 logits, TP=2 vs TP=1 trained adapters."""
+WORLDS = ("tp1", "tp2")
 
 
 def _text(**changes) -> dict:
@@ -173,11 +179,12 @@ def qwen35_world(qwen35_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def qwen35_tp1(qwen35_world, megatron_world, qwen35_dir: Path) -> dict:
-    """TP=1 in this process (while the TP=2 world works): whole-row and packed logits."""
+def qwen35_tp1(qwen35_world, megatron_world, qwen35_dir: Path, tmp_path_factory) -> dict:
+    """TP=1 in this process (while the TP=2 world works): whole-row and packed logits, training."""
     import torch
 
     from art_mega.trainer.model_builder import build_megatron_model
+    from tests.trainer.engine_scenarios import training
     from tests.trainer.qwen3_5_worker import packed_logits
 
     threads = torch.get_num_threads()
@@ -190,6 +197,9 @@ def qwen35_tp1(qwen35_world, megatron_world, qwen35_dir: Path) -> dict:
             "args": built.args,
             "logits": megatron_logits(built, ids),
             "packed": packed_logits(built, ids),
+            "training": training(
+                megatron_world, str(qwen35_dir), tmp_path_factory.mktemp("qwen35-tp1"), dp_split=False
+            ),
         }
     finally:
         torch.set_num_threads(threads)
@@ -225,10 +235,90 @@ def test_megatron_matches_transformers(qwen35_tp1: dict, hf_model) -> None:
     assert (documents - expected).abs().max().item() > 0.05, "the second document saw the first"
 
 
-def test_tp2_matches_tp1(qwen35_tp1: dict, qwen35_world) -> None:
-    for rank, results in enumerate(qwen35_world.results(timeout=480)):
+@pytest.fixture(scope="session")
+def qwen35_tp2(qwen35_world) -> list[dict]:
+    return qwen35_world.results(timeout=600)
+
+
+def _runs(qwen35_tp1: dict, qwen35_tp2: list[dict]) -> dict[str, dict]:
+    return {"tp1": qwen35_tp1["training"], "tp2": qwen35_tp2[0]["training/q"]}
+
+
+def test_tp2_matches_tp1(qwen35_tp1: dict, qwen35_tp2: list[dict]) -> None:
+    for rank, results in enumerate(qwen35_tp2):
         assert results["state"] == (2, 1, rank, 0)
         diff = (results["logits/q"] - qwen35_tp1["logits"]).abs().max().item()
         packed = (results["packed/q"] - qwen35_tp1["packed"]).abs().max().item()
         print(f"qwen3_5 rank {rank}: max |tp2 - tp1| = {diff:.2e}, packed {packed:.2e}")
         assert diff <= TP_TOLERANCE and packed <= TP_TOLERANCE
+
+
+def test_grpo_steps_train(qwen35_tp1: dict) -> None:
+    import math
+
+    run = qwen35_tp1["training"]
+    norms = [m["loss/grad_norm"] for m in run["metrics"]]
+    print(f"qwen3_5 GRPO grad norms {norms}, policy losses {[m['loss/policy'] for m in run['metrics']]}")
+    assert all(math.isfinite(norm) and norm > 0 for norm in norms)
+    assert run["resumed_metrics"]["loss/policy"] == pytest.approx(run["metrics"][2]["loss/policy"], abs=1e-6)
+    assert (run["logits"] - qwen35_tp1["logits"]).abs().max().item() > 0.05, "the adapter moved the logits"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_peft_logits_match_megatron(world: str, qwen35_tp1, qwen35_tp2, qwen35_dir: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = _runs(qwen35_tp1, qwen35_tp2)[world]
+    base = AutoModelForCausalLM.from_pretrained(qwen35_dir, dtype=torch.float32)
+    ids = input_ids(base.config.vocab_size)
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, run["adapter"])(ids).logits
+    diff = (peft_logits - run["logits"]).abs().max().item()
+    effect = (peft_logits - base_logits).abs().max().item()
+    print(
+        f"{world} qwen3_5: max |peft - megatron| = {diff:.2e}; the adapter moves logits by up to {effect:.2f}"
+    )
+    assert diff <= HF_TOLERANCE
+    assert effect > 0.05
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_import_then_export_is_bit_exact(world: str, qwen35_tp1, qwen35_tp2) -> None:
+    import torch
+
+    run = _runs(qwen35_tp1, qwen35_tp2)[world]
+    for file in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (Path(run["adapter"]) / file).read_bytes() == (Path(run["roundtrip"]) / file).read_bytes()
+    assert torch.equal(run["imported_logits"], run["logits"])
+
+
+def test_tp2_export_equals_tp1_export_and_names_every_module(
+    qwen35_tp1, qwen35_tp2, qwen35_dir: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from art_mega.trainer.hf_checkpoint import read_hf_config
+    from art_mega.trainer.peft_io import adapter_layout
+
+    runs = _runs(qwen35_tp1, qwen35_tp2)
+    tp1, tp2 = (load_file(Path(runs[w]["adapter"]) / "adapter_model.safetensors") for w in WORLDS)
+    assert tp1.keys() == tp2.keys()
+    diff = max((tp1[key] - tp2[key]).abs().max().item() for key in tp1)
+    print(f"qwen3_5: max |tp2 adapter - tp1 adapter| = {diff:.1e}")
+    assert diff <= ADAM_DRIFT_TOLERANCE
+    mlp = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    attention = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    prefix = "base_model.model.model.layers"
+    expected = {f"{prefix}.0.{module}.lora_{m}.weight" for module in mlp for m in "AB"}
+    expected |= {f"{prefix}.1.{module}.lora_{m}.weight" for module in mlp + attention for m in "AB"}
+    assert set(tp1) == expected
+    assert tuple(tp1[f"{prefix}.1.self_attn.q_proj.lora_B.weight"].shape) == (2 * 4 * 32, 4)
+    layout = adapter_layout(
+        read_hf_config(qwen35_dir),
+        4,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    assert layout.shapes == {key: tuple(tensor.shape) for key, tensor in tp1.items()}

@@ -8,7 +8,7 @@ mixers (`layer_types`; by default three "linear_attention" layers then one "full
   `partial_rotary_factor` of each head (rotate-half within that part), and an output gate:
   q_proj is twice as wide, per head [query; gate], and the attention output is multiplied by
   sigmoid(gate) before o_proj. Megatron-core's `attention_output_gate` computes exactly this; its
-  fused linear_qkv holds per query group [queries; gates; key; value] (`fuse_qkv_gate`).
+  fused linear_qkv holds per query group [queries; gates; key; value] (`layout.fuse_qkv_gate`).
 - gated delta-net linear attention (`Qwen3_5GatedDeltaNet`): in_proj_qkv / in_proj_z /
   in_proj_b / in_proj_a, a causal depthwise conv1d (SiLU) over [q; k; v], the gated delta rule
   (`delta_rule.chunk_gated_delta_rule`, a chunked torch implementation), a gated RMSNorm
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
 from art_mega.trainer.families import llama
-from art_mega.trainer.families.layout import fc1_shard, pad_rows, shard
+from art_mega.trainer.families.layout import fc1_shard, fuse_qkv_gate, pad_rows, shard
 from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
 
 if TYPE_CHECKING:
@@ -397,25 +397,6 @@ def gpt_model_kwargs(args: Qwen35Args, *, tp: int) -> dict[str, Any]:
     return {**llama.gpt_model_kwargs(args, tp=tp), "rotary_percent": args.partial_rotary_factor}
 
 
-def fuse_qkv_gate(q_gate: Tensor, k: Tensor, v: Tensor, num_heads: int, num_query_groups: int) -> Tensor:
-    """Megatron's gated fused QKV weight from HF's q_proj (per head [query; gate], [2*nh*d, h]),
-    k_proj and v_proj ([ng*d, h]): per query group g, its query heads, their gates, key head g,
-    value head g -> [(2*nh + 2*ng)*d, h] (`transformer/attention.py`
-    SelfAttention.get_query_key_value_tensors with output_gate: [ng, (2*np/ng + 2)*hn] split
-    into query, gate, key, value)."""
-    import torch
-
-    head_dim = k.shape[0] // num_query_groups
-    per_group = num_heads // num_query_groups
-    rest = q_gate.shape[1:]
-    pairs = q_gate.reshape(num_query_groups, per_group, 2, head_dim, *rest)
-    query = pairs[:, :, 0].reshape(num_query_groups, per_group * head_dim, *rest)
-    gate = pairs[:, :, 1].reshape(num_query_groups, per_group * head_dim, *rest)
-    k = k.reshape(num_query_groups, head_dim, *rest)
-    v = v.reshape(num_query_groups, head_dim, *rest)
-    return torch.cat([query, gate, k, v], dim=1).reshape(-1, *rest)
-
-
 def _shifted(weight: Tensor) -> Tensor:
     """Megatron's RMSNorm weight (x / rms(x) * weight) of HF's zero-centred one (* (1 + weight)), fp32."""
     return weight.float() + 1.0
@@ -452,7 +433,7 @@ def megatron_state_dict(
     Every layer: input_layernorm -> input_layernorm, post_attention_layernorm ->
     pre_mlp_layernorm (both 1 + w), gate/up/down_proj -> mlp.linear_fc1 (`fc1_shard`) /
     linear_fc2 (column shard). Full-attention layers: q/k/v_proj -> self_attention.linear_qkv
-    (`fuse_qkv_gate`, row shard), q_norm / k_norm -> q_layernorm / k_layernorm (1 + w), o_proj
+    (`layout.fuse_qkv_gate`, row shard), q_norm / k_norm -> q_layernorm / k_layernorm (1 + w), o_proj
     -> linear_proj (column shard). Delta-net layers (`linear_attn.` -> `self_attention.`):
     in_proj_qkv (each of q, k, v row-sharded), in_proj_z / in_proj_b / in_proj_a (row shard),
     conv1d.weight -> conv1d_weight (as in_proj_qkv), dt_bias, A_log (shard), norm.weight ->
@@ -524,6 +505,6 @@ SPEC: FamilySpec[Qwen35Args] = FamilySpec(
     gpt_model_kwargs=gpt_model_kwargs,
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
-    lora=llama.LORA_NAMES,
+    lora=dataclasses.replace(llama.LORA_NAMES, output_gate=True),
 )
 """The Qwen3.5 / Qwen3.6 dense family."""
