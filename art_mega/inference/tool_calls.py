@@ -29,6 +29,8 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "llama": ("llama3_json", "<|python_tag|>"),
     "mistral": ("mistral", "[TOOL_CALLS]"),
     "gemma3_text": ("hermes", None),  # Gemma 3's template has no tool format; ART serves it with hermes
+    "qwen3_5": ("qwen3_xml", None),  # as ART's Qwen3.5 handler (vllm_server_args)
+    "qwen3_5_text": ("qwen3_xml", None),
 }
 """HF `model_type` -> (vLLM `--tool-call-parser` name, the token it needs in the tokenizer)."""
 
