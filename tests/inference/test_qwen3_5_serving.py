@@ -33,9 +33,10 @@ NAME = "tiny-qwen35"
 
 
 def _vllm_imports_qwen3_5(vllm_python: str) -> str | None:
-    """None when `vllm_python` imports vLLM's Qwen3_5ForCausalLM, else the last line of the error."""
+    """None when `vllm_python` has torchvision, which vLLM's model inspection of Qwen3_5ForCausalLM
+    imports (seen in the replica log: qwen3_vl -> Qwen2-VL image processor), else the error's last line."""
     done = subprocess.run(
-        [vllm_python, "-c", "from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM"],
+        [vllm_python, "-c", "import torchvision"],
         capture_output=True,
         text=True,
         timeout=300,
