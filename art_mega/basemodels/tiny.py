@@ -1,4 +1,4 @@
-"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3, Mistral, Gemma 3 text) built from a
+"""Tiny Hugging Face model directories (Llama, Qwen2, Qwen3, Mistral, Gemma 3 text, Qwen3.5) built from a
 config, for tests.
 
 Weights are seeded random numbers and the tokenizer is trained here on a built-in corpus, so a
@@ -18,7 +18,7 @@ from typing import Literal
 
 from art_mega.errors import UserError
 
-TinyArch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text"]
+TinyArch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5"]
 
 FORMAT_VERSION = 1
 """Bumped whenever the builder's output changes for the same arguments."""
@@ -46,6 +46,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
 }
 
 GEMMA3_TINY = {
@@ -59,6 +60,19 @@ GEMMA3_TINY = {
 """The tiny Gemma 3's features besides the sizes: local (even) / global (odd) layers, a query
 scale 24^-0.5 that is not head_dim^-0.5, and different RoPE on global (base 1e5, linear factor 2)
 and local (base 1e4) layers, so a mix-up shows in the logits."""
+
+QWEN3_5_TINY = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+"""The tiny Qwen3.5's features besides the sizes: a gated delta-net layer (2 key heads shared by 4
+value heads, widths 16, conv kernel 4) then a full-attention layer (output gate, RoPE on a quarter
+of each head, QK norm); transformers' text-only Qwen3_5ForCausalLM."""
 
 _WORDS = (
     "the a an one two three four five six seven eight nine ten zero plus minus times what is "
@@ -119,7 +133,14 @@ def _train_tokenizer(vocab_size: int, seed: int):
 
 def _hf_config(arch: TinyArch, spec: dict):
     """The transformers config object for `arch` built from the normalised build arguments."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=spec["vocab_size"],
@@ -161,6 +182,10 @@ def _hf_config(arch: TinyArch, spec: dict):
             hidden_activation="gelu_pytorch_tanh",
             **common,
         )
+    if arch == "qwen3_5":
+        common["rope_parameters"] = QWEN3_5_TINY["rope_parameters"]
+        extra = {key: value for key, value in QWEN3_5_TINY.items() if key != "rope_parameters"}
+        return Qwen3_5TextConfig(head_dim=spec["head_dim"], **extra, **common)
     return Qwen3Config(head_dim=spec["head_dim"], **qwen_window, **common)
 
 
@@ -190,6 +215,17 @@ def _fill_weights(model, seed: int, hidden_size: int, norm_offset: float = 1.0) 
                 param.copy_(noise / param.shape[-1] ** 0.5)
 
 
+def _plain_gated_norms(model) -> None:
+    """Add 1 to Qwen3.5's gated delta-net norm weights: unlike its other norms (x * (1 + w)) they
+    scale by w itself, so they are filled around 1 like Llama's."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.add_(1.0)
+
+
 def tiny_spec(
     arch: TinyArch = "llama",
     *,
@@ -210,8 +246,8 @@ def tiny_spec(
 
     Defaults: hidden_size = 64 where the config carries head_dim (llama, qwen3, mistral), else
     num_heads * head_dim (qwen2, whose attention derives head_dim from hidden_size);
-    tie_word_embeddings = False for llama and mistral, True for qwen2/qwen3/gemma3_text (as their
-    models do). `sliding_window` (tokens): Mistral's window on every layer, Qwen2/Qwen3's
+    tie_word_embeddings = False for llama, mistral and qwen3_5, True for qwen2/qwen3/gemma3_text
+    (as their models do). `sliding_window` (tokens): Mistral's window on every layer, Qwen2/Qwen3's
     `use_sliding_window` on the layers from `max_window_layers` on, Gemma 3's local layers
     (default 6 there; `GEMMA3_TINY` has its other features). The two keys are in the dict only
     when set, so the other models' build hashes stay as they were.
@@ -230,7 +266,7 @@ def tiny_spec(
             "for qwen2, whose config has no head_dim."
         )
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch not in ("llama", "mistral")
+        tie_word_embeddings = arch not in ("llama", "mistral", "qwen3_5")
     if arch == "llama" and sliding_window is not None:
         raise UserError("sliding_window is not a Llama setting; use mistral, qwen2, qwen3 or gemma3_text.")
     if max_window_layers is not None and arch not in ("qwen2", "qwen3"):
@@ -291,7 +327,10 @@ def _write_model(directory: Path, spec: dict) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _fill_weights(model, spec["seed"], spec["hidden_size"], 0.0 if spec["arch"] == "gemma3_text" else 1.0)
+    zero_centred = spec["arch"] in ("gemma3_text", "qwen3_5")
+    _fill_weights(model, spec["seed"], spec["hidden_size"], 0.0 if zero_centred else 1.0)
+    if spec["arch"] == "qwen3_5":
+        _plain_gated_norms(model)
     model.generation_config.do_sample = True
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

@@ -30,6 +30,8 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "mistral": ("mistral", "[TOOL_CALLS]"),
     "gemma3_text": ("hermes", None),  # Gemma 3's template has no tool format; ART serves it with hermes
     "gpt_oss": ("openai", None),  # the harmony format's parser, as ART's GPT-OSS handler names it
+    "qwen3_5": ("qwen3_xml", None),  # as ART's Qwen3.5 handler (vllm_server_args)
+    "qwen3_5_text": ("qwen3_xml", None),
 }
 """HF `model_type` -> (vLLM `--tool-call-parser` name, the token it needs in the tokenizer)."""
 

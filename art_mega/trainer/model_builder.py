@@ -103,18 +103,20 @@ def _model_args(config: Any, model_dir: str | os.PathLike[str]) -> Any:
         raise UserError(
             f"{path} is not a model config (an object with a model_type string); use the model's own config.json."
         )
+    inner = config.get("text_config")
+    sizes = {**config, **inner} if isinstance(inner, dict) else config  # a multimodal wrapper's decoder
     for name in (*CONFIG_SIZES, *OPTIONAL_CONFIG_SIZES):
-        value = config.get(name)
+        value = sizes.get(name)
         if value is None and name in OPTIONAL_CONFIG_SIZES:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            shown = "missing" if name not in config else f"{value!r}"
+            shown = "missing" if name not in sizes else f"{value!r}"
             raise UserError(
                 f"{path}: {name} is {shown}, not a whole number of at least 1; use the model's own config.json."
             )
     heads, kv = (
-        config["num_attention_heads"],
-        config.get("num_key_value_heads") or config["num_attention_heads"],
+        sizes["num_attention_heads"],
+        sizes.get("num_key_value_heads") or sizes["num_attention_heads"],
     )
     if heads % kv:
         raise UserError(

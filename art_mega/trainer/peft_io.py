@@ -255,7 +255,8 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
 
     Features per Megatron layer, h = hidden size, d = head width: linear_qkv h -> q_proj
     heads*d, k_proj / v_proj kv_heads*d; linear_proj (o_proj) heads*d -> h; linear_fc1 h ->
-    gate_proj / up_proj ffn; linear_fc2 (down_proj) ffn -> h. In an MoE family every layer's
+    gate_proj / up_proj ffn; linear_fc2 (down_proj) ffn -> h (Qwen3.5: q_proj 2*heads*d with
+    its output gate, and no self_attn on its delta-net layers). In an MoE family every layer's
     expert targets are per expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), as
     `export_adapter` writes them. Torch-free.
 
@@ -269,15 +270,17 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     spec = family_for(hf_config)
     args = spec.model_args(hf_config)
     names = spec.lora
-    hidden, q_out = args.hidden_size, args.num_heads * args.head_dim
+    hidden, q_in = args.hidden_size, args.num_heads * args.head_dim
+    q_out = q_in * (2 if names.output_gate else 1)  # q_proj with its output gate (Qwen3.5)
     kv_out = args.num_query_groups * args.head_dim
+    no_attention = getattr(args, "linear_layers", ())  # Qwen3.5's delta-net layers: no self_attn
     experts = int(getattr(args, "num_experts", 0))  # a dense family's arguments have no experts
 
     def features(ffn: int) -> dict[str, tuple[tuple[int, int], ...]]:
         # (in, out) of each HF module of a Megatron target, in `names.modules` order
         return {
             "linear_qkv": ((hidden, q_out), (hidden, kv_out), (hidden, kv_out)),
-            "linear_proj": ((q_out, hidden),),
+            "linear_proj": ((q_in, hidden),),
             "linear_fc1": ((hidden, ffn), (hidden, ffn)),
             "linear_fc2": ((ffn, hidden),),
         }
@@ -287,6 +290,8 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     shared: list[tuple[str, ...]] = []
     for layer in range(args.num_layers):
         for target in names.normalise(list(target_modules)):
+            if no_attention and no_attention[layer] and names.parents[target] == "self_attn":
+                continue
             parent = f"{layer}.{names.parents[target]}"
             per_expert = experts and target in names.expert_targets
             parents = [f"{parent}.experts.{e}" for e in range(experts)] if per_expert else [parent]

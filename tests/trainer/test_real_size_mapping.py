@@ -49,9 +49,10 @@ RANK0_SHAPES = {
 """A few rank-0 Megatron shapes written out from the architecture (the rest are compared with the model)."""
 
 
-def _check(name: str, tmp_path: Path) -> dict:
+def _check(name: str, tmp_path: Path, config: dict | None = None) -> dict:
+    """The worker's result for `CONFIGS[name]` (or `config`) at `PARALLEL`'s sizes."""
     tp, ep = PARALLEL.get(name, (8, 1))
-    return meta_mapping(CONFIGS[name], tp, ep, tmp_path)
+    return meta_mapping(config or CONFIGS[name], tp, ep, tmp_path)
 
 
 def meta_mapping(config: dict, tp: int, ep: int, tmp_path: Path) -> dict:

@@ -97,3 +97,39 @@ def unfuse_fc1(shards: list[Tensor]) -> tuple[Tensor, Tensor]:
     gate = torch.cat([half[0] for half in halves], dim=0)
     up = torch.cat([half[1] for half in halves], dim=0)
     return gate, up
+
+
+def fuse_qkv_gate(q_gate: Tensor, k: Tensor, v: Tensor, num_heads: int, num_query_groups: int) -> Tensor:
+    """Megatron's gated fused QKV tensor from HF's q_proj with an output gate (per head [query;
+    gate], [2*nh*d, ...]), k_proj and v_proj ([ng*d, ...]): per query group g, its query heads,
+    their gates, key head g, value head g -> [(2*nh + 2*ng)*d, ...] (`transformer/attention.py`
+    SelfAttention.get_query_key_value_tensors with output_gate views [ng, (2*np/ng + 2)*hn] and
+    splits query, gate, key, value). TP shards it like `fuse_qkv`'s tensor."""
+    import torch
+
+    head_dim = k.shape[0] // num_query_groups
+    per_group = num_heads // num_query_groups
+    rest = q_gate.shape[1:]
+    pairs = q_gate.reshape(num_query_groups, per_group, 2, head_dim, *rest)
+    query = pairs[:, :, 0].reshape(num_query_groups, per_group * head_dim, *rest)
+    gate = pairs[:, :, 1].reshape(num_query_groups, per_group * head_dim, *rest)
+    k = k.reshape(num_query_groups, head_dim, *rest)
+    v = v.reshape(num_query_groups, head_dim, *rest)
+    return torch.cat([query, gate, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv_gate(fused: Tensor, num_heads: int, num_query_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `fuse_qkv_gate`: HF's (q_proj with its per-head gates, k, v) from a full
+    (unsharded) gated fused QKV tensor."""
+    import torch
+
+    rows = fused.shape[0]
+    head_dim = rows // (2 * num_heads + 2 * num_query_groups)
+    per_group = num_heads // num_query_groups
+    rest = fused.shape[1:]
+    grouped = fused.reshape(num_query_groups, (2 * per_group + 2) * head_dim, *rest)
+    query, gate, k, v = grouped.split([per_group * head_dim, per_group * head_dim, head_dim, head_dim], dim=1)
+    query = query.reshape(num_query_groups, per_group, 1, head_dim, *rest)
+    gate = gate.reshape(num_query_groups, per_group, 1, head_dim, *rest)
+    q_gate = torch.cat([query, gate], dim=2).reshape(-1, *rest)
+    return q_gate, k.reshape(-1, *rest), v.reshape(-1, *rest)

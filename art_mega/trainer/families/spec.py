@@ -58,7 +58,8 @@ class LoraNames:
     ("self_attn", "mlp"). `expert_targets`: the targets an MoE layer also has per expert, whose HF
     modules sit under `{parent}.experts.{e}` (the per-expert names of the Hub checkpoints).
     `layer_prefix`: PEFT's key prefix of the decoder layers (PeftModel -> LoraModel ->
-    *ForCausalLM.model.layers).
+    *ForCausalLM.model.layers). `output_gate`: linear_qkv also holds the attention output gate
+    (HF's q_proj is per head [query; gate]; `layout.fuse_qkv_gate`, Qwen3.5).
 
     Torch-free except `to_peft` / `from_peft`.
     """
@@ -67,6 +68,7 @@ class LoraNames:
     parents: Mapping[str, str]
     expert_targets: tuple[str, ...] = ()
     layer_prefix: str = "base_model.model.model.layers"
+    output_gate: bool = False
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -138,13 +140,14 @@ class LoraNames:
         """
         import torch
 
-        from art_mega.trainer.families.layout import split_qkv, unfuse_fc1
+        from art_mega.trainer.families.layout import split_qkv, split_qkv_gate, unfuse_fc1
 
         parent, target = self.parse(name)
         hf_names = self.modules[target]
         if target == "linear_qkv":
             full_b = torch.cat(b_shards, dim=0)
-            bs = dict(zip(hf_names, split_qkv(full_b, num_heads, num_query_groups)))
+            split = split_qkv_gate if self.output_gate else split_qkv
+            bs = dict(zip(hf_names, split(full_b, num_heads, num_query_groups)))
         elif target == "linear_fc1":
             bs = dict(zip(hf_names, unfuse_fc1(b_shards)))
         else:
@@ -174,7 +177,7 @@ class LoraNames:
         """
         import torch
 
-        from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, shard
+        from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, fuse_qkv_gate, shard
 
         parent, target = self.parse(name)
         layer = parent.split(".", 1)[0]
@@ -196,7 +199,8 @@ class LoraNames:
             )
         a = a_list[0]
         if target == "linear_qkv":
-            b = shard(fuse_qkv(*b_list, num_heads, num_query_groups), 0, tp_size, tp_rank)
+            fuse = fuse_qkv_gate if self.output_gate else fuse_qkv
+            b = shard(fuse(*b_list, num_heads, num_query_groups), 0, tp_size, tp_rank)
         elif target == "linear_fc1":
             b = fc1_shard(b_list[0], b_list[1], tp_size, tp_rank)
         else:

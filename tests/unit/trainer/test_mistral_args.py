@@ -17,6 +17,7 @@ from art_mega.trainer.families import (
     gpt_oss,
     llama,
     mistral,
+    qwen3_5,
     qwen3_moe,
 )
 from art_mega.trainer.families.spec import ParallelLayout
@@ -115,6 +116,8 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "mistral": mistral.SPEC,
         "gemma3_text": gemma3.SPEC,
         "gpt_oss": gpt_oss.SPEC,
+        "qwen3_5": qwen3_5.SPEC,
+        "qwen3_5_text": qwen3_5.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")

@@ -1,0 +1,63 @@
+"""The published Qwen3.6-27B config.json (Hugging Face Hub Qwen/Qwen3.6-27B, the same text
+architecture as Qwen/Qwen3.5-27B): `Qwen3_5ForConditionalGeneration`, the text decoder in
+`text_config` (its vision tower's config is left out: the trainer reads the text decoder only)."""
+
+from __future__ import annotations
+
+_LAYER_TYPES = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
+
+QWEN3_6_27B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054,
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+        "eos_token_id": 248044,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 17408,
+        "layer_types": _LAYER_TYPES,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_value_head_dim": 128,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": 24,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 4,
+        "pad_token_id": None,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 248320,
+    },
+}
+"""Qwen3.6-27B: 64 layers (every 4th full attention: 24 query heads, 4 KV heads of width 256 with
+the output gate, RoPE base 1e7 on a quarter of each head), 48 gated delta-net layers (16 key
+heads, 48 value heads, widths 128, conv kernel 4), hidden 5120, FFN 17408, vocabulary 248320,
+untied LM head."""
