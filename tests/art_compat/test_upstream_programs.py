@@ -94,9 +94,10 @@ async def test_2048_notebook(primed_workdir, monkeypatch):
     asking for `model=model.name`, with ART's T4 engine settings and `in_process=True`: one group
     of 18 games a step. Its reward is -1 for a game that makes an invalid move, else a value that
     grows with the tiles on the full board. On untouched SmolLM2-135M-Instruct every game made an
-    invalid first move (36 of 36, 0 tokens trained); the format-primed model (module docstring)
-    played all 18 games of each step to a full board (measured: mean reward 0.51 and 0.56, 37 and
-    35 moves a game, gathers of 159 s and 131 s; a train step of 18 such games took ~5 minutes)."""
+    invalid first move (36 of 36, 0 tokens trained). The format-primed model (module docstring),
+    measured on 2 shared cores: mean reward 0.51 and 0.56 in steps 1 and 2, finished games of 37
+    and 35 moves on average, gathers of 159 s and 131 s; the run hit a 900 s timeout inside step
+    2's train (a train step of 18 such games: minutes), hence the 2400 s timeout."""
     _weave_if_missing(monkeypatch)
     run = await run_program(UPSTREAM / "art_2048.py", monkeypatch)
     print(f"2048: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
