@@ -95,9 +95,9 @@ async def test_2048_notebook(primed_workdir, monkeypatch):
     of 18 games a step. Its reward is -1 for a game that makes an invalid move, else a value that
     grows with the tiles on the full board. On untouched SmolLM2-135M-Instruct every game made an
     invalid first move (36 of 36, 0 tokens trained). The format-primed model (module docstring),
-    measured on 2 shared cores: mean reward 0.51 and 0.56 in steps 1 and 2, finished games of 37
-    and 35 moves on average, gathers of 159 s and 131 s; the run hit a 900 s timeout inside step
-    2's train (a train step of 18 such games: minutes), hence the 2400 s timeout."""
+    measured on 2 shared cores (ART_MEGA_LONG_PROGRAMS=1): mean reward 0.51 and 0.59 in steps 1
+    and 2, finished games of 36 and 34 moves on average, gathers of 141 s and 123 s, trained tokens
+    4,794 and 4,948, 916 s in all (an earlier run hit a 900 s timeout in step 2's train)."""
     _weave_if_missing(monkeypatch)
     run = await run_program(UPSTREAM / "art_2048.py", monkeypatch)
     print(f"2048: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
