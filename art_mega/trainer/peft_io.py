@@ -320,7 +320,9 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     for layer in range(args.num_layers):
         for target in names.normalise(list(target_modules)):
             mixer = names.parents[target] in ("self_attn", "linear_attn")
-            if mixer and bool(no_attention and no_attention[layer]) != (names.parents[target] == "linear_attn"):
+            if mixer and bool(no_attention and no_attention[layer]) != (
+                names.parents[target] == "linear_attn"
+            ):
                 continue  # self_attn on full-attention layers only, linear_attn on delta-net layers only
             parent = f"{layer}.{names.parents[target]}"
             per_expert = experts and target in names.expert_targets

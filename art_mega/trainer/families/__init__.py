@@ -84,7 +84,9 @@ def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
                 hf_names,
                 spec.lora.parents[target],
             ):
-                raise RuntimeError(f"family {spec.name} names its LoRA target {target} unlike family {owner[target]}")
+                raise RuntimeError(
+                    f"family {spec.name} names its LoRA target {target} unlike family {owner[target]}"
+                )
             modules.setdefault(target, hf_names)
             parents.setdefault(target, spec.lora.parents[target])
             owner.setdefault(target, spec.name)

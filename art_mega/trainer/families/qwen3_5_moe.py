@@ -191,9 +191,14 @@ def megatron_state_dict(
         state[mc + "router.weight"] = read(hf + "gate.weight")
         shared = mc + "shared_experts."
         state[shared + "linear_fc1.weight"] = fc1_shard(
-            read(hf + "shared_expert.gate_proj.weight"), read(hf + "shared_expert.up_proj.weight"), tp_size, tp_rank
+            read(hf + "shared_expert.gate_proj.weight"),
+            read(hf + "shared_expert.up_proj.weight"),
+            tp_size,
+            tp_rank,
         )
-        state[shared + "linear_fc2.weight"] = shard(read(hf + "shared_expert.down_proj.weight"), 1, tp_size, tp_rank)
+        state[shared + "linear_fc2.weight"] = shard(
+            read(hf + "shared_expert.down_proj.weight"), 1, tp_size, tp_rank
+        )
         state[shared + "gate_weight"] = read(hf + "shared_expert_gate.weight")
         for j, expert in enumerate(qwen3_moe.local_experts(args, layout.ep, layout.ep_rank)):
             gate, up, down = qwen3_moe.read_expert(read, i, expert)

@@ -136,7 +136,9 @@ class LoraNames:
         if expert is not None and target not in self.expert_targets:
             raise ValueError(f"unexpected LoRA layer name {name!r}: this family has no experts' {target}")
         if shared is not None and not (self.shared_expert and target in self.expert_targets):
-            raise ValueError(f"unexpected LoRA layer name {name!r}: this family has no shared expert's {target}")
+            raise ValueError(
+                f"unexpected LoRA layer name {name!r}: this family has no shared expert's {target}"
+            )
         parent = f"{layer}.{self.parents[target]}"
         if expert is not None:
             parent += f".experts.{expert}"
