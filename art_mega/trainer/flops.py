@@ -37,7 +37,7 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
   runs one more forward without gradients per microbatch, which this count does not include.
 - MoE layers: the router (h -> experts) for every token and the top-k experts' SwiGLU MLPs for
   every token (`top_k` expert passes per token, whatever the balance between experts); each
-  expert's linear_fc1 / linear_fc2 carries its own adapter, as `trainer.lora.apply_lora` puts them.
+  expert's linear_fc1 / linear_fc2 carries its own adapter, as `trainer.rank.lora.apply_lora` puts them.
   Megatron's router backward also forms the frozen router weight's gradient
   (`moe_utils.RouterGatingLinearFunction`), 2 h E per token and layer: work the model does not
   need, so not model FLOPs and not counted (tests/trainer/test_flops_engine.py shows it apart).

@@ -1,6 +1,6 @@
 """ART's `src/art/test/test_kl_advantage.py` (KL-penalised advantages, `kl_penalty_coef`) ported
 to art-mega's names: `art.loss.loss_fn(inputs, new, ref, entropies, config)` is
-`trainer.loss.grpo_loss(new, old, advantages, mask, config=GRPOLossConfig(...), ref_logprobs=ref)`.
+`trainer.rank.loss.grpo_loss(new, old, advantages, mask, config=GRPOLossConfig(...), ref_logprobs=ref)`.
 
 ART's inputs are unshifted (its loss shifts them by one token); art-mega's are already aligned,
 so ART's `assistant_mask[:, 0] = False` over 8 tokens is the aligned mask [1]*7 + [0] here.
@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the trainer's losses need torch (the cpu extra)")
 
-from art_mega.trainer.loss import grpo_loss  # noqa: E402
 from art_mega.trainer.protocol import GRPOLossConfig  # noqa: E402
+from art_mega.trainer.rank.loss import grpo_loss  # noqa: E402
 
 
 def _mask(seq_len: int = 8) -> torch.Tensor:

@@ -24,9 +24,9 @@ from art_mega.dev.train import TRAIN_CONFIG_KEYS  # noqa: E402
 from art_mega.errors import HyperParameterError, UserError  # noqa: E402
 from art_mega.model import dev_train_options  # noqa: E402
 from art_mega.trainer.batch import Document  # noqa: E402
-from art_mega.trainer.loss import grpo_loss  # noqa: E402
+from art_mega.trainer.prepare.tokenize import balance_advantages  # noqa: E402
 from art_mega.trainer.protocol import GRPOLossConfig  # noqa: E402
-from art_mega.trainer.tokenize import balance_advantages  # noqa: E402
+from art_mega.trainer.rank.loss import grpo_loss  # noqa: E402
 
 L = math.log
 

@@ -20,7 +20,7 @@ from art_mega.trainer.behaviour import (
     behaviour_warning,
     choice_sampling,
 )
-from art_mega.trainer.tokenize import grpo_documents
+from art_mega.trainer.prepare.tokenize import grpo_documents
 
 USER = {"role": "user", "content": "hi there"}
 

@@ -108,7 +108,7 @@ def test_a_recorded_completion_without_logprobs_is_refused_by_training_not_train
     tiny_tokenizer: Any,
 ) -> None:
     from art_mega.errors import NonFiniteValueError, TokenizationError
-    from art_mega.trainer.tokenize import grpo_documents
+    from art_mega.trainer.prepare.tokenize import grpo_documents
     from art_mega.trajectories import check_train_groups
 
     for logprobs in (None, {"content": []}):

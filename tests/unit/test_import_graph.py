@@ -21,6 +21,15 @@ SERVICES = ("preflight", "rollouts", "transfer", "inference", "trainer")
 AGENT_PUBLIC = ("routes", "supervisor", "client", "protocol", "ports")
 """The agent modules a service may import (not app, listeners, lease, auth: the agent's insides)."""
 ABOVE_AGENT = (*SERVICES, "runtime", "launch", "backend")
+RANK = "art_mega.trainer.rank"
+"""The trainer rank's own package: only the rank process imports it."""
+RANK_SIDE_FUNCTIONS = ("art_mega.trainer.families", "art_mega.trainer.peft_io")
+"""Shared modules with rank-side functions, which may import the rank's modules inside those
+functions only: a family file holds its spec (read by the controller and the rank) and its layer
+builders; peft_io, the owner of the PEFT adapter format, its torch-free layout (the controller's
+warm-start check) and the rank's export and import."""
+PREPARE = "art_mega.trainer.prepare"
+"""Controller-side preparation of a step (tokenize, advantages, memory plan): no rank imports it."""
 BACKEND_IMPORTERS = ("art_mega.local.backend",)
 """The modules that may import art_mega.backend: `art_mega.local.backend` is ART's `LocalBackend` for
 it. (The root `__init__` exports it by name, importing it on first use.)"""
@@ -184,9 +193,55 @@ def test_nothing_below_the_backend_imports_it():
     wrong = [
         imp
         for imp in IMPORTS
-        if imp.imported == "art_mega.backend" and imp.importer not in (*BACKEND_IMPORTERS, "art_mega.backend")
+        if _within(imp.imported, "art_mega.backend")
+        and not _within(imp.importer, "art_mega.backend")
+        and imp.importer not in BACKEND_IMPORTERS
     ]
     assert wrong == [], "only art_mega.local.backend may import art_mega.backend:\n" + "\n".join(map(str, wrong))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _module_level_imports(path: Path) -> set[int]:
+    """The line numbers of the imports of the module at `path` that run at its import (outside
+    every function and every `if TYPE_CHECKING:` block)."""
+    tree = ast.parse(path.read_text(), str(path))
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        checking = isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        if checking or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside |= {n.lineno for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return {
+        n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno not in inside
+    }
+
+
+def test_nothing_outside_the_rank_imports_the_rank_package():
+    wrong = []
+    for imp in IMPORTS:
+        if not _within(imp.imported, RANK) or _within(imp.importer, RANK):
+            continue
+        shared = any(_within(imp.importer, module) for module in RANK_SIDE_FUNCTIONS)
+        if shared and imp.line not in _module_level_imports(REPO / imp.path):
+            continue
+        wrong.append(imp)
+    assert wrong == [], f"only the rank ({RANK}) imports {RANK}; a shared module only inside a function:\n" + (
+        "\n".join(map(str, wrong))
+    )
+
+
+def test_the_rank_imports_no_controller_or_agent_module():
+    controller = (PREPARE, "art_mega.trainer.remote", "art_mega.trainer.routes", "art_mega.backend")
+    wrong = [
+        imp
+        for imp in IMPORTS
+        if _within(imp.importer, RANK) and any(_within(imp.imported, side) for side in controller)
+    ]
+    assert wrong == [], "a rank imports neither the controller's nor the agent's modules:\n" + "\n".join(
+        map(str, wrong)
+    )
 
 
 def test_the_detector_finds_a_cycle_through_a_function_level_and_a_relative_import(tmp_path):

@@ -22,7 +22,7 @@ from art_mega.backend import MegatronBackend
 from art_mega.errors import HyperParameterError, NonFiniteValueError, UserError
 from art_mega.gather import gather_trajectory_groups
 from art_mega.sft import TrainSFTConfig, create_sft_dataset_iterator, iterate_dataset, iterate_file
-from art_mega.trainer.advantages import group_advantages
+from art_mega.trainer.prepare.advantages import group_advantages
 from art_mega.trajectories import History
 
 
@@ -553,7 +553,7 @@ def test_a_positive_sampling_logprob_is_refused_naming_the_token(backend: Megatr
 def test_an_empty_prompt_token_ids_is_refused(tiny_tokenizer) -> None:  # noqa: ANN001
     """The turn trained its tokens with no context at all."""
     from art_mega.errors import TokenizationError
-    from art_mega.trainer.tokenize import tokenize_history
+    from art_mega.trainer.prepare.tokenize import tokenize_history
 
     items = [{"role": "user", "content": "hi"}, sampled_choice([5, 6], [-0.5, -0.5], prompt_token_ids=[])]
     with pytest.raises(TokenizationError, match=r"t: messages_and_choices\[1\].prompt_token_ids is empty"):

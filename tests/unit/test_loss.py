@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the trainer's losses need torch (the cpu extra)")
 
-from art_mega.trainer.advantages import group_advantages, token_weight  # noqa: E402
-from art_mega.trainer.loss import grpo_loss, sft_loss  # noqa: E402
+from art_mega.trainer.prepare.advantages import group_advantages, token_weight  # noqa: E402
 from art_mega.trainer.protocol import GRPOLossConfig  # noqa: E402
+from art_mega.trainer.rank.loss import grpo_loss, sft_loss  # noqa: E402
 
 L = math.log
 

@@ -1,4 +1,4 @@
-"""The memory plan (`trainer.memory_plan`) of published full-size configs, its numbers checked
+"""The memory plan (`trainer.prepare.memory_plan`) of published full-size configs, its numbers checked
 against values computed by hand here, and register's refusal before any start
 (`MegatronBackend._plan_memory`), with the GPUs' NVML memory faked through the preflight's
 `HostFacts` as the local agent reports it (`LocalBackend`'s topology from `local_plan`)."""
@@ -19,7 +19,7 @@ from art_mega.errors import MemoryPlanError
 from art_mega.launch.local_topology import local_plan
 from art_mega.preflight.protocol import GpuInfo, HostFacts
 from art_mega.trainer.families import family_for
-from art_mega.trainer.memory_plan import (
+from art_mega.trainer.prepare.memory_plan import (
     GIB,
     PLAN_FILE,
     ModelShape,

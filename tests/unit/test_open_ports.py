@@ -26,7 +26,7 @@ from art_mega.topology import (
     compile_topology,
 )
 from art_mega.topology.open_ports import OpenPort, open_ports, ports_in_use, with_ports
-from art_mega.trainer.service import TrainerService
+from art_mega.trainer.remote import TrainerService
 
 
 def two_hosts(*, shared_address: bool = False) -> ClusterSpec:

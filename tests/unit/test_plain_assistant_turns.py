@@ -20,9 +20,9 @@ import art_mega as art
 from art_mega.backend import MegatronBackend
 from art_mega.errors import HyperParameterError, TokenizationError
 from art_mega.trainer.batch import TrainBatch, pack
-from art_mega.trainer.loss import grpo_loss, known_logprobs
+from art_mega.trainer.prepare.tokenize import grpo_documents, sft_documents
 from art_mega.trainer.protocol import GRPOLossConfig
-from art_mega.trainer.tokenize import grpo_documents, sft_documents
+from art_mega.trainer.rank.loss import grpo_loss, known_logprobs
 
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "hi there"}
@@ -289,7 +289,7 @@ def logprobs_only(tokens: list[str], logprobs: list[float]) -> Choice:
 
 
 def test_a_choice_without_token_ids_takes_them_from_its_logprobs(tiny_tokenizer) -> None:  # noqa: ANN001
-    from art_mega.trainer.tokenize import tokenize_history
+    from art_mega.trainer.prepare.tokenize import tokenize_history
 
     tok = tiny_tokenizer
     ids, logprobs = SAMPLED

@@ -1,4 +1,4 @@
-"""A trainer rank does not import what it never uses (`rank_main.NOT_IMPORTED`): the import fails
+"""A trainer rank does not import what it never uses (`rank.main.NOT_IMPORTED`): the import fails
 as if the module were not installed, and every import of it in the installed megatron-core is one
 that expects that (inside a `try` that catches ImportError), so the rank still starts."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from art_mega.trainer.rank_main import NOT_IMPORTED
+from art_mega.trainer.rank.main import NOT_IMPORTED
 
 
 def test_a_blocked_module_fails_to_import_as_if_not_installed() -> None:
     code = (
-        "from art_mega.trainer.rank_main import block_unused_imports\n"
+        "from art_mega.trainer.rank.main import block_unused_imports\n"
         "block_unused_imports()\n"
         "try:\n"
         "    import wandb\n"

@@ -25,8 +25,8 @@ from art_mega.sft import (
     train_sft_from_file,
 )
 from art_mega.trainer.batch import pack
-from art_mega.trainer.loss import sft_loss
-from art_mega.trainer.tokenize import Document, sft_documents
+from art_mega.trainer.prepare.tokenize import Document, sft_documents
+from art_mega.trainer.rank.loss import sft_loss
 
 
 def row(answer: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from openai.types.chat.chat_completion import Choice
 
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.errors import UserError
-from art_mega.trainer.tokenize import grpo_documents, sft_documents, tokenize_history
+from art_mega.trainer.prepare.tokenize import grpo_documents, sft_documents, tokenize_history
 
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "hi there"}

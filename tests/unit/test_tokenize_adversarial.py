@@ -11,7 +11,7 @@ import pytest
 
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.errors import TokenizationError
-from art_mega.trainer.tokenize import content_format, grpo_documents, tokenize_history
+from art_mega.trainer.prepare.tokenize import content_format, grpo_documents, tokenize_history
 
 ANSWER = {"role": "assistant", "content": "fine thanks"}
 PARTS_TEMPLATE = (

@@ -11,7 +11,7 @@ from openai.types.chat.chat_completion import Choice
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.errors import TokenizationError
 from art_mega.trainer.batch import pack
-from art_mega.trainer.tokenize import grpo_documents, sft_documents, tokenize_history
+from art_mega.trainer.prepare.tokenize import grpo_documents, sft_documents, tokenize_history
 
 USER = {"role": "user", "content": "hi there"}
 EOT = "<|im_end|>"

@@ -10,7 +10,7 @@ import pytest
 
 from art_mega import Trajectory, TrajectoryGroup
 from art_mega.errors import TokenizationError
-from art_mega.trainer.tokenize import grpo_documents, sft_documents, tokenize_history
+from art_mega.trainer.prepare.tokenize import grpo_documents, sft_documents, tokenize_history
 from tests.helpers import trained_turns
 from tests.unit.test_tokenize_exact import (
     WEATHER,

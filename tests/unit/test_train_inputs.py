@@ -14,7 +14,7 @@ from openai.types.chat.chat_completion import Choice
 import art_mega as art
 from art_mega.backend import MegatronBackend, checked_groups
 from art_mega.errors import NonFiniteValueError, TrainInputError
-from art_mega.trainer.advantages import group_advantages
+from art_mega.trainer.prepare.advantages import group_advantages
 from art_mega.trajectories import History, check_sft_trajectories, check_train_groups
 
 NAN, INF = float("nan"), float("inf")

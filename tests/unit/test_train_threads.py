@@ -1,5 +1,5 @@
 """A trainer rank's intra-op threads follow the phase: the idle replicas' cores for a train job,
-the one it started with otherwise (`TrainerSpec.cpu_train_threads`, `rank_main.train_threads`)."""
+the one it started with otherwise (`TrainerSpec.cpu_train_threads`, `rank.main.train_threads`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from art_mega.errors import UserError
 from art_mega.topology import TrainerSpec, compile_topology
 from art_mega.trainer.protocol import RankConfig
-from art_mega.trainer.rank_main import _busy_cores, _threads, train_threads
+from art_mega.trainer.rank.main import _busy_cores, _threads, train_threads
 from tests.helpers import loopback_cluster
 
 

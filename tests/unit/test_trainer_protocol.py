@@ -1,6 +1,6 @@
 """The trainer's messages (`art_mega.trainer.protocol`): every job and event kind survives the wire,
 and a message that is not one is refused with a sentence naming the field, on each receiving side
-(the rank's parse in `rank_main`, the agent's check of a rank's event lines)."""
+(the rank's parse in `rank.main`, the agent's check of a rank's event lines)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from art_mega.trainer.protocol import (
     TrainerStartRequest,
     describe_invalid,
 )
-from art_mega.trainer.rank_main import InvalidMessageError, parse_job
+from art_mega.trainer.rank.main import InvalidMessageError, parse_job
 from tests.helpers import loopback_cluster
 
 RL = {
@@ -217,7 +217,7 @@ def test_a_batch_file_a_rank_reads_is_held_to_the_trainbatch_fields_and_dtypes(t
 
 
 def test_the_agent_turns_a_rank_line_that_is_no_rank_event_into_a_failed_naming_it():
-    from art_mega.trainer.host import _rank_event
+    from art_mega.trainer.routes import _rank_event
 
     done = Done(job="ab12", metrics={"sum": 3.0})
     assert _rank_event(1, done.model_dump_json().encode()) == done

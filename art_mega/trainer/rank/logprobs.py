@@ -184,7 +184,7 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     TransformerEngine's attention ignore it for a causal layer: packed rows there need
     Megatron's `PackedSeqParams` (THD) instead.
     """
-    from art_mega.trainer.cp_attention import attention_mask_for_queries
+    from art_mega.trainer.rank.cp_attention import attention_mask_for_queries
 
     positions = torch.arange(segment_ids.shape[1], device=segment_ids.device)
     return attention_mask_for_queries(segment_ids, positions)
@@ -419,7 +419,7 @@ def forward_logits(
     if cp_size == 1:
         mask = None if segment_ids is None else packed_attention_mask(segment_ids)
         return _run(module, keep, input_ids, position_ids, mask)
-    from art_mega.trainer.cp_attention import cp_attention_mask, padded_length, slice_for_cp_rank
+    from art_mega.trainer.rank.cp_attention import cp_attention_mask, padded_length, slice_for_cp_rank
 
     cp_rank = mpu.get_context_parallel_rank()
     length = padded_length(input_ids.shape[1], cp_size)
@@ -493,7 +493,7 @@ def _for_this_cp_rank(values: torch.Tensor) -> torch.Tensor:
     (identity at CP=1)."""
     from megatron.core import parallel_state as mpu
 
-    from art_mega.trainer.cp_attention import padded_length, slice_for_cp_rank
+    from art_mega.trainer.rank.cp_attention import padded_length, slice_for_cp_rank
 
     cp_size = mpu.get_context_parallel_world_size()
     if cp_size == 1:
@@ -507,7 +507,7 @@ def _whole_rows(local: torch.Tensor, length: int | None) -> torch.Tensor:
     CP group in sequence order (identity at CP=1); the backward keeps this rank's own positions."""
     from megatron.core import parallel_state as mpu
 
-    from art_mega.trainer.cp_attention import gather_from_cp_ranks
+    from art_mega.trainer.rank.cp_attention import gather_from_cp_ranks
 
     if mpu.get_context_parallel_world_size() == 1:
         return local

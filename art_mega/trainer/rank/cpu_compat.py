@@ -171,7 +171,7 @@ def _default_causal_mask(sq: int):
 
 
 def _sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]):
-    from art_mega.trainer.sdpa_attention import sliding_window_causal_mask
+    from art_mega.trainer.rank.sdpa_attention import sliding_window_causal_mask
 
     return sliding_window_causal_mask(sq, skv, window_size)
 
@@ -230,7 +230,7 @@ def _rewrite(log: _UndoLog, owner: Any, name: str, edits: Iterable[Edit]) -> Non
         if found != count:
             raise RuntimeError(
                 f"{where} contains {old!r} {found} times, expected {count}: megatron-core changed; "
-                "update art_mega/trainer/cpu_compat.py"
+                "update art_mega/trainer/rank/cpu_compat.py"
             )
         source = source.replace(old, new)
     code = function.__code__

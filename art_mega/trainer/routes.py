@@ -1,6 +1,6 @@
 """Agent side of the trainer service: start this host's trainer ranks, relay jobs and events.
 
-Each rank is a supervised child (`python -m art_mega.trainer.rank_main`) that talks to the agent
+Each rank is a supervised child (`python -m art_mega.trainer.rank.main`) that talks to the agent
 over an inherited socket in newline-delimited JSON (`trainer.protocol`): its `RankConfig` and then
 each `TrainerJobRequest` go down, `RankEvent`s come up (starting, ready, accepted, adapter_ready,
 done, failed). When a rank process exits, the agent adds an `Exited` event with its code and log
@@ -107,7 +107,7 @@ class TrainerRanks:
             argv = [
                 request.python or sys.executable,
                 "-m",
-                "art_mega.trainer.rank_main",
+                "art_mega.trainer.rank.main",
                 "--fd",
                 str(child_sock.fileno()),
                 "--rank",

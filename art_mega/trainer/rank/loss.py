@@ -5,7 +5,7 @@ position t holds the logprob of token t given tokens < t. `mask` is 1.0 on assis
 tokens and 0.0 elsewhere; `weights` is each token's weight (art-mega uses 1 / the number of
 assistant tokens of its trajectory, so each trajectory counts once). An old (or inference)
 logprob that is NaN on a trained token is unknown (a plain assistant message trained with
-`allow_training_without_logprobs`, see `trainer.tokenize.UNKNOWN_LOGPROB`): the current policy's
+`allow_training_without_logprobs`, see `trainer.prepare.tokenize.UNKNOWN_LOGPROB`): the current policy's
 logprob, detached, stands in for it, as in ART (`art/loss.py`), so that token's ratio is 1.
 
 GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3) with PPO's clipped surrogate (Schulman et al.

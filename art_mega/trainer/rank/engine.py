@@ -31,11 +31,11 @@ from art_mega.trainer.behaviour import (
     UNTAGGED,
     UNTAGGED_FRACTION,
 )
-from art_mega.trainer.logprobs import SamplingRows, forward_logits, token_entropy, token_logprobs
-from art_mega.trainer.lora import apply_lora, lora_disabled, lora_parameters
-from art_mega.trainer.loss import grpo_loss, known_logprobs, sft_loss
-from art_mega.trainer.parallel import ParallelState
 from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig, OptimizerConfig
+from art_mega.trainer.rank.logprobs import SamplingRows, forward_logits, token_entropy, token_logprobs
+from art_mega.trainer.rank.lora import apply_lora, lora_disabled, lora_parameters
+from art_mega.trainer.rank.loss import grpo_loss, known_logprobs, sft_loss
+from art_mega.trainer.rank.parallel import ParallelState
 
 STATE_FORMAT = 1
 """Version of the per-rank state file written by `save_state`."""

@@ -163,7 +163,7 @@ class TrainerService:
                     # one thread per CPU rank between jobs (start-up, idle while the replicas
                     # generate): torch's default, every core, was measured ~10x slower on a
                     # shared 2-core machine where ranks and replicas compete for the cores. A
-                    # train job runs with TrainerSpec.cpu_train_threads (rank_main.train_threads).
+                    # train job runs with TrainerSpec.cpu_train_threads (rank.main.train_threads).
                     env.setdefault("OMP_NUM_THREADS", "1")
                 # the files the rank's last start read, read ahead (art_mega.readahead)
                 env.setdefault(

@@ -95,7 +95,7 @@ def init_parallel(
     on_cpu = rank.gpu_id is None
     _check_supported(trainer)
     if on_cpu:
-        from art_mega.trainer.cpu_compat import apply_cpu_compat
+        from art_mega.trainer.rank.cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
         device, backend = "cpu", "gloo"

@@ -16,7 +16,7 @@ Versions are contiguous: a rank refuses an `rl`, `sft` or `export` job whose ste
 after the last checkpoint it resumed from or wrote (`check_job_step`), before any collective.
 A job that fails after that check (in the step or the save) leaves the rank's weights and
 optimizer state ahead of the commit; the rank then refuses training jobs until the controller
-restarts it from the commit (`rank_main`, `service.TrainerService.recover`).
+restarts it from the commit (`rank.main`, `remote.TrainerService.recover`).
 
 Test hook: when `$ART_MEGA_TEST_SAVE_PAUSE` names a file that exists, every rank waits inside
 `write_checkpoint` while it exists, after its adapter and optimizer state are in the staging
@@ -67,7 +67,7 @@ def check_job_step(kind: str, step: int, last_step: int | None) -> int:
 
 def build_engine(config: EngineConfig, state: Any) -> Any:
     """The rank's TrainerEngine from its `EngineConfig`, resumed or warm-started when it says so."""
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     engine = TrainerEngine(
         config.model_dir,
@@ -308,7 +308,7 @@ def run_train_job(
         RuntimeError: a later optimizer step's is (the rank is ahead of the commit).
         ValueError: an rl batch's height is not a multiple of the job's step_rows.
         NonFiniteCheckpointError: the updated LoRA or optimizer state is not finite; nothing was
-            committed, but the rank's state is ahead of the commit (see `rank_main`).
+            committed, but the rank's state is ahead of the commit (see `rank.main`).
     """
     if engine is None:
         raise RuntimeError("this trainer was started without a model_dir")

@@ -15,7 +15,7 @@ heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
   MLP and the (padded) vocabulary t ways, experts e ways (whole experts), and keeps the norms and the
   router whole (Shoeybi et al. 2019, "Megatron-LM", section 3; megatron-core's layer shapes, as
   `FamilySpec.megatron_state_dict` maps them).
-- LoRA: r x (in + out) per wrapped linear, the sharded factor split t ways (`trainer/lora.py`'s
+- LoRA: r x (in + out) per wrapped linear, the sharded factor split t ways (`trainer/rank/lora.py`'s
   docstring), times w; its gradient in float32 (DDP's `grad_reduce_in_fp32` buffer, 4 bytes); Adam's
   two float32 moments (8 bytes) plus a float32 master copy where the parameters are bfloat16
   (4 bytes): 18 bytes a parameter in bfloat16, 16 in float32, the optimizer's part divided by d

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from art_mega.errors import TokenizationError
-from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document
 from art_mega.trainer.behaviour import SFT_SAMPLING, TokenSampling, choice_sampling
+from art_mega.trainer.prepare.advantages import group_advantages, token_weight
 from art_mega.trajectories import Trajectory, TrajectoryGroup
 
 UNKNOWN_LOGPROB = float("nan")

@@ -1,6 +1,6 @@
 """One trainer rank's process: join the torch.distributed world, build the engine, run jobs.
 
-Started by its host's agent (`trainer.host`) with its global rank as `--rank` and a socket as
+Started by its host's agent (`trainer.routes`) with its global rank as `--rank` and a socket as
 `--fd`, on which it reads newline-delimited JSON (`trainer.protocol`): first its `RankConfig`, then
 one `TrainerJobRequest` a line; it answers with `RankEvent` lines: starting, ready, accepted,
 adapter_ready, done, failed. End of file on `--fd` ends the rank. A train job runs with the intra-op threads of
@@ -95,7 +95,7 @@ def parse_job(line: bytes) -> TrainerJobRequest | InvalidMessageError:
 
 def _init(config: RankConfig, rank: int) -> Any:
     from art_mega.preflight.netif import gloo_interface_for
-    from art_mega.trainer.parallel import init_parallel
+    from art_mega.trainer.rank.parallel import init_parallel
 
     if config.world_size > 1:
         gloo_interface_for(config.master_addr)
@@ -195,7 +195,7 @@ def _run(
     job: TrainJob = request.job
     if isinstance(job, PingJob):
         return _ping(state), []
-    from art_mega.trainer.jobs import run_train_job
+    from art_mega.trainer.rank.jobs import run_train_job
 
     metrics, adapter = run_train_job(job, state, engine, config, last_step)
     if adapter is None:
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         state = _init(config, rank)
         engine = None
         if config.engine is not None:
-            from art_mega.trainer.jobs import build_engine, resumed_step
+            from art_mega.trainer.rank.jobs import build_engine, resumed_step
 
             engine = build_engine(config.engine, state)
             last_step = resumed_step(config.engine)
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics, events = _run(request, state, engine, config, last_step)
         except Exception as exc:
             from art_mega.errors import NonFiniteStepError
-            from art_mega.trainer.jobs import StepOrderError
+            from art_mega.trainer.rank.jobs import StepOrderError
 
             # both are raised before the rank's weights or optimizer state change
             untouched = isinstance(exc, (StepOrderError, NonFiniteStepError))
