@@ -848,7 +848,7 @@ class AdapterPublishError(ArtMegaError):
 
 
 class AdapterTransferError(ArtMegaError):
-    """A step's adapter did not reach a replica host intact (`transfer.adapters`); the detail
+    """A step's adapter did not reach a replica host intact (`transfer.remote`); the detail
     names the host, the transfer and the file where one is at fault (e.g. a sha256 mismatch).
 
     Attributes:

@@ -218,7 +218,7 @@ class ServingMixin:
             check_controller_sees_artifact_root,
             check_hosts_see_model,
         )
-        from art_mega.transfer.adapters import adapter_transport_for
+        from art_mega.transfer.remote import adapter_transport_for
 
         check_artifact_root_reach(topology)  # before any trainer rank or replica starts
         await check_controller_sees_artifact_root(self._runtime)

@@ -498,7 +498,7 @@ class StepMixin:
         from art_mega.metrics import art_train_metrics
         from art_mega.trainer.batch import pack
         from art_mega.trainer.protocol import sft_batch_file
-        from art_mega.transfer.adapters import transfer_metrics
+        from art_mega.transfer.remote import transfer_metrics
 
         assert self._run_dir is not None
         step = self._step + 1

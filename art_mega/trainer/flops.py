@@ -30,7 +30,7 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
   kernel's recomputation of the scores is hardware work, not model FLOPs). The LoRA factors are
   trained: their input and weight gradients are both counted (Hu et al. 2021, "LoRA").
 - No activation recomputation: the families' `TransformerConfig` leaves `recompute_granularity`
-  None (tests/unit/test_flops.py pins it), and the only checkpointed piece of the step, the
+  None (tests/unit/trainer/test_flops.py pins it), and the only checkpointed piece of the step, the
   chunked cross entropy (`logprobs.token_logprobs`), recomputes a softmax, not a matmul.
 - The step is one forward with gradients and its backward: a loss that reads a KL reference
   (`GRPOLossConfig.needs_reference`) or recomputes the old policy's logprobs (`recomputes_old`)

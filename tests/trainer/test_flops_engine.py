@@ -58,5 +58,5 @@ def test_engine_step_runs_the_counted_matmuls(megatron_world, tiny_dirs: dict[st
     linears = ops.get("mm", 0) + ops.get("addmm", 0)
     assert linears == expected.total - expected.attention + router_weight_grad, ops
     # CPU SDPA runs the fused flash kernel, which FlopCounterMode has no formula for: the
-    # attention terms are checked against eager attention in tests/unit/test_flops.py
+    # attention terms are checked against eager attention in tests/unit/trainer/test_flops.py
     assert set(ops) <= {"mm", "addmm", "bmm"}, ops

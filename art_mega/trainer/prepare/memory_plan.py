@@ -4,7 +4,7 @@ checked against each GPU's memory (NVML, `preflight.protocol.GpuInfo.memory_byte
 
 Torch-free: parameter counts are analytic from the family's architecture arguments
 (`families.*.model_args`), equal to what megatron-core builds on the meta device and to the
-published counts (`tests/unit/test_memory_plan.py` checks them against
+published counts (`tests/unit/trainer/test_memory_plan.py` checks them against
 `tests/trainer/test_real_size_mapping.py`'s figures).
 
 A trainer rank (TP size t, CP size c, EP size e, DP size d; parameter bytes w: 2 for bfloat16, 4 for
