@@ -256,7 +256,8 @@ def test_grpo_steps_train_and_the_adapter_round_trips(
 
 # TP=2 (sequence parallel, experts replicated over the TP ranks at EP=1) trains as TP=1: this
 # found the expert linear_fc2 LoRA counted as sequence parallel there (its B's gradient doubled,
-# `trainer/lora.py`), which Qwen3-MoE's TP=2+EP=2 layout does not reach.
+# `trainer/rank/lora.py`; grad norm 3.208 against 3.114, adapters 1.8e-3 apart, now 2.2e-5), which
+# Qwen3-MoE's TP=2+EP=2 layout does not reach.
 def test_tp2_steps_and_adapter_equal_tp1(moe35_tp1, moe35_parallel) -> None:
     from safetensors.torch import load_file
 
@@ -268,7 +269,10 @@ def test_tp2_steps_and_adapter_equal_tp1(moe35_tp1, moe35_parallel) -> None:
     assert tp1.keys() == tp2.keys()
     diff = max((tp1[key] - tp2[key]).abs().max().item() for key in tp1)
     print(f"qwen3_5_moe: max |tp2 adapter - tp1 adapter| = {diff:.1e}")
-    assert_steps_match("qwen3_5_moe tp2", runs["tp2"]["metrics"], runs["tp1"]["metrics"], LAYOUT_TOLERANCE)
+    # 2x the dense tolerance: step 3's grad norm is 6.4 here (measured 1.4e-5 apart, 2e-6 relative)
+    assert_steps_match(
+        "qwen3_5_moe tp2", runs["tp2"]["metrics"], runs["tp1"]["metrics"], 2 * LAYOUT_TOLERANCE
+    )
     assert diff <= 1e-3
 
 
