@@ -144,7 +144,9 @@ async def test_temporal_clue_notebook(tiny_workdir, monkeypatch):
 async def test_prisoners_dilemma_notebook(tiny_workdir, monkeypatch):
     """8 self-play games (16 trajectories, one group) and 8 games against the base model (the
     trained side's 8, one group) a step, 10 rounds each; whether a reply says "cooperate" or
-    "defect" decides the score, so a 135M model's rewards vary and both steps train tokens."""
+    "defect" decides the score (the tiny model replies "I cooperate." or "I defect."), so the
+    rewards vary and both steps train tokens. The games against the base model ask for it by its
+    `base_model` name, here a local folder's "./tiny-format-primed"."""
     run = await run_program(UPSTREAM / "prisoners_dilemma.py", monkeypatch)
     print(f"prisoner's dilemma: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
     _assert_steps(run, [16, 8])
