@@ -128,7 +128,9 @@ async def test_2048_notebook(primed_workdir, monkeypatch):
 
 @pytest.mark.timeout(1800)
 async def test_temporal_clue_notebook(tiny_workdir, monkeypatch):
-    """4 puzzles x 50 rollouts a step (and 64 x 2 for validation), one completion each."""
+    """4 puzzles x 50 rollouts a step (and 64 x 2 for validation), one completion each, through a
+    plain `AsyncOpenAI(base_url=model.inference_base_url, ...)` client. Measured on 2 shared cores
+    (model built): train accuracy 0.10 and 0.11, trained tokens 3,229 and 2,976, 106 s in all."""
     import torch
 
     # The notebook sizes vLLM for GPUs older than Ampere (`get_device_properties(0).major < 8`);
@@ -146,7 +148,8 @@ async def test_prisoners_dilemma_notebook(tiny_workdir, monkeypatch):
     trained side's 8, one group) a step, 10 rounds each; whether a reply says "cooperate" or
     "defect" decides the score (the tiny model replies "I cooperate." or "I defect."), so the
     rewards vary and both steps train tokens. The games against the base model ask for it by its
-    `base_model` name, here a local folder's "./tiny-format-primed"."""
+    `base_model` name, here a local folder's "./tiny-format-primed". Measured on 2 shared cores
+    (model built): trained tokens 963 and 959, 24 s in all."""
     run = await run_program(UPSTREAM / "prisoners_dilemma.py", monkeypatch)
     print(f"prisoner's dilemma: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
     _assert_steps(run, [16, 8])
