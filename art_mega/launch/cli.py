@@ -405,6 +405,56 @@ def skypilot(
 
 
 @app.command()
+def slurm(
+    program: ProgramOpt,
+    port: Annotated[
+        int, typer.Option("--port", parser=integer, help="Agent port on every node; node 0 also uses PORT+1.")
+    ] = 22222,
+    startup_timeout: Annotated[
+        float,
+        typer.Option(
+            "--startup-timeout", parser=seconds, help="Seconds to wait for the agent and for every node."
+        ),
+    ] = 120.0,
+    debug: DebugOpt = False,
+) -> None:
+    """Run PROGRAM across a Slurm allocation: srun --ntasks-per-node=1 art-mega slurm ... (one per node)."""
+
+    def body() -> int:
+        from art_mega.launch.program import load_program, parse_program
+        from art_mega.launch.skypilot import run_skypilot
+        from art_mega.launch.slurm import launch_id_for_job, prepare
+
+        if not 1 <= port <= 65534:
+            raise UserError(f"--port {port} is out of range; use 1..65534 (node 0 also listens on PORT+1)")
+        node, secret = prepare(os.environ)
+        ref = parse_program(program)
+        if node.rank == 0:
+            print(
+                f"art-mega slurm: job {node.job_id}, {node.num_nodes} nodes ({node.names[0]} is the controller), "
+                f"submitted from {node.submit_dir or '?'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        with _reading_ahead():  # before the program imports art-mega's modules
+            main = load_program(ref)
+            return asyncio.run(
+                run_skypilot(
+                    main,
+                    ref,
+                    node.as_group(),
+                    secret,
+                    port,
+                    startup_timeout,
+                    debug,
+                    launch_id=launch_id_for_job(secret, node),
+                )
+            )
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+@app.command()
 def worker(
     address: Annotated[
         str, typer.Option("--address", help="tcp://HOST:PORT to listen on (port 0 = a free port).")
