@@ -39,10 +39,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _submit(slurm: SlurmCluster, tmp_path: Path, *args: str, **env: str) -> tuple[str, Path]:
+def _submit(
+    slurm: SlurmCluster, tmp_path: Path, *args: str, chdir: Path = REPO, **env: str
+) -> tuple[str, Path]:
     out = tmp_path / "job-%j.out"
     result = slurm.client(
-        ["sbatch", "--parsable", "-N", "3", f"--output={out}", f"--chdir={REPO}", *args, SBATCH],
+        ["sbatch", "--parsable", "-N", "3", f"--output={out}", f"--chdir={chdir}", *args, SBATCH],
         env=_env(**env),
         timeout=30,
     )
@@ -56,7 +58,9 @@ def _art_mega_processes(slurm: SlurmCluster) -> dict[str, list[str]]:
     for host in slurm.nodes:
         for pid in host.pids():
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
             except OSError:
                 continue
             if "art_mega" in cmdline or "art-mega" in cmdline:
@@ -92,6 +96,7 @@ def test_scancel_mid_run_leaves_no_process_on_any_node(slurm, tmp_path):
         left = _art_mega_processes(slurm)
     gone_after = time.monotonic() - cancelled
     assert left == {}, f"after {gone_after:.1f} s: {left}"
+    print(f"scancel: every art-mega process on 3 nodes gone {gone_after:.1f} s after scancel")
     assert slurm.wait_job(job, 30) == "CANCELLED"
 
 
@@ -104,7 +109,9 @@ def test_bad_nodelist_is_one_sentence(slurm, tmp_path):
     )
     out = tmp_path / "bad.out"
     result = slurm.client(
-        ["sbatch", "--parsable", "-N", "1", f"--output={out}", f"--chdir={REPO}", str(script)], env=_env(), timeout=30
+        ["sbatch", "--parsable", "-N", "1", f"--output={out}", f"--chdir={REPO}", str(script)],
+        env=_env(),
+        timeout=30,
     )
     job = result.stdout.strip().split(";")[0]
     slurm.wait_job(job, 60)
@@ -116,3 +123,37 @@ def test_bad_nodelist_is_one_sentence(slurm, tmp_path):
     ], text
     assert "Traceback" not in text
     assert re.search(r"^exit=2$", text, re.M), text
+
+
+def test_sbatch_runs_grpo_across_three_nodes(slurm, tmp_path):
+    """The main job's GRPO program (tiny Llama; one trainer rank per node, DP=3 over gloo; one vLLM
+    replica on node 0) runs one step to completion from the same sbatch file."""
+    pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
+    from art_mega.backend import default_vllm_python
+    from art_mega.errors import UserError
+
+    try:
+        vllm_python = default_vllm_python()
+    except UserError as exc:
+        pytest.skip(str(exc))
+    job, out = _submit(
+        slurm,
+        tmp_path,
+        chdir=tmp_path,  # the run folder ./.art goes there
+        ART_MEGA=str(REPO / ".venv" / "bin" / "art-mega"),
+        ART_MEGA_PROGRAM=f"{REPO}/examples/multinode/train.py:main",
+        ART_MEGA_PORT="22400",
+        ART_MEGA_STEPS="1",
+        ART_MEGA_GROUP_SIZE="4",
+        ART_MEGA_BASE_MODEL="tiny-llama",
+        ART_MEGA_VLLM_PYTHON=vllm_python,
+        ART_MEGA_CACHE=str(tmp_path / "cache"),
+    )
+    state = slurm.wait_job(job, 900)
+    text = out.read_text(errors="replace") if out.exists() else "(no output)"
+    assert state == "COMPLETED", f"{state}\n{text[-4000:]}"
+    assert "ART_MEGA_TRAIN_DONE" in text, text[-4000:]
+    assert re.search(
+        r"^art-mega: step 0/\d+, reward \d\.\d{3}, loss \S+, trained tokens [1-9]\d*, ", text, re.M
+    )
+    assert _art_mega_processes(slurm) == {}
