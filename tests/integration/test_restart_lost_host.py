@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO, cli_env
 
 pytest.importorskip("megatron.core", reason="needs the trainer-cpu extra")
-STEPS = 3
+STEPS = 2
 
 
 def _pump(stream, lines: list[str]) -> threading.Thread:
