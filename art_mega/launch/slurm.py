@@ -60,10 +60,6 @@ _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 
 
-class HostlistError(ValueError):
-    """A hostlist expression that is not in Slurm's syntax; the message says where."""
-
-
 def expand_hostlist(expression: str) -> list[str]:
     """Expand a Slurm hostlist (`n[01-03,7],gpu-a[1-2]-b[3-4]`) into host names, in order.
 
@@ -78,7 +74,7 @@ def expand_hostlist(expression: str) -> list[str]:
         The names, duplicates kept (the caller decides).
 
     Raises:
-        HostlistError: unbalanced or nested brackets, an empty, reversed or non-numeric range,
+        ValueError: unbalanced or nested brackets, an empty, reversed or non-numeric range,
             whitespace or another character a host name cannot hold, no names at all, or more
             than MAX_HOSTS names.
     """
@@ -87,26 +83,26 @@ def expand_hostlist(expression: str) -> list[str]:
     for i, char in enumerate(expression):
         if char == "[":
             if depth:
-                raise HostlistError(f"a '[' at position {i} opens inside another bracket")
+                raise ValueError(f"a '[' at position {i} opens inside another bracket")
             depth = 1
         elif char == "]":
             if not depth:
-                raise HostlistError(f"the ']' at position {i} closes no bracket")
+                raise ValueError(f"the ']' at position {i} closes no bracket")
             depth = 0
         elif char == "," and not depth:
             items.append(expression[start:i])
             start = i + 1
     if depth:
-        raise HostlistError("a '[' is never closed")
+        raise ValueError("a '[' is never closed")
     items.append(expression[start:])
     names: list[str] = []
     for item in items:
         if item:
             names.extend(_expand_item(item))
             if len(names) > MAX_HOSTS:
-                raise HostlistError(f"it expands to more than {MAX_HOSTS} names")
+                raise ValueError(f"it expands to more than {MAX_HOSTS} names")
     if not names:
-        raise HostlistError("it names no host")
+        raise ValueError("it names no host")
     return names
 
 
@@ -116,7 +112,7 @@ def _expand_item(item: str) -> list[str]:
     for index, part in enumerate(parts):
         if index % 2 == 0:
             if part and not _NAME.fullmatch(part):
-                raise HostlistError(
+                raise ValueError(
                     f"{part!r} holds a character a host name cannot (letters, digits, '.', '_', '-')"
                 )
             choices.append([part])
@@ -125,19 +121,19 @@ def _expand_item(item: str) -> list[str]:
         for piece in part.split(","):
             match = _RANGE.fullmatch(piece)
             if not match:
-                raise HostlistError(f"[{part}] holds {piece!r}, which is not N or LO-HI in ASCII digits")
+                raise ValueError(f"[{part}] holds {piece!r}, which is not N or LO-HI in ASCII digits")
             lo, hi = match.group(1), match.group(2) or match.group(1)
             if int(hi) < int(lo):
-                raise HostlistError(f"the range {piece!r} in [{part}] runs backwards")
+                raise ValueError(f"the range {piece!r} in [{part}] runs backwards")
             if int(hi) - int(lo) >= MAX_HOSTS:
-                raise HostlistError(f"the range {piece!r} holds more than {MAX_HOSTS} names")
+                raise ValueError(f"the range {piece!r} holds more than {MAX_HOSTS} names")
             values.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
         choices.append(values)
     names = [""]
     for values in choices:
         names = [prefix + value for prefix in names for value in values]
         if len(names) > MAX_HOSTS:
-            raise HostlistError(f"{item!r} expands to more than {MAX_HOSTS} names")
+            raise ValueError(f"{item!r} expands to more than {MAX_HOSTS} names")
     return names
 
 
@@ -214,7 +210,7 @@ def read_slurm_env(env: Mapping[str, str], resolve=resolve_ipv4_first) -> SlurmN
     raw_list = env["SLURM_JOB_NODELIST"]
     try:
         names = expand_hostlist(raw_list.strip())
-    except HostlistError as exc:
+    except ValueError as exc:
         raise UserError(
             f"SLURM_JOB_NODELIST={raw_list!r} is not a Slurm hostlist ({exc}); Slurm sets it: do not override it"
         ) from None
@@ -337,4 +333,4 @@ def prepare(environ: dict[str, str], resolve=resolve_ipv4_first) -> tuple[SlurmN
     return node, secret
 
 
-__all__ = ["HostlistError", "SlurmNode", "expand_hostlist", "launch_id_for_job", "prepare", "read_slurm_env"]
+__all__ = ["SlurmNode", "expand_hostlist", "launch_id_for_job", "prepare", "read_slurm_env"]
