@@ -71,15 +71,20 @@ def test_link_cut_during_train_step_restarts_and_completes(netns_cluster, tmp_pa
         # step 1's rollouts are in: the controller now sends the train job to both ranks
         _wait_for(lines, "step 1: ", 600, process)
         assert (run / "checkpoints" / "LATEST").read_text().strip() == "1"
+        cut = time.monotonic()
         cluster.hosts[1].set_link(False)
-        _wait_for(lines, "restart 1/1: host ", 60, process)
+        restarted = _wait_for(lines, "restart 1/1: host ", 60, process)
         cluster.hosts[1].set_link(True)
         process.wait(timeout=900)
+        print(
+            f"restart reported {restarted - cut:.1f} s after the cut; run done {time.monotonic() - cut:.1f} s after it"
+        )
     finally:
         if process.poll() is None:
             process.kill()
         pump.join(timeout=5)
     out = "".join(lines)
+    print(next(line for line in lines if "restart 1/1: host " in line).strip())
     assert process.returncode == 0, out[-4000:]
     assert "ART_MEGA_TRAIN_DONE" in out, out[-4000:]
     assert out.count("restart 1/1: host ") == 1
