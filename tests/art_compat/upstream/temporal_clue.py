@@ -11,8 +11,8 @@
 # Each code cell follows verbatim ("# %% [cell N]" marks it) except for these changes:
 # - `import art` -> `import art_mega as art` (cell 6), `from art.local import LocalBackend` ->
 #   `from art_mega.local import LocalBackend` (cell 8);
-# - base_model="Qwen/Qwen2.5-7B-Instruct" -> base_model="./SmolLM2-135M-Instruct-format-primed" (cell 8):
-#   a local HF folder, SmolLM2-135M-Instruct briefly fine-tuned to answer in the "A. ...\nB. ...\nC. ..."
+# - base_model="Qwen/Qwen2.5-7B-Instruct" -> base_model="./tiny-format-primed" (cell 8): a local HF
+#   folder, a tiny Llama with SmolLM2's tokenizer trained to answer in the "A. ...\nB. ...\nC. ..."
 #   format with guessed values (tests/art_compat/upstream/primed.py builds it; the test links it into
 #   the program's working directory). Untouched, SmolLM2-135M-Instruct's answers all score 0, so no
 #   group varies and nothing trains;
@@ -85,7 +85,7 @@ from art_mega.local import LocalBackend
 model = art.TrainableModel(
     name="001",
     project="temporal-clue",
-    base_model="./SmolLM2-135M-Instruct-format-primed",
+    base_model="./tiny-format-primed",
 )
 
 # To run on a T4, we need to override some config defaults.
