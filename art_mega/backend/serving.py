@@ -298,7 +298,7 @@ class ServingMixin:
         from art_mega.trainer.hf_checkpoint import read_hf_config
 
         names = family_for(read_hf_config(model_dir)).lora  # the model's LoRA <-> PEFT names
-        targets = names.normalise(tuple(self.lora["targets"]) or names.targets)
+        targets = names.normalise(tuple(self.lora["targets"]) or names.default_targets)
         return {
             "rank": self.lora["rank"],
             "alpha": self.lora["alpha"],

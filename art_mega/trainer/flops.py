@@ -234,7 +234,7 @@ def step_flops(
     document_lengths: Sequence[int],
     *,
     lora_rank: int,
-    lora_targets: Sequence[str] = LORA_NAMES.targets,
+    lora_targets: Sequence[str] = LORA_NAMES.default_targets,
     lora_layout: LoraLayout = "megatron",
     head_tokens: int | None = None,
 ) -> StepFlops:

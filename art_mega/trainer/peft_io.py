@@ -64,8 +64,18 @@ def _tp_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return pieces
 
 
+def _tp_parts(layer: LoraLinear) -> tuple[int, ...] | None:
+    """The full row counts of the parts a column layer's TP shards each hold a slice of (its base
+    layer's `tp_parts`, set by the family: Qwen3.5's in_proj_qkv holds (q, k, v) rows), else None."""
+    parts = getattr(layer.base, "tp_parts", None)
+    return tuple(parts) if parts is not None and layer.kind == "column" else None
+
+
 def _full_lora(layer: LoraLinear) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(full A [r, in], B shards in TP order) of a column layer, or (full A, [full B]) of a row layer."""
+    """(full A [r, in], B shards in TP order) of a column layer, or (full A, [full B]) of a row layer.
+
+    A column layer with `_tp_parts` gives B's pieces part by part (part 0 of every rank, then
+    part 1, ...), so that their concatenation is B in the HF module's row order."""
     import torch
 
     a = layer.lora_A.detach()
@@ -73,7 +83,13 @@ def _full_lora(layer: LoraLinear) -> tuple[torch.Tensor, list[torch.Tensor]]:
     if layer.tp_size == 1:
         return a, [b]
     if layer.kind == "column":
-        return a, _tp_gather(b, layer.tp_group)
+        shards = _tp_gather(b, layer.tp_group)
+        parts = _tp_parts(layer)
+        if parts is None:
+            return a, shards
+        local = [rows // layer.tp_size for rows in parts]
+        split = [shard.split(local, dim=0) for shard in shards]
+        return a, [pieces[i] for i in range(len(local)) for pieces in split]
     return torch.cat(_tp_gather(a, layer.tp_group), dim=1), [b]
 
 
@@ -223,7 +239,10 @@ def import_adapter(
     )
     with torch.no_grad():
         for name, layer in lora_layers(module).items():
-            a, b = names.from_peft(name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank)
+            parts = _tp_parts(layer) or ((layer.out_features,) if layer.kind == "column" else None)
+            a, b = names.from_peft(
+                name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank, column_parts=parts
+            )
             for param, value in ((layer.lora_A, a), (layer.lora_B, b)):
                 if param.shape != value.shape:
                     raise UserError(
@@ -256,8 +275,11 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     Features per Megatron layer, h = hidden size, d = head width: linear_qkv h -> q_proj
     heads*d, k_proj / v_proj kv_heads*d; linear_proj (o_proj) heads*d -> h; linear_fc1 h ->
     gate_proj / up_proj ffn; linear_fc2 (down_proj) ffn -> h (Qwen3.5: q_proj 2*heads*d with
-    its output gate, and no self_attn on its delta-net layers). In an MoE family every layer's
-    expert targets are per expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), as
+    its output gate, and no self_attn on its delta-net layers; on those, linear_attn's in_proj_qkv
+    h -> 2 * key heads * key width + value heads * value width, in_proj_z h -> value heads *
+    value width, out_proj back to h). In an MoE family every layer's expert targets are per
+    expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), plus the shared expert's
+    where the family has one (`...mlp.shared_expert.gate_proj`, ffn = its width), as
     `export_adapter` writes them. Torch-free.
 
     Raises:
@@ -275,6 +297,9 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     kv_out = args.num_query_groups * args.head_dim
     no_attention = getattr(args, "linear_layers", ())  # Qwen3.5's delta-net layers: no self_attn
     experts = int(getattr(args, "num_experts", 0))  # a dense family's arguments have no experts
+    shared_ffn = int(getattr(args, "shared_expert_ffn_hidden_size", 0))
+    key = getattr(args, "linear_num_key_heads", 0) * getattr(args, "linear_key_head_dim", 0)
+    value = getattr(args, "linear_num_value_heads", 0) * getattr(args, "linear_value_head_dim", 0)
 
     def features(ffn: int) -> dict[str, tuple[tuple[int, int], ...]]:
         # (in, out) of each HF module of a Megatron target, in `names.modules` order
@@ -283,20 +308,29 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
             "linear_proj": ((q_in, hidden),),
             "linear_fc1": ((hidden, ffn), (hidden, ffn)),
             "linear_fc2": ((ffn, hidden),),
+            "in_proj_qkv": ((hidden, 2 * key + value),),
+            "in_proj_z": ((hidden, value),),
+            "out_proj": ((value, hidden),),
         }
 
     dense, expert = features(args.ffn_hidden_size), features(getattr(args, "expert_ffn_hidden_size", 0))
+    shared_dims = features(shared_ffn)
     shapes: dict[str, tuple[int, int]] = {}
     shared: list[tuple[str, ...]] = []
     for layer in range(args.num_layers):
         for target in names.normalise(list(target_modules)):
-            if no_attention and no_attention[layer] and names.parents[target] == "self_attn":
-                continue
+            mixer = names.parents[target] in ("self_attn", "linear_attn")
+            if mixer and bool(no_attention and no_attention[layer]) != (
+                names.parents[target] == "linear_attn"
+            ):
+                continue  # self_attn on full-attention layers only, linear_attn on delta-net layers only
             parent = f"{layer}.{names.parents[target]}"
             per_expert = experts and target in names.expert_targets
             parents = [f"{parent}.experts.{e}" for e in range(experts)] if per_expert else [parent]
-            dims = (expert if per_expert else dense)[target]
-            for where in parents:
+            placed = [(where, (expert if per_expert else dense)[target]) for where in parents]
+            if per_expert and names.shared_expert and shared_ffn:
+                placed.append((f"{parent}.{names.shared_expert}", shared_dims[target]))
+            for where, dims in placed:
                 a_keys = []
                 for module, (fan_in, fan_out) in zip(names.modules[target], dims, strict=True):
                     a_keys.append(names.peft_key(where, module, "lora_A"))

@@ -74,10 +74,11 @@ class LoraConfig(_Body):
     """r, the adapter's inner width."""
     alpha: Finite = Field(default=16.0, gt=0)
     """The scaling numerator: the update is (alpha / rank) * B A."""
-    targets: tuple[str, ...] = LORA_NAMES.targets
-    """Megatron layer names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF module names
-    (q_proj, ..., down_proj; a fused layer needs all of its HF names), as every family names them
-    (`families.LORA_NAMES`); normalised to Megatron names in that order. Default: all four."""
+    targets: tuple[str, ...] = LORA_NAMES.default_targets
+    """Megatron layer names (linear_qkv, linear_proj, linear_fc1, linear_fc2, and Qwen3.5's
+    gated delta-net in_proj_qkv, in_proj_z, out_proj) or HF module names (q_proj, ..., down_proj;
+    a fused layer needs all of its HF names), as every family names them (`families.LORA_NAMES`);
+    normalised to Megatron names in that order. Default: the first four (`default_targets`)."""
     seed: int = Field(default=0, ge=0, strict=True)
     """Seeds A's initialisation (per layer, independent of the TP layout)."""
 

@@ -11,7 +11,7 @@ It builds transformers' model and megatron-core's `GPTModel` (the family's `tran
 model's meta tensors and records each name, and writes to OUT: the HF tensor names never read,
 names read that HF lacks, Megatron keys missing or unexpected and shape mismatches against the
 rank's model, both parameter counts (Megatron's from its TP=1 EP=1 model on meta, vocabulary
-unpadded there), the LoRA layers `apply_lora` wraps on the TP x EP model and any whose HF module
+unpadded there), the LoRA layers `apply_lora` wraps on the TP x EP model (every target of the family) and any whose HF module
 the HF model lacks, and a few rank-0 shapes.
 """
 
@@ -115,7 +115,7 @@ def main(in_path: str, out_path: str) -> None:
         key: list(expected[key]) for key in sorted(expected) if ".layers.0." in key or ".layers." not in key
     }
 
-    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0))
+    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0, targets=family.lora.targets))
     hf_modules = dict(hf_model.named_modules())
     lora_unmatched = []
     for name in wrapped:

@@ -1,7 +1,7 @@
 """One gloo rank of the Qwen3.5 TP=2 checks (run as `python -m tests.trainer.qwen3_5_worker`):
 the tiny model's full logits on whole rows and on packed rows (two documents per row), and
-`engine_scenarios.training` (3 GRPO steps, save/resume, adapter export and import round trip), to
-OUT/rankR.pt."""
+`engine_scenarios.training` with `QWEN3_5_LORA` (3 GRPO steps, save/resume, adapter export and
+import round trip), to OUT/rankR.pt. Also runs the Qwen3.5 MoE family's TP=2 checks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,20 @@ from pathlib import Path
 import torch
 
 from art_mega.trainer.model_builder import build_megatron_model
+from art_mega.trainer.protocol import LoraConfig
 from art_mega.trainer.rank.parallel import destroy_parallel
 from tests.trainer.common import input_ids, megatron_logits
-from tests.trainer.engine_scenarios import training
+from tests.trainer.engine_scenarios import LORA, training
 from tests.trainer.tp_worker import join
+
+QWEN3_5_LORA = LoraConfig(
+    rank=LORA.rank,
+    alpha=LORA.alpha,
+    seed=LORA.seed,
+    targets=(*LORA.targets, "in_proj_qkv", "in_proj_z", "out_proj"),
+)
+"""`engine_scenarios.LORA` plus the gated delta-net's in_proj_qkv, in_proj_z and out_proj (ART's
+Qwen3.5 targets)."""
 
 
 def packed_logits(built, ids):
@@ -42,7 +52,7 @@ def main(rank: int, world: int, out: Path, port: int, models: dict[str, str]) ->
         ids = input_ids(built.vocab_size)
         results[f"logits/{name}"] = megatron_logits(built, ids)
         results[f"packed/{name}"] = packed_logits(built, ids)
-        results[f"training/{name}"] = training(state, path, out / name, dp_split=False)
+        results[f"training/{name}"] = training(state, path, out / name, dp_split=False, lora=QWEN3_5_LORA)
     destroy_parallel()
     torch.save(results, out / f"rank{rank}.pt")
 

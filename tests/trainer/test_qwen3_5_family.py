@@ -4,7 +4,8 @@ full-attention layer with the output gate, RoPE on a quarter of each head and QK
 1 + w norms; untied LM head) gives Megatron logits equal to transformers' at TP=1 and TP=2, on
 whole rows and on rows packed with two documents (the delta rule's state restarts per document).
 Its LoRA (as the other families: q/k/v/o on the full-attention layers, gate/up/down on every
-layer; q_proj's adapter covers the output gate's rows too) trains for 3 GRPO steps, exports a PEFT
+layer; q_proj's adapter covers the output gate's rows too; and ART's delta-net targets
+in_proj_qkv, in_proj_z, out_proj on the delta-net layers) trains for 3 GRPO steps, exports a PEFT
 adapter that transformers + PEFT load with the Megatron logits (TP=1 and TP=2 exports) and
 imports back bit-exactly.
 The chunked torch delta rule equals the token-by-token recurrence and transformers' own. The
@@ -37,11 +38,6 @@ def _text(**changes) -> dict:
 
 
 REFUSALS = {
-    "moe": (
-        {"model_type": "qwen3_5_moe"},
-        "model_type='qwen3_5_moe' (Qwen3.5 MoE) is not implemented by the Megatron trainer yet; "
-        "use a dense Qwen3.5 / Qwen3.6 model.",
-    ),
     "no output gate": (
         _text(attn_output_gate=False),
         "attn_output_gate=false is not supported; Qwen3.5's full-attention layers have the output gate.",
@@ -185,7 +181,7 @@ def qwen35_tp1(qwen35_world, megatron_world, qwen35_dir: Path, tmp_path_factory)
 
     from art_mega.trainer.model_builder import build_megatron_model
     from tests.trainer.engine_scenarios import training
-    from tests.trainer.qwen3_5_worker import packed_logits
+    from tests.trainer.qwen3_5_worker import QWEN3_5_LORA, packed_logits
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -198,7 +194,11 @@ def qwen35_tp1(qwen35_world, megatron_world, qwen35_dir: Path, tmp_path_factory)
             "logits": megatron_logits(built, ids),
             "packed": packed_logits(built, ids),
             "training": training(
-                megatron_world, str(qwen35_dir), tmp_path_factory.mktemp("qwen35-tp1"), dp_split=False
+                megatron_world,
+                str(qwen35_dir),
+                tmp_path_factory.mktemp("qwen35-tp1"),
+                dp_split=False,
+                lora=QWEN3_5_LORA,
             ),
         }
     finally:
@@ -312,13 +312,18 @@ def test_tp2_export_equals_tp1_export_and_names_every_module(
     mlp = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     attention = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     prefix = "base_model.model.model.layers"
-    expected = {f"{prefix}.0.{module}.lora_{m}.weight" for module in mlp for m in "AB"}
+    delta = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj")
+    expected = {f"{prefix}.0.{module}.lora_{m}.weight" for module in mlp + delta for m in "AB"}
     expected |= {f"{prefix}.1.{module}.lora_{m}.weight" for module in mlp + attention for m in "AB"}
     assert set(tp1) == expected
     assert tuple(tp1[f"{prefix}.1.self_attn.q_proj.lora_B.weight"].shape) == (2 * 4 * 32, 4)
+    # in_proj_qkv: [q; k; v] rows of 2 key heads (q, k) and 4 value heads (v) of width 16
+    assert tuple(tp1[f"{prefix}.0.linear_attn.in_proj_qkv.lora_B.weight"].shape) == (2 * 32 + 64, 4)
+    assert tuple(tp1[f"{prefix}.0.linear_attn.out_proj.lora_A.weight"].shape) == (4, 64)
     layout = adapter_layout(
         read_hf_config(qwen35_dir),
         4,
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        + ["in_proj_qkv", "in_proj_z", "out_proj"],
     )
     assert layout.shapes == {key: tuple(tensor.shape) for key, tensor in tp1.items()}

@@ -68,21 +68,36 @@ FAMILIES: dict[str, FamilySpec[Any]] = _by_model_type(_SPECS)
 
 
 def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
-    """The LoRA names every family agrees on, with the union of their expert targets.
+    """The union of the families' LoRA names, with the union of their expert and optional targets.
 
     A LoRA config names its targets before the model is known (`trainer.protocol.LoraConfig`,
-    `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; a
-    family naming a Megatron layer's HF modules differently fails here, at import.
+    `MegatronBackend(lora_targets=...)`), so a name must mean the same in every family that has
+    it; a family naming a Megatron layer's HF modules differently fails here, at import. A target
+    some family lacks (Qwen3.5's delta-net projections) is optional: not in the default LoRA.
     """
-    first = specs[0].lora
-    for spec in specs[1:]:
-        if dict(spec.lora.modules) != dict(first.modules) or dict(spec.lora.parents) != dict(first.parents):
-            raise RuntimeError(f"family {spec.name} names its LoRA modules unlike family {specs[0].name}")
+    modules: dict[str, tuple[str, ...]] = {}
+    parents: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    for spec in specs:
+        for target, hf_names in spec.lora.modules.items():
+            if target in modules and (modules[target], parents[target]) != (
+                hf_names,
+                spec.lora.parents[target],
+            ):
+                raise RuntimeError(
+                    f"family {spec.name} names its LoRA target {target} unlike family {owner[target]}"
+                )
+            modules.setdefault(target, hf_names)
+            parents.setdefault(target, spec.lora.parents[target])
+            owner.setdefault(target, spec.name)
+    everywhere = set.intersection(*(set(spec.lora.modules) for spec in specs))
+    optional = {target for spec in specs for target in spec.lora.optional} | (set(modules) - everywhere)
     experts = {target for spec in specs for target in spec.lora.expert_targets}
     return LoraNames(
-        modules=first.modules,
-        parents=first.parents,
-        expert_targets=tuple(target for target in first.modules if target in experts),
+        modules=modules,
+        parents=parents,
+        expert_targets=tuple(target for target in modules if target in experts),
+        optional=tuple(target for target in modules if target in optional),
     )
 
 

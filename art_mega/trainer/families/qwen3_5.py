@@ -27,8 +27,9 @@ say.
 The published checkpoints are `Qwen3_5ForConditionalGeneration` (config.json with a
 `text_config`, weights under `model.language_model.`, plus `model.visual.` and `mtp.` that the
 trainer does not read); a text-only `Qwen3_5ForCausalLM` save has the text config at the top and
-weights under `model.`. Both are read (`_reader`). Refused (one sentence each): "qwen3_5_moe"
-(not implemented yet), attention biases, attention without the output gate, another activation, RoPE types other than default,
+weights under `model.`. Both are read (`_reader`). The MoE variant ("qwen3_5_moe") is
+`families/qwen3_5_moe.py`, which reuses this file's mixer, layer spec and weights. Refused (one
+sentence each): attention biases, attention without the output gate, another activation, RoPE types other than default,
 layer types other than linear_attention / full_attention, and linear-attention value heads that
 are not a multiple of its key heads. Context parallelism is refused: the delta rule's state runs
 across the whole sequence.
@@ -114,11 +115,6 @@ def model_args(config: dict[str, Any]) -> Qwen35Args:
         UserError: one sentence naming the field, its value and the fix (module docstring).
     """
     model_type = config.get("model_type")
-    if model_type == "qwen3_5_moe":
-        raise UserError(
-            "model_type='qwen3_5_moe' (Qwen3.5 MoE) is not implemented by the Megatron trainer yet; "
-            "use a dense Qwen3.5 / Qwen3.6 model."
-        )
     if model_type not in MODEL_TYPES:
         raise UserError(f"model_type={model_type!r} is not a Qwen3.5 model ({', '.join(MODEL_TYPES)}).")
     text = text_config(config)
@@ -277,6 +273,8 @@ def _mixer_class() -> type:
                 tp_group=tp_group,
             )
             self.in_proj_qkv = tensor_parallel.ColumnParallelLinear(hidden, (2 * qk + vd) * tp, **common)
+            # TP splits q, k and v one by one: rank r holds [q_r; k_r; v_r] (LoRA export reads this)
+            self.in_proj_qkv.tp_parts = (qk * tp, qk * tp, vd * tp)
             self.in_proj_z = tensor_parallel.ColumnParallelLinear(hidden, vd * tp, **common)
             self.in_proj_b = tensor_parallel.ColumnParallelLinear(hidden, self.value_heads * tp, **common)
             self.in_proj_a = tensor_parallel.ColumnParallelLinear(hidden, self.value_heads * tp, **common)
@@ -326,12 +324,16 @@ def _mixer_class() -> type:
             return self.delta_rule(q, k, v, g, beta)
 
         def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any):
-            x = hidden_states.transpose(0, 1)  # [b, s, h]
-            qkv = self.in_proj_qkv(x)[0]
-            z = self.in_proj_z(x)[0]
-            beta = self.in_proj_b(x)[0].sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x)[0].float() + self.dt_bias)
-            batch, length, _ = x.shape
+            # [s, b, h] (under sequence parallelism [s/t, b, h]: the projections all-gather the
+            # sequence, out_proj reduce-scatters it back); the mixing runs on [b, s, ...]
+            def project(layer: Any) -> Tensor:
+                return layer(hidden_states)[0].transpose(0, 1)
+
+            qkv = project(self.in_proj_qkv)
+            z = project(self.in_proj_z)
+            beta = project(self.in_proj_b).sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(project(self.in_proj_a).float() + self.dt_bias)
+            batch, length, _ = qkv.shape
             if attention_mask is None:
                 o = self._mix(qkv, g, beta)
             else:
@@ -377,10 +379,16 @@ def layer_spec(args: Qwen35Args, *, use_te: bool):
     family's local layer (QK norm, SDPA core attention; the output gate comes from the config),
     gated delta-net layers the same layer with `GatedDeltaNetMixer` in the self-attention slot;
     the local spec also when `use_te` (TE's fused-norm linears would take the shifted norm)."""
+    return hybrid_layer_spec(args, llama.layer_spec(args, use_te=False))
+
+
+def hybrid_layer_spec(args: Qwen35Args, full: Any):
+    """The decoder block's spec from the full-attention layer's spec `full` (a local-spec
+    TransformerLayer): per layer, `full` itself or, on delta-net layers, `full` with
+    `GatedDeltaNetMixer` in its self-attention slot (the MLP, dense or MoE, is `full`'s)."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    full = llama.layer_spec(args, use_te=False)
     linear = dataclasses.replace(
         full,
         submodules=dataclasses.replace(full.submodules, self_attention=ModuleSpec(module=_mixer_class())),
@@ -493,6 +501,30 @@ def megatron_state_dict(
     return state
 
 
+LORA_NAMES = dataclasses.replace(
+    llama.LORA_NAMES,
+    modules={
+        **llama.LORA_NAMES.modules,
+        "in_proj_qkv": ("in_proj_qkv",),
+        "in_proj_z": ("in_proj_z",),
+        "out_proj": ("out_proj",),
+    },
+    parents={
+        **llama.LORA_NAMES.parents,
+        "in_proj_qkv": "linear_attn",
+        "in_proj_z": "linear_attn",
+        "out_proj": "linear_attn",
+    },
+    output_gate=True,
+    optional=("in_proj_qkv", "in_proj_z", "out_proj"),
+)
+"""The Llama family's LoRA targets (q_proj's adapter also covers the output gate's rows) and,
+optional, the gated delta-net's in_proj_qkv and in_proj_z (column-parallel; in_proj_qkv's TP
+shards hold q, k, v parts, `tp_parts`) and out_proj (row-parallel): the modules ART 0.5.23 adapts
+for Qwen3.5 (`art/megatron/model_support/registry.py` _QWEN3_5_DENSE_TARGET_MODULES; it leaves
+in_proj_b / in_proj_a alone, as here)."""
+
+
 SPEC: FamilySpec[Qwen35Args] = FamilySpec(
     name="qwen3_5",
     model_types=MODEL_TYPES,
@@ -505,6 +537,6 @@ SPEC: FamilySpec[Qwen35Args] = FamilySpec(
     gpt_model_kwargs=gpt_model_kwargs,
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
-    lora=dataclasses.replace(llama.LORA_NAMES, output_gate=True),
+    lora=LORA_NAMES,
 )
 """The Qwen3.5 / Qwen3.6 dense family."""

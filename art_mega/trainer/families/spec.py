@@ -44,8 +44,11 @@ class ParallelLayout:
                 raise ValueError(f"invalid parallel layout {self}")
 
 
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.)?(\w+)$")
-"""An adapter name of `trainer.rank.lora.apply_lora`: decoder.layers.{i}[.mlp.experts.{e}].{target}."""
+_LAYER_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.|(shared_experts)\.)?(\w+)$"
+)
+"""An adapter name of `trainer.rank.lora.apply_lora`:
+decoder.layers.{i}[.mlp.experts.{e} | .mlp.shared_experts].{target}."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,11 @@ class LoraNames:
     modules sit under `{parent}.experts.{e}` (the per-expert names of the Hub checkpoints).
     `layer_prefix`: PEFT's key prefix of the decoder layers (PeftModel -> LoraModel ->
     *ForCausalLM.model.layers). `output_gate`: linear_qkv also holds the attention output gate
-    (HF's q_proj is per head [query; gate]; `layout.fuse_qkv_gate`, Qwen3.5).
+    (HF's q_proj is per head [query; gate]; `layout.fuse_qkv_gate`, Qwen3.5). `shared_expert`:
+    the HF name of an MoE layer's shared expert under its parent ("shared_expert" in Qwen's MoE
+    models; "" = none): Megatron's `mlp.shared_experts.linear_fc1` / `linear_fc2` are its
+    gate_proj + up_proj / down_proj. `optional`: targets left out of the default LoRA (the
+    Qwen3.5 gated delta-net projections, which most families lack).
 
     Torch-free except `to_peft` / `from_peft`.
     """
@@ -69,11 +76,18 @@ class LoraNames:
     expert_targets: tuple[str, ...] = ()
     layer_prefix: str = "base_model.model.model.layers"
     output_gate: bool = False
+    shared_expert: str = ""
+    optional: tuple[str, ...] = ()
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """Every Megatron target, in order (the default LoRA targets: all of them)."""
+        """Every Megatron target, in order."""
         return tuple(self.modules)
+
+    @property
+    def default_targets(self) -> tuple[str, ...]:
+        """The default LoRA targets: every target but the `optional` ones, in order."""
+        return tuple(name for name in self.modules if name not in self.optional)
 
     def normalise(self, targets: Sequence[str]) -> tuple[str, ...]:
         """Megatron target names from Megatron and/or HF names, in `modules` order.
@@ -112,15 +126,24 @@ class LoraNames:
     def parse(self, name: str) -> tuple[str, str]:
         """(HF module path under the decoder layers, Megatron target) of a LoRA layer name:
         decoder.layers.3.mlp.linear_fc1 -> ("3.mlp", "linear_fc1"),
-        decoder.layers.3.mlp.experts.5.linear_fc2 -> ("3.mlp.experts.5", "linear_fc2").
+        decoder.layers.3.mlp.experts.5.linear_fc2 -> ("3.mlp.experts.5", "linear_fc2"),
+        decoder.layers.3.mlp.shared_experts.linear_fc1 -> ("3.mlp.shared_expert", "linear_fc1").
         Raises `ValueError` for a name this family has no HF module for."""
         match = _LAYER_NAME.match(name)
-        if match is None or match.group(3) not in self.modules:
+        if match is None or match.group(4) not in self.modules:
             raise ValueError(f"unexpected LoRA layer name {name!r}")
-        layer, expert, target = match.groups()
+        layer, expert, shared, target = match.groups()
         if expert is not None and target not in self.expert_targets:
             raise ValueError(f"unexpected LoRA layer name {name!r}: this family has no experts' {target}")
-        parent = f"{layer}.{self.parents[target]}" + (f".experts.{expert}" if expert is not None else "")
+        if shared is not None and not (self.shared_expert and target in self.expert_targets):
+            raise ValueError(
+                f"unexpected LoRA layer name {name!r}: this family has no shared expert's {target}"
+            )
+        parent = f"{layer}.{self.parents[target]}"
+        if expert is not None:
+            parent += f".experts.{expert}"
+        elif shared is not None:
+            parent += f".{self.shared_expert}"
         return parent, target
 
     def peft_key(self, parent: str, hf_module: str, matrix: str) -> str:
@@ -135,8 +158,10 @@ class LoraNames:
         linear_qkv: B's fused rows are split per query group into q, k, v (`layout.split_qkv`);
         linear_fc1: each rank's B rows are [gate shard; up shard] (`layout.unfuse_fc1`); the
         shared A is written for each of the HF modules (x A^T is the same input to all of them),
-        which is exactly the fused layer's update. linear_proj / linear_fc2 map one to one. An
-        expert's linear_fc1 / linear_fc2 maps to that expert's gate_proj + up_proj / down_proj.
+        which is exactly the fused layer's update. Other targets map one to one (a column layer
+        whose TP shards hold parts, Qwen3.5's in_proj_qkv, comes as pieces whose concatenation
+        is the HF order, `peft_io._full_lora`). An expert's (or the shared expert's)
+        linear_fc1 / linear_fc2 maps to its gate_proj + up_proj / down_proj.
         """
         import torch
 
@@ -166,10 +191,14 @@ class LoraNames:
         num_query_groups: int,
         tp_size: int,
         tp_rank: int,
+        *,
+        column_parts: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """This TP rank's (A, B) of the Megatron LoRA layer `name` from PEFT tensors (inverse of
         `to_peft`). Column layers: A [r, in] whole, B this rank's rows; row layers: A this rank's
-        columns, B whole.
+        columns, B whole. linear_qkv and linear_fc1 are column layers; another target is a row
+        layer unless `column_parts` gives the full row counts of the consecutive parts TP splits
+        one by one (Qwen3.5's in_proj_qkv: (q, k, v) rows; a plain column layer: (rows,)).
 
         Raises:
             UserError: a tensor is missing, or the HF modules of a fused layer have different A
@@ -203,6 +232,9 @@ class LoraNames:
             b = shard(fuse(*b_list, num_heads, num_query_groups), 0, tp_size, tp_rank)
         elif target == "linear_fc1":
             b = fc1_shard(b_list[0], b_list[1], tp_size, tp_rank)
+        elif column_parts is not None:
+            pieces = b_list[0].split(list(column_parts), dim=0)
+            b = torch.cat([shard(piece, 0, tp_size, tp_rank) for piece in pieces], dim=0)
         else:
             a = shard(a, 1, tp_size, tp_rank)
             b = b_list[0]

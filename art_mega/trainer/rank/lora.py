@@ -111,9 +111,14 @@ class LoraLinear(torch.nn.Module):
         from megatron.core import tensor_parallel
 
         super().__init__()
-        # Expert linears leave all communication to the token dispatcher (`explicit_expert_comm`).
-        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not getattr(
-            base, "explicit_expert_comm", False
+        # Expert linears leave all communication to the token dispatcher: their tokens are not a
+        # sequence shard. Not only where Megatron sets `explicit_expert_comm`: its RowParallelLinear
+        # leaves that False at expert-TP 1 and EP 1 (TP > 1), and a sequence-parallel B there
+        # was summed over TP on top of the expert-DP sum (twice the gradient).
+        self.sequence_parallel = (
+            bool(getattr(base, "sequence_parallel", False))
+            and not is_expert
+            and not getattr(base, "explicit_expert_comm", False)
         )
         if is_expert and tp_size > 1:
             raise NotImplementedError(f"LoRA on {name}: expert tensor parallelism (etp > 1)")

@@ -18,6 +18,7 @@ from art_mega.trainer.families import (
     llama,
     mistral,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
 )
 from art_mega.trainer.families.spec import ParallelLayout
@@ -118,6 +119,8 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "gpt_oss": gpt_oss.SPEC,
         "qwen3_5": qwen3_5.SPEC,
         "qwen3_5_text": qwen3_5.SPEC,
+        "qwen3_5_moe": qwen3_5_moe.SPEC,
+        "qwen3_5_moe_text": qwen3_5_moe.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")
@@ -126,8 +129,12 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
 
 
 def test_shared_lora_names_cover_every_family() -> None:
-    assert LORA_NAMES.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert LORA_NAMES.default_targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    # Qwen3.5's delta-net projections: optional (the other families lack them)
+    assert LORA_NAMES.targets == LORA_NAMES.default_targets + ("in_proj_qkv", "in_proj_z", "out_proj")
+    assert LORA_NAMES.optional == ("in_proj_qkv", "in_proj_z", "out_proj")
     assert LORA_NAMES.expert_targets == ("linear_fc1", "linear_fc2")
+    assert LORA_NAMES.normalise(["out_proj", "q_proj", "k_proj", "v_proj"]) == ("linear_qkv", "out_proj")
     assert mistral.SPEC.lora.hf_target_modules(mistral.SPEC.lora.targets) == [
         "down_proj",
         "gate_proj",
@@ -146,6 +153,16 @@ def test_shared_lora_names_cover_every_family() -> None:
     assert qwen3_moe.SPEC.lora.parse("decoder.layers.1.mlp.experts.3.linear_fc1") == (
         "1.mlp.experts.3",
         "linear_fc1",
+    )
+    with pytest.raises(ValueError, match="this family has no shared expert's linear_fc1"):
+        qwen3_moe.SPEC.lora.parse("decoder.layers.1.mlp.shared_experts.linear_fc1")
+    assert qwen3_5_moe.SPEC.lora.parse("decoder.layers.1.mlp.shared_experts.linear_fc2") == (
+        "1.mlp.shared_expert",
+        "linear_fc2",
+    )
+    assert qwen3_5.SPEC.lora.parse("decoder.layers.0.self_attention.in_proj_qkv") == (
+        "0.linear_attn",
+        "in_proj_qkv",
     )
 
 
