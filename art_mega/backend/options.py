@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from art_mega.errors import UserError
+from art_mega.hyperparams import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_FNS,
+    Problem,
+    between_problem,
+    bool_problem,
+    check,
+    finite_problem,
+    nonnegative_problem,
+    one_of_problem,
+    optional,
+    positive_problem,
+    whole_problem,
+)
 from art_mega.trainer import checkpoint
 from art_mega.trainer.protocol import (
     OptimizerConfig,
@@ -22,39 +38,223 @@ log = logging.getLogger(__name__)
 DEFAULT_LEARNING_RATE = 5e-6
 """`backend.train`'s learning rate when neither `learning_rate` nor `config` gives one."""
 
-GRPO_OPTIONS = (
-    "learning_rate",
-    "loss_fn",
-    "importance_sampling_level",
-    "epsilon",
-    "epsilon_high",
-    "kl_beta",
-    "tis_cap",
-    "scale_rewards",
-    "normalize_advantages",
-    "advantage_balance",
-    "kl_penalty_coef",
-    "truncated_importance_sampling",
-    "precalculate_logprobs",
-    "mask_prob_ratio",
-    "max_negative_advantage_importance_sampling_weight",
-    "kimi_k2_tau",
-    "num_trajectories_learning_rate_multiplier_power",
-    "kl_ref_adapter_path",
-    "kl_penalty_reference_step",
-    "kl_penalty_source",
-    "optimizer_save_interval",
-    "final_training_step",
-    "config",
-    "allow_stale",
-    "drop_nonfinite_rewards",
-    "allow_training_without_logprobs",
-    "grad_accumulation_sequences",
-    "packed_sequence_length",
-    "logprob_calculation_chunk_size",
-)
-"""The keywords `MegatronBackend.train` takes (ART's `LocalBackend.train` names mean what they
-mean there; `kl_beta`, `tis_cap`, `allow_stale` and `drop_nonfinite_rewards` are art-mega's)."""
+@dataclass(frozen=True)
+class Check:
+    """A `GRPOOptions` field's range: `problem(value)` is None for a good value, else why not
+    (`hyperparams`); `example` is the value the refusal suggests; `convert` turns a good value
+    into what the job carries (float for numbers; None: kept as given)."""
+
+    problem: Problem
+    example: str
+    convert: Callable[[Any], Any] | None = None
+
+
+def _float(value: Any) -> Any:
+    return None if value is None else float(value)
+
+
+def _int(value: Any) -> Any:
+    return None if value is None else int(value)
+
+
+def _importance_sampling_level(value: Any) -> str | None:
+    if value in IMPORTANCE_SAMPLING_LEVELS:
+        return None
+    return "must be 'token' or 'sequence' (GSPO), or ART's 'average' or 'geometric_average'"
+
+
+class GRPOOptions(BaseModel):
+    """The keywords of `MegatronBackend.train` (one GRPO step), each defined once: ART's names and
+    defaults (`LocalBackend.train`; `kl_beta`, `tis_cap`, `allow_stale` and
+    `drop_nonfinite_rewards` are art-mega's), each field's range (its `Check`), ART's hints for
+    the options art-mega does not implement (`ART_OPTION_HINTS`, the pre-validator), `config`
+    (ART's `TrainConfig`) merged into the fields it gives, and the cross-field rules.
+
+    A field whose name is a field of `GRPOLossConfig` travels to the rank in the job's loss
+    config as it is (`loss_fields`); `epsilon` / `epsilon_high` become `epsilon_low` /
+    `epsilon_high` with ART's defaults for `loss_fn` (cispo 1.0 / 4.0, ppo 0.2 / epsilon):
+    GRPOLossConfig's own defaults are plain PPO's, and every job sets them from here.
+    `packed_sequence_length`, `grad_accumulation_sequences` (their ranges need the trainer's
+    seq_len and DP ranks: `check_packing`, `check_accumulation`), `optimizer_save_interval`,
+    `final_training_step` (`check_optimizer_snapshots`) and `kl_penalty_reference_step` (a
+    committed step of the run: the backend's `_reference_path`) are checked where that is known.
+
+    Raises:
+        HyperParameterError: the first option out of range or of the wrong type, an ART option
+            art-mega does not implement (with what to do instead), an unknown keyword, `config`
+            that is not a TrainConfig or disagrees with a keyword, both TIS caps (named, with
+            the fix; never a pydantic ValidationError).
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    learning_rate: Annotated[float, Check(positive_problem, "5e-6", float)] = DEFAULT_LEARNING_RATE
+    loss_fn: Annotated[str, Check(one_of_problem(*LOSS_FNS), "'cispo'")] = "cispo"
+    importance_sampling_level: Annotated[str, Check(_importance_sampling_level, "'token'")] = "token"
+    epsilon: Annotated[float | None, Check(optional(nonnegative_problem), "0.2", _float)] = None
+    epsilon_high: Annotated[float | None, Check(optional(nonnegative_problem), "0.28", _float)] = None
+    kl_beta: Annotated[float, Check(nonnegative_problem, "0.04", float)] = 0.0
+    tis_cap: Annotated[float | None, Check(optional(positive_problem), "2.0", _float)] = None
+    scale_rewards: Annotated[bool, Check(bool_problem, "True")] = True
+    normalize_advantages: Annotated[bool, Check(bool_problem, "True")] = True
+    advantage_balance: Annotated[float, Check(between_problem(-1.0, 1.0), "0.0", float)] = 0.0
+    kl_penalty_coef: Annotated[float, Check(nonnegative_problem, "0.1", float)] = 0.0
+    truncated_importance_sampling: Annotated[float | None, Check(optional(positive_problem), "2.0", _float)] = None
+    precalculate_logprobs: Annotated[bool, Check(bool_problem, "True")] = False
+    mask_prob_ratio: Annotated[bool, Check(bool_problem, "True")] = False
+    max_negative_advantage_importance_sampling_weight: Annotated[
+        float | None, Check(optional(positive_problem), "2.0", _float)
+    ] = None
+    kimi_k2_tau: Annotated[float | None, Check(optional(nonnegative_problem), "0.5", _float)] = None
+    num_trajectories_learning_rate_multiplier_power: Annotated[float, Check(finite_problem, "0.5", float)] = 0.0
+    kl_ref_adapter_path: Any = None
+    kl_penalty_reference_step: Any = None
+    kl_penalty_source: Annotated[str, Check(one_of_problem("current_learner", "sample"), "'sample'")] = (
+        "current_learner"
+    )
+    optimizer_save_interval: Any = 5
+    final_training_step: Any = None
+    config: Any = None
+    allow_stale: Annotated[bool, Check(bool_problem, "True")] = False
+    drop_nonfinite_rewards: Annotated[bool, Check(bool_problem, "True")] = False
+    allow_training_without_logprobs: Annotated[bool, Check(bool_problem, "True")] = False
+    grad_accumulation_sequences: Any = None
+    packed_sequence_length: Any = None
+    logprob_calculation_chunk_size: Annotated[int | None, Check(optional(whole_problem(1)), "8", _int)] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _art_hints_and_config(cls, data: Any) -> Any:
+        """ART's options art-mega does not implement pass at their off value (dropped), any other
+        unknown keyword is refused; `config` gives learning_rate, kl_beta (its beta),
+        kl_penalty_coef and kl_penalty_source where the keyword is at its default, else both
+        must agree."""
+        from art_mega.errors import HyperParameterError
+
+        where = "backend.train"
+        given = dict(data)
+        for name in [n for n in given if n not in cls.model_fields]:
+            value = given.pop(name)
+            refused = ART_OPTION_HINTS.get(name)
+            if refused is None:
+                raise HyperParameterError(
+                    f"{where} got an unknown keyword {name}={value!r}; use one of {', '.join(cls.model_fields)}",
+                    name,
+                    value,
+                )
+            if not refused.is_off(value):
+                raise HyperParameterError(f"{where} got ART's {name}={value!r}; {refused.why}", name, value)
+        config = given.get("config")
+        if config is not None:
+            given.update(_merged_config(where, config, given, cls))
+        return given
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _in_range(cls, value: Any, info: ValidationInfo) -> Any:
+        name = str(info.field_name)
+        for rule in cls.model_fields[name].metadata:
+            if isinstance(rule, Check):
+                check("backend.train", name, value, rule.problem, rule.example)
+                return value if rule.convert is None else rule.convert(value)
+        return value
+
+    @model_validator(mode="after")
+    def _rules(self) -> GRPOOptions:
+        from art_mega.errors import HyperParameterError
+
+        if self.tis_cap is not None and self.truncated_importance_sampling is not None:
+            raise HyperParameterError(
+                f"backend.train(tis_cap={self.tis_cap!r}) and truncated_importance_sampling="
+                f"{self.truncated_importance_sampling!r} are two TIS caps; set one (tis_cap=C is "
+                "truncated_importance_sampling=C with precalculate_logprobs=True)",
+                "tis_cap",
+                self.tis_cap,
+            )
+        return self
+
+    def loss_fields(self, reference: Any = None) -> dict[str, Any]:
+        """The `GRPOLossConfig` fields of the job: every field of this model that GRPOLossConfig
+        has, `epsilon_low` / `epsilon_high` with ART's defaults for `loss_fn`, and the KL
+        reference adapter `reference` (checked: `_reference_adapter`). `kl_penalty_source` and
+        `logprob_calculation_chunk_size` are left out at their defaults (GRPOLossConfig's own).
+
+        Raises:
+            HyperParameterError: `reference` is not a PEFT adapter folder, or no KL term reads it.
+        """
+        from art_mega.trainer.protocol import GRPOLossConfig
+
+        ppo = self.loss_fn == "ppo"
+        epsilon = (0.2 if ppo else 1.0) if self.epsilon is None else self.epsilon
+        epsilon_high = (None if ppo else 4.0) if self.epsilon_high is None else self.epsilon_high
+        loss = {
+            name: getattr(self, name)
+            for name in type(self).model_fields
+            if name in GRPOLossConfig.model_fields and name != "kl_ref_adapter_path"
+        }
+        loss |= {"epsilon_low": float(epsilon), "epsilon_high": None if epsilon_high is None else float(epsilon_high)}
+        loss["kl_ref_adapter_path"] = _reference_adapter(reference, self.kl_penalty_coef or self.kl_beta)
+        for name, default in (("kl_penalty_source", "current_learner"), ("logprob_calculation_chunk_size", None)):
+            if loss.get(name, default) == default:
+                loss.pop(name, None)
+        return loss
+
+
+def _merged_config(where: str, config: Any, given: Mapping[str, Any], options: type[BaseModel]) -> dict[str, Any]:
+    """The keywords `config` (ART's TrainConfig) sets: learning_rate, kl_beta, kl_penalty_coef,
+    kl_penalty_source (see `GRPOOptions`).
+
+    Raises:
+        HyperParameterError: `config` is not a TrainConfig, or it disagrees with a keyword.
+    """
+    from art_mega.errors import HyperParameterError
+    from art_mega.model import TrainConfig
+
+    if not isinstance(config, TrainConfig):
+        raise HyperParameterError(
+            f"{where}(config={config!r}) must be an art_mega.TrainConfig; pass e.g. "
+            "config=art.TrainConfig(learning_rate=5e-6)",
+            "config",
+            config,
+        )
+    default = {name: field.default for name, field in options.model_fields.items()}
+    value = {name: given.get(name, default[name]) for name in default}
+    learning_rate = value["learning_rate"]
+    if learning_rate != DEFAULT_LEARNING_RATE and learning_rate != config.learning_rate:
+        raise HyperParameterError(
+            f"{where}(learning_rate={learning_rate!r}) disagrees with config.learning_rate="
+            f"{config.learning_rate!r}; set one of them",
+            "learning_rate",
+            learning_rate,
+        )
+    for name, theirs in (("kl_beta", "beta"), ("kl_penalty_coef", "kl_penalty_coef")):
+        mine, given_there = value[name], getattr(config, theirs)
+        if given_there and mine and given_there != mine:
+            raise HyperParameterError(
+                f"{where}({name}={mine!r}) disagrees with config.{theirs}={given_there!r}; set one of them",
+                name,
+                mine,
+            )
+    source = value["kl_penalty_source"]
+    if source == "current_learner":
+        source = config.kl_penalty_source
+    elif config.kl_penalty_source not in ("current_learner", source):
+        raise HyperParameterError(
+            f"{where}(kl_penalty_source={source!r}) disagrees with config.kl_penalty_source="
+            f"{config.kl_penalty_source!r}; set one of them",
+            "kl_penalty_source",
+            source,
+        )
+    return {
+        "learning_rate": config.learning_rate,
+        "kl_beta": value["kl_beta"] or config.beta,
+        "kl_penalty_coef": value["kl_penalty_coef"] or config.kl_penalty_coef,
+        "kl_penalty_source": source,
+    }
+
+
+GRPO_OPTIONS = tuple(GRPOOptions.model_fields)
+"""The keywords `MegatronBackend.train` takes, in ART's order (`GRPOOptions`' fields)."""
 
 
 @dataclass(frozen=True)
@@ -101,218 +301,17 @@ ART_OPTION_HINTS: dict[str, RefusedOption] = {
 """ART `train` options art-mega does not implement, with the value at which each does nothing."""
 
 
-def check_grpo_options(
-    *,
-    learning_rate: Any,
-    importance_sampling_level: Any,
-    epsilon: Any,
-    epsilon_high: Any,
-    kl_beta: Any,
-    tis_cap: Any,
-    scale_rewards: Any,
-    config: Any,
-    allow_stale: Any,
-    drop_nonfinite_rewards: Any,
-    unknown: Mapping[str, Any],
-    allow_training_without_logprobs: Any = False,
-    loss_fn: Any = "cispo",
-    normalize_advantages: Any = True,
-    advantage_balance: Any = 0.0,
-    kl_penalty_coef: Any = 0.0,
-    truncated_importance_sampling: Any = None,
-    precalculate_logprobs: Any = False,
-    mask_prob_ratio: Any = False,
-    max_negative_advantage_importance_sampling_weight: Any = None,
-    kimi_k2_tau: Any = None,
-    num_trajectories_learning_rate_multiplier_power: Any = 0.0,
-    kl_ref_adapter_path: Any = None,
-    logprob_calculation_chunk_size: Any = None,
-    kl_penalty_source: Any = "current_learner",
-) -> tuple[float, dict[str, Any]]:
-    """Check `backend.train`'s options before anything runs; returns (learning rate, the
-    `GRPOLossConfig` fields of the job).
-
-    learning_rate: finite > 0; loss_fn: "cispo" (ART's default) or "ppo"; epsilon,
-    epsilon_high: None (ART's default for loss_fn: cispo 1.0 and 4.0, ppo 0.2 and epsilon) or
-    finite >= 0; importance_sampling_level: token, sequence, average or geometric_average;
-    kl_beta, kl_penalty_coef, kimi_k2_tau (or None): finite >= 0; tis_cap,
-    truncated_importance_sampling, max_negative_advantage_importance_sampling_weight: None or
-    finite > 0 (not tis_cap and truncated_importance_sampling together); advantage_balance:
-    in [-1, 1]; num_trajectories_learning_rate_multiplier_power: finite; the flags: bools;
-    kl_ref_adapter_path: None or a PEFT adapter folder (or a checkpoint folder holding one in
-    `adapter/`) on this host, used as the reference when kl_penalty_coef or kl_beta is > 0;
-    logprob_calculation_chunk_size: None (whole rows) or a whole number >= 1 (ART's memory knob:
-    the trainer's logprobs over chunks of that many positions, `logprobs.token_logprobs`).
-    config: None or a `TrainConfig`, whose learning_rate replaces `learning_rate` (a
-    `learning_rate` other than the default must agree with it), whose beta is `kl_beta` and
-    whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree),
-    and whose kl_penalty_source is `kl_penalty_source` unless that is not ART's default.
-    kl_penalty_source: ART 0.5.23's "current_learner" (the penalty's KL is new - ref) or
-    "sample" (sampling logprobs - ref, `loss.grpo_loss`). `unknown` holds the other keywords: an ART option of `ART_OPTION_HINTS` at its off value
-    passes, any other is refused.
+def check_grpo_options(*, unknown: Mapping[str, Any] = {}, **options: Any) -> tuple[float, dict[str, Any]]:  # noqa: B006
+    """Check `backend.train`'s options (`GRPOOptions`, whose fields are the keywords here) before
+    anything runs; returns (learning rate, the `GRPOLossConfig` fields of the job). `unknown`
+    holds other keywords: an ART option of `ART_OPTION_HINTS` at its off value passes, any other
+    is refused. `kl_ref_adapter_path` is the resolved reference folder (`_reference_adapter`).
 
     Raises:
-        HyperParameterError: the first option out of range or of the wrong type, an ART option
-            art-mega does not implement (with what to do instead), or an unknown keyword.
+        HyperParameterError: see `GRPOOptions`.
     """
-    from art_mega.errors import HyperParameterError
-    from art_mega.hyperparams import (
-        IMPORTANCE_SAMPLING_LEVELS,
-        LOSS_FNS,
-        between_problem,
-        bool_problem,
-        check,
-        finite_problem,
-        nonnegative_problem,
-        one_of_problem,
-        optional,
-        positive_problem,
-        whole_problem,
-    )
-    from art_mega.model import TrainConfig
-
-    where = "backend.train"
-    for name, value in unknown.items():
-        refused = ART_OPTION_HINTS.get(name)
-        if refused is None:
-            raise HyperParameterError(
-                f"{where} got an unknown keyword {name}={value!r}; use one of {', '.join(GRPO_OPTIONS)}",
-                name,
-                value,
-            )
-        if not refused.is_off(value):
-            raise HyperParameterError(f"{where} got ART's {name}={value!r}; {refused.why}", name, value)
-    if config is not None:
-        if not isinstance(config, TrainConfig):
-            raise HyperParameterError(
-                f"{where}(config={config!r}) must be an art_mega.TrainConfig; pass e.g. "
-                "config=art.TrainConfig(learning_rate=5e-6)",
-                "config",
-                config,
-            )
-        if learning_rate != DEFAULT_LEARNING_RATE and learning_rate != config.learning_rate:
-            raise HyperParameterError(
-                f"{where}(learning_rate={learning_rate!r}) disagrees with config.learning_rate="
-                f"{config.learning_rate!r}; set one of them",
-                "learning_rate",
-                learning_rate,
-            )
-        learning_rate = config.learning_rate
-        for name, mine, theirs in (
-            ("kl_beta", kl_beta, "beta"),
-            ("kl_penalty_coef", kl_penalty_coef, "kl_penalty_coef"),
-        ):
-            given = getattr(config, theirs)
-            if given and mine and given != mine:
-                raise HyperParameterError(
-                    f"{where}({name}={mine!r}) disagrees with config.{theirs}={given!r}; set one of them",
-                    name,
-                    mine,
-                )
-        kl_beta = kl_beta or config.beta
-        kl_penalty_coef = kl_penalty_coef or config.kl_penalty_coef
-        if kl_penalty_source == "current_learner":
-            kl_penalty_source = config.kl_penalty_source
-        elif config.kl_penalty_source not in ("current_learner", kl_penalty_source):
-            raise HyperParameterError(
-                f"{where}(kl_penalty_source={kl_penalty_source!r}) disagrees with config.kl_penalty_source="
-                f"{config.kl_penalty_source!r}; set one of them",
-                "kl_penalty_source",
-                kl_penalty_source,
-            )
-    check(where, "learning_rate", learning_rate, positive_problem, "5e-6")
-    check(where, "loss_fn", loss_fn, one_of_problem(*LOSS_FNS), "'cispo'")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise HyperParameterError(
-            f"{where}(importance_sampling_level={importance_sampling_level!r}) must be 'token' or "
-            "'sequence' (GSPO), or ART's 'average' or 'geometric_average'",
-            "importance_sampling_level",
-            importance_sampling_level,
-        )
-    check(where, "epsilon", epsilon, optional(nonnegative_problem), "0.2")
-    check(where, "epsilon_high", epsilon_high, optional(nonnegative_problem), "0.28")
-    check(where, "kl_beta", kl_beta, nonnegative_problem, "0.04")
-    check(where, "kl_penalty_coef", kl_penalty_coef, nonnegative_problem, "0.1")
-    check(
-        where, "kl_penalty_source", kl_penalty_source, one_of_problem("current_learner", "sample"), "'sample'"
-    )
-    check(where, "tis_cap", tis_cap, optional(positive_problem), "2.0")
-    check(
-        where,
-        "truncated_importance_sampling",
-        truncated_importance_sampling,
-        optional(positive_problem),
-        "2.0",
-    )
-    if tis_cap is not None and truncated_importance_sampling is not None:
-        raise HyperParameterError(
-            f"{where}(tis_cap={tis_cap!r}) and truncated_importance_sampling={truncated_importance_sampling!r} "
-            "are two TIS caps; set one (tis_cap=C is truncated_importance_sampling=C with precalculate_logprobs=True)",
-            "tis_cap",
-            tis_cap,
-        )
-    check(
-        where,
-        "max_negative_advantage_importance_sampling_weight",
-        max_negative_advantage_importance_sampling_weight,
-        optional(positive_problem),
-        "2.0",
-    )
-    check(where, "kimi_k2_tau", kimi_k2_tau, optional(nonnegative_problem), "0.5")
-    check(where, "advantage_balance", advantage_balance, between_problem(-1.0, 1.0), "0.0")
-    check(
-        where,
-        "num_trajectories_learning_rate_multiplier_power",
-        num_trajectories_learning_rate_multiplier_power,
-        finite_problem,
-        "0.5",
-    )
-    for name, value in (
-        ("scale_rewards", scale_rewards),
-        ("normalize_advantages", normalize_advantages),
-        ("precalculate_logprobs", precalculate_logprobs),
-        ("mask_prob_ratio", mask_prob_ratio),
-        ("allow_stale", allow_stale),
-        ("drop_nonfinite_rewards", drop_nonfinite_rewards),
-        ("allow_training_without_logprobs", allow_training_without_logprobs),
-    ):
-        check(where, name, value, bool_problem, "True")
-    check(
-        where,
-        "logprob_calculation_chunk_size",
-        logprob_calculation_chunk_size,
-        optional(whole_problem(1)),
-        "8",
-    )
-    ppo = loss_fn == "ppo"
-    epsilon = (0.2 if ppo else 1.0) if epsilon is None else epsilon
-    epsilon_high = (None if ppo else 4.0) if epsilon_high is None else epsilon_high
-    loss = {
-        "loss_fn": loss_fn,
-        "importance_sampling_level": importance_sampling_level,
-        "epsilon_low": float(epsilon),
-        "epsilon_high": None if epsilon_high is None else float(epsilon_high),
-        "kl_beta": float(kl_beta),
-        "tis_cap": None if tis_cap is None else float(tis_cap),
-        "truncated_importance_sampling": (
-            None if truncated_importance_sampling is None else float(truncated_importance_sampling)
-        ),
-        "mask_prob_ratio": mask_prob_ratio,
-        "max_negative_advantage_importance_sampling_weight": (
-            None
-            if max_negative_advantage_importance_sampling_weight is None
-            else float(max_negative_advantage_importance_sampling_weight)
-        ),
-        "kimi_k2_tau": None if kimi_k2_tau is None else float(kimi_k2_tau),
-        "kl_penalty_coef": float(kl_penalty_coef),
-        "precalculate_logprobs": precalculate_logprobs,
-        "kl_ref_adapter_path": _reference_adapter(kl_ref_adapter_path, kl_penalty_coef or kl_beta),
-    }
-    if kl_penalty_source != "current_learner":  # absent: GRPOLossConfig's ART default
-        loss["kl_penalty_source"] = kl_penalty_source
-    if logprob_calculation_chunk_size is not None:  # absent: GRPOLossConfig's None, whole rows
-        loss["logprob_calculation_chunk_size"] = int(logprob_calculation_chunk_size)
-    return float(learning_rate), loss
+    checked = GRPOOptions.model_validate({**options, **unknown})
+    return checked.learning_rate, checked.loss_fields(checked.kl_ref_adapter_path)
 
 
 def check_optimizer_snapshots(interval: Any, final_step: Any, config: Any) -> None:
