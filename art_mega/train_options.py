@@ -177,7 +177,7 @@ class GRPOOptions(BaseModel):
         Raises:
             HyperParameterError: `reference` is not a PEFT adapter folder, or no KL term reads it.
         """
-        from art_mega.trainer.protocol import GRPOLossConfig
+        from art_mega.trainer import protocol
 
         art_low, art_high = art_epsilons(self.loss_fn)
         epsilon = art_low if self.epsilon is None else self.epsilon
@@ -185,7 +185,7 @@ class GRPOOptions(BaseModel):
         loss = {
             name: getattr(self, name)
             for name in type(self).model_fields
-            if name in GRPOLossConfig.model_fields and name != "kl_ref_adapter_path"
+            if name in protocol.GRPOLossConfig.model_fields and name != "kl_ref_adapter_path"
         }
         loss |= {"epsilon_low": float(epsilon), "epsilon_high": None if epsilon_high is None else float(epsilon_high)}
         loss["kl_ref_adapter_path"] = _reference_adapter(reference, self.kl_penalty_coef or self.kl_beta)
