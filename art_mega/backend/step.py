@@ -32,6 +32,36 @@ from art_mega.trainer.protocol import (
 log = logging.getLogger(__name__)
 
 
+def published_adapter(result: Any, step: int, checkpoint_dir: Path) -> str:
+    """The adapter folder step `step` publishes: the one rank 0's `AdapterReady` of the job names
+    (`result`, the job's `JobResult`), which must be step `step`'s and the committed folder's
+    (`checkpoint_dir`) adapter, with the sha256 that folder's manifest records where this host
+    reads it (a shared artifact_root, or rank 0's host; on other hosts the transfer stage checks
+    each file's sha256 as it fetches it).
+
+    Raises:
+        CheckpointFileError: the job reported no adapter, or one of another step or folder, or
+            a sha256 other than the manifest's (each named).
+    """
+    from art_mega.errors import CheckpointFileError
+
+    expected = checkpoint.adapter_dir(checkpoint_dir)
+    ready = [event for event in result.adapter_ready if event.step == step]
+    if len(ready) != 1 or ready[0].path != str(expected):
+        named = [(event.step, event.path) for event in result.adapter_ready]
+        raise CheckpointFileError(
+            expected, f"is step {step}'s adapter, but the trainer's rank 0 reported {named or 'none'}"
+        )
+    manifest = checkpoint.manifest_file(checkpoint_dir)
+    if manifest.is_file():
+        recorded = checkpoint.read_manifest(checkpoint_dir).adapter_sha256
+        if recorded != ready[0].sha256:
+            raise CheckpointFileError(
+                manifest, f"records adapter sha256 {recorded}, but rank 0 exported {ready[0].sha256}"
+            )
+    return ready[0].path
+
+
 @dataclass(frozen=True)
 class TrainResult:
     """What one `backend.train` did: the new policy step and its metrics (loss/, data/, time/)."""
@@ -503,7 +533,7 @@ class StepMixin:
             raise
         self._step = step
         trained = time.perf_counter()
-        report = await self._publisher.publish(step, str(checkpoint.adapter_dir(self._checkpoint(step))))
+        report = await self._publisher.publish(step, published_adapter(result, step, self._checkpoint(step)))
         published = time.perf_counter()
         shutil.rmtree(batch_dir, ignore_errors=True)
         await self._remove_on_trainer_hosts(batch_dir, best_effort=True)  # as the rmtree above
