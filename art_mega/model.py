@@ -9,13 +9,13 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 
 from art_mega.dev.train import TRAIN_CONFIG_KEYS
 from art_mega.errors import HyperParameterError, UserError
-from art_mega.hyperparams import nonnegative_problem, positive_problem, pydantic_check
+from art_mega.train_options import TrainConfig, art_epsilons
 
 
 def _check_name(value: str, field: str) -> str:
@@ -24,42 +24,6 @@ def _check_name(value: str, field: str) -> str:
     if any(c in value for c in "/\\@\0\n\r"):
         raise ValueError(f"{field} {value!r} must not contain '/', '\\\\', '@', NUL or line breaks")
     return value
-
-
-class TrainConfig(BaseModel):
-    """ART's TrainConfig: the learning rate of one step, ART's `kl_penalty_coef` (KL-penalised
-    advantages, see `backend.train`) and `kl_penalty_source` (whose logprobs the penalty
-    compares with the reference: "current_learner", ART's default, or "sample"), `beta`
-    (art-mega's k3 KL loss term, `kl_beta`), ART's `grad_accumulation_sequences` (packed rows per
-    optimizer step, see `backend.train`; None: ART's default, one row per DP rank and step), and
-    ART 0.5.23's `optimizer_save_interval` / `final_training_step` (when ART snapshots the
-    optimizer: art-mega commits it with every step, which covers both; see `backend.train`).
-
-    Raises:
-        pydantic.ValidationError: `learning_rate` is not a finite number > 0 (a string, NaN,
-            inf, 0 or a negative value), `beta` or `kl_penalty_coef` is not a finite number
-            >= 0, or `grad_accumulation_sequences` is not None or a whole number >= 1.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    learning_rate: float = 5e-6
-    beta: float = 0.0
-    kl_penalty_coef: float = 0.0
-    grad_accumulation_sequences: int | None = Field(default=None, ge=1, strict=True)
-    kl_penalty_source: Literal["current_learner", "sample"] = "current_learner"
-    optimizer_save_interval: int = Field(default=5, ge=1, strict=True)
-    final_training_step: int | None = Field(default=None, ge=1, strict=True)
-
-    @field_validator("learning_rate", mode="before")
-    @classmethod
-    def _learning_rate(cls, value: Any) -> Any:
-        return pydantic_check(value, positive_problem, "5e-6")
-
-    @field_validator("beta", "kl_penalty_coef", mode="before")
-    @classmethod
-    def _beta(cls, value: Any) -> Any:
-        return pydantic_check(value, nonnegative_problem, "0.04")
 
 
 ModelConfig = TypeVar("ModelConfig", bound="BaseModel | None")
@@ -707,7 +671,7 @@ def dev_train_options(dev_config: Any, given: Mapping[str, Any]) -> dict[str, An
     if "epsilon_high" in options and options["epsilon_high"] is None:
         epsilon = options.get("epsilon", given.get("epsilon"))
         if epsilon is None:
-            epsilon = 0.2 if options.get("loss_fn", given.get("loss_fn", "cispo")) == "ppo" else 1.0
+            epsilon = art_epsilons(options.get("loss_fn", given.get("loss_fn", "cispo")))[0]
         options["epsilon_high"] = epsilon
     return options
 

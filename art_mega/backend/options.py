@@ -6,313 +6,45 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from art_mega.errors import UserError
-from art_mega.trainer import checkpoint
+from art_mega.hyperparams import (
+    between_problem,
+    check,
+    nonnegative_problem,
+    optional,
+    positive_problem,
+    whole_problem,
+)
+from art_mega.train_options import (
+    ART_OPTION_HINTS,
+    DEFAULT_LEARNING_RATE,
+    GRPO_OPTIONS,
+    Check,
+    GRPOOptions,
+    RefusedOption,
+)
 from art_mega.trainer.protocol import (
     OptimizerConfig,
 )
 
+__all__ = ["ART_OPTION_HINTS", "DEFAULT_LEARNING_RATE", "GRPO_OPTIONS", "Check", "GRPOOptions", "RefusedOption"]
+
 log = logging.getLogger(__name__)
 
 
-DEFAULT_LEARNING_RATE = 5e-6
-"""`backend.train`'s learning rate when neither `learning_rate` nor `config` gives one."""
-
-GRPO_OPTIONS = (
-    "learning_rate",
-    "loss_fn",
-    "importance_sampling_level",
-    "epsilon",
-    "epsilon_high",
-    "kl_beta",
-    "tis_cap",
-    "scale_rewards",
-    "normalize_advantages",
-    "advantage_balance",
-    "kl_penalty_coef",
-    "truncated_importance_sampling",
-    "precalculate_logprobs",
-    "mask_prob_ratio",
-    "max_negative_advantage_importance_sampling_weight",
-    "kimi_k2_tau",
-    "num_trajectories_learning_rate_multiplier_power",
-    "kl_ref_adapter_path",
-    "kl_penalty_reference_step",
-    "kl_penalty_source",
-    "optimizer_save_interval",
-    "final_training_step",
-    "config",
-    "allow_stale",
-    "drop_nonfinite_rewards",
-    "allow_training_without_logprobs",
-    "grad_accumulation_sequences",
-    "packed_sequence_length",
-    "logprob_calculation_chunk_size",
-)
-"""The keywords `MegatronBackend.train` takes (ART's `LocalBackend.train` names mean what they
-mean there; `kl_beta`, `tis_cap`, `allow_stale` and `drop_nonfinite_rewards` are art-mega's)."""
-
-
-@dataclass(frozen=True)
-class RefusedOption:
-    """An ART `train` option art-mega does not implement: accepted only at `off` (where ART does
-    nothing either), else refused with `why` (what it does in ART and what to do instead)."""
-
-    off: tuple[Any, ...]
-    why: str
-
-    def is_off(self, value: Any) -> bool:
-        return any(value is o or (type(value) is type(o) and value == o) for o in self.off)
-
-
-_NO_MOE = "art-mega neither records nor replays MoE routing, so remove it"
-ART_OPTION_HINTS: dict[str, RefusedOption] = {
-    "loss_fn_config": RefusedOption(
-        (None,), "ART's LocalBackend refuses it too; choose the objective with loss_fn='cispo' or 'ppo'"
-    ),
-    "adam_params": RefusedOption((None,), "ART's LocalBackend refuses it too; remove it"),
-    "scale_learning_rate_by_reward_std_dev": RefusedOption(
-        (False,),
-        "ART 0.5.18 takes it but no longer applies it (its LocalBackend ignores it); scale "
-        "learning_rate yourself",
-    ),
-    "plot_tensors": RefusedOption((False,), "art-mega does not plot the packed tensors, so remove it"),
-    "save_checkpoint": RefusedOption(
-        (True,),
-        "every art-mega step commits its checkpoint (the served adapter is read from it), so remove it",
-    ),
-    "verbose": RefusedOption((False,), "art-mega reports each step in its metrics and logs, so remove it"),
-    "kl_penalty_step_lag": RefusedOption(
-        (None,),
-        "art-mega does not keep a lagged KL reference; pass kl_penalty_reference_step=<a committed step> instead",
-    ),
-    "moe_routing_replay_bundle": RefusedOption((None,), _NO_MOE),
-    "moe_routing_replay_path": RefusedOption((None,), _NO_MOE),
-    "moe_routing_replay_strict": RefusedOption((False,), _NO_MOE),
-    "ppo": RefusedOption(
-        (),
-        "backend.train takes ART's loss_fn='ppo' or 'cispo' (ppo is the dev.TrainConfig key of model.train(_config=...))",
-    ),
-}
-"""ART `train` options art-mega does not implement, with the value at which each does nothing."""
-
-
-def check_grpo_options(
-    *,
-    learning_rate: Any,
-    importance_sampling_level: Any,
-    epsilon: Any,
-    epsilon_high: Any,
-    kl_beta: Any,
-    tis_cap: Any,
-    scale_rewards: Any,
-    config: Any,
-    allow_stale: Any,
-    drop_nonfinite_rewards: Any,
-    unknown: Mapping[str, Any],
-    allow_training_without_logprobs: Any = False,
-    loss_fn: Any = "cispo",
-    normalize_advantages: Any = True,
-    advantage_balance: Any = 0.0,
-    kl_penalty_coef: Any = 0.0,
-    truncated_importance_sampling: Any = None,
-    precalculate_logprobs: Any = False,
-    mask_prob_ratio: Any = False,
-    max_negative_advantage_importance_sampling_weight: Any = None,
-    kimi_k2_tau: Any = None,
-    num_trajectories_learning_rate_multiplier_power: Any = 0.0,
-    kl_ref_adapter_path: Any = None,
-    logprob_calculation_chunk_size: Any = None,
-    kl_penalty_source: Any = "current_learner",
-) -> tuple[float, dict[str, Any]]:
-    """Check `backend.train`'s options before anything runs; returns (learning rate, the
-    `GRPOLossConfig` fields of the job).
-
-    learning_rate: finite > 0; loss_fn: "cispo" (ART's default) or "ppo"; epsilon,
-    epsilon_high: None (ART's default for loss_fn: cispo 1.0 and 4.0, ppo 0.2 and epsilon) or
-    finite >= 0; importance_sampling_level: token, sequence, average or geometric_average;
-    kl_beta, kl_penalty_coef, kimi_k2_tau (or None): finite >= 0; tis_cap,
-    truncated_importance_sampling, max_negative_advantage_importance_sampling_weight: None or
-    finite > 0 (not tis_cap and truncated_importance_sampling together); advantage_balance:
-    in [-1, 1]; num_trajectories_learning_rate_multiplier_power: finite; the flags: bools;
-    kl_ref_adapter_path: None or a PEFT adapter folder (or a checkpoint folder holding one in
-    `adapter/`) on this host, used as the reference when kl_penalty_coef or kl_beta is > 0;
-    logprob_calculation_chunk_size: None (whole rows) or a whole number >= 1 (ART's memory knob:
-    the trainer's logprobs over chunks of that many positions, `logprobs.token_logprobs`).
-    config: None or a `TrainConfig`, whose learning_rate replaces `learning_rate` (a
-    `learning_rate` other than the default must agree with it), whose beta is `kl_beta` and
-    whose kl_penalty_coef is `kl_penalty_coef` unless those are non-zero (then they must agree),
-    and whose kl_penalty_source is `kl_penalty_source` unless that is not ART's default.
-    kl_penalty_source: ART 0.5.23's "current_learner" (the penalty's KL is new - ref) or
-    "sample" (sampling logprobs - ref, `loss.grpo_loss`). `unknown` holds the other keywords: an ART option of `ART_OPTION_HINTS` at its off value
-    passes, any other is refused.
+def check_grpo_options(*, unknown: Mapping[str, Any] = {}, **options: Any) -> tuple[float, dict[str, Any]]:  # noqa: B006
+    """Check `backend.train`'s options (`GRPOOptions`, whose fields are the keywords here) before
+    anything runs; returns (learning rate, the `GRPOLossConfig` fields of the job). `unknown`
+    holds other keywords: an ART option of `ART_OPTION_HINTS` at its off value passes, any other
+    is refused. `kl_ref_adapter_path` is the resolved reference folder (`_reference_adapter`).
 
     Raises:
-        HyperParameterError: the first option out of range or of the wrong type, an ART option
-            art-mega does not implement (with what to do instead), or an unknown keyword.
+        HyperParameterError: see `GRPOOptions`.
     """
-    from art_mega.errors import HyperParameterError
-    from art_mega.hyperparams import (
-        IMPORTANCE_SAMPLING_LEVELS,
-        LOSS_FNS,
-        between_problem,
-        bool_problem,
-        check,
-        finite_problem,
-        nonnegative_problem,
-        one_of_problem,
-        optional,
-        positive_problem,
-        whole_problem,
-    )
-    from art_mega.model import TrainConfig
-
-    where = "backend.train"
-    for name, value in unknown.items():
-        refused = ART_OPTION_HINTS.get(name)
-        if refused is None:
-            raise HyperParameterError(
-                f"{where} got an unknown keyword {name}={value!r}; use one of {', '.join(GRPO_OPTIONS)}",
-                name,
-                value,
-            )
-        if not refused.is_off(value):
-            raise HyperParameterError(f"{where} got ART's {name}={value!r}; {refused.why}", name, value)
-    if config is not None:
-        if not isinstance(config, TrainConfig):
-            raise HyperParameterError(
-                f"{where}(config={config!r}) must be an art_mega.TrainConfig; pass e.g. "
-                "config=art.TrainConfig(learning_rate=5e-6)",
-                "config",
-                config,
-            )
-        if learning_rate != DEFAULT_LEARNING_RATE and learning_rate != config.learning_rate:
-            raise HyperParameterError(
-                f"{where}(learning_rate={learning_rate!r}) disagrees with config.learning_rate="
-                f"{config.learning_rate!r}; set one of them",
-                "learning_rate",
-                learning_rate,
-            )
-        learning_rate = config.learning_rate
-        for name, mine, theirs in (
-            ("kl_beta", kl_beta, "beta"),
-            ("kl_penalty_coef", kl_penalty_coef, "kl_penalty_coef"),
-        ):
-            given = getattr(config, theirs)
-            if given and mine and given != mine:
-                raise HyperParameterError(
-                    f"{where}({name}={mine!r}) disagrees with config.{theirs}={given!r}; set one of them",
-                    name,
-                    mine,
-                )
-        kl_beta = kl_beta or config.beta
-        kl_penalty_coef = kl_penalty_coef or config.kl_penalty_coef
-        if kl_penalty_source == "current_learner":
-            kl_penalty_source = config.kl_penalty_source
-        elif config.kl_penalty_source not in ("current_learner", kl_penalty_source):
-            raise HyperParameterError(
-                f"{where}(kl_penalty_source={kl_penalty_source!r}) disagrees with config.kl_penalty_source="
-                f"{config.kl_penalty_source!r}; set one of them",
-                "kl_penalty_source",
-                kl_penalty_source,
-            )
-    check(where, "learning_rate", learning_rate, positive_problem, "5e-6")
-    check(where, "loss_fn", loss_fn, one_of_problem(*LOSS_FNS), "'cispo'")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise HyperParameterError(
-            f"{where}(importance_sampling_level={importance_sampling_level!r}) must be 'token' or "
-            "'sequence' (GSPO), or ART's 'average' or 'geometric_average'",
-            "importance_sampling_level",
-            importance_sampling_level,
-        )
-    check(where, "epsilon", epsilon, optional(nonnegative_problem), "0.2")
-    check(where, "epsilon_high", epsilon_high, optional(nonnegative_problem), "0.28")
-    check(where, "kl_beta", kl_beta, nonnegative_problem, "0.04")
-    check(where, "kl_penalty_coef", kl_penalty_coef, nonnegative_problem, "0.1")
-    check(
-        where, "kl_penalty_source", kl_penalty_source, one_of_problem("current_learner", "sample"), "'sample'"
-    )
-    check(where, "tis_cap", tis_cap, optional(positive_problem), "2.0")
-    check(
-        where,
-        "truncated_importance_sampling",
-        truncated_importance_sampling,
-        optional(positive_problem),
-        "2.0",
-    )
-    if tis_cap is not None and truncated_importance_sampling is not None:
-        raise HyperParameterError(
-            f"{where}(tis_cap={tis_cap!r}) and truncated_importance_sampling={truncated_importance_sampling!r} "
-            "are two TIS caps; set one (tis_cap=C is truncated_importance_sampling=C with precalculate_logprobs=True)",
-            "tis_cap",
-            tis_cap,
-        )
-    check(
-        where,
-        "max_negative_advantage_importance_sampling_weight",
-        max_negative_advantage_importance_sampling_weight,
-        optional(positive_problem),
-        "2.0",
-    )
-    check(where, "kimi_k2_tau", kimi_k2_tau, optional(nonnegative_problem), "0.5")
-    check(where, "advantage_balance", advantage_balance, between_problem(-1.0, 1.0), "0.0")
-    check(
-        where,
-        "num_trajectories_learning_rate_multiplier_power",
-        num_trajectories_learning_rate_multiplier_power,
-        finite_problem,
-        "0.5",
-    )
-    for name, value in (
-        ("scale_rewards", scale_rewards),
-        ("normalize_advantages", normalize_advantages),
-        ("precalculate_logprobs", precalculate_logprobs),
-        ("mask_prob_ratio", mask_prob_ratio),
-        ("allow_stale", allow_stale),
-        ("drop_nonfinite_rewards", drop_nonfinite_rewards),
-        ("allow_training_without_logprobs", allow_training_without_logprobs),
-    ):
-        check(where, name, value, bool_problem, "True")
-    check(
-        where,
-        "logprob_calculation_chunk_size",
-        logprob_calculation_chunk_size,
-        optional(whole_problem(1)),
-        "8",
-    )
-    ppo = loss_fn == "ppo"
-    epsilon = (0.2 if ppo else 1.0) if epsilon is None else epsilon
-    epsilon_high = (None if ppo else 4.0) if epsilon_high is None else epsilon_high
-    loss = {
-        "loss_fn": loss_fn,
-        "importance_sampling_level": importance_sampling_level,
-        "epsilon_low": float(epsilon),
-        "epsilon_high": None if epsilon_high is None else float(epsilon_high),
-        "kl_beta": float(kl_beta),
-        "tis_cap": None if tis_cap is None else float(tis_cap),
-        "truncated_importance_sampling": (
-            None if truncated_importance_sampling is None else float(truncated_importance_sampling)
-        ),
-        "mask_prob_ratio": mask_prob_ratio,
-        "max_negative_advantage_importance_sampling_weight": (
-            None
-            if max_negative_advantage_importance_sampling_weight is None
-            else float(max_negative_advantage_importance_sampling_weight)
-        ),
-        "kimi_k2_tau": None if kimi_k2_tau is None else float(kimi_k2_tau),
-        "kl_penalty_coef": float(kl_penalty_coef),
-        "precalculate_logprobs": precalculate_logprobs,
-        "kl_ref_adapter_path": _reference_adapter(kl_ref_adapter_path, kl_penalty_coef or kl_beta),
-    }
-    if kl_penalty_source != "current_learner":  # absent: GRPOLossConfig's ART default
-        loss["kl_penalty_source"] = kl_penalty_source
-    if logprob_calculation_chunk_size is not None:  # absent: GRPOLossConfig's None, whole rows
-        loss["logprob_calculation_chunk_size"] = int(logprob_calculation_chunk_size)
-    return float(learning_rate), loss
+    checked = GRPOOptions.model_validate({**options, **unknown})
+    return checked.learning_rate, checked.loss_fields(checked.kl_ref_adapter_path)
 
 
 def check_optimizer_snapshots(interval: Any, final_step: Any, config: Any) -> None:
@@ -325,7 +57,6 @@ def check_optimizer_snapshots(interval: Any, final_step: Any, config: Any) -> No
     Raises:
         HyperParameterError: a value that is not a whole number in range (named).
     """
-    from art_mega.hyperparams import check, optional, whole_problem
 
     where = "backend.train"
     if config is not None:
@@ -376,7 +107,6 @@ def check_packing(
             and `config` disagreeing, or accumulation with a non-zero power.
     """
     from art_mega.errors import HyperParameterError
-    from art_mega.hyperparams import check, optional, whole_problem
 
     where = "backend.train"
     check(where, "grad_accumulation_sequences", grad_accumulation_sequences, optional(whole_problem(1)), "4")
@@ -433,44 +163,6 @@ def check_accumulation(grad_accumulation_sequences: int, dp: int) -> int:
     return grad_accumulation_sequences
 
 
-def _reference_adapter(path: Any, kl: float) -> str | None:
-    """`kl_ref_adapter_path` as the adapter folder the ranks read (a checkpoint's step folder
-    is one), or None.
-
-    Raises:
-        HyperParameterError: not None, a str or a path; no adapter_config.json there; or no KL
-            term reads it (kl_penalty_coef and kl_beta both 0).
-    """
-    from art_mega.errors import HyperParameterError
-
-    if path is None:
-        return None
-    where = f"backend.train(kl_ref_adapter_path={path!r})"
-    if not isinstance(path, str | os.PathLike) or not str(path):
-        raise HyperParameterError(
-            f"{where} must be the path of a PEFT adapter folder; pass e.g. "
-            "kl_ref_adapter_path='.art/.../checkpoints/0003'",
-            "kl_ref_adapter_path",
-            path,
-        )
-    folder = checkpoint.adapter_dir(Path(path))
-    if not (folder / "adapter_config.json").is_file():
-        raise HyperParameterError(
-            f"{where} holds no adapter_config.json; name a PEFT LoRA adapter folder of this base "
-            "model, or a committed checkpoint (step folder) of it",
-            "kl_ref_adapter_path",
-            path,
-        )
-    if not kl:
-        raise HyperParameterError(
-            f"{where} is the KL reference, but no KL term reads it; set kl_penalty_coef (ART's "
-            "KL-penalised advantages) or kl_beta above 0, or remove it",
-            "kl_ref_adapter_path",
-            path,
-        )
-    return str(folder.resolve())
-
-
 ART_TRAINER_ARGS = {
     "adam_beta1": 0.9,
     "adam_beta2": 0.99,
@@ -494,7 +186,6 @@ def art_optimizer(trainer_args: Mapping[str, Any]) -> tuple[Any, float, float]:
     Raises:
         HyperParameterError: a value out of its range (names the trainer_args key).
     """
-    from art_mega.hyperparams import between_problem, check, nonnegative_problem, positive_problem
 
     args = {**ART_TRAINER_ARGS, **{k: v for k, v in trainer_args.items() if k in ART_TRAINER_ARGS}}
     where = "TrainableModel(_internal_config=...trainer_args)"
@@ -525,7 +216,6 @@ def trajectories_learning_rate(learning_rate: float, documents: int, power: floa
     import math
 
     from art_mega.errors import HyperParameterError
-    from art_mega.hyperparams import positive_problem
 
     if documents == 0 or power == 0:
         return learning_rate
@@ -577,7 +267,6 @@ def check_backend_options(
         UserError: lora_targets or vllm_python of the wrong type, or an unknown LoRA target.
     """
     from art_mega.errors import HyperParameterError
-    from art_mega.hyperparams import check, positive_problem, whole_problem
     from art_mega.inference.protocol import VLLM_LORA_RANKS
     from art_mega.trainer.families import LORA_NAMES
 

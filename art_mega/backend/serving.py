@@ -426,42 +426,16 @@ class ServingMixin:
         memory_plan.check_plan(plan, shape, valid_tp)
         return plan
 
-    async def _start_serving(
-        self,
-        model: Any,
-        resolved: Any,
-        run_dir: Path,
-        committed: int | None,
-        transport: Any,
-        plan: Any = None,
-    ) -> None:
-        """Start the trainer ranks and replicas of a checked registration (writing its memory
-        `plan` into the run folder first), commit step 0 when nothing is committed, publish the
-        served step and start replica recovery. The caller stops what was started when this
-        raises (`_stop_serving`)."""
-        from art_mega.inference.adapters import AdapterPublisher
-        from art_mega.inference.protocol import ReplicaLaunch
-        from art_mega.inference.recovery import ReplicaRecovery
-        from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
-        from art_mega.inference.sleep import SharedGpuReplicas
-        from art_mega.inference.tool_calls import added_tokens, tool_call_parser
-        from art_mega.trainer.hf_checkpoint import read_hf_config
-        from art_mega.trainer.remote import TrainerService
-
-        topology = self._runtime.topology
-        self._model, self._model_dir = model, resolved.model_dir
-        checkpoints = checkpoint.checkpoints_dir(run_dir)
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        checkpoint.clean_uncommitted(checkpoints)  # a crashed save's leftovers; no rank runs yet
-        self._run_dir = run_dir
-        if plan is not None:
-            from art_mega.trainer.prepare.memory_plan import write_plan
-
-            write_plan(run_dir, plan)
+    def _engine_config(
+        self, model: Any, resolved: Any, topology: Any, checkpoints: Path, committed: int | None
+    ) -> EngineConfig:
+        """The ranks' `EngineConfig` of a checked registration: the base model, ART's optimizer
+        (`trainer_args`; the RL steps' decay and clip kept for `train`), the backend's LoRA, dtype
+        and micro-batch rows, the committed step to resume from or else the warm start."""
         trainer_args = getattr(model, "_internal_config", {}).get("trainer_args") or {}
         optimizer, rl_decay, rl_clip = art_optimizer(trainer_args)
         self._rl_optimizer = (rl_decay, rl_clip)  # ART's RL steps decay and clip differently from SFT's
-        config = EngineConfig(
+        return EngineConfig(
             model_dir=str(resolved.model_dir),
             optimizer=optimizer,
             lora=LoraConfig(
@@ -475,8 +449,16 @@ class ServingMixin:
             # a committed step's own adapter and optimizer state replace the warm start
             warm_start=str(resolved.warm_start) if committed is None and resolved.warm_start else None,
         )
+
+    def _replica_launch(self, model: Any, resolved: Any, run_dir: Path, topology: Any) -> Any:
+        """The `ReplicaLaunch` of every replica of a checked registration (ART's server
+        arguments, the engine settings of `_engine_for`)."""
+        from art_mega.inference.protocol import ReplicaLaunch
+        from art_mega.inference.tool_calls import added_tokens, tool_call_parser
+        from art_mega.trainer.hf_checkpoint import read_hf_config
+
         engine = self._engine_for(topology, resolved.model_dir)
-        launch = ReplicaLaunch(
+        return ReplicaLaunch(
             model=str(resolved.model_dir),
             served_model_name=model.name,  # the latest step; the base model also as `base_model`
             base_model_name=model.base_model,
@@ -496,6 +478,38 @@ class ServingMixin:
             chat_template_kwargs=getattr(model, "_internal_config", {}).get("chat_template_kwargs") or {},
             **engine,
         )
+
+    async def _start_serving(
+        self,
+        model: Any,
+        resolved: Any,
+        run_dir: Path,
+        committed: int | None,
+        transport: Any,
+        plan: Any = None,
+    ) -> None:
+        """Start the trainer ranks and replicas of a checked registration (writing its memory
+        `plan` into the run folder first), commit step 0 when nothing is committed, publish the
+        served step and start replica recovery. The caller stops what was started when this
+        raises (`_stop_serving`)."""
+        from art_mega.inference.adapters import AdapterPublisher
+        from art_mega.inference.recovery import ReplicaRecovery
+        from art_mega.inference.router import PolicyRouter, ReplicaEndpoint
+        from art_mega.inference.sleep import SharedGpuReplicas
+        from art_mega.trainer.remote import TrainerService
+
+        topology = self._runtime.topology
+        self._model, self._model_dir = model, resolved.model_dir
+        checkpoints = checkpoint.checkpoints_dir(run_dir)
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        checkpoint.clean_uncommitted(checkpoints)  # a crashed save's leftovers; no rank runs yet
+        self._run_dir = run_dir
+        if plan is not None:
+            from art_mega.trainer.prepare.memory_plan import write_plan
+
+            write_plan(run_dir, plan)
+        config = self._engine_config(model, resolved, topology, checkpoints, committed)
+        launch = self._replica_launch(model, resolved, run_dir, topology)
         shared = [ReplicaEndpoint.from_spec(r) for r in topology.replicas if r.shared_gpus]
         self._service = TrainerService(self._runtime.clients, topology, run_dir / "logs")
 

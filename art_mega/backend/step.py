@@ -5,6 +5,7 @@ adapter published to every replica as `<name>@<step>` -> metrics; checkpoint del
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import shutil
 import time
@@ -14,8 +15,7 @@ from typing import Any
 
 from art_mega.backend.batches import checked_groups, packed_row_len, rl_step_batches
 from art_mega.backend.options import (
-    DEFAULT_LEARNING_RATE,
-    check_grpo_options,
+    GRPOOptions,
     check_optimizer_snapshots,
     check_packing,
     trajectories_learning_rate,
@@ -30,6 +30,36 @@ from art_mega.trainer.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def published_adapter(result: Any, step: int, checkpoint_dir: Path) -> str:
+    """The adapter folder step `step` publishes: the one rank 0's `AdapterReady` of the job names
+    (`result`, the job's `JobResult`), which must be step `step`'s and the committed folder's
+    (`checkpoint_dir`) adapter, with the sha256 that folder's manifest records where this host
+    reads it (a shared artifact_root, or rank 0's host; on other hosts the transfer stage checks
+    each file's sha256 as it fetches it).
+
+    Raises:
+        CheckpointFileError: the job reported no adapter, or one of another step or folder, or
+            a sha256 other than the manifest's (each named).
+    """
+    from art_mega.errors import CheckpointFileError
+
+    expected = checkpoint.adapter_dir(checkpoint_dir)
+    ready = [event for event in result.adapter_ready if event.step == step]
+    if len(ready) != 1 or ready[0].path != str(expected):
+        named = [(event.step, event.path) for event in result.adapter_ready]
+        raise CheckpointFileError(
+            expected, f"is step {step}'s adapter, but the trainer's rank 0 reported {named or 'none'}"
+        )
+    manifest = checkpoint.manifest_file(checkpoint_dir)
+    if manifest.is_file():
+        recorded = checkpoint.read_manifest(checkpoint_dir).adapter_sha256
+        if recorded != ready[0].sha256:
+            raise CheckpointFileError(
+                manifest, f"records adapter sha256 {recorded}, but rank 0 exported {ready[0].sha256}"
+            )
+    return ready[0].path
 
 
 @dataclass(frozen=True)
@@ -56,42 +86,7 @@ class StepMixin:
 
     # ------------------------------------------------------------------ training
 
-    async def train(
-        self,
-        model: Any,
-        trajectory_groups: Any,
-        *,
-        learning_rate: float = DEFAULT_LEARNING_RATE,
-        loss_fn: str = "cispo",
-        importance_sampling_level: str = "token",
-        epsilon: float | None = None,
-        epsilon_high: float | None = None,
-        kl_beta: float = 0.0,
-        tis_cap: float | None = None,
-        scale_rewards: bool = True,
-        normalize_advantages: bool = True,
-        advantage_balance: float = 0.0,
-        kl_penalty_coef: float = 0.0,
-        truncated_importance_sampling: float | None = None,
-        precalculate_logprobs: bool = False,
-        mask_prob_ratio: bool = False,
-        max_negative_advantage_importance_sampling_weight: float | None = None,
-        kimi_k2_tau: float | None = None,
-        num_trajectories_learning_rate_multiplier_power: float = 0.0,
-        kl_ref_adapter_path: str | None = None,
-        kl_penalty_reference_step: int | None = None,
-        kl_penalty_source: str = "current_learner",
-        optimizer_save_interval: int = 5,
-        final_training_step: int | None = None,
-        config: Any = None,
-        allow_stale: bool = False,
-        drop_nonfinite_rewards: bool = False,
-        allow_training_without_logprobs: bool = False,
-        grad_accumulation_sequences: int | None = None,
-        packed_sequence_length: int | None = None,
-        logprob_calculation_chunk_size: int | None = None,
-        **unknown: Any,
-    ) -> TrainResult:
+    async def train(self, model: Any, trajectory_groups: Any, **options: Any) -> TrainResult:
         """GRPO on these groups, one new step (one checkpoint); returns it and its metrics.
 
         ART's options (`LocalBackend.train`) mean what they mean in ART (`trainer.rank.loss.grpo_loss`
@@ -173,46 +168,21 @@ class StepMixin:
         from art_mega.trainer.prepare.tokenize import balance_advantages, grpo_documents
 
         self._require(model)
+        given = GRPOOptions.model_validate(options)  # every option checked, `config` merged
         # a user's adapter is checked below; a kl_penalty_reference_step is this run's own commit
-        outside_reference = kl_ref_adapter_path is not None
-        kl_ref_adapter_path = self._reference_path(kl_ref_adapter_path, kl_penalty_reference_step)
-        learning_rate, loss = check_grpo_options(
-            learning_rate=learning_rate,
-            importance_sampling_level=importance_sampling_level,
-            epsilon=epsilon,
-            epsilon_high=epsilon_high,
-            kl_beta=kl_beta,
-            tis_cap=tis_cap,
-            scale_rewards=scale_rewards,
-            config=config,
-            allow_stale=allow_stale,
-            drop_nonfinite_rewards=drop_nonfinite_rewards,
-            unknown=unknown,
-            allow_training_without_logprobs=allow_training_without_logprobs,
-            loss_fn=loss_fn,
-            normalize_advantages=normalize_advantages,
-            advantage_balance=advantage_balance,
-            kl_penalty_coef=kl_penalty_coef,
-            truncated_importance_sampling=truncated_importance_sampling,
-            precalculate_logprobs=precalculate_logprobs,
-            mask_prob_ratio=mask_prob_ratio,
-            max_negative_advantage_importance_sampling_weight=max_negative_advantage_importance_sampling_weight,
-            kimi_k2_tau=kimi_k2_tau,
-            num_trajectories_learning_rate_multiplier_power=num_trajectories_learning_rate_multiplier_power,
-            kl_ref_adapter_path=kl_ref_adapter_path,
-            logprob_calculation_chunk_size=logprob_calculation_chunk_size,
-            kl_penalty_source=kl_penalty_source,
-        )
-        check_optimizer_snapshots(optimizer_save_interval, final_training_step, config)
+        outside_reference = given.kl_ref_adapter_path is not None
+        loss = given.loss_fields(self._reference_path(given.kl_ref_adapter_path, given.kl_penalty_reference_step))
+        learning_rate = given.learning_rate
+        check_optimizer_snapshots(given.optimizer_save_interval, given.final_training_step, given.config)
         accumulate, row_len = check_packing(
-            grad_accumulation_sequences,
-            packed_sequence_length,
-            config,
-            num_trajectories_learning_rate_multiplier_power,
+            given.grad_accumulation_sequences,
+            given.packed_sequence_length,
+            given.config,
+            given.num_trajectories_learning_rate_multiplier_power,
             self.seq_len,
         )
-        scale_rewards = scale_rewards and normalize_advantages  # ART: False centres only
-        groups, dropped = checked_groups(trajectory_groups, drop_nonfinite_rewards, scale_rewards)
+        scale_rewards = given.scale_rewards and given.normalize_advantages  # ART: False centres only
+        groups, dropped = checked_groups(trajectory_groups, given.drop_nonfinite_rewards, scale_rewards)
         checked = outside_reference and loss.get("kl_ref_adapter_path") is not None
         checked_dir = self._model_dir
         if checked:  # reads tensors: off the loop
@@ -222,17 +192,17 @@ class StepMixin:
             if checked and self._model_dir != checked_dir:  # ... and a register of another model
                 await asyncio.to_thread(self._check_reference, loss["kl_ref_adapter_path"], self._model_dir)
             started = time.perf_counter()
-            stale = self._check_policy_steps(groups, allow_stale)
+            stale = self._check_policy_steps(groups, given.allow_stale)
             documents, stats = grpo_documents(
                 self.tokenizer(),
                 groups,
                 scale_rewards,
-                allow_training_without_logprobs,
+                given.allow_training_without_logprobs,
                 template_kwargs=self._template_kwargs(),
             )
-            documents = balance_advantages(documents, float(advantage_balance))
+            documents = balance_advantages(documents, given.advantage_balance)
             learning_rate = trajectories_learning_rate(
-                learning_rate, len(documents), float(num_trajectories_learning_rate_multiplier_power)
+                learning_rate, len(documents), given.num_trajectories_learning_rate_multiplier_power
             )
             metrics = {
                 **stats.as_metrics(),
@@ -247,7 +217,7 @@ class StepMixin:
                 [learning_rate],
                 loss,
                 started,
-                seq_len=None if packed_sequence_length is None else row_len,
+                seq_len=None if given.packed_sequence_length is None else row_len,
                 rows_per_step=accumulate,
             )
 
@@ -563,7 +533,7 @@ class StepMixin:
             raise
         self._step = step
         trained = time.perf_counter()
-        report = await self._publisher.publish(step, str(checkpoint.adapter_dir(self._checkpoint(step))))
+        report = await self._publisher.publish(step, published_adapter(result, step, self._checkpoint(step)))
         published = time.perf_counter()
         shutil.rmtree(batch_dir, ignore_errors=True)
         await self._remove_on_trainer_hosts(batch_dir, best_effort=True)  # as the rmtree above
@@ -694,3 +664,25 @@ class StepMixin:
             *(remove_remote(self._runtime.clients[h], root, relative) for h in hosts),
             return_exceptions=best_effort,
         )
+
+
+def _train_signature() -> inspect.Signature:
+    """`train(self, model, trajectory_groups, *, <GRPOOptions' fields with their defaults>,
+    **unknown)`: what `inspect.signature` (and ART's signature tests) read."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Any),
+            inspect.Parameter("trajectory_groups", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Any),
+            *(
+                inspect.Parameter(name, keyword, default=field.default, annotation=field.annotation)
+                for name, field in GRPOOptions.model_fields.items()
+            ),
+            inspect.Parameter("unknown", inspect.Parameter.VAR_KEYWORD, annotation=Any),
+        ],
+        return_annotation=TrainResult,
+    )
+
+
+StepMixin.train.__signature__ = _train_signature()  # type: ignore[attr-defined]

@@ -67,22 +67,25 @@ def _one_line(text: str, limit: int = 300) -> str:
     return folded if len(folded) <= limit else folded[: limit - 3] + "..."
 
 
-def _raised_at(exc: BaseException) -> str:
-    """`file:line` of the innermost frame outside the import machinery that raised `exc`, skipping
-    a replacement of `sys.exit` that a library installed (wandb's exit hook wraps it), so a
-    program's `sys.exit(...)` is named at its own line."""
-    exit_fn = getattr(sys.exit, "__func__", sys.exit)
-    exit_wrapper = getattr(exit_fn, "__code__", None)
-    where = "an unknown line"
+def _raised_at(exc: BaseException, *, in_module_file: bool = False) -> str:
+    """`file:line` of the innermost frame outside the import machinery that raised `exc`; with
+    `in_module_file`, of the innermost frame in the file of the innermost module being imported
+    (its top-level code's file), so a program's `sys.exit(...)` is named at its own line even
+    when a library has replaced `sys.exit` with a wrapper (wandb's exit hook does)."""
+    frames = []
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if tb.tb_frame.f_code is exit_wrapper:
-            pass
-        elif not filename.startswith("<frozen ") and "importlib" not in Path(filename).parts:
-            where = f"{filename}:{tb.tb_lineno}"
+        if not filename.startswith("<frozen ") and "importlib" not in Path(filename).parts:
+            frames.append((tb.tb_frame.f_code, tb.tb_lineno))
         tb = tb.tb_next
-    return where
+    modules = [code.co_filename for code, _ in frames if code.co_name == "<module>"]
+    if in_module_file and modules:
+        frames = [(code, line) for code, line in frames if code.co_filename == modules[-1]]
+    if not frames:
+        return "an unknown line"
+    code, line = frames[-1]
+    return f"{code.co_filename}:{line}"
 
 
 def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
@@ -121,7 +124,7 @@ def load_program(ref: ProgramRef) -> Callable[[Any], Any]:
     except SystemExit as exc:  # the launch would end with the module's code, main never run
         raise ProgramImportError(
             f"--program {ref.text!r}: importing {ref.module} called sys.exit({exc.code!r}) at "
-            f"{_raised_at(exc)}, so main would never run; move that code into main or under "
+            f"{_raised_at(exc, in_module_file=True)}, so main would never run; move that code into main or under "
             "if __name__ == '__main__': (--debug shows the traceback)",
             ref.module,
             "SystemExit",

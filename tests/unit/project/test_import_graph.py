@@ -264,3 +264,18 @@ def test_the_detector_finds_a_cycle_through_a_function_level_and_a_relative_impo
     assert "pkg.c (pkg/c.py:5) imports pkg.a" in describe_cycles(imports, cycles)
     (package / "c.py").write_text("def other():\n    return 1\n")
     assert package_cycles(import_graph(package)) == []
+
+
+def test_only_function_level_and_type_checking_imports_count_as_deferred(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import os\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    import json\n"
+        "def f():\n"
+        "    import re\n"
+        "    return re\n"
+        "import sys\n"
+    )
+    assert _module_level_imports(module) == {1, 2, 8}
