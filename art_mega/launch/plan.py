@@ -6,8 +6,9 @@ LoRA settings, the row length, the micro-batch, the trainer and inference layout
 inventory (`--gpu H100-80GB --gpus 8 --hosts 2`, `--gpu-memory-gib`, or this machine's GPUs as
 NVML reports them), print what each trainer rank and each vLLM replica needs
 (`trainer.memory_plan`'s formulas, their sources in its docstring) and every trainer layout of
-the same GPUs that fits; a layout that does not fit is refused with one sentence (`PlanRefused`,
-exit code 2) naming the process, the GiB needed and available, and the layouts that would.
+the same GPUs that fits; a layout that does not fit is refused with one sentence
+(`MemoryPlanError`, exit code 2) naming the process, the GiB needed and available, and the
+layouts that would.
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ from typing import Any
 from art_mega.errors import BaseModelError, MemoryPlanError, UserError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class PlanRefused(MemoryPlanError):
-    """`art-mega plan`'s refusal: the stated layout does not fit (a `MemoryPlanError`, exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,7 @@ def plan_text(request: PlanRequest) -> str:
     """The plan `art-mega plan` prints for `request`.
 
     Raises:
-        PlanRefused: a trainer rank or a replica of the stated layout does not fit its GPUs.
+        MemoryPlanError: a trainer rank or a replica of the stated layout does not fit its GPUs.
         UserError: a model config art-mega cannot read, a layout that cannot be placed or that
             the model does not allow (tp its heads do not divide, ep its experts do not).
     """
@@ -264,7 +261,7 @@ def plan_text(request: PlanRequest) -> str:
             )
         else:
             alternatives = ", ".join(_layout(tp, ep, dp) for tp, ep, dp, _ in fits) or "none on these GPUs"
-        raise PlanRefused(
+        raise MemoryPlanError(
             f"{request.model}: {exc.process} does not fit: it needs {g(exc.needed_bytes)} GiB and has {g(exc.available_bytes)} GiB "
             f"at {plan.layout}; layouts that fit: {alternatives}",
             exc.model,
