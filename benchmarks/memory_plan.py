@@ -68,7 +68,7 @@ CASES = (
     Case("tiny-moe", 1, 1024),
     Case("SmolLM2-135M-Instruct", 1, 1024),
     Case("SmolLM2-135M-Instruct", 1, 2048),
-    Case("SmolLM2-135M-Instruct", 2, 2048, tp=2),
+    Case("SmolLM2-135M-Instruct", 3, 1024, tp=3),  # 9 heads, 3 KV heads: tp 1 or 3
 )
 
 
