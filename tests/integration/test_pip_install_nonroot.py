@@ -21,6 +21,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def _base_python() -> str:
 
 
 @pytest.mark.timeout(2400)
-def test_pip_install_cpu_extra_as_a_user_runs_a_local_backend_program(tmp_path):
+def test_pip_install_cpu_extra_as_a_user_runs_a_local_backend_program(request):
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("needs root and useradd to create the non-root user the install runs as")
     pytest.importorskip("megatron.core", reason="the project's own install lacks the trainer")
@@ -99,10 +100,14 @@ def test_pip_install_cpu_extra_as_a_user_runs_a_local_backend_program(tmp_path):
     user = pwd.getpwnam(USER)
     PIP_CACHE.mkdir(exist_ok=True)
     os.chown(PIP_CACHE, user.pw_uid, user.pw_gid)
-    work = tmp_path / "clone"
-    ignore = shutil.ignore_patterns(".git", ".venv", ".venv-vllm", ".art", ".art-mega", "__pycache__", "*.egg-info")
+    # not under pytest's tmp_path: /tmp/pytest-of-root is root's alone (mode 0700)
+    work = Path(tempfile.mkdtemp(prefix="art-mega-install-"))
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", ".venv-vllm", ".art", ".art-mega", "__pycache__", "*.egg-info"
+    )
     shutil.copytree(REPO, work / "art-mega", ignore=ignore)
-    for path in [tmp_path, *tmp_path.rglob("*")]:
+    for path in [work, *work.rglob("*")]:
         os.chown(path, user.pw_uid, user.pw_gid, follow_symlinks=False)
     home = Path(user.pw_dir)
     env = {"HOME": str(home), "PIP_CACHE_DIR": str(PIP_CACHE), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -123,10 +128,17 @@ def test_pip_install_cpu_extra_as_a_user_runs_a_local_backend_program(tmp_path):
     os.chown(program, user.pw_uid, user.pw_gid)
     venv_bin = work / "art-mega" / "venv" / "bin"
     # no sbin (sshd), no install.sh; vLLM on CPU runs lscpu and compiles with g++ from /usr/bin
-    run_env = {"HOME": str(home), "PATH": f"{venv_bin}:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+    run_env = {
+        "HOME": str(home),
+        "PATH": f"{venv_bin}:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+    }
     started = time.monotonic()
     run = _as_user(f"{venv_bin}/python first.py", work, run_env, 1200)
-    print(f"LocalBackend program as {USER}: {time.monotonic() - started:.0f} s\n{(run.stdout + run.stderr)[-3000:]}")
+    print(
+        f"LocalBackend program as {USER}: {time.monotonic() - started:.0f} s\n{(run.stdout + run.stderr)[-3000:]}"
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "TRAINED step 1 committed 1" in run.stdout
     run_dir = work / ".art" / "install" / "models" / "m"
