@@ -201,8 +201,10 @@ def plan_text(request: PlanRequest) -> str:
         f"model {request.model}: {shape.model_type}, {shape.parameters() / 1e9:.2f}B parameters, "
         f"{shape.num_layers} layers, hidden {shape.hidden_size}"
         + (f", {shape.num_experts} experts (top {shape.top_k})" if shape.num_experts else ""),
-        f"layout: {plan.layout}, {len(plan.ranks)} trainer rank(s) and {len(plan.replicas)} replica(s) of "
-        f"{request.inference_tp} GPU(s){' sharing the ranks GPUs' if request.shared_gpus else ''} on {where}",
+        f"layout: {plan.layout}, {len(plan.ranks)} trainer rank(s) and {len(plan.replicas)} replica(s)"
+        + (f" of {request.inference_tp} GPU(s)" if on_gpu else "")
+        + (" sharing the ranks' GPUs" if request.shared_gpus and on_gpu else "")
+        + f" on {where}",
         f"trainer rank ({dtype}, LoRA rank {request.lora_rank}, {request.micro_batch_rows} x "
         f"{request.seq_len}-token rows), GiB:",
         f"  weights                           {g(rank.weights_bytes):>8}",
@@ -219,7 +221,7 @@ def plan_text(request: PlanRequest) -> str:
     if plan.replicas:
         replica = plan.replicas[0]
         lines += [
-            f"vLLM replica ({replica.gpus or 'CPU'} GPU(s), {dtype}, max_model_len {max_model_len}), GiB:",
+            f"vLLM replica ({f'{replica.gpus} GPU(s)' if replica.gpus else 'CPU'}, {dtype}, max_model_len {max_model_len}), GiB:",
             f"  weights                           {g(replica.weights_bytes):>8}"
             + ("   (experts in MXFP4)" if shape.mxfp4_experts else ""),
             f"  LoRA slots                        {g(replica.lora_slot_bytes):>8}",

@@ -169,3 +169,13 @@ def test_a_hub_id_reads_an_offline_cache_with_only_config_json(tmp_path):
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "config.json is neither in the Hugging Face cache nor downloadable" in missing.stderr
+
+
+def test_without_gpus_the_plan_is_of_cpu_ranks_in_float32(configs, capsys, monkeypatch):
+    """No --gpu and no NVML GPU: CPU ranks (float32, as the backend trains on CPU), printed, never refused."""
+    monkeypatch.setattr("art_mega.launch.plan.local_gpus", lambda: (0, None, None))
+    code, out, err = run_plan(capsys, str(configs / "Qwen3-32B"), "--seq-len", "1024")
+    assert code == 0, err
+    assert "on 1 CPU host(s)" in out and "trainer rank (float32," in out
+    assert figure(out, "weights") == round(32_762_123_264 * 4 / GIB, 1)
+    assert "of CPU memory" in out and "layouts" not in out
