@@ -3,7 +3,7 @@
     python benchmarks/_memory_plan_rank.py CONFIG_JSON_PATH
 
 Joins the world (`init_parallel`), reads VmRSS (the libraries imported, nothing of the model
-built), builds the engine (`jobs.build_engine`: float32 base weights, LoRA, DDP's gradient
+built), builds the engine (`rank.jobs.build_engine`: float32 base weights, LoRA, DDP's gradient
 buffer), reads VmRSS again, then runs one GRPO step (`TrainerEngine.train_step`) on ONE packed
 row of exactly `seq_len` tokens (one document, `micro_batch_rows` 1, whole-row logprobs), the
 first step, so Adam's moments are allocated in it. Writes CONFIG["out"] as JSON, bytes:
@@ -34,9 +34,9 @@ def main(config_path: str) -> int:
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.batch import Document, pack
-    from art_mega.trainer.jobs import build_engine
-    from art_mega.trainer.parallel import destroy_parallel, init_parallel
     from art_mega.trainer.protocol import EngineConfig
+    from art_mega.trainer.rank.jobs import build_engine
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
     config = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The memory plan (`art_mega.trainer.memory_plan`) against what a CPU trainer rank allocates.
+"""The memory plan (`art_mega.trainer.prepare.memory_plan`) against what a CPU trainer rank allocates.
 
 For each case (model, layout, row length) it starts the rank processes of
 `benchmarks/_memory_plan_rank.py` (gloo, float32, LoRA rank 8 on all four linears, one packed row
@@ -89,7 +89,7 @@ def model_dir(name: str, work: Path) -> Path | None:
 
 def planned(case: Case, directory: Path) -> dict[str, int]:
     """The plan's byte terms of one rank of `case` (`memory_plan.rank_terms`, float32)."""
-    from art_mega.trainer.memory_plan import ModelShape, rank_terms
+    from art_mega.trainer.prepare.memory_plan import ModelShape, rank_terms
 
     shape, _ = ModelShape.from_model_dir(directory)
     dp = case.world // case.tp

@@ -5,7 +5,7 @@ Face repo id read from the HF cache, downloading only config.json where the netw
 LoRA settings, the row length, the micro-batch, the trainer and inference layout and a GPU
 inventory (`--gpu H100-80GB --gpus 8 --hosts 2`, `--gpu-memory-gib`, or this machine's GPUs as
 NVML reports them), print what each trainer rank and each vLLM replica needs
-(`trainer.memory_plan`'s formulas, their sources in its docstring) and every trainer layout of
+(`trainer.prepare.memory_plan`'s formulas, their sources in its docstring) and every trainer layout of
 the same GPUs that fits; a layout that does not fit is refused with one sentence
 (`MemoryPlanError`, exit code 2) naming the process, the GiB needed and available, and the
 layouts that would.
@@ -53,7 +53,7 @@ def gpu_bytes_of(name: str) -> int:
     Raises:
         UserError: a name of neither form (names the known ones).
     """
-    from art_mega.trainer.memory_plan import GPU_MEMORY_MIB
+    from art_mega.trainer.prepare.memory_plan import GPU_MEMORY_MIB
 
     known = {k.lower(): v for k, v in GPU_MEMORY_MIB.items()}
     if name.lower() in known:
@@ -128,7 +128,7 @@ def plan_text(request: PlanRequest) -> str:
         UserError: a model config art-mega cannot read, a layout that cannot be placed or that
             the model does not allow (tp its heads do not divide, ep its experts do not).
     """
-    from art_mega.trainer import memory_plan as mp
+    from art_mega.trainer.prepare import memory_plan as mp
 
     model_dir = model_config_dir(request.model)
     shape, valid_tp = mp.ModelShape.from_model_dir(model_dir)
