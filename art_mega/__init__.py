@@ -9,6 +9,10 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from art_mega.torch_extensions import hide_mismatched
+
+hide_mismatched()  # before anything imports transformers or vllm (its docstring)
+
 try:
     __version__ = version("art-mega")
 except PackageNotFoundError:  # running from a source tree without installing

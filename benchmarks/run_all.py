@@ -32,6 +32,7 @@ SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("preflight.py", ()),
     ("peers_torchrun.py", ()),
     ("memory.py", ()),
+    ("memory_plan.py", ()),
     ("trainer_step.py", ()),
     ("adapter_publish.py", ()),
     ("grpo_step.py", ()),

@@ -565,6 +565,137 @@ def report(
     raise typer.Exit(_guarded(debug, body))
 
 
+def fraction(value: str | float) -> float:
+    """An option's number in (0, 1], ASCII digits (`--gpu-memory-utilization`).
+
+    Raises:
+        ValueError: anything else (one line, exit 2).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif _SECONDS.fullmatch(str(value)):
+        number = float(str(value))
+    else:
+        raise ValueError(f"{value!r} is not a number written in ASCII digits; give e.g. 0.9")
+    if not 0 < number <= 1:
+        raise ValueError(f"{value!r} is outside 0 < fraction <= 1; give e.g. 0.9")
+    return number
+
+
+def gib(value: str | float) -> float:
+    """An option's GiB: a finite number > 0 in ASCII digits (`--gpu-memory-gib`).
+
+    Raises:
+        ValueError: anything else (one line, exit 2).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif _SECONDS.fullmatch(str(value)):
+        number = float(str(value))
+    else:
+        raise ValueError(f"{value!r} is not a number of GiB written in ASCII digits; give e.g. 80")
+    if not 0 < number <= 1 << 20:
+        raise ValueError(f"{value!r} is outside 0 < GiB <= 1048576; give e.g. 80")
+    return number
+
+
+def positive(value: str | int) -> int:
+    """An option's whole number >= 1 in ASCII digits (`integer`, then the bound).
+
+    Raises:
+        ValueError: anything else (one line, exit 2).
+    """
+    number = integer(value)
+    if number < 1:
+        raise ValueError(f"{value!r} is below 1; give e.g. 1")
+    return number
+
+
+def _size(flag: str, help_text: str, default_help: str = "") -> object:
+    return typer.Option(flag, parser=positive, help=help_text + default_help)
+
+
+@app.command()
+def plan(
+    model: Annotated[
+        str,
+        typer.Argument(help="A folder holding config.json, a model-cache name, or a Hugging Face repo id."),
+    ],
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu", help="Every GPU's kind, e.g. H100-80GB, A100-40GB, H200-141GB (default: this machine's)."
+        ),
+    ] = None,
+    gpu_memory_gib: Annotated[
+        float | None,
+        typer.Option("--gpu-memory-gib", parser=gib, help="Every GPU's memory in GiB, instead of --gpu."),
+    ] = None,
+    gpus: Annotated[
+        int,
+        typer.Option(
+            "--gpus", parser=integer, help="GPUs a host (default: 8 with --gpu, 1 with --gpu-memory-gib)."
+        ),
+    ] = 0,
+    hosts: Annotated[int, _size("--hosts", "Hosts.")] = 1,
+    tp: Annotated[int, _size("--tp", "Trainer tensor parallel size.")] = 1,
+    cp: Annotated[int, _size("--cp", "Trainer context parallel size.")] = 1,
+    ep: Annotated[int, _size("--ep", "Trainer expert parallel size (MoE).")] = 1,
+    replicas: Annotated[int, _size("--replicas", "vLLM replicas (on host0's first GPUs).")] = 1,
+    inference_tp: Annotated[
+        int, _size("--inference-tp", "GPUs a vLLM replica (its tensor parallel size).")
+    ] = 1,
+    shared_gpus: Annotated[
+        bool,
+        typer.Option("--shared-gpus", help="Replicas share the trainer ranks' GPUs (vLLM sleeps in a step)."),
+    ] = False,
+    lora_rank: Annotated[int, _size("--lora-rank", "LoRA rank.")] = 8,
+    seq_len: Annotated[int, _size("--seq-len", "Tokens a packed training row.")] = 4096,
+    micro_batch_rows: Annotated[int, _size("--micro-batch-rows", "Rows a micro-batch.")] = 1,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option("--max-model-len", parser=positive, help="vLLM's context (default: --seq-len)."),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option("--gpu-memory-utilization", parser=fraction, help="vLLM's share of a GPU.")
+    ] = 0.9,
+    debug: DebugOpt = False,
+) -> None:
+    """Print MODEL's memory a trainer rank and a vLLM replica on a layout, and the layouts that fit."""
+
+    def body() -> int:
+        from art_mega.launch.plan import plan_text, request_of
+
+        if gpus < 0:
+            raise UserError(f"--gpus {gpus} is below 0; give e.g. 8")
+        print(
+            plan_text(
+                request_of(
+                    model=model,
+                    gpu=gpu,
+                    gpu_memory_gib=gpu_memory_gib,
+                    gpus=gpus,
+                    hosts=hosts,
+                    tp=tp,
+                    cp=cp,
+                    ep=ep,
+                    replicas=replicas,
+                    inference_tp=inference_tp,
+                    shared_gpus=shared_gpus,
+                    lora_rank=lora_rank,
+                    seq_len=seq_len,
+                    micro_batch_rows=micro_batch_rows,
+                    max_model_len=max_model_len,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                )
+            ),
+            flush=True,
+        )
+        return 0
+
+    raise typer.Exit(_guarded(debug, body))
+
+
 def _click_class(name: str) -> type[Exception]:
     # typer >= 0.2x vendors click as a private module and older typer uses click itself: take the
     # base classes from the MRO of typer's public BadParameter, which is right for both.

@@ -106,14 +106,39 @@ class ModelShape(_Plan):
     num_experts: int = 0
     top_k: int = 0
     expert_ffn_hidden_size: int = 0
+    attention_output_gate: bool = False
+    delta_layers: int = 0
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
+    delta_conv_kernel: int = 0
+    gpt_oss_biases: bool = False
+    mxfp4_experts: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> ModelShape:
         """From a family's architecture arguments (`llama.DenseArgs`, `qwen3_moe.MoeArgs`,
-        `gemma3.Gemma3Args`)."""
+        `gemma3.Gemma3Args`, `qwen3_5.Qwen35Args`, `gpt_oss.GptOssArgs`)."""
         from art_mega.trainer.families.gemma3 import Gemma3Args
+        from art_mega.trainer.families.gpt_oss import GptOssArgs
+        from art_mega.trainer.families.qwen3_5 import Qwen35Args
 
+        hybrid: dict[str, Any] = {}
+        if isinstance(args, Qwen35Args):
+            hybrid = {
+                "attention_output_gate": True,
+                "delta_layers": sum(1 for linear in args.linear_layers if linear),
+                "delta_key_heads": args.linear_num_key_heads,
+                "delta_value_heads": args.linear_num_value_heads,
+                "delta_key_dim": args.linear_key_head_dim,
+                "delta_value_dim": args.linear_value_head_dim,
+                "delta_conv_kernel": args.linear_conv_kernel_dim,
+            }
+        if isinstance(args, GptOssArgs):
+            hybrid = {"gpt_oss_biases": True, "mxfp4_experts": bool(args.mxfp4)}
         return cls(
+            **hybrid,
             model_type=args.model_type,
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
@@ -143,26 +168,73 @@ class ModelShape(_Plan):
 
     @property
     def qkv_rows(self) -> int:
-        """Output width of the fused QKV projection: (heads + 2 KV heads) x head_dim."""
-        return (self.num_heads + 2 * self.num_query_groups) * self.head_dim
+        """Output width of the fused QKV projection: (heads + 2 KV heads) x head_dim, plus the
+        heads' output gates (Qwen3.5: q_proj is [query; gate] a head)."""
+        gates = self.num_heads if self.attention_output_gate else 0
+        return (self.num_heads + gates + 2 * self.num_query_groups) * self.head_dim
+
+    @property
+    def delta_conv_channels(self) -> int:
+        """Channels of a gated delta-net layer's causal conv (its [q; k; v]): 2 Kh dk + Vh dv."""
+        return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
+
+    def _attention_parameters(self, tp: int) -> int:
+        """One softmax-attention mixer's parameters on a rank: fused QKV (+ bias), proj (+ its bias
+        and the per-head sinks on GPT-OSS), Q/K norms."""
+        h = self.hidden_size
+        return (
+            h * self.qkv_rows // tp
+            + (self.qkv_rows // tp if self.qkv_bias else 0)
+            + self.num_heads * self.head_dim // tp * h
+            + (h + self.num_heads // tp if self.gpt_oss_biases else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
+        )
+
+    def _delta_parameters(self, tp: int) -> int:
+        """One gated delta-net mixer's parameters on a rank (HF `Qwen3_5GatedDeltaNet`, kept as
+        four projections by `qwen3_5.GatedDeltaNetMixer`): in_proj_qkv h x conv channels,
+        in_proj_z h x Vh dv, in_proj_b and in_proj_a h x Vh, the depthwise conv (channels x
+        kernel), dt_bias and A_log (Vh each), the gated norm (dv) and out_proj Vh dv x h; all
+        split tp ways but the norm."""
+        h, vd = self.hidden_size, self.delta_value_heads * self.delta_value_dim
+        split = (
+            h * self.delta_conv_channels
+            + h * vd
+            + 2 * h * self.delta_value_heads
+            + self.delta_conv_channels * self.delta_conv_kernel
+            + 2 * self.delta_value_heads
+            + vd * h
+        )
+        return split // tp + self.delta_value_dim
+
+    def expert_parameters(self, ep: int = 1) -> int:
+        """The routed experts' weights (and GPT-OSS's expert biases) on a rank at expert parallel
+        `ep`: what vLLM keeps in MXFP4 for an MXFP4 checkpoint."""
+        if not self.num_experts:
+            return 0
+        h, i = self.hidden_size, self.expert_ffn_hidden_size
+        per_expert = 3 * h * i + ((2 * i + h) if self.gpt_oss_biases else 0)
+        return self.num_layers * (self.num_experts // ep) * per_expert
 
     def parameters(self, tp: int = 1, ep: int = 1) -> int:
         """Parameters one rank holds at tensor parallel `tp` and expert parallel `ep` (1, 1: the
         whole model, the published count)."""
         h, layers = self.hidden_size, self.num_layers
         vocab = math.ceil(self.vocab_size / tp) * h
-        layer = (
-            h * self.qkv_rows // tp
-            + (self.qkv_rows // tp if self.qkv_bias else 0)
-            + self.num_heads * self.head_dim // tp * h
-            + (2 * self.head_dim if self.qk_norm else 0)
-            + self.norms_per_layer * h
-        )
+        mixers = (layers - self.delta_layers) * self._attention_parameters(tp)
+        mixers += self.delta_layers * self._delta_parameters(tp)
+        layer = self.norms_per_layer * h
         if self.num_experts:
-            layer += self.num_experts * h + self.num_experts // ep * 3 * h * self.expert_ffn_hidden_size
+            layer += self.num_experts * h + (self.num_experts if self.gpt_oss_biases else 0)
         else:
             layer += 3 * h * self.ffn_hidden_size // tp
-        return vocab * (1 if self.tie_word_embeddings else 2) + layers * layer + h
+        return (
+            vocab * (1 if self.tie_word_embeddings else 2)
+            + mixers
+            + layers * layer
+            + self.expert_parameters(ep)
+            + h
+        )
 
     def lora_parameters(
         self, rank: int, targets: Sequence[str] = _LORA_TARGETS, tp: int = 1, ep: int = 1
@@ -183,15 +255,29 @@ class ModelShape(_Plan):
             "linear_fc1": fc1,
             "linear_fc2": fc2,
         }
-        return rank * self.num_layers * sum(widths[name] for name in targets)
+        attention = sum(widths[name] for name in targets if name in ("linear_qkv", "linear_proj"))
+        mlp = sum(widths[name] for name in targets if name in ("linear_fc1", "linear_fc2"))
+        # a gated delta-net layer's projections are not LoRA-wrapped (`trainer/rank/lora.py`), its MLP is
+        return rank * ((self.num_layers - self.delta_layers) * attention + self.num_layers * mlp)
 
     def activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
         """Elements autograd keeps a token a layer without recomputation (the module docstring's
-        count); divided by hidden it is the plan's `activation_factor`."""
+        count), averaged over the layers where they differ (Qwen3.5's delta-net layers); divided
+        by hidden it is the plan's `activation_factor`."""
+        return -(-self.layers_activation_elements(tp, lora_rank, targets) // self.num_layers)
+
+    def layers_activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
+        """Elements autograd keeps a token over all layers without recomputation: per layer the
+        norms' inputs and outputs, the mixer's and the MLP's (module docstring); a gated delta-net
+        mixer keeps its four projections' outputs (conv channels + Vh dv + 2 Vh), the conv's input
+        and output after SiLU (2 x conv channels), the delta rule's output and the gated norm's
+        (2 Vh dv), all split tp ways: an estimate from `qwen3_5.GatedDeltaNetMixer`'s graph."""
         h, k = self.hidden_size, self.head_dim
         sequence_parallel = self.num_experts > 0 and tp > 1
         norms = 4 * h // (tp if sequence_parallel else 1)
         attention = 4 * self.num_heads * k // tp
+        if self.attention_output_gate:  # the gate and the gated output
+            attention += 2 * self.num_heads * k // tp
         if self.qk_norm:
             attention += (self.num_heads + self.num_query_groups) * k // tp
         attention_lora = sum(1 for name in targets if name in ("linear_qkv", "linear_proj"))
@@ -201,12 +287,42 @@ class ModelShape(_Plan):
             mlp_lora *= self.top_k
         else:
             mlp = 3 * self.ffn_hidden_size // tp
-        return norms + attention + mlp + lora_rank * (attention_lora + mlp_lora)
+        vd = self.delta_value_heads * self.delta_value_dim
+        delta = (3 * self.delta_conv_channels + 3 * vd + 2 * self.delta_value_heads) // tp
+        full = self.num_layers - self.delta_layers
+        return (
+            self.num_layers * (norms + mlp + lora_rank * mlp_lora)
+            + full * (attention + lora_rank * attention_lora)
+            + self.delta_layers * delta
+        )
+
+    def recomputed_activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
+        """Elements kept a token over all layers under full activation recomputation
+        (megatron-core `recompute_granularity="full"`, `recompute_method="uniform"`, one layer a
+        chunk): every layer's input (h, split tp ways under sequence parallelism) plus the widest
+        layer's activations while the backward pass recomputes it (Korthikanti et al. 2022,
+        section 5: full recomputation stores only each layer's input, 2sbh bytes in 16 bits).
+        Selective recomputation (`"selective"`, the attention core) frees the s x s scores, which
+        this trainer's memory-efficient attention never keeps: it is the no-recomputation figure."""
+        sequence_parallel = self.num_experts > 0 and tp > 1
+        inputs = self.num_layers * self.hidden_size // (tp if sequence_parallel else 1)
+        widest = self.activation_elements(tp, lora_rank, targets)
+        if self.delta_layers and self.delta_layers < self.num_layers:
+            dense = ModelShape(**{**self.model_dump(), "delta_layers": 0, "num_layers": 1})
+            widest = max(widest, dense.layers_activation_elements(tp, lora_rank, targets))
+        return inputs + widest
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """vLLM's KV cache a token, over all of a replica's GPUs: 2 x layers x KV heads x
         head_dim x `dtype_bytes`."""
-        return 2 * self.num_layers * self.num_query_groups * self.head_dim * dtype_bytes
+        return 2 * (self.num_layers - self.delta_layers) * self.num_query_groups * self.head_dim * dtype_bytes
+
+    def delta_state_bytes(self, dtype_bytes: int) -> int:
+        """A sequence's recurrent state over a replica's delta-net layers (vLLM's mamba-style
+        cache: the conv's last kernel - 1 inputs and the Vh x dk x dv delta state a layer)."""
+        state = self.delta_value_heads * self.delta_key_dim * self.delta_value_dim
+        conv = self.delta_conv_channels * max(self.delta_conv_kernel - 1, 0)
+        return self.delta_layers * (state + conv) * dtype_bytes
 
 
 class RankMemory(_Plan):
@@ -406,14 +522,17 @@ def activation_bytes(
     lora_targets: Sequence[str],
     row_tokens: int,
     micro_batch_rows: int,
+    recompute: str = "none",
 ) -> int:
-    """Activations of one micro-batch: tokens (`row_tokens` / cp x rows) x (layers x
-    `activation_elements` + 3 hidden) x dtype bytes."""
+    """Activations of one micro-batch: tokens (`row_tokens` / cp x rows) x (the layers'
+    elements a token + 3 hidden) x dtype bytes; `recompute` "none" (what the trainer runs:
+    `ModelShape.layers_activation_elements`) or "full" (`recomputed_activation_elements`)."""
     tokens = math.ceil(row_tokens / cp) * micro_batch_rows
-    per_token = (
-        shape.num_layers * shape.activation_elements(tp, lora_rank, lora_targets) + 3 * shape.hidden_size
-    )
-    return tokens * per_token * DTYPE_BYTES[dtype]
+    if recompute == "full":
+        layers = shape.recomputed_activation_elements(tp, lora_rank, lora_targets)
+    else:
+        layers = shape.layers_activation_elements(tp, lora_rank, lora_targets)
+    return tokens * (layers + 3 * shape.hidden_size) * DTYPE_BYTES[dtype]
 
 
 def logits_bytes(
@@ -432,6 +551,20 @@ def logits_bytes(
     chunk = positions if logprob_chunk is None else min(logprob_chunk, positions)
     vocab = math.ceil(shape.vocab_size / tp)
     return micro_batch_rows * vocab * (positions * 2 * DTYPE_BYTES[dtype] + chunk * 4)
+
+
+MXFP4_BYTES = 17 / 32
+"""Bytes an MXFP4 element takes: a 4-bit e2m1 code plus one 8-bit e8m0 scale a block of 32 (OCP
+Microscaling Formats (MX) v1.0, section 5.3); vLLM serves GPT-OSS's MXFP4 experts as stored."""
+
+
+def replica_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """A replica's weights over all its GPUs: every parameter in `dtype_bytes`, but the routed
+    experts of an MXFP4 checkpoint (GPT-OSS) at `MXFP4_BYTES` an element."""
+    if not shape.mxfp4_experts:
+        return shape.parameters() * dtype_bytes
+    experts = shape.expert_parameters()
+    return (shape.parameters() - experts) * dtype_bytes + math.ceil(experts * MXFP4_BYTES)
 
 
 def _positions_that_fit(room: int, per_position: int) -> int:
@@ -545,9 +678,9 @@ def plan_memory(
     for replica in topology.replicas:
         gpus = sum(len(ids) for _, ids in replica.gpu_ids)
         memories = [gpu_memory.get((host, gpu)) for host, ids in replica.gpu_ids for gpu in ids]
-        weights = shape.parameters() * w
+        weights = replica_weight_bytes(shape, w)
         lora_slots = max_loras * shape.lora_parameters(slot_rank) * w
-        kv_min = shape.kv_bytes_per_token(w) * max_model_len
+        kv_min = shape.kv_bytes_per_token(w) * max_model_len + shape.delta_state_bytes(w)
         reserve = REPLICA_ACTIVATION_RESERVE_BYTES * max(gpus, 1)
         available = (
             None if not memories or None in memories else int(util * min(m for m in memories if m) * gpus)
@@ -722,3 +855,139 @@ def log_plan(plan: MemoryPlan, logger: logging.Logger | None = None) -> None:
     logger.info("%s", plan.line())
     for line in plan.warnings():
         logger.warning("%s", line)
+
+
+# --- `art-mega plan`: a layout on a stated GPU inventory, without any host or process -------------
+
+GPU_MEMORY_MIB = {
+    "H100-80GB": 81_559,
+    "H100-94GB": 95_830,
+    "H200-141GB": 143_771,
+    "B200-180GB": 183_359,
+    "A100-80GB": 81_920,
+    "A100-40GB": 40_960,
+    "L40S-48GB": 46_068,
+    "A10G-24GB": 23_028,
+    "L4-24GB": 23_034,
+    "RTX4090-24GB": 24_564,
+}
+"""Total memory NVML reports (`nvmlDeviceGetMemoryInfo().total`, MiB) for each GPU name
+`art-mega plan --gpu` takes: the figures `nvidia-smi` prints on these boards (NVIDIA's datasheets
+give the marketed GB: 80 GB HBM3 is 81,559 MiB on an H100 SXM)."""
+
+
+class _Rank(_Plan):
+    rank: int
+    host_id: str
+    gpu_id: int | str | None
+
+
+class _Replica(_Plan):
+    name: str = "vllm"
+    index: int
+    host_ids: tuple[str, ...]
+    gpu_ids: tuple[tuple[str, tuple[int | str, ...]], ...]
+    shared_gpus: bool
+
+
+class _Trainer(_Plan):
+    tp: int
+    cp: int
+    ep: int
+    pp: int = 1
+
+
+class StatedLayout(_Plan):
+    """A layout on `hosts` x `gpus` GPUs that `plan_memory` reads as it reads a
+    `CompiledTopology` (its `trainer`, `trainer_ranks` and `replicas`): `replicas` vLLM replicas
+    of `replica_tp` GPUs each on the first GPUs of host0 (`shared_gpus`: beside trainer ranks,
+    which then take every GPU; else on their own GPUs, the trainer on the rest), trainer ranks
+    numbered host by host, GPU by GPU; `gpus` 0: CPU ranks, one a host."""
+
+    trainer: _Trainer
+    trainer_ranks: tuple[_Rank, ...]
+    replicas: tuple[_Replica, ...]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        hosts: int,
+        gpus: int,
+        tp: int,
+        cp: int,
+        ep: int,
+        replicas: int,
+        replica_tp: int,
+        shared_gpus: bool,
+    ) -> StatedLayout:
+        """Raises `UserError` (one sentence) for a layout that cannot be placed: replicas that
+        need more GPUs than host0 has, no GPU left for the trainer, or a trainer world that
+        tp x cp (and ep) does not divide."""
+        from art_mega.errors import UserError
+
+        host_ids = [f"host{i}" for i in range(hosts)]
+        replica_gpus = replicas * replica_tp if gpus else 0
+        if gpus and replica_gpus > gpus:
+            raise UserError(
+                f"--replicas {replicas} x --inference-tp {replica_tp} needs {replica_gpus} GPUs on host0, "
+                f"which has {gpus} (--gpus); use fewer replicas or a smaller --inference-tp"
+            )
+        taken = 0 if shared_gpus or not gpus else replica_gpus
+        slots = [
+            (host, gpu if gpus else None)
+            for i, host in enumerate(host_ids)
+            for gpu in (range(taken if i == 0 else 0, gpus) if gpus else (None,))
+        ]
+        world = len(slots)
+        if world == 0:
+            raise UserError(
+                f"the replicas take all {gpus} GPUs of host0 and --hosts 1 leaves the trainer none; "
+                "pass --shared-gpus, --hosts 2 or fewer --replicas"
+            )
+        if world % (tp * cp) or (world // cp) % ep:
+            less = ", less the replicas' GPUs" if taken else ""
+            raise UserError(
+                f"trainer tp={tp} x cp={cp} (ep={ep}) does not divide its {world} ranks "
+                f"({hosts} host(s) x {gpus or 1} slot(s){less}); "
+                "pick sizes that divide it, or --replicas and --inference-tp that leave the trainer a multiple of tp x cp GPUs, or --shared-gpus"
+            )
+        ranks = tuple(_Rank(rank=i, host_id=h, gpu_id=g) for i, (h, g) in enumerate(slots))
+        replica_specs = tuple(
+            _Replica(
+                index=i,
+                host_ids=(host_ids[0],),
+                gpu_ids=((host_ids[0], tuple(range(i * replica_tp, (i + 1) * replica_tp))),) if gpus else (),
+                shared_gpus=shared_gpus,
+            )
+            for i in range(replicas)
+        )
+        return cls(trainer=_Trainer(tp=tp, cp=cp, ep=ep), trainer_ranks=ranks, replicas=replica_specs)
+
+
+def layouts_that_fit(
+    shape: ModelShape,
+    valid_tp: Sequence[int],
+    *,
+    world: int,
+    gpus_per_host: int,
+    gpu_bytes: int,
+    **terms: Any,
+) -> list[tuple[int, int, int, int]]:
+    """(tp, ep, dp, needed bytes) of every trainer layout of `world` GPU ranks whose rank fits
+    `gpu_bytes`: tp among the model's `valid_tp` within one host (NVLink), ep dividing the experts
+    and the data-parallel ranks (MoE only), cp 1. `terms`: `rank_terms`'s keyword arguments but
+    tp, ep, dp."""
+    fits = []
+    for tp in sorted(t for t in valid_tp if t <= max(gpus_per_host, 1) and world % t == 0):
+        dp = world // tp
+        eps = (
+            [e for e in range(1, dp + 1) if dp % e == 0 and shape.num_experts % e == 0]
+            if shape.num_experts
+            else [1]
+        )
+        for ep in eps:
+            needed = sum(rank_terms(shape, tp=tp, ep=ep, dp=dp, **terms).values())
+            if needed <= gpu_bytes:
+                fits.append((tp, ep, dp, needed))
+    return fits
