@@ -269,7 +269,7 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
 
     spec = family_for(hf_config)
     args = spec.model_args(hf_config)
-    names = spec.lora
+    names = spec.lora_names(args)
     hidden, q_in = args.hidden_size, args.num_heads * args.head_dim
     q_out = q_in * (2 if names.output_gate else 1)  # q_proj with its output gate (Qwen3.5)
     kv_out = args.num_query_groups * args.head_dim
@@ -296,12 +296,24 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
             per_expert = experts and target in names.expert_targets
             parents = [f"{parent}.experts.{e}" for e in range(experts)] if per_expert else [parent]
             dims = (expert if per_expert else dense)[target]
+            if hasattr(args, "attention") and names.parents[target] == "self_attn":
+                dims = _layer_attention(args, layer, target)  # Gemma 4: per-layer head shapes
             for where in parents:
                 a_keys = []
-                for module, (fan_in, fan_out) in zip(names.modules[target], dims, strict=True):
+                for module, (fan_in, fan_out) in zip(names.modules[target][: len(dims)], dims, strict=True):
                     a_keys.append(names.peft_key(where, module, "lora_A"))
                     shapes[a_keys[-1]] = (rank, fan_in)
                     shapes[names.peft_key(where, module, "lora_B")] = (fan_out, rank)
                 if len(a_keys) > 1:
                     shared.append(tuple(a_keys))
     return AdapterLayout(shapes, tuple(shared), args.num_layers)
+
+
+def _layer_attention(args: Any, layer: int, target: str) -> tuple[tuple[int, int], ...]:
+    """(in, out) of the HF modules of attention `target` on `layer` of a model whose layers differ
+    (`args.attention(layer)` = (head width, KV heads, values are keys): q/k[/v]_proj, o_proj)."""
+    head_dim, groups, k_eq_v = args.attention(layer)
+    hidden, q = args.hidden_size, args.num_heads * head_dim
+    if target == "linear_proj":
+        return ((q, hidden),)
+    return ((hidden, q), (hidden, groups * head_dim)) + (() if k_eq_v else ((hidden, groups * head_dim),))

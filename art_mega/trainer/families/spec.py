@@ -236,6 +236,8 @@ class FamilySpec(Generic[ArgsT]):
 
     `finish_model(args, module)`, where set, is called on the built GPTModel after its weights
     are loaded, for what a layer spec cannot express (forward hooks, e.g. Gemma's embedding scale).
+    `lora_for(args)`, where set, gives one model's LoRA names when its layers differ in shape
+    (Gemma 4's global layers); `lora_names(args)` is the names to use with a model in hand.
     """
 
     name: str
@@ -251,3 +253,8 @@ class FamilySpec(Generic[ArgsT]):
     te_name_map: Mapping[str, str]
     lora: LoraNames = field(repr=False)
     finish_model: Callable[[ArgsT, Any], None] | None = None
+    lora_for: Callable[[ArgsT], LoraNames] | None = None
+
+    def lora_names(self, args: ArgsT) -> LoraNames:
+        """The LoRA <-> PEFT names of the model with arguments `args` (`lora_for`, else `lora`)."""
+        return self.lora if self.lora_for is None else self.lora_for(args)
