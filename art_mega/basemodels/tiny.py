@@ -71,7 +71,11 @@ GEMMA4_TINY = {
     "final_logit_softcapping": 3.0,
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 100000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 100000.0,
+        },
     },
 }
 """The tiny Gemma 4's features besides the sizes: a local layer (head 32, 2 KV heads, window 6)

@@ -171,7 +171,9 @@ def model_args(config: dict[str, Any]) -> Gemma4Args:
             "Megatron trainer yet; use the dense Gemma 4 (31B)."
         )
     if config.get("use_bidirectional_attention") == "all":
-        raise UserError("use_bidirectional_attention='all' is not supported; the trainer's attention is causal.")
+        raise UserError(
+            "use_bidirectional_attention='all' is not supported; the trainer's attention is causal."
+        )
     if config.get("attention_bias"):
         raise UserError("attention_bias=true is not supported by the Megatron Gemma 4 model.")
     window = config.get("sliding_window", 512)
@@ -270,8 +272,8 @@ def _attention_class() -> type:
     SelfAttention does.
     """
     import torch
-    from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
     from megatron.core.parallel_state import get_tensor_model_parallel_rank
+    from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
 
     attention, _ = gemma3._post_norm_modules()
 
@@ -289,7 +291,9 @@ def _attention_class() -> type:
             if head_dim is not None:
                 config = dataclasses.replace(config, kv_channels=head_dim, num_query_groups=num_query_groups)
             if k_eq_v:
-                submodules = dataclasses.replace(submodules, linear_qkv=_key_value_linear(submodules.linear_qkv))
+                submodules = dataclasses.replace(
+                    submodules, linear_qkv=_key_value_linear(submodules.linear_qkv)
+                )
             super().__init__(config, submodules, *args, **kwargs)
             self.k_eq_v = k_eq_v
 
@@ -369,7 +373,9 @@ def layer_spec(args: Gemma4Args, *, use_te: bool):
         )
         submodules = dataclasses.replace(base.submodules, self_attention=attention)
         specs.append(dataclasses.replace(base, module=_layer_class(), submodules=submodules))
-    return transformer_block.TransformerBlockSubmodules(layer_specs=specs, layer_norm=transformer_block.LayerNormImpl)
+    return transformer_block.TransformerBlockSubmodules(
+        layer_specs=specs, layer_norm=transformer_block.LayerNormImpl
+    )
 
 
 def gpt_model_kwargs(args: Gemma4Args, *, tp: int) -> dict[str, Any]:
@@ -396,7 +402,9 @@ def megatron_state_dict(
     tp, rank = layout.tp, layout.tp_rank
     vocab = llama.padded_vocab_size(args, tp)
     state: dict[str, Tensor] = {
-        "embedding.word_embeddings.weight": shard(pad_rows(read("model.embed_tokens.weight"), vocab), 0, tp, rank),
+        "embedding.word_embeddings.weight": shard(
+            pad_rows(read("model.embed_tokens.weight"), vocab), 0, tp, rank
+        ),
         "decoder.final_layernorm.weight": read("model.norm.weight"),
     }
     if not args.tie_word_embeddings:
@@ -406,8 +414,10 @@ def megatron_state_dict(
         attn, mlp = hf + "self_attn.", hf + "mlp."
         _, groups, k_eq_v = args.attention(i)
         q, k = read(attn + "q_proj.weight"), read(attn + "k_proj.weight")
-        fused = fuse_qk(q, k, args.num_heads, groups) if k_eq_v else fuse_qkv(
-            q, k, read(attn + "v_proj.weight"), args.num_heads, groups
+        fused = (
+            fuse_qk(q, k, args.num_heads, groups)
+            if k_eq_v
+            else fuse_qkv(q, k, read(attn + "v_proj.weight"), args.num_heads, groups)
         )
         state.update(
             {
@@ -416,7 +426,9 @@ def megatron_state_dict(
                 mc + "self_attention.q_layernorm.weight": read(attn + "q_norm.weight"),
                 mc + "self_attention.k_layernorm.weight": read(attn + "k_norm.weight"),
                 mc + "self_attention.linear_proj.weight": shard(read(attn + "o_proj.weight"), 1, tp, rank),
-                mc + "self_attention.post_attention_layernorm.weight": read(hf + "post_attention_layernorm.weight"),
+                mc + "self_attention.post_attention_layernorm.weight": read(
+                    hf + "post_attention_layernorm.weight"
+                ),
                 mc + "pre_mlp_layernorm.weight": read(hf + "pre_feedforward_layernorm.weight"),
                 mc + "mlp.linear_fc1.weight": fc1_shard(
                     read(mlp + "gate_proj.weight"), read(mlp + "up_proj.weight"), tp, rank
@@ -476,7 +488,9 @@ class Gemma4LoraNames(LoraNames):
         full_b = torch.cat(b_shards, dim=0)
         split = split_qk if self.k_eq_v else split_qkv
         out = {}
-        for hf_module, b in zip(("q_proj", "k_proj", "v_proj"), split(full_b, num_heads, self.global_query_groups)):
+        for hf_module, b in zip(
+            ("q_proj", "k_proj", "v_proj"), split(full_b, num_heads, self.global_query_groups)
+        ):
             out[self.peft_key(parent, hf_module, "lora_A")] = a.contiguous().clone()
             out[self.peft_key(parent, hf_module, "lora_B")] = b.contiguous().clone()
         return out
@@ -502,7 +516,9 @@ class Gemma4LoraNames(LoraNames):
             for matrix in ("lora_A", "lora_B"):
                 key = self.peft_key(parent, hf_module, matrix)
                 if key not in tensors:
-                    raise UserError(f"the adapter has no tensor {key}; it does not cover {hf_module} of layer {layer}.")
+                    raise UserError(
+                        f"the adapter has no tensor {key}; it does not cover {hf_module} of layer {layer}."
+                    )
                 found[hf_module, matrix] = tensors[key]
         if not torch.equal(found["q_proj", "lora_A"], found["k_proj", "lora_A"]):
             raise UserError(
