@@ -477,6 +477,10 @@ class Gemma4LoraNames(LoraNames):
         parent, target = self.parse(name)
         return target == "linear_qkv" and int(parent.split(".", 1)[0]) in self.global_layers
 
+    def hf_modules(self, name: str) -> tuple[str, ...]:
+        modules = super().hf_modules(name)
+        return modules[:2] if self.k_eq_v and self._global(name) else modules
+
     def to_peft(
         self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
     ) -> dict[str, Tensor]:

@@ -123,6 +123,10 @@ class LoraNames:
         parent = f"{layer}.{self.parents[target]}" + (f".experts.{expert}" if expert is not None else "")
         return parent, target
 
+    def hf_modules(self, name: str) -> tuple[str, ...]:
+        """The HF modules (under `parse(name)`'s parent) the LoRA layer `name` exports to."""
+        return self.modules[self.parse(name)[1]]
+
     def peft_key(self, parent: str, hf_module: str, matrix: str) -> str:
         """PEFT's tensor key of `matrix` ("lora_A" / "lora_B") of `hf_module` under `parent`."""
         return f"{self.layer_prefix}.{parent}.{hf_module}.{matrix}.weight"
