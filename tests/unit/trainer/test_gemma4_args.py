@@ -121,3 +121,16 @@ def test_proportional_rope_equals_transformers() -> None:
     got = gemma4.global_inv_freq(gemma4.model_args(GEMMA4_31B_TEXT))
     assert got.shape == (256,) and int((got == 0).sum()) == 256 - 64
     assert torch.equal(got, expected)
+
+
+def test_memory_plan_counts_the_global_layers() -> None:
+    from art_mega.trainer.memory_plan import ModelShape
+
+    shape = ModelShape.from_args(gemma4.model_args(GEMMA4_31B_TEXT))
+    # transformers' Gemma4ForCausalLM of this config on the meta device (test_real_size_mapping)
+    assert (shape.norms_per_layer, shape.global_layers) == (4, 10)
+    assert shape.parameters() == 30_697_345_280
+    local_qkv, global_qkv = (32 + 2 * 16) * 256 + 32 * 256, (32 + 4) * 512 + 32 * 512
+    assert shape.lora_parameters(8, ("linear_qkv", "linear_proj")) == 8 * (
+        50 * (2 * 5376 + local_qkv) + 10 * (2 * 5376 + global_qkv)
+    )
