@@ -300,7 +300,7 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
                 dims = _layer_attention(args, layer, target)  # Gemma 4: per-layer head shapes
             for where in parents:
                 a_keys = []
-                for module, (fan_in, fan_out) in zip(names.modules[target][: len(dims)], dims, strict=True):
+                for module, (fan_in, fan_out) in zip(names.modules[target], dims, strict=True):
                     a_keys.append(names.peft_key(where, module, "lora_A"))
                     shapes[a_keys[-1]] = (rank, fan_in)
                     shapes[names.peft_key(where, module, "lora_B")] = (fan_out, rank)
@@ -311,9 +311,10 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
 
 def _layer_attention(args: Any, layer: int, target: str) -> tuple[tuple[int, int], ...]:
     """(in, out) of the HF modules of attention `target` on `layer` of a model whose layers differ
-    (`args.attention(layer)` = (head width, KV heads, values are keys): q/k[/v]_proj, o_proj)."""
-    head_dim, groups, k_eq_v = args.attention(layer)
+    (`args.attention(layer)` = (head width, KV heads, _): q/k/v_proj, o_proj; Gemma 4 writes a
+    v_proj adapter on its k_eq_v layers too, `gemma4.Gemma4LoraNames.to_peft`)."""
+    head_dim, groups, _ = args.attention(layer)
     hidden, q = args.hidden_size, args.num_heads * head_dim
     if target == "linear_proj":
         return ((q, hidden),)
-    return ((hidden, q), (hidden, groups * head_dim)) + (() if k_eq_v else ((hidden, groups * head_dim),))
+    return ((hidden, q), (hidden, groups * head_dim), (hidden, groups * head_dim))

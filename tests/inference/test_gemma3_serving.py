@@ -60,6 +60,7 @@ async def gemma_served(vllm_python: str, agent, gemma_model: Path, tmp_path_fact
 
 async def test_gemma3_with_adapter_matches_hf(gemma_served: Served, tmp_path: Path) -> None:
     adapter = make_adapter(gemma_served.model_dir, tmp_path / "adapter", seed=1)
+    _copy_k_to_v_on_k_eq_v_layers(gemma_served.model_dir, adapter)
     base = await sample(gemma_served.url, NAME, messages=MESSAGES)
     async with ReplicaClient("gemma3-0", gemma_served.url) as replica:
         await replica.load_adapter("gemma3-lora", str(adapter))
@@ -74,3 +75,25 @@ async def test_gemma3_with_adapter_matches_hf(gemma_served: Served, tmp_path: Pa
     )
     assert base_diff <= TOLERANCE and adapted_diff <= TOLERANCE
     assert effect > 1e-2 or base["token_ids"] != adapted["token_ids"]
+
+
+def _copy_k_to_v_on_k_eq_v_layers(model_dir: Path, adapter: Path) -> None:
+    """Give each Gemma 4 layer whose values are its keys (`attention_k_eq_v` global layers, where HF
+    has no v_proj) a v_proj adapter equal to its k_proj one, as art-mega's export writes it
+    (`gemma4.Gemma4LoraNames.to_peft`): vLLM loads the keys' weights into its V slot too and takes
+    that slot's LoRA from v_proj. Nothing to do for Gemma 3."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if not config.get("attention_k_eq_v"):
+        return
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    for layer, kind in enumerate(config["layer_types"]):
+        if kind == "full_attention":
+            key = f"base_model.model.model.layers.{layer}.self_attn.{{}}_proj.lora_{{}}.weight".format
+            for matrix in "AB":
+                tensors[key("v", matrix)] = tensors[key("k", matrix)].clone()
+    save_file(tensors, path, metadata={"format": "pt"})

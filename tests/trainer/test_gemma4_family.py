@@ -6,7 +6,8 @@ attention scale 1, layer scalars 0.9 / 1.1, a final logit cap of 3, tied scaled 
 the family harness of `test_gemma3_family` (`family_worker` for TP=2, `engine_scenarios.training`
 for 3 GRPO steps, export, import): Megatron's logits equal transformers' at TP=1 and TP=2 (TP=2
 all-gathers the global layer's single KV head), the trained adapter loads in PEFT with the Megatron
-logits and names no v_proj on the global layer, and import -> export is bit-exact."""
+logits (its global layer's v_proj adapter a copy of k_proj's,
+for vLLM), and import -> export is bit-exact."""
 
 from __future__ import annotations
 
@@ -116,11 +117,13 @@ def test_peft_logits_match_megatron(world: str, gemma4_tp1, gemma4_tp2, gemma4_d
     from transformers import AutoModelForCausalLM
 
     run = _runs(gemma4_tp1, gemma4_tp2)[world]
-    keys = set(load_file(Path(run["adapter"]) / "adapter_model.safetensors"))
     prefix = "base_model.model.model.layers"
-    assert f"{prefix}.0.self_attn.v_proj.lora_B.weight" in keys
-    assert not any(key.startswith(f"{prefix}.1.self_attn.v_proj") for key in keys), "k_eq_v: no v_proj"
-    assert f"{prefix}.1.self_attn.k_proj.lora_B.weight" in keys
+    tensors = load_file(Path(run["adapter"]) / "adapter_model.safetensors")
+    assert f"{prefix}.0.self_attn.v_proj.lora_B.weight" in tensors
+    for m in "AB":  # k_eq_v: the v_proj adapter vLLM reads is k_proj's (PEFT has no v_proj there)
+        key = f"{prefix}.1.self_attn.{{}}_proj.lora_{m}.weight".format
+        assert torch.equal(tensors[key("v")], tensors[key("k")])
+    assert tensors[f"{prefix}.1.self_attn.k_proj.lora_B.weight"].shape == (64, 4)
     base = AutoModelForCausalLM.from_pretrained(gemma4_dir, dtype=torch.float32)
     ids = input_ids(base.config.vocab_size)
     with torch.no_grad():

@@ -36,8 +36,9 @@ Gemma 3's.
 
 LoRA: ART 0.5.23 adapts q/k/v/o and gate/up/down on Gemma 4 dense
 (`art/megatron/model_support/registry.py` GEMMA4_DENSE_SPEC); a global layer's linear_qkv
-exports to q_proj, k_proj and, unless `attention_k_eq_v`, v_proj, with the global head width
-and KV heads (`Gemma4LoraNames`).
+exports to q_proj, k_proj and v_proj with the global head width and KV heads; with
+`attention_k_eq_v` its v_proj adapter is a copy of k_proj's, which PEFT does not use (HF has no
+v_proj there) and vLLM needs (`Gemma4LoraNames.to_peft`).
 """
 
 from __future__ import annotations
@@ -484,17 +485,27 @@ class Gemma4LoraNames(LoraNames):
     def to_peft(
         self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
     ) -> dict[str, Tensor]:
+        """As `LoraNames.to_peft`, a global layer's B split by its own KV heads. A k_eq_v layer's
+        [q; k] B splits into q_proj and k_proj, and its k_proj adapter is written once more as
+        v_proj: HF has no v_proj there (PEFT loads the adapter without using those tensors), but
+        vLLM's Gemma 4 loads the keys' weights into both the K and V slots of its fused qkv_proj
+        (`vllm/model_executor/models/gemma4.py` _gemma4_layer_weights_mapper) and takes the V
+        slot's LoRA from v_proj, so the values get the keys' update only with it."""
         if not self._global(name):
             return super().to_peft(name, a, b_shards, num_heads, num_query_groups)
         import torch
 
         parent, _ = self.parse(name)
         full_b = torch.cat(b_shards, dim=0)
-        split = split_qk if self.k_eq_v else split_qkv
+        if self.k_eq_v:
+            q, k = split_qk(full_b, num_heads, self.global_query_groups)
+            parts = {"q_proj": q, "k_proj": k, "v_proj": k}
+        else:
+            parts = dict(
+                zip(("q_proj", "k_proj", "v_proj"), split_qkv(full_b, num_heads, self.global_query_groups))
+            )
         out = {}
-        for hf_module, b in zip(
-            ("q_proj", "k_proj", "v_proj"), split(full_b, num_heads, self.global_query_groups)
-        ):
+        for hf_module, b in parts.items():
             out[self.peft_key(parent, hf_module, "lora_A")] = a.contiguous().clone()
             out[self.peft_key(parent, hf_module, "lora_B")] = b.contiguous().clone()
         return out
@@ -508,6 +519,13 @@ class Gemma4LoraNames(LoraNames):
         tp_size: int,
         tp_rank: int,
     ) -> tuple[Tensor, Tensor]:
+        """As `LoraNames.from_peft` (a global layer's KV heads its own); a k_eq_v layer's B is
+        fused from q_proj and k_proj, whose v_proj copy (`to_peft`) must equal k_proj's.
+
+        Raises:
+            UserError: a missing tensor, different lora_A matrices, or a v_proj adapter that is
+                not the k_proj one on a k_eq_v layer (one sentence each).
+        """
         if not self._global(name) or not self.k_eq_v:
             groups = self.global_query_groups if self._global(name) else num_query_groups
             return super().from_peft(name, tensors, num_heads, groups, tp_size, tp_rank)
@@ -516,7 +534,7 @@ class Gemma4LoraNames(LoraNames):
         parent, _ = self.parse(name)
         layer = parent.split(".", 1)[0]
         found = {}
-        for hf_module in ("q_proj", "k_proj"):
+        for hf_module in ("q_proj", "k_proj", "v_proj"):
             for matrix in ("lora_A", "lora_B"):
                 key = self.peft_key(parent, hf_module, matrix)
                 if key not in tensors:
@@ -529,6 +547,12 @@ class Gemma4LoraNames(LoraNames):
                 f"layer {layer}'s q_proj, k_proj have different lora_A matrices; art-mega fuses them into one "
                 "linear_qkv adapter and needs them equal."
             )
+        for matrix in ("lora_A", "lora_B"):
+            if not torch.equal(found["v_proj", matrix], found["k_proj", matrix]):
+                raise UserError(
+                    f"layer {layer}'s v_proj {matrix} differs from its k_proj {matrix}; its values are its keys "
+                    "(attention_k_eq_v), so the two adapters must be equal."
+                )
         b = fuse_qk(found["q_proj", "lora_B"], found["k_proj", "lora_B"], num_heads, self.global_query_groups)
         return found["q_proj", "lora_A"], shard(b, 0, tp_size, tp_rank)
 

@@ -108,7 +108,7 @@ def test_adapter_layout_has_the_global_layers_shapes() -> None:
     assert layout.shapes[key(5, "q_proj", "B")] == (32 * 512, 8)
     assert layout.shapes[key(5, "k_proj", "B")] == (4 * 512, 8)
     assert layout.shapes[key(5, "o_proj", "A")] == (8, 32 * 512)
-    assert key(5, "v_proj", "B") not in layout.shapes
+    assert layout.shapes[key(5, "v_proj", "B")] == (4 * 512, 8), "k_proj's copy, for vLLM"
 
 
 def test_proportional_rope_equals_transformers() -> None:
