@@ -134,3 +134,32 @@ def test_memory_plan_counts_the_global_layers() -> None:
     assert shape.lora_parameters(8, ("linear_qkv", "linear_proj")) == 8 * (
         50 * (2 * 5376 + local_qkv) + 10 * (2 * 5376 + global_qkv)
     )
+
+
+def test_k_eq_v_adapter_round_trip_and_refusal() -> None:
+    """A global k_eq_v layer's fused [q; k] B (2 TP shards) exports q_proj, k_proj and k_proj's copy
+    as v_proj, imports back to each rank's shard, and an adapter whose v_proj differs is refused."""
+    torch = pytest.importorskip("torch")
+    config = {
+        **GEMMA4_31B_TEXT,
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    args = gemma4.model_args(config)
+    names = gemma4.SPEC.lora_names(args)
+    name = "decoder.layers.1.self_attention.linear_qkv"
+    a, b = torch.randn(4, 5376), torch.randn((32 + 4) * 512, 4)
+    tensors = names.to_peft(name, a, list(b.chunk(2)), args.num_heads, args.num_query_groups)
+    key = "base_model.model.model.layers.1.self_attn.{}_proj.lora_{}.weight".format
+    assert tensors[key("q", "B")].shape == (32 * 512, 4) and tensors[key("k", "B")].shape == (4 * 512, 4)
+    assert torch.equal(tensors[key("v", "B")], tensors[key("k", "B")])
+    for rank, shard in enumerate(b.chunk(2)):
+        got_a, got_b = names.from_peft(name, tensors, args.num_heads, args.num_query_groups, 2, rank)
+        assert torch.equal(got_a, a) and torch.equal(got_b, shard)
+    tensors[key("v", "B")] = tensors[key("v", "B")] + 1
+    with pytest.raises(UserError) as caught:
+        names.from_peft(name, tensors, args.num_heads, args.num_query_groups, 1, 0)
+    assert str(caught.value) == (
+        "layer 1's v_proj lora_B differs from its k_proj lora_B; its values are its keys (attention_k_eq_v), "
+        "so the two adapters must be equal."
+    )
