@@ -124,7 +124,7 @@ def test_proportional_rope_equals_transformers() -> None:
 
 
 def test_memory_plan_counts_the_global_layers() -> None:
-    from art_mega.trainer.memory_plan import ModelShape
+    from art_mega.trainer.prepare.memory_plan import ModelShape
 
     shape = ModelShape.from_args(gemma4.model_args(GEMMA4_31B_TEXT))
     # transformers' Gemma4ForCausalLM of this config on the meta device (test_real_size_mapping)
