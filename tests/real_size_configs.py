@@ -183,3 +183,71 @@ PUBLISHED = {
     "Qwen2.5-7B-Instruct-YaRN": 7_615_616_512,
 }
 """Parameter counts of the published safetensors checkpoints (the Hub's model pages)."""
+
+GEMMA3_27B_TEXT = {
+    "model_type": "gemma3_text",
+    "head_dim": 128,
+    "hidden_size": 5376,
+    "intermediate_size": 21504,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 16,
+    "query_pre_attn_scalar": 168,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+    # Gemma3TextConfig's defaults, which the published text_config leaves out:
+    "vocab_size": 262208,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+}
+"""google/gemma-3-27b-it's config.json `text_config` with Gemma3TextConfig's defaults (transformers 5.19)."""
+
+GEMMA4_31B_TEXT = {
+    "model_type": "gemma4_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attention_k_eq_v": True,
+    "enable_moe_block": False,
+    "final_logit_softcapping": 30.0,
+    "global_head_dim": 512,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 5376,
+    "hidden_size_per_layer_input": 0,
+    "intermediate_size": 21504,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 32,
+    "num_experts": None,
+    "num_global_key_value_heads": 4,
+    "num_hidden_layers": 60,
+    "num_key_value_heads": 16,
+    "num_kv_shared_layers": 0,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    "sliding_window": 1024,
+    "tie_word_embeddings": True,
+    "top_k_experts": None,
+    "use_bidirectional_attention": "vision",
+    "use_cache": True,
+    "use_double_wide_mlp": False,
+    "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144,
+}
+"""google/gemma-4-31B's config.json `text_config` (60 layers, every 6th global: head 512, 4 KV
+heads whose values are their keys; local layers head 256, 16 KV heads, window 1024). Not in
+`CONFIGS`: the memory plan's `ModelShape` has one head shape for every layer."""

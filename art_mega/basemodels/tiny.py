@@ -18,7 +18,7 @@ from typing import Literal
 
 from art_mega.errors import UserError
 
-TinyArch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5"]
+TinyArch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5", "gemma4_text"]
 
 FORMAT_VERSION = 1
 """Bumped whenever the builder's output changes for the same arguments."""
@@ -47,6 +47,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 
 GEMMA3_TINY = {
@@ -60,6 +61,27 @@ GEMMA3_TINY = {
 """The tiny Gemma 3's features besides the sizes: local (even) / global (odd) layers, a query
 scale 24^-0.5 that is not head_dim^-0.5, and different RoPE on global (base 1e5, linear factor 2)
 and local (base 1e4) layers, so a mix-up shows in the logits."""
+
+GEMMA4_TINY = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "global_head_dim": 64,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "hidden_size_per_layer_input": 0,
+    "final_logit_softcapping": 3.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 100000.0,
+        },
+    },
+}
+"""The tiny Gemma 4's features besides the sizes: a local layer (head 32, 2 KV heads, window 6)
+then a global layer with head 64, one KV head whose values are its keys, proportional RoPE on a
+quarter of the head (base 1e5), a logit cap of 3 (near the logits' scale, so it shows), and
+layer scalars 0.9 / 1.1 (`_write_model`)."""
 
 QWEN3_5_TINY = {
     "layer_types": ["linear_attention", "full_attention"],
@@ -182,6 +204,13 @@ def _hf_config(arch: TinyArch, spec: dict):
             hidden_activation="gelu_pytorch_tanh",
             **common,
         )
+    if arch == "gemma4_text":
+        from transformers import Gemma4TextConfig
+
+        common.pop("rope_parameters")
+        return Gemma4TextConfig(
+            head_dim=spec["head_dim"], sliding_window=window or 6, **GEMMA4_TINY, **common
+        )
     if arch == "qwen3_5":
         common["rope_parameters"] = QWEN3_5_TINY["rope_parameters"]
         extra = {key: value for key, value in QWEN3_5_TINY.items() if key != "rope_parameters"}
@@ -268,7 +297,9 @@ def tiny_spec(
     if tie_word_embeddings is None:
         tie_word_embeddings = arch not in ("llama", "mistral", "qwen3_5")
     if arch == "llama" and sliding_window is not None:
-        raise UserError("sliding_window is not a Llama setting; use mistral, qwen2, qwen3 or gemma3_text.")
+        raise UserError(
+            "sliding_window is not a Llama setting; use mistral, qwen2, qwen3, gemma3_text or gemma4_text."
+        )
     if max_window_layers is not None and arch not in ("qwen2", "qwen3"):
         raise UserError("max_window_layers is a Qwen2/Qwen3 setting; use arch qwen2 or qwen3.")
     windows = {} if sliding_window is None else {"sliding_window": sliding_window}
@@ -329,6 +360,9 @@ def _write_model(directory: Path, spec: dict) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     zero_centred = spec["arch"] in ("gemma3_text", "qwen3_5")
     _fill_weights(model, spec["seed"], spec["hidden_size"], 0.0 if zero_centred else 1.0)
+    if spec["arch"] == "gemma4_text":  # its layer scalars are buffers, which `_fill_weights` leaves at 1
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.9 + 0.2 * i)
     if spec["arch"] == "qwen3_5":
         _plain_gated_norms(model)
     model.generation_config.do_sample = True

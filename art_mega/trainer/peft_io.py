@@ -291,7 +291,7 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
 
     spec = family_for(hf_config)
     args = spec.model_args(hf_config)
-    names = spec.lora
+    names = spec.lora_names(args)
     hidden, q_in = args.hidden_size, args.num_heads * args.head_dim
     q_out = q_in * (2 if names.output_gate else 1)  # q_proj with its output gate (Qwen3.5)
     kv_out = args.num_query_groups * args.head_dim
@@ -327,7 +327,10 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
             parent = f"{layer}.{names.parents[target]}"
             per_expert = experts and target in names.expert_targets
             parents = [f"{parent}.experts.{e}" for e in range(experts)] if per_expert else [parent]
-            placed = [(where, (expert if per_expert else dense)[target]) for where in parents]
+            dims = (expert if per_expert else dense)[target]
+            if hasattr(args, "attention") and names.parents[target] == "self_attn":
+                dims = _layer_attention(args, layer, target)  # Gemma 4: per-layer head shapes
+            placed = [(where, dims) for where in parents]
             if per_expert and names.shared_expert and shared_ffn:
                 placed.append((f"{parent}.{names.shared_expert}", shared_dims[target]))
             for where, dims in placed:
@@ -339,3 +342,14 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
                 if len(a_keys) > 1:
                     shared.append(tuple(a_keys))
     return AdapterLayout(shapes, tuple(shared), args.num_layers)
+
+
+def _layer_attention(args: Any, layer: int, target: str) -> tuple[tuple[int, int], ...]:
+    """(in, out) of the HF modules of attention `target` on `layer` of a model whose layers differ
+    (`args.attention(layer)` = (head width, KV heads, _): q/k/v_proj, o_proj; Gemma 4 writes a
+    v_proj adapter on its k_eq_v layers too, `gemma4.Gemma4LoraNames.to_peft`)."""
+    head_dim, groups, _ = args.attention(layer)
+    hidden, q = args.hidden_size, args.num_heads * head_dim
+    if target == "linear_proj":
+        return ((q, hidden),)
+    return ((hidden, q), (hidden, groups * head_dim), (hidden, groups * head_dim))

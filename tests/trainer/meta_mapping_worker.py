@@ -80,7 +80,11 @@ def main(in_path: str, out_path: str) -> None:
     hf_config = AutoConfig.for_model(**config)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
-    hf_params = dict(hf_model.named_parameters())
+    saved = hf_model.state_dict().keys()  # persistent buffers too (Gemma 4's layer_scalar)
+    hf_params = {
+        **dict(hf_model.named_parameters()),
+        **{n: b for n, b in hf_model.named_buffers() if n in saved},
+    }
 
     read_names: set[str] = set()
     unknown: set[str] = set()
@@ -112,15 +116,18 @@ def main(in_path: str, out_path: str) -> None:
     # read_expert tries the Hub's per-expert names first, then transformers 5's fused parameters
     unknown = {name for name in unknown if not _PER_EXPERT.search(name)}
     shapes = {
-        key: list(expected[key]) for key in sorted(expected) if ".layers.0." in key or ".layers." not in key
+        key: list(expected[key])
+        for key in sorted(expected)
+        if ".layers.0." in key or ".layers.5." in key or ".layers." not in key
     }
 
     wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0, targets=family.lora.targets))
     hf_modules = dict(hf_model.named_modules())
     lora_unmatched = []
+    names = family.lora_names(args)
     for name in wrapped:
-        parent, target = family.lora.parse(name)
-        for hf_module in family.lora.modules[target]:
+        parent, _ = names.parse(name)
+        for hf_module in names.hf_modules(name):
             path = f"model.layers.{parent}.{hf_module}"
             ok = path in hf_modules or (
                 ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
@@ -136,6 +143,7 @@ def main(in_path: str, out_path: str) -> None:
         "family": family.name,
         "hf_class": type(hf_model).__name__,
         "hf_params": sum(p.numel() for p in hf_model.parameters()),
+        "hf_buffers": len(hf_params.keys() - dict(hf_model.named_parameters()).keys()),
         "megatron_params": sum(p.numel() for p in full.parameters()),
         "hf_names": len(hf_params),
         "unread": sorted(hf_params.keys() - read_names),

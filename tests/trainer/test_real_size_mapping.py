@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_size_configs import CONFIGS, PUBLISHED
+from tests.real_size_configs import CONFIGS, GEMMA4_31B_TEXT, PUBLISHED
 from tests.trainer.common import require_trainer_deps
 
 require_trainer_deps()
@@ -105,3 +105,22 @@ def test_tp8_refusal_names_the_valid_sizes() -> None:
     )
     yarn = family.model_args(CONFIGS["Qwen2.5-7B-Instruct-YaRN"]).rope_scaling
     assert (yarn.rope_type, yarn.factor, yarn.original_max_position_embeddings) == ("yarn", 4.0, 32768)
+
+
+@pytest.mark.timeout(900)
+def test_gemma4_31b_maps_every_tensor_at_tp8(tmp_path: Path) -> None:
+    """google/gemma-4-31B's text config at TP=8: the 10 global layers' 4 KV heads (fewer than the
+    ranks: each rank holds a copy of its group's key) and 512-wide heads, the k_eq_v projection
+    without v rows, and the 60 layer scalars (buffers) all map; parameter counts equal."""
+    got = meta_mapping(GEMMA4_31B_TEXT, 8, 1, tmp_path)
+    print(f"gemma-4-31B text: {got['hf_names']} HF tensors, {got['megatron_params']:,} parameters")
+    assert got["family"] == "gemma4" and got["hf_class"] == "Gemma4ForCausalLM"
+    assert got["unread"] == [] and got["unknown_reads"] == [] and got["hf_buffers"] == 60
+    assert got["missing"] == [] and got["unexpected"] == [] and got["mismatched"] == []
+    # transformers' Gemma4ForCausalLM of this config on the meta device (the text decoder only)
+    assert got["hf_params"] == got["megatron_params"] == 30_697_345_280
+    assert got["lora_layers"] == 60 * 4 and got["lora_unmatched"] == []
+    shapes = got["rank0_shapes"]
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == [(32 + 2 * 16) * 256 // 8, 5376]
+    assert shapes["decoder.layers.5.self_attention.linear_qkv.weight"] == [(32 + 4) * 512 // 8, 5376]
+    assert shapes["decoder.layers.5.self_attention.linear_proj.weight"] == [5376, 32 * 512 // 8]

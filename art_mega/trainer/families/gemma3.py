@@ -9,7 +9,7 @@ A Gemma 3 decoder (transformers `models/gemma3/modeling_gemma3.py`) differs from
 - RoPE per layer type: global layers use `rope_parameters["full_attention"]` (base 1e6, linear
   scaling 8 on the 27B), local layers `["sliding_attention"]` (`rope_local_base_freq`, 1e4):
   GPTModel's rotary embedding gives the global angles, a pre-hook on each local layer's
-  self-attention replaces them with the local ones (`_LocalRope`);
+  self-attention replaces them with the local ones (`LayerRope`);
 - Gemma's RMSNorm, x / rms(x) * (1 + w): the Megatron norm weight is loaded as 1 + w;
 - norms around both sublayers: input + post-attention norm, pre- + post-feedforward norm; the
   post norms sit inside the attention / MLP modules (`_post_norm_modules`), after linear_proj /
@@ -262,18 +262,16 @@ def megatron_state_dict(
     return {name: _gemma_norm(t) if "layernorm" in name else t for name, t in state.items()}
 
 
-class _LocalRope:
-    """Local layers' RoPE angles: a forward pre-hook on the GPTModel records `position_ids`; a
-    forward pre-hook on each local layer's self-attention replaces its `rotary_pos_emb` (the
-    global angles) with `model_builder.rope_table` of the same positions with the local base and
-    factor (positions 0..s-1 when the model was called without position_ids)."""
+class LayerRope:
+    """Per-layer RoPE angles: a forward pre-hook on the GPTModel records `position_ids`; a forward
+    pre-hook on a layer's self-attention replaces its `rotary_pos_emb` (GPTModel's angles) with
+    `model_builder.rope_table` of the same positions, `inv_freq` [d/2] float32 and linear
+    `factor` (None: none), positions 0..s-1 when the model was called without position_ids.
+    Gemma 3's local layers (their own base), Gemma 4's global layers (their own head width)."""
 
-    def __init__(self, args: Gemma3Args) -> None:
-        import torch
-
-        dim = args.head_dim
-        self.inv_freq = 1.0 / (args.local_rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.factor = args.local_rope_factor
+    def __init__(self, inv_freq: Tensor, factor: float | None) -> None:
+        self.inv_freq = inv_freq
+        self.factor = factor
         self.position_ids: Any = None
 
     def record(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -284,33 +282,50 @@ class _LocalRope:
 
         from art_mega.trainer.model_builder import rope_table
 
-        global_angles = kwargs["rotary_pos_emb"]
+        model_angles = kwargs["rotary_pos_emb"]
         positions = self.position_ids
         if positions is None:
-            positions = torch.arange(global_angles.shape[0], device=global_angles.device)[None]
-        inv_freq = self.inv_freq.to(global_angles.device)
-        table = rope_table(positions, inv_freq, self.factor, False).to(global_angles.dtype)
+            positions = torch.arange(model_angles.shape[0], device=model_angles.device)[None]
+        inv_freq = self.inv_freq.to(model_angles.device)
+        table = rope_table(positions, inv_freq, self.factor, False).to(model_angles.dtype)
         return args, {**kwargs, "rotary_pos_emb": table}
 
+    def hook(self, module: Any, layers: list[int]) -> None:
+        """Install the hooks on GPTModel `module` for decoder `layers` (indices)."""
+        if not layers:
+            return
+        module.register_forward_pre_hook(self.record, with_kwargs=True)
+        for i in layers:
+            module.decoder.layers[i].self_attention.register_forward_pre_hook(self.replace, with_kwargs=True)
 
-def finish_model(args: Gemma3Args, module: Any) -> None:
-    """Hook a built Gemma 3 GPTModel: embeddings times sqrt(hidden_size) (a forward hook on
-    `module.embedding`, in the output's dtype), and the local layers' RoPE (`_LocalRope`)."""
+
+def default_inv_freq(theta: float, dim: int) -> Tensor:
+    """1 / theta^(2i / dim) for i < dim / 2, float32 (HF's default RoPE)."""
     import torch
 
-    scale = torch.tensor(args.hidden_size**0.5, dtype=next(module.parameters()).dtype)
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def scale_embeddings(hidden_size: int, module: Any) -> None:
+    """Multiply GPTModel `module`'s embeddings by sqrt(hidden_size), rounded to the parameters'
+    dtype first (HF's Gemma*TextScaledWordEmbedding), through a forward hook on `module.embedding`."""
+    import torch
+
+    scale = torch.tensor(hidden_size**0.5, dtype=next(module.parameters()).dtype)
 
     def scaled(embedding: Any, inputs: tuple, output: Tensor) -> Tensor:
         return output * scale.to(device=output.device, dtype=output.dtype)
 
     module.embedding.register_forward_hook(scaled)
+
+
+def finish_model(args: Gemma3Args, module: Any) -> None:
+    """Hook a built Gemma 3 GPTModel: embeddings times sqrt(hidden_size) (`scale_embeddings`), and
+    the local layers' RoPE (`LayerRope` with the local base and factor)."""
+    scale_embeddings(args.hidden_size, module)
     local = [i for i, windowed in enumerate(args.window_layers) if windowed]
-    if not local:
-        return
-    rope = _LocalRope(args)
-    module.register_forward_pre_hook(rope.record, with_kwargs=True)
-    for i in local:
-        module.decoder.layers[i].self_attention.register_forward_pre_hook(rope.replace, with_kwargs=True)
+    rope = LayerRope(default_inv_freq(args.local_rope_theta, args.head_dim), args.local_rope_factor)
+    rope.hook(module, local)
 
 
 SPEC: FamilySpec[Gemma3Args] = dataclasses.replace(

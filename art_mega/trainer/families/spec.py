@@ -146,6 +146,10 @@ class LoraNames:
             parent += f".{self.shared_expert}"
         return parent, target
 
+    def hf_modules(self, name: str) -> tuple[str, ...]:
+        """The HF modules (under `parse(name)`'s parent) the LoRA layer `name` exports to."""
+        return self.modules[self.parse(name)[1]]
+
     def peft_key(self, parent: str, hf_module: str, matrix: str) -> str:
         """PEFT's tensor key of `matrix` ("lora_A" / "lora_B") of `hf_module` under `parent`."""
         return f"{self.layer_prefix}.{parent}.{hf_module}.{matrix}.weight"
@@ -268,6 +272,8 @@ class FamilySpec(Generic[ArgsT]):
 
     `finish_model(args, module)`, where set, is called on the built GPTModel after its weights
     are loaded, for what a layer spec cannot express (forward hooks, e.g. Gemma's embedding scale).
+    `lora_for(args)`, where set, gives one model's LoRA names when its layers differ in shape
+    (Gemma 4's global layers); `lora_names(args)` is the names to use with a model in hand.
     """
 
     name: str
@@ -283,3 +289,8 @@ class FamilySpec(Generic[ArgsT]):
     te_name_map: Mapping[str, str]
     lora: LoraNames = field(repr=False)
     finish_model: Callable[[ArgsT, Any], None] | None = None
+    lora_for: Callable[[ArgsT], LoraNames] | None = None
+
+    def lora_names(self, args: ArgsT) -> LoraNames:
+        """The LoRA <-> PEFT names of the model with arguments `args` (`lora_for`, else `lora`)."""
+        return self.lora if self.lora_for is None else self.lora_for(args)

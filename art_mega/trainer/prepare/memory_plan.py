@@ -88,7 +88,9 @@ class ModelShape(_Plan):
 
     `num_experts` 0: a dense MLP of `ffn_hidden_size`; else every layer is an MoE layer of
     `num_experts` experts of `expert_ffn_hidden_size`, `top_k` routed a token, and a router.
-    `norms_per_layer`: RMSNorms of width hidden a layer (2; Gemma 3: 4).
+    `norms_per_layer`: RMSNorms of width hidden a layer (2; Gemma 3 and 4: 4). Gemma 4's
+    `global_layers` have their own fused-QKV rows and query width (`global_qkv_rows`,
+    `global_head_dim`); the activation estimate uses the other layers' shape for them.
     """
 
     model_type: str
@@ -115,6 +117,9 @@ class ModelShape(_Plan):
     delta_conv_kernel: int = 0
     gpt_oss_biases: bool = False
     mxfp4_experts: bool = False
+    global_layers: int = 0
+    global_head_dim: int = 0
+    global_qkv_rows: int = 0
 
     @classmethod
     def from_args(cls, args: Any) -> ModelShape:
@@ -137,6 +142,14 @@ class ModelShape(_Plan):
             }
         if isinstance(args, GptOssArgs):
             hybrid = {"gpt_oss_biases": True, "mxfp4_experts": bool(args.mxfp4)}
+        from art_mega.trainer.families.gemma4 import Gemma4Args
+
+        global_layers = global_head_dim = global_qkv_rows = 0
+        if isinstance(args, Gemma4Args):
+            global_layers = sum(not local for local in args.window_layers)
+            global_head_dim = args.global_head_dim
+            kv_heads = args.global_query_groups * (1 if args.k_eq_v else 2)
+            global_qkv_rows = (args.num_heads + kv_heads) * global_head_dim
         return cls(
             **hybrid,
             model_type=args.model_type,
@@ -150,10 +163,13 @@ class ModelShape(_Plan):
             tie_word_embeddings=args.tie_word_embeddings,
             qkv_bias=args.qkv_bias,
             qk_norm=args.qk_norm,
-            norms_per_layer=4 if isinstance(args, Gemma3Args) else 2,
+            norms_per_layer=4 if isinstance(args, (Gemma3Args, Gemma4Args)) else 2,
             num_experts=getattr(args, "num_experts", 0),
             top_k=getattr(args, "top_k", 0),
             expert_ffn_hidden_size=getattr(args, "expert_ffn_hidden_size", 0),
+            global_layers=global_layers,
+            global_head_dim=global_head_dim,
+            global_qkv_rows=global_qkv_rows,
         )
 
     @classmethod
@@ -234,7 +250,20 @@ class ModelShape(_Plan):
             + layers * layer
             + self.expert_parameters(ep)
             + h
+            + self._global_extra(tp)
         )
+
+    def _global_extra(self, tp: int) -> int:
+        """Parameters a rank holds in the global layers beyond what the local shape counts."""
+        if not self.global_layers:
+            return 0
+        h, q = self.hidden_size, self.num_heads
+        extra = (
+            h * (self.global_qkv_rows - self.qkv_rows) // tp
+            + q * (self.global_head_dim - self.head_dim) // tp * h
+        )
+        extra += 2 * (self.global_head_dim - self.head_dim) if self.qk_norm else 0
+        return self.global_layers * extra
 
     def lora_parameters(
         self, rank: int, targets: Sequence[str] = _LORA_TARGETS, tp: int = 1, ep: int = 1
@@ -258,7 +287,12 @@ class ModelShape(_Plan):
         attention = sum(widths[name] for name in targets if name in ("linear_qkv", "linear_proj"))
         mlp = sum(widths[name] for name in targets if name in ("linear_fc1", "linear_fc2"))
         # a gated delta-net layer's projections are not LoRA-wrapped (`trainer/rank/lora.py`), its MLP is
-        return rank * ((self.num_layers - self.delta_layers) * attention + self.num_layers * mlp)
+        total = rank * ((self.num_layers - self.delta_layers) * attention + self.num_layers * mlp)
+        if self.global_layers:
+            q_extra = self.num_heads * (self.global_head_dim - self.head_dim) // tp
+            extra = {"linear_qkv": (self.global_qkv_rows - self.qkv_rows) // tp, "linear_proj": q_extra}
+            total += rank * self.global_layers * sum(extra.get(name, 0) for name in targets)
+        return total
 
     def activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
         """Elements autograd keeps a token a layer without recomputation (the module docstring's

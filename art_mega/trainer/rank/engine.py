@@ -490,7 +490,7 @@ class TrainerEngine:
                     adapter_dir,
                     num_heads=self.model.args.num_heads,
                     num_query_groups=self.model.args.num_query_groups,
-                    names=self.model.family.lora,
+                    names=self.model.family.lora_names(self.model.args),
                 )
                 self._reference_adapter = (adapter_dir, {n: p.detach().clone() for n, p in params.items()})
             with torch.no_grad():
@@ -668,7 +668,7 @@ class TrainerEngine:
             out_dir,
             num_heads=self.model.args.num_heads,
             num_query_groups=self.model.args.num_query_groups,
-            names=self.model.family.lora,
+            names=self.model.family.lora_names(self.model.args),
             base_model_name_or_path=self.model_dir,
         )
 
@@ -686,7 +686,7 @@ class TrainerEngine:
             adapter_dir,
             num_heads=self.model.args.num_heads,
             num_query_groups=self.model.args.num_query_groups,
-            names=self.model.family.lora,
+            names=self.model.family.lora_names(self.model.args),
         )
         self.optimizer.reload_model_params()
 

@@ -115,6 +115,8 @@ def test_a_tokenizer_without_the_formats_marker_gets_arts_hermes():
     """vLLM refuses to start llama3_json on a tokenizer without <|python_tag|> (Llama 2, SmolLM)."""
     assert tool_call_parser("llama", {"<s>", "</s>"}) == "hermes"
     assert tool_call_parser("mistral", {"<s>"}) == "hermes"
+    assert tool_call_parser("gemma4_text", {"<|tool_call>"}) == "gemma4"
+    assert tool_call_parser("gemma4_text", {"<eos>"}) == "hermes"
 
 
 def test_added_tokens_are_read_from_both_tokenizer_files(tmp_path):
