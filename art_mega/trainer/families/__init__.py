@@ -68,21 +68,33 @@ FAMILIES: dict[str, FamilySpec[Any]] = _by_model_type(_SPECS)
 
 
 def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
-    """The LoRA names every family agrees on, with the union of their expert targets.
+    """The LoRA names of every family: the union of their targets, with the union of their expert
+    targets; a target is optional (named explicitly, not a default) when it is in every family that
+    has it.
 
     A LoRA config names its targets before the model is known (`trainer.protocol.LoraConfig`,
-    `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; a
-    family naming a Megatron layer's HF modules differently fails here, at import.
+    `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; two
+    families naming a Megatron target's HF modules (or its parent) differently, or one HF module
+    for two Megatron targets, fail here, at import.
     """
-    first = specs[0].lora
-    for spec in specs[1:]:
-        if dict(spec.lora.modules) != dict(first.modules) or dict(spec.lora.parents) != dict(first.parents):
-            raise RuntimeError(f"family {spec.name} names its LoRA modules unlike family {specs[0].name}")
+    modules: dict[str, tuple[str, ...]] = {}
+    parents: dict[str, str] = {}
+    hf_owner: dict[str, str] = {}
+    for spec in specs:
+        for target, hf_names in spec.lora.modules.items():
+            parent = spec.lora.parents[target]
+            if modules.setdefault(target, hf_names) != hf_names or parents.setdefault(target, parent) != parent:
+                raise RuntimeError(f"family {spec.name} names its LoRA module {target} unlike another family")
+            for hf in hf_names:
+                if hf_owner.setdefault(hf, target) != target:
+                    raise RuntimeError(f"family {spec.name} maps {hf} to {target}, another family to {hf_owner[hf]}")
     experts = {target for spec in specs for target in spec.lora.expert_targets}
+    default = {target for spec in specs for target in spec.lora.targets}
     return LoraNames(
-        modules=first.modules,
-        parents=first.parents,
-        expert_targets=tuple(target for target in first.modules if target in experts),
+        modules=modules,
+        parents=parents,
+        expert_targets=tuple(target for target in modules if target in experts),
+        optional=tuple(target for target in modules if target not in default),
     )
 
 

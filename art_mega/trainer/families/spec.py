@@ -44,8 +44,14 @@ class ParallelLayout:
                 raise ValueError(f"invalid parallel layout {self}")
 
 
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.)?(\w+)$")
-"""An adapter name of `trainer.lora.apply_lora`: decoder.layers.{i}[.mlp.experts.{e}].{target}."""
+_LAYER_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.|(shared_experts)\.)?(\w+)$"
+)
+"""An adapter name of `trainer.lora.apply_lora`:
+decoder.layers.{i}[.mlp.experts.{e} | .mlp.shared_experts].{target}."""
+
+_ROW_TARGETS = ("linear_proj", "linear_fc2")
+"""The row-parallel Megatron targets (A sharded by input columns, B whole); the rest are column-parallel."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +75,13 @@ class LoraNames:
     expert_targets: tuple[str, ...] = ()
     layer_prefix: str = "base_model.model.model.layers"
     output_gate: bool = False
+    optional: tuple[str, ...] = ()
+    shared_experts: str | None = None
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """Every Megatron target, in order (the default LoRA targets: all of them)."""
-        return tuple(self.modules)
+        """The default LoRA targets, in order: every Megatron target but the `optional` ones."""
+        return tuple(name for name in self.modules if name not in self.optional)
 
     def normalise(self, targets: Sequence[str]) -> tuple[str, ...]:
         """Megatron target names from Megatron and/or HF names, in `modules` order.
@@ -115,12 +123,18 @@ class LoraNames:
         decoder.layers.3.mlp.experts.5.linear_fc2 -> ("3.mlp.experts.5", "linear_fc2").
         Raises `ValueError` for a name this family has no HF module for."""
         match = _LAYER_NAME.match(name)
-        if match is None or match.group(3) not in self.modules:
+        if match is None or match.group(4) not in self.modules:
             raise ValueError(f"unexpected LoRA layer name {name!r}")
-        layer, expert, target = match.groups()
-        if expert is not None and target not in self.expert_targets:
+        layer, expert, shared, target = match.groups()
+        if (expert is not None or shared is not None) and target not in self.expert_targets:
             raise ValueError(f"unexpected LoRA layer name {name!r}: this family has no experts' {target}")
-        parent = f"{layer}.{self.parents[target]}" + (f".experts.{expert}" if expert is not None else "")
+        if shared is not None and self.shared_experts is None:
+            raise ValueError(f"unexpected LoRA layer name {name!r}: this family has no shared experts")
+        parent = f"{layer}.{self.parents[target]}"
+        if expert is not None:
+            parent += f".experts.{expert}"
+        elif shared is not None:
+            parent += f".{self.shared_experts}"
         return parent, target
 
     def peft_key(self, parent: str, hf_module: str, matrix: str) -> str:
@@ -203,9 +217,11 @@ class LoraNames:
             b = shard(fuse(*b_list, num_heads, num_query_groups), 0, tp_size, tp_rank)
         elif target == "linear_fc1":
             b = fc1_shard(b_list[0], b_list[1], tp_size, tp_rank)
-        else:
+        elif target in _ROW_TARGETS:
             a = shard(a, 1, tp_size, tp_rank)
             b = b_list[0]
+        else:  # a one-to-one column-parallel layer (DeepSeek's MLA projections)
+            b = shard(b_list[0], 0, tp_size, tp_rank)
         return a, b
 
 
