@@ -88,7 +88,11 @@ def build_tiny_deepseek_v3(out_dir: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     _write_tokenizer(
         out_dir,
-        {"vocab_size": config.vocab_size, "seed": seed, "max_position_embeddings": config.max_position_embeddings},
+        {
+            "vocab_size": config.vocab_size,
+            "seed": seed,
+            "max_position_embeddings": config.max_position_embeddings,
+        },
     )
     (out_dir / "art_mega_tiny_deepseek_v3.json").write_text(json.dumps({"seed": seed}))
     return out_dir

@@ -83,11 +83,16 @@ def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
     for spec in specs:
         for target, hf_names in spec.lora.modules.items():
             parent = spec.lora.parents[target]
-            if modules.setdefault(target, hf_names) != hf_names or parents.setdefault(target, parent) != parent:
+            if (
+                modules.setdefault(target, hf_names) != hf_names
+                or parents.setdefault(target, parent) != parent
+            ):
                 raise RuntimeError(f"family {spec.name} names its LoRA module {target} unlike another family")
             for hf in hf_names:
                 if hf_owner.setdefault(hf, target) != target:
-                    raise RuntimeError(f"family {spec.name} maps {hf} to {target}, another family to {hf_owner[hf]}")
+                    raise RuntimeError(
+                        f"family {spec.name} maps {hf} to {target}, another family to {hf_owner[hf]}"
+                    )
     experts = {target for spec in specs for target in spec.lora.expert_targets}
     default = {target for spec in specs for target in spec.lora.targets}
     return LoraNames(

@@ -126,7 +126,9 @@ class DeepseekV3Args:
 def _positive(config: dict[str, Any], name: str, default: Any = None) -> int:
     value = config.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name}={value!r} must be a whole number of at least 1; use the model's own config.json.")
+        raise UserError(
+            f"{name}={value!r} must be a whole number of at least 1; use the model's own config.json."
+        )
     return value
 
 
@@ -190,7 +192,11 @@ def model_args(config: dict[str, Any]) -> DeepseekV3Args:
         )
     num_layers = _positive(config, "num_hidden_layers")
     first_k_dense = config.get("first_k_dense_replace", 3)
-    if isinstance(first_k_dense, bool) or not isinstance(first_k_dense, int) or not 0 <= first_k_dense <= num_layers:
+    if (
+        isinstance(first_k_dense, bool)
+        or not isinstance(first_k_dense, int)
+        or not 0 <= first_k_dense <= num_layers
+    ):
         raise UserError(
             f"first_k_dense_replace={first_k_dense!r} must be a whole number from 0 to num_hidden_layers={num_layers}."
         )
@@ -296,7 +302,11 @@ def transformer_config(
     params_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     yarn = args.rope_scaling is not None and args.rope_scaling.rope_type == "yarn"
     has_moe = args.first_k_dense < args.num_layers
-    groups = {"moe_router_num_groups": args.n_group, "moe_router_group_topk": args.topk_group} if args.n_group > 1 else {}
+    groups = (
+        {"moe_router_num_groups": args.n_group, "moe_router_group_topk": args.topk_group}
+        if args.n_group > 1
+        else {}
+    )
     return MLATransformerConfig(
         context_parallel_size=1,
         num_layers=args.num_layers,
@@ -515,7 +525,9 @@ def megatron_state_dict(
     tp, tp_rank = layout.tp, layout.tp_rank
     vocab = math.ceil(args.vocab_size / tp) * tp
     state: dict[str, Tensor] = {
-        "embedding.word_embeddings.weight": shard(pad_rows(read("model.embed_tokens.weight"), vocab), 0, tp, tp_rank),
+        "embedding.word_embeddings.weight": shard(
+            pad_rows(read("model.embed_tokens.weight"), vocab), 0, tp, tp_rank
+        ),
         "decoder.final_layernorm.weight": read("model.norm.weight"),
     }
     if not args.tie_word_embeddings:
