@@ -119,12 +119,15 @@ def packed_logprobs(state: ParallelState, model_dir: str) -> dict[str, Any]:
     }
 
 
-def training(state: ParallelState, model_dir: str, out: Path, *, dp_split: bool) -> dict[str, Any]:
+def training(
+    state: ParallelState, model_dir: str, out: Path, *, dp_split: bool, lora: LoraConfig = LORA
+) -> dict[str, Any]:
     """3 GRPO steps (`STEP_LOSSES`) on `grpo_batch`, a save/resume of step 3, export and round trip.
 
-    With `dp_split` each DP rank trains on its share of the rows (rank r: rows r, r + dp, ...).
+    With `dp_split` each DP rank trains on its share of the rows (rank r: rows r, r + dp, ...);
+    `lora` the adapter's config (default `LORA`).
     """
-    engine = TrainerEngine(model_dir, state, lora=LORA, optimizer=OPTIMIZER)
+    engine = TrainerEngine(model_dir, state, lora=lora, optimizer=OPTIMIZER)
     full = grpo_batch(engine)
     batch = rows(full, state.dp_rank, state.dp) if dp_split else full
     metrics = []
@@ -132,12 +135,12 @@ def training(state: ParallelState, model_dir: str, out: Path, *, dp_split: bool)
         if step == 2:
             engine.save_state(out / "state")
         metrics.append(engine.train_step(batch, "grpo", loss_config))
-    resumed = TrainerEngine(model_dir, state, lora=LORA, optimizer=OPTIMIZER)
+    resumed = TrainerEngine(model_dir, state, lora=lora, optimizer=OPTIMIZER)
     resumed.load_state(out / "state")
     resumed_metrics = resumed.train_step(batch, "grpo", STEP_LOSSES[2])
     adapter = out / "adapter"
     engine.export_adapter(adapter)
-    fresh = TrainerEngine(model_dir, state, lora=LORA, optimizer=OPTIMIZER)
+    fresh = TrainerEngine(model_dir, state, lora=lora, optimizer=OPTIMIZER)
     fresh.load_adapter(adapter)
     fresh.export_adapter(out / "roundtrip")
     return {

@@ -81,16 +81,19 @@ def main(in_path: str, out_path: str) -> None:
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
     hf_params = dict(hf_model.named_parameters())
+    # persistent buffers are checkpoint tensors too (DeepSeek-V3's e_score_correction_bias)
+    saved = set(hf_model.state_dict())
+    hf_tensors = {**hf_params, **{k: v for k, v in hf_model.named_buffers() if k in saved}}
 
     read_names: set[str] = set()
     unknown: set[str] = set()
 
     def read(name: str) -> torch.Tensor:
-        if name not in hf_params:
+        if name not in hf_tensors:
             unknown.add(name)
             raise KeyError(name)
         read_names.add(name)
-        return hf_params[name].detach()
+        return hf_tensors[name].detach()
 
     apply_cpu_compat()  # as a CPU trainer rank: e.g. the local spec's norm under sequence parallel
     _init(tp, ep)
@@ -115,7 +118,7 @@ def main(in_path: str, out_path: str) -> None:
         key: list(expected[key]) for key in sorted(expected) if ".layers.0." in key or ".layers." not in key
     }
 
-    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0))
+    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0, targets=tuple(family.lora.modules)))
     hf_modules = dict(hf_model.named_modules())
     lora_unmatched = []
     for name in wrapped:
@@ -137,8 +140,8 @@ def main(in_path: str, out_path: str) -> None:
         "hf_class": type(hf_model).__name__,
         "hf_params": sum(p.numel() for p in hf_model.parameters()),
         "megatron_params": sum(p.numel() for p in full.parameters()),
-        "hf_names": len(hf_params),
-        "unread": sorted(hf_params.keys() - read_names),
+        "hf_names": len(hf_tensors),
+        "unread": sorted(hf_tensors.keys() - read_names),
         "unknown_reads": sorted(unknown),
         "missing": sorted(missing),
         "unexpected": sorted(unexpected),

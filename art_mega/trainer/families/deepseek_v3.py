@@ -35,8 +35,9 @@ pre-norm RMSNorm decoder with:
 Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layer index
 num_hidden_layers in the published checkpoint) are ignored as transformers ignores them
 (`_keys_to_ignore_on_load_unexpected`): the trainer reads only the decoder layers. The published
-checkpoint's FP8 weights (`quantization_config` fp8 with `weight_scale_inv`) are refused; use a
-bf16 conversion. Also refused, one sentence each: q_lora_rank null (query without its low-rank
+checkpoint's block-scaled fp8 weights (`quantization_config` fp8 e4m3, 128 x 128 blocks of
+`weight_scale_inv`) are dequantized to the trainer's dtype as they are read (`dequantize_fp8`);
+other quantizations are refused. Also refused, one sentence each: q_lora_rank null (query without its low-rank
 projection), `rope_interleave` false, attention biases, another activation, RoPE types other than
 default / YaRN, norm_topk_prob false with top_k > 1, group routing whose top_k / topk_group is not
 2, context parallelism (Megatron's MLA rotary embedding is per layer; not wired to the trainer's
@@ -82,7 +83,9 @@ class DeepseekV3Args:
     YaRN; `mscale_all_dim` the softmax-scale term (0: none). MLP: `ffn_hidden_size` of the first
     `first_k_dense` (dense) layers; the MoE layers' `num_experts` experts of width
     `expert_ffn_hidden_size`, top `top_k`, `num_shared_experts` shared ones, router groups
-    `n_group` / `topk_group` (1 / 1: no group limit) and `routed_scaling_factor`.
+    `n_group` / `topk_group` (1 / 1: no group limit) and `routed_scaling_factor`. `fp8_block`:
+    the checkpoint stores its linear weights as e4m3 fp8 with one float32 `weight_scale_inv` per
+    block of this (rows, columns) size (the published checkpoint, 128 x 128), or None.
     """
 
     model_type: str
@@ -110,12 +113,23 @@ class DeepseekV3Args:
     n_group: int
     topk_group: int
     routed_scaling_factor: float
+    fp8_block: tuple[int, int] | None = None
     aux_loss_coeff: float = 0.0
 
     @property
     def num_query_groups(self) -> int:
         """num_heads: every head has its own key and value (the LoRA export's argument)."""
         return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """qk_nope + qk_rope, a query/key head's width. With `qkv_bias` / `qk_norm` False this is
+        what `trainer.memory_plan` / `trainer.flops` read from every family: their GQA-shaped
+        count is an approximation for MLA (the latent projections are not in it)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    qkv_bias = False
+    qk_norm = False
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -132,6 +146,22 @@ def _positive(config: dict[str, Any], name: str, default: Any = None) -> int:
     return value
 
 
+def _fp8_block(quantization: dict[str, Any]) -> tuple[int, int] | None:
+    """The (rows, columns) of the FP8 checkpoint's scale blocks (its `weight_block_size`), None
+    without quantization; `UserError` for another quantization."""
+    method = quantization.get("quant_method")
+    if method is None:
+        return None
+    block = quantization.get("weight_block_size")
+    fmt = quantization.get("fmt", "e4m3")
+    if method != "fp8" or fmt != "e4m3" or not isinstance(block, list) or len(block) != 2:
+        raise UserError(
+            f"quantization_config (quant_method={method!r}, fmt={fmt!r}, weight_block_size={block!r}) is not "
+            "supported for DeepSeek-V3; use DeepSeek's block-scaled e4m3 fp8 checkpoint or a bf16 one."
+        )
+    return int(block[0]), int(block[1])
+
+
 def model_args(config: dict[str, Any]) -> DeepseekV3Args:
     """Parse an HF deepseek_v3 config dict (transformers 5.19's DeepseekV3Config defaults for absent
     fields: 256 experts of width 2048, top 8 in 4 of 8 groups, 1 shared expert, 3 dense layers,
@@ -143,12 +173,7 @@ def model_args(config: dict[str, Any]) -> DeepseekV3Args:
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(f"model_type={model_type!r} is not a DeepSeek-V3 model ({', '.join(MODEL_TYPES)}).")
-    quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") is not None:
-        raise UserError(
-            f"quantization_config.quant_method={quantization['quant_method']!r} is not supported for "
-            "DeepSeek-V3; use a bf16 checkpoint (e.g. converted with DeepSeek's fp8_cast_bf16.py)."
-        )
+    fp8_block = _fp8_block(config.get("quantization_config") or {})
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"hidden_act={act!r} is not supported; DeepSeek-V3 uses 'silu'.")
@@ -235,6 +260,7 @@ def model_args(config: dict[str, Any]) -> DeepseekV3Args:
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5)),
+        fp8_block=fp8_block,
     )
 
 
@@ -502,6 +528,31 @@ def finish_model(args: DeepseekV3Args, module: Any) -> None:
     module._mla_rope = state
 
 
+def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+    """Float32 values of a block-scaled fp8 weight: `weight` float8_e4m3fn [rows, cols] times
+    `scale_inv` float32 [ceil(rows / block[0]), ceil(cols / block[1])], each scale covering one
+    block (DeepSeek-V3's `inference/kernel.py` weight_dequant, `fp8_cast_bf16.py`)."""
+    import torch
+
+    rows, cols = weight.shape
+    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows]
+    return weight.to(torch.float32) * scale.repeat_interleave(block[1], 1)[:, :cols]
+
+
+def _dequantizing(read: Callable[[str], Tensor], block: tuple[int, int]) -> Callable[[str], Tensor]:
+    """`read` that hands out an fp8 `*.weight` dequantized with its `*.weight_scale_inv`
+    (`dequantize_fp8`) and every other tensor as it is."""
+    import torch
+
+    def get(name: str) -> Tensor:
+        tensor = read(name)
+        if tensor.dtype != torch.float8_e4m3fn:
+            return tensor
+        return dequantize_fp8(tensor, read(name + "_scale_inv"), block)
+
+    return get
+
+
 def megatron_state_dict(
     args: DeepseekV3Args, read: Callable[[str], Tensor], layout: ParallelLayout
 ) -> dict[str, Tensor]:
@@ -520,8 +571,11 @@ def megatron_state_dict(
     (replicated); this EP rank's experts (`qwen3_moe.read_expert`: per-expert Hub names or
     transformers 5's fused parameters) -> mlp.experts.local_experts.j.linear_fc1 / linear_fc2
     (sharded over expert-TP); shared_experts.gate/up/down_proj -> mlp.shared_experts.linear_fc1 /
-    linear_fc2 (sharded over TP).
+    linear_fc2 (sharded over TP). An fp8 checkpoint's weights are dequantized as they are read
+    (`fp8_block`, `dequantize_fp8`).
     """
+    if args.fp8_block is not None:
+        read = _dequantizing(read, args.fp8_block)
     tp, tp_rank = layout.tp, layout.tp_rank
     vocab = math.ceil(args.vocab_size / tp) * tp
     state: dict[str, Tensor] = {
