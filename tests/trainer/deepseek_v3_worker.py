@@ -22,6 +22,11 @@ MLA_LORA = LoraConfig(
 )
 """The tests' LoRA on every target ART adapts on an MLA model (kv_b_proj excepted, as ART and vLLM)."""
 
+ATTENTION_LORA = MLA_LORA.model_copy(
+    update={"targets": ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj")}
+)
+"""The MLA projections only (an adapter PEFT 0.21 loads whole)."""
+
 
 def main(rank: int, world: int, out: Path, port: int, models: dict[str, str]) -> None:
     import torch

@@ -4,8 +4,10 @@ both latent projections, YaRN with mscale != mscale_all_dim, a dense first layer
 experts chosen top 4 in 2 of 4 groups by a sigmoid router with a live correction bias, scaling 2.5,
 and 2 shared experts): Megatron's logits equal transformers' (eager attention) at TP=1, and TP=2
 and EP=2 equal TP=1; 3 GRPO steps train at each layout with LoRA on q_a_proj, q_b_proj,
-kv_a_proj_with_mqa, o_proj, the dense and shared MLPs and every expert, resume exactly, the adapter
-loads in PEFT with Megatron's logits and imports back bit-exactly; the published DeepSeek-V3
+kv_a_proj_with_mqa, o_proj, the dense and shared MLPs and every expert, resume exactly, and the
+adapter imports back bit-exactly and, merged into transformers' weights, gives Megatron's logits;
+PEFT loads an attention adapter with Megatron's logits (the full adapter's dense and shared MLP LoRA
+PEFT 0.21 drops, `test_peft_drops_the_dense_and_shared_mlp_lora`); the published DeepSeek-V3
 config, built on the meta device, maps every HF tensor at TP=8 / EP=8 with Megatron's shapes and
 its 671B parameters; and the config refusals.
 """
@@ -57,25 +59,34 @@ def deepseek_worlds(deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def deepseek_tp1(deepseek_worlds, megatron_world, deepseek_dir: Path, tmp_path_factory) -> dict:
     import torch
 
+    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.model_builder import build_megatron_model
-    from tests.trainer.deepseek_v3_worker import MLA_LORA
-    from tests.trainer.engine_scenarios import training
+    from tests.trainer.deepseek_v3_worker import ATTENTION_LORA, MLA_LORA
+    from tests.trainer.engine_scenarios import OPTIMIZER, STEP_LOSSES, grpo_batch, training
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         built = build_megatron_model(deepseek_dir)
         logits = megatron_logits(built, input_ids(built.vocab_size))
-        run = training(
-            megatron_world,
-            str(deepseek_dir),
-            tmp_path_factory.mktemp("deepseek-tp1"),
-            dp_split=False,
-            lora=MLA_LORA,
-        )
+        out = tmp_path_factory.mktemp("deepseek-tp1")
+        run = training(megatron_world, str(deepseek_dir), out, dp_split=False, lora=MLA_LORA)
+        engine = TrainerEngine(str(deepseek_dir), megatron_world, lora=ATTENTION_LORA, optimizer=OPTIMIZER)
+        engine.train_step(grpo_batch(engine), "grpo", STEP_LOSSES[0])
+        engine.export_adapter(out / "attention")
+        attention = {
+            "adapter": str(out / "attention"),
+            "logits": megatron_logits(engine.model, input_ids(engine.vocab_size)),
+        }
     finally:
         torch.set_num_threads(threads)
-    return {"family": built.family.name, "args": built.args, "logits": logits, "training": run}
+    return {
+        "family": built.family.name,
+        "args": built.args,
+        "logits": logits,
+        "training": run,
+        "attention": attention,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -200,15 +211,59 @@ def test_parallel_exports_equal_tp1_export(deepseek_tp1, deepseek_parallel) -> N
     assert drift <= 1e-3
 
 
+def _merged_logits(model_dir: Path, adapter: str, skip: tuple[str, ...] = ()) -> object:
+    """transformers' logits with the PEFT adapter in `adapter` merged by hand, W += (alpha / r) B A
+    per module (an expert's into its row of the fused `experts.gate_up_proj` [E, 2I, h] / `down_proj`),
+    leaving out modules whose name contains one of `skip`."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(Path(adapter) / "adapter_model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    params = dict(model.named_parameters())
+    width = model.config.moe_intermediate_size
+    with torch.no_grad():
+        for key in tensors:
+            if not key.endswith("lora_A.weight"):
+                continue
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            if any(part in module for part in skip):
+                continue
+            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+            expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)$", module)
+            if expert is None:
+                params[module + ".weight"] += delta
+            elif expert.group(3) == "down_proj":
+                params[expert.group(1) + ".experts.down_proj"][int(expert.group(2))] += delta
+            else:
+                rows = slice(0, width) if expert.group(3) == "gate_proj" else slice(width, 2 * width)
+                params[expert.group(1) + ".experts.gate_up_proj"][int(expert.group(2)), rows] += delta
+        return model(input_ids(model.config.vocab_size)).logits
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_peft_logits_match_megatron(layout: str, deepseek_tp1, deepseek_parallel, deepseek_dir: Path) -> None:
-    """PEFT 0.21 loads the per-expert adapter names into transformers 5's fused DeepSeek-V3 experts
-    (transformers maps deepseek_v3 to the qwen2_moe weight conversion)."""
+def test_adapter_merged_into_transformers_gives_megatron_logits(
+    layout: str, deepseek_tp1, deepseek_parallel, deepseek_dir: Path
+) -> None:
+    run = _runs(deepseek_tp1, deepseek_parallel)[layout]
+    diff = (_merged_logits(deepseek_dir, run["adapter"]) - run["logits"]).abs().max().item()
+    print(f"deepseek_v3 {layout}: max |hf + merged adapter - megatron| = {diff:.2e}")
+    assert diff <= HF_TOLERANCE
+
+
+def test_peft_loads_the_attention_adapter_with_megatron_logits(deepseek_tp1, deepseek_dir: Path) -> None:
+    """PEFT loads an adapter on q_a_proj, q_b_proj, kv_a_proj_with_mqa and o_proj (one GRPO step at
+    TP=1) and gives Megatron's logits."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = _runs(deepseek_tp1, deepseek_parallel)[layout]
+    run = deepseek_tp1["attention"]
     base = AutoModelForCausalLM.from_pretrained(
         deepseek_dir, dtype=torch.float32, attn_implementation="eager"
     )
@@ -219,10 +274,33 @@ def test_peft_logits_match_megatron(layout: str, deepseek_tp1, deepseek_parallel
     diff = (peft_logits - run["logits"]).abs().max().item()
     effect = (peft_logits - base_logits).abs().max().item()
     print(
-        f"deepseek_v3 {layout}: max |peft - megatron| = {diff:.2e}; the adapter moves logits by {effect:.2f}"
+        f"deepseek_v3 attention adapter: max |peft - megatron| = {diff:.2e}; it moves logits by {effect:.2f}"
     )
     assert diff <= HF_TOLERANCE
-    assert effect > 0.05
+    assert effect > 0.01
+
+
+def test_peft_drops_the_dense_and_shared_mlp_lora(deepseek_tp1, deepseek_dir: Path) -> None:
+    """PEFT 0.21 loads the full adapter's experts into transformers 5's fused DeepSeek-V3 experts
+    (transformers maps deepseek_v3 to the qwen2_moe weight conversion) but its conversion rewrites
+    target_modules gate_proj / up_proj / down_proj to the fused experts, so the dense layer's MLP and
+    the shared experts get no LoRA, silently: PEFT's logits equal the hand-merged adapter without
+    those modules. A PEFT that fixes this fails here; then compare PEFT with Megatron directly."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = deepseek_tp1["training"]
+    base = AutoModelForCausalLM.from_pretrained(
+        deepseek_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, run["adapter"])(
+            input_ids(base.config.vocab_size)
+        ).logits
+    without = _merged_logits(deepseek_dir, run["adapter"], skip=("layers.0.mlp.", ".shared_experts."))
+    assert (peft_logits - without).abs().max().item() <= HF_TOLERANCE
+    assert (peft_logits - run["logits"]).abs().max().item() > 0.01
 
 
 @pytest.mark.timeout(900)
