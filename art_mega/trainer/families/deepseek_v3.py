@@ -37,8 +37,8 @@ num_hidden_layers in the published checkpoint) are ignored as transformers ignor
 (`_keys_to_ignore_on_load_unexpected`): the trainer reads only the decoder layers. The published
 checkpoint's block-scaled fp8 weights (`quantization_config` fp8 e4m3, 128 x 128 blocks of
 `weight_scale_inv`) are dequantized to the trainer's dtype as they are read (`dequantize_fp8`);
-other quantizations are refused. Also refused, one sentence each: q_lora_rank null (query without its low-rank
-projection), `rope_interleave` false, attention biases, another activation, RoPE types other than
+other quantizations are refused. Also refused, one sentence each: q_lora_rank null (a query
+without its low-rank projection), `rope_interleave` false, attention biases, another activation, RoPE types other than
 default / YaRN, norm_topk_prob false with top_k > 1, group routing whose top_k / topk_group is not
 2, context parallelism (Megatron's MLA rotary embedding is per layer; not wired to the trainer's
 CP attention).
