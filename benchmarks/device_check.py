@@ -1034,16 +1034,6 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     return figures
 
 
-DEEPSEEK_GPU_SHAPE = {
-    "hidden_size": 256,
-    "q_lora_rank": 64,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
-"""The tiny DeepSeek-V3's MLA widened to DeepSeek-V3's own latent and head sizes (kv latent 512, rope
-64, nope 128, v 128), which vLLM's GPU MLA kernels are built for."""
 DEEPSEEK_LORA_TARGETS = (
     "q_a_proj",
     "q_b_proj",
@@ -1075,7 +1065,7 @@ print("DEEPSEEK_LOGPROBS " + json.dumps(out))
 
 
 def deepseek_v3_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
-    """Step: the trainer exports a DeepSeek-V3 LoRA adapter (tiny model at `DEEPSEEK_GPU_SHAPE`, a CPU
+    """Step: the trainer exports a DeepSeek-V3 LoRA adapter (tiny model at DeepSeek-V3's MLA sizes, `VLLM_MLA_SIZES`, a CPU
     trainer rank in this process, r=8 on `DEEPSEEK_LORA_TARGETS`, every B drawn ~ N(0, 0.05^2) so
     the adapter matters), then vLLM on GPU 0 (bf16, a subprocess) serves the base model and the
     adapter; their prompt logprobs are compared with transformers' (fp32) with the adapter merged
@@ -1092,7 +1082,7 @@ def deepseek_v3_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     import torch
 
     from art_mega.agent.ports import free_port
-    from art_mega.basemodels.tiny_deepseek_v3 import build_tiny_deepseek_v3
+    from art_mega.basemodels.tiny_deepseek_v3 import VLLM_MLA_SIZES, build_tiny_deepseek_v3
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
@@ -1101,7 +1091,7 @@ def deepseek_v3_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from art_mega.trainer.parallel import destroy_parallel, init_parallel
     from art_mega.trainer.protocol import LoraConfig, OptimizerConfig
 
-    model_dir = build_tiny_deepseek_v3(work / "tiny-deepseek-v3", **DEEPSEEK_GPU_SHAPE)
+    model_dir = build_tiny_deepseek_v3(work / "tiny-deepseek-v3", **VLLM_MLA_SIZES)
     adapter = work / "deepseek-v3-adapter"
     rank = TrainerRank(rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 1))
     state = init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())

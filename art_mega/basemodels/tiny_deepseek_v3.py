@@ -50,6 +50,11 @@ DEEPSEEK_V3_TINY = {
 """2 layers (dense, then MoE), hidden 64, 4 MLA heads (q latent 32, kv latent 16, nope 16 + rope
 8, v 16), 8 experts of width 32 (top 4 of 2 of 4 groups) + 2 shared, YaRN factor 4 over 512."""
 
+VLLM_MLA_SIZES = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+"""DeepSeek-V3's own latent and head sizes, for a tiny model vLLM serves: its MLA kernels are built
+for a 576-wide latent cache (kv_lora_rank 512 + rope 64; vLLM 0.32's CPU_MLA supports only that,
+`v1/attention/backends/mla/cpu_mla.py` get_supported_head_sizes)."""
+
 BIAS_SCALE = 0.3
 """e_score_correction_bias ~ N(0, 0.3^2): about the spread of the sigmoid scores, so it moves the
 chosen experts (a missing bias changes the logits)."""

@@ -2,7 +2,9 @@
 checkpoint, `basemodels/tiny_deepseek_v3.py`: multi-head latent attention with YaRN and mscale, a
 dense first layer, then the grouped sigmoid router with its correction bias, 8 routed and 2 shared
 experts): its logprobs equal transformers' within the fp32 tolerance of `test_vllm_replica.py`
-(1e-3). vLLM 0.32's CPU build runs MLA with its reference CPU_MLA backend.
+(1e-3). vLLM 0.32's CPU build runs MLA with its reference CPU_MLA backend, which supports only
+DeepSeek's 576-wide latent cache, so the tiny model takes DeepSeek-V3's MLA sizes
+(`VLLM_MLA_SIZES`: kv_lora_rank 512, rope 64, nope 128, v 128).
 
 Without LoRA, for the reason `test_gpt_oss_serving.py` measured: with LoRA enabled vLLM 0.32's CPU
 build picks the Triton MoE LoRA experts for any MoE model ("Using TRITON Unquantized MoE LoRA
@@ -38,9 +40,9 @@ NAME = "tiny-deepseek-v3"
 def deepseek_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for module in ("torch", "transformers"):
         pytest.importorskip(module, reason=f"{module} is not installed (the cpu extra)")
-    from art_mega.basemodels.tiny_deepseek_v3 import build_tiny_deepseek_v3
+    from art_mega.basemodels.tiny_deepseek_v3 import VLLM_MLA_SIZES, build_tiny_deepseek_v3
 
-    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek-model") / "deepseek_v3")
+    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek-model") / "deepseek_v3", **VLLM_MLA_SIZES)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
