@@ -470,7 +470,7 @@ class Model(BaseModel, Generic[ModelConfig]):
         from art_mega.trainer.checkpoint import run_dir
 
         # Duck-typed: the model never imports the backend (it sits below it, see
-        # tests/unit/test_import_graph.py); every art-mega backend has `_artifact_root()`.
+        # tests/unit/project/test_import_graph.py); every art-mega backend has `_artifact_root()`.
         artifact_root = getattr(backend, "_artifact_root", None)
         if not callable(artifact_root):
             raise UserError(

@@ -32,7 +32,7 @@ def main(rank: int, world: int, out: Path, port: int, models: dict[str, str]) ->
     import torch
 
     from art_mega.trainer.model_builder import build_megatron_model
-    from art_mega.trainer.parallel import destroy_parallel
+    from art_mega.trainer.rank.parallel import destroy_parallel
     from tests.trainer.common import input_ids, megatron_logits
     from tests.trainer.engine_scenarios import training
     from tests.trainer.moe_worker import join

@@ -398,7 +398,7 @@ def mla_core_attention() -> type:
     `k_channels` (qk_nope + qk_rope) and `v_channels` (v_head_dim), which Megatron's local
     `DotProductAttention` does not take. forward(query, key [s, b, np, dk], value [s, b, np, dv],
     attention_mask) -> [s, b, np*dv], softmax scale as MLA gives it."""
-    from art_mega.trainer.sdpa_attention import sdpa_core_attention
+    from art_mega.trainer.rank.sdpa_attention import sdpa_core_attention
 
     class MlaCoreAttention(sdpa_core_attention()):
         def __init__(

@@ -47,7 +47,7 @@ class ParallelLayout:
 _LAYER_NAME = re.compile(
     r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.|(shared_experts)\.)?(\w+)$"
 )
-"""An adapter name of `trainer.lora.apply_lora`:
+"""An adapter name of `trainer.rank.lora.apply_lora`:
 decoder.layers.{i}[.mlp.experts.{e} | .mlp.shared_experts].{target}."""
 
 _ROW_TARGETS = ("linear_proj", "linear_fc2")
