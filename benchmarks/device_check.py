@@ -1086,10 +1086,10 @@ def deepseek_v3_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
+    from art_mega.trainer.protocol import LoraConfig, OptimizerConfig
     from art_mega.trainer.rank.engine import TrainerEngine
     from art_mega.trainer.rank.lora import lora_parameters
     from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
-    from art_mega.trainer.protocol import LoraConfig, OptimizerConfig
 
     model_dir = build_tiny_deepseek_v3(work / "tiny-deepseek-v3", **VLLM_MLA_SIZES)
     adapter = work / "deepseek-v3-adapter"

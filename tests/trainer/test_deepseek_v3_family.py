@@ -59,8 +59,8 @@ def deepseek_worlds(deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def deepseek_tp1(deepseek_worlds, megatron_world, deepseek_dir: Path, tmp_path_factory) -> dict:
     import torch
 
-    from art_mega.trainer.rank.engine import TrainerEngine
     from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.engine import TrainerEngine
     from tests.trainer.deepseek_v3_worker import ATTENTION_LORA, MLA_LORA
     from tests.trainer.engine_scenarios import OPTIMIZER, STEP_LOSSES, grpo_batch, training
 
