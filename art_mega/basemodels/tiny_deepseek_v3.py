@@ -33,6 +33,8 @@ DEEPSEEK_V3_TINY = {
     "n_shared_experts": 2,
     "routed_scaling_factor": 2.5,
     "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
     "rope_parameters": {
         "rope_type": "yarn",
         "rope_theta": 10000.0,
@@ -48,7 +50,9 @@ DEEPSEEK_V3_TINY = {
     "tie_word_embeddings": False,
 }
 """2 layers (dense, then MoE), hidden 64, 4 MLA heads (q latent 32, kv latent 16, nope 16 + rope
-8, v 16), 8 experts of width 32 (top 4 of 2 of 4 groups) + 2 shared, YaRN factor 4 over 512."""
+8, v 16), 8 experts of width 32 (top 4 of 2 of 4 groups) + 2 shared, YaRN factor 4 over 512.
+`scoring_func` / `topk_method` as the published config.json has them: transformers ignores them,
+vLLM reads them (without "noaux_tc" it has no e_score_correction_bias and refuses the checkpoint's)."""
 
 VLLM_MLA_SIZES = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 """DeepSeek-V3's own latent and head sizes, for a tiny model vLLM serves: its MLA kernels are built
