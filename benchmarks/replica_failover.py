@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if error and not tally.in_flight(start, end, replica):
             deaths = [f"{start - gone:+.3f} s" for _, gone, name in tally.kills if name == replica]
             print(f"lost: sent {deaths} after {replica}'s deaths: {error}")
-    what = f"2 replicas, 1 SIGKILLed every {args.interval:g} s for {args.duration:g} s, {args.workers} workers"
+    what = (
+        f"2 replicas, 1 SIGKILLed every {args.interval:g} s for {args.duration:g} s, {args.workers} workers"
+    )
     command = "python benchmarks/replica_failover.py"
     command += f" --duration {args.duration:g}" if args.duration != 120.0 else ""
     command += f" --interval {args.interval:g}" if args.interval != 20.0 else ""
@@ -207,9 +209,17 @@ def main(argv: list[str] | None = None) -> int:
         [
             (f"replica failover ({what}): requests sent", found["requests"], "requests"),
             (f"replica failover ({what}): lost, not in flight", found["lost"], "requests"),
-            (f"replica failover ({what}): failed in flight on a killed replica", found["in_flight_failures"], "requests"),
+            (
+                f"replica failover ({what}): failed in flight on a killed replica",
+                found["in_flight_failures"],
+                "requests",
+            ),
             (f"replica failover ({what}): replicas killed", found["kills"], "kills"),
-            (f"replica failover ({what}): requests moved off a refusing replica", found["failovers"], "requests"),
+            (
+                f"replica failover ({what}): requests moved off a refusing replica",
+                found["failovers"],
+                "requests",
+            ),
         ],
         command,
         args.record,

@@ -251,3 +251,72 @@ GEMMA4_31B_TEXT = {
 """google/gemma-4-31B's config.json `text_config` (60 layers, every 6th global: head 512, 4 KV
 heads whose values are their keys; local layers head 256, 16 KV heads, window 1024). Not in
 `CONFIGS`: the memory plan's `ModelShape` has one head shape for every layer."""
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "pretraining_tp": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+"""deepseek-ai/DeepSeek-V3's config.json on the Hugging Face Hub (FP8 weights with 128x128 block
+scales; its 62nd layer, index 61, is the multi-token-prediction module). Kept out of `CONFIGS`:
+`trainer.memory_plan` has no MLA shape (tests/trainer/test_deepseek_v3_family.py uses it)."""
+
+DEEPSEEK_V3_PARAMETERS = 671_026_404_352
+"""DeepSeek-V3's parameters without the MTP module (the "671B" of its model card; the Hub's 685B
+counts the 14B MTP layer too): embeddings 2 x 129280 x 7168, 3 dense and 58 MoE layers of MLA
+(187,107,328 each) + norms, dense MLP 3 x 7168 x 18432, MoE 256 + 1 shared experts of 3 x 7168 x
+2048 and a 256 x 7168 router, final norm. The routers' e_score_correction_bias are buffers, not
+parameters, in both transformers and megatron-core."""

@@ -162,7 +162,9 @@ async def policy(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     tokens of context (the tiny model's maximum) hold a scenario generator's or judge's prompt.
     Each test trains on from whatever step it finds (`await policy.model.get_step()`), so
     the tests stay independent of their order."""
-    pytest.importorskip("megatron.core", reason="the trainer rank needs megatron-core (the trainer-cpu extra)")
+    pytest.importorskip(
+        "megatron.core", reason="the trainer rank needs megatron-core (the trainer-cpu extra)"
+    )
     import art_mega as art
     from art_mega.backend import MegatronBackend
     from art_mega.launch.context import default_cache_root

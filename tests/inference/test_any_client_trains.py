@@ -26,7 +26,9 @@ MESSAGES = [{"role": "user", "content": "Count: one two three"}]
 def plain_client(model: Any) -> Any:
     import openai
 
-    return openai.AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=model.inference_base_url, api_key=model.inference_api_key, max_retries=0
+    )
 
 
 def check_trainable(choice: Any, step: int | None) -> list[int]:
@@ -73,9 +75,13 @@ async def test_a_plain_client_at_step_0_gets_trainable_choices_under_every_name(
     assert SamplingRecord.of(latest.choices[0]) == SamplingRecord(
         temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, constrained=False, processed=False
     )
-    base = await client.chat.completions.create(model=model.base_model, messages=MESSAGES, max_tokens=8, seed=1)
+    base = await client.chat.completions.create(
+        model=model.base_model, messages=MESSAGES, max_tokens=8, seed=1
+    )
     check_trainable(base.choices[0], None)
-    assert SamplingRecord.of(base.choices[0]) == SamplingRecord(  # vLLM's defaults (`--generation-config vllm`)
+    assert SamplingRecord.of(
+        base.choices[0]
+    ) == SamplingRecord(  # vLLM's defaults (`--generation-config vllm`)
         temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, constrained=False, processed=False
     )
     greedy = await client.chat.completions.create(
@@ -91,7 +97,10 @@ async def test_a_plain_client_at_step_0_gets_trainable_choices_under_every_name(
         temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, constrained=False, processed=True
     )
     chosen = await client.chat.completions.create(
-        model=model.name, messages=MESSAGES, max_tokens=4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+        model=model.name,
+        messages=MESSAGES,
+        max_tokens=4,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert chosen.choices[0].message.content in ("yes", "no")
     assert SamplingRecord.of(chosen.choices[0]).constrained is True  # type: ignore[union-attr]
@@ -102,12 +111,16 @@ async def test_a_plain_client_at_step_0_gets_trainable_choices_under_every_name(
     assert extra["token_ids"] and extra["prompt_token_ids"] and extra["policy_step"] == 0
     assert len(completion.choices[0].logprobs.token_logprobs) == len(extra["token_ids"])
     assert SamplingRecord.of(completion.choices[0]).temperature == 1.0  # type: ignore[union-attr]
-    stream = await client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=6, stream=True)
+    stream = await client.chat.completions.create(
+        model=model.name, messages=MESSAGES, max_tokens=6, stream=True
+    )
     chunks = [chunk async for chunk in stream if chunk.choices]
     streamed = [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []]
     assert {c.choices[0].model_extra["policy_step"] for c in chunks} == {0}
     assert chunks[0].choices[0].model_extra["prompt_token_ids"] == latest.prompt_token_ids
-    assert len(streamed) == sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs) > 0
+    assert (
+        len(streamed) == sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs) > 0
+    )
 
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(model="policy-001@0", messages=MESSAGES, max_tokens=2)
@@ -121,7 +134,10 @@ async def test_a_plain_client_at_step_0_gets_trainable_choices_under_every_name(
     based, based_tokens = await sampled_groups(client, model.base_model, seed=200)
     result = await backend.train(model, [*named, *based], learning_rate=1e-3)
     print(f"\ntrained {result.metrics['data/step_trainer_tokens']} tokens of {named_tokens} + {based_tokens}")
-    assert result.step == 1 and result.metrics["data/step_trainer_tokens"] == float(named_tokens + based_tokens) > 0
+    assert (
+        result.step == 1
+        and result.metrics["data/step_trainer_tokens"] == float(named_tokens + based_tokens) > 0
+    )
 
 
 async def test_after_a_step_the_bare_name_serves_it_and_the_base_model_is_stale(policy: Policy) -> None:

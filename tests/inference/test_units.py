@@ -253,7 +253,9 @@ def _serve_module():
     """art-mega's serving middleware, loaded by its path (vLLM's interpreter imports it by name)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("art_mega_vllm_serve", VLLM_PLUGIN_DIR / "art_mega_vllm_serve.py")
+    spec = importlib.util.spec_from_file_location(
+        "art_mega_vllm_serve", VLLM_PLUGIN_DIR / "art_mega_vllm_serve.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -276,9 +278,15 @@ def test_names_resolve_to_the_latest_loaded_step_and_unknown_names_are_named() -
     serve = _serve_module()
     bases = ["agent", "Qwen/Qwen2.5-0.5B"]
     assert serve.resolve_model("agent", bases, []) == ("agent", {"policy_step": None})
-    assert serve.resolve_model(None, bases, ["agent@2", "agent@10", "other"]) == ("agent@10", {"policy_step": 10})
+    assert serve.resolve_model(None, bases, ["agent@2", "agent@10", "other"]) == (
+        "agent@10",
+        {"policy_step": 10},
+    )
     assert serve.resolve_model("agent@2", bases, ["agent@2", "agent@10"]) == ("agent@2", {"policy_step": 2})
-    assert serve.resolve_model("Qwen/Qwen2.5-0.5B", bases, ["agent@3"]) == ("Qwen/Qwen2.5-0.5B", {"policy_step": None})
+    assert serve.resolve_model("Qwen/Qwen2.5-0.5B", bases, ["agent@3"]) == (
+        "Qwen/Qwen2.5-0.5B",
+        {"policy_step": None},
+    )
     assert serve.resolve_model("other", bases, ["other"]) == ("other", {})
     assert serve.resolve_model("agent@1", bases, ["agent@2"]) is None
     assert serve.not_served("agent-001@0", bases, ["agent@2", "agent@3"]) == (
@@ -296,7 +304,11 @@ def test_stream_events_are_tagged_choice_by_choice() -> None:
     tagged = serve.tag_events(events, {"policy_step": 3})
     first, done = tagged.split(b"\n\n")[:2]
     assert json.loads(first[6:])["choices"][0] == {
-        "index": 0, "delta": {"content": "a"}, "token_ids": [5], "policy_step": 3, "prompt_token_ids": [1, 2]
+        "index": 0,
+        "delta": {"content": "a"},
+        "token_ids": [5],
+        "policy_step": 3,
+        "prompt_token_ids": [1, 2],
     }
     assert done == b"data: [DONE]"
 
@@ -308,9 +320,16 @@ def test_base_model_samples_are_on_policy_only_while_it_is_the_expected_step() -
     from art_mega.trajectories import off_policy
 
     choice = Choice.model_validate(
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}, "policy_step": None}
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "hi"},
+            "policy_step": None,
+        }
     )
-    groups = [art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}, choice])])]
+    groups = [
+        art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}, choice])])
+    ]
     assert off_policy(groups, 0, base_is_expected=True) == []
     assert off_policy(groups, 0) == [(0, 0, [None])]
     assert off_policy(groups, 1, base_is_expected=False) == [(0, 0, [None])]

@@ -103,7 +103,9 @@ async def test_agent_supervises_replica(served: Served) -> None:
     # a CPU replica loads art-mega's vLLM plugin (art_mega/inference/vllm_plugin), which says so
     assert re.search(r"art-mega: vLLM LoRA plugin \(vllm [^)]+\): bgmv_shrink/\S+ run one matmul", log)
     # and forks its engine core (art_mega_vllm_fork), rather than spawning a second vLLM import
-    assert re.search(r"art-mega: vLLM fork plugin \(vllm [^)]+\): the engine core forks from the API server", log)
+    assert re.search(
+        r"art-mega: vLLM fork plugin \(vllm [^)]+\): the engine core forks from the API server", log
+    )
     # the processor's chat template was looked up while the engine core started, and the
     # server's warm-up found it in vLLM's cache (a processor loaded again would mean it missed)
     assert re.search(

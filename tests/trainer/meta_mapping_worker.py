@@ -85,16 +85,17 @@ def main(in_path: str, out_path: str) -> None:
         **dict(hf_model.named_parameters()),
         **{n: b for n, b in hf_model.named_buffers() if n in saved},
     }
+    hf_tensors = hf_params
 
     read_names: set[str] = set()
     unknown: set[str] = set()
 
     def read(name: str) -> torch.Tensor:
-        if name not in hf_params:
+        if name not in hf_tensors:
             unknown.add(name)
             raise KeyError(name)
         read_names.add(name)
-        return hf_params[name].detach()
+        return hf_tensors[name].detach()
 
     apply_cpu_compat()  # as a CPU trainer rank: e.g. the local spec's norm under sequence parallel
     _init(tp, ep)
@@ -145,8 +146,8 @@ def main(in_path: str, out_path: str) -> None:
         "hf_params": sum(p.numel() for p in hf_model.parameters()),
         "hf_buffers": len(hf_params.keys() - dict(hf_model.named_parameters()).keys()),
         "megatron_params": sum(p.numel() for p in full.parameters()),
-        "hf_names": len(hf_params),
-        "unread": sorted(hf_params.keys() - read_names),
+        "hf_names": len(hf_tensors),
+        "unread": sorted(hf_tensors.keys() - read_names),
         "unknown_reads": sorted(unknown),
         "missing": sorted(missing),
         "unexpected": sorted(unexpected),

@@ -68,36 +68,38 @@ FAMILIES: dict[str, FamilySpec[Any]] = _by_model_type(_SPECS)
 
 
 def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
-    """The union of the families' LoRA names, with the union of their expert and optional targets.
+    """The LoRA names of every family: the union of their targets, with the union of their expert
+    targets; a target is optional (named explicitly, not a default) when it is in every family that
+    has it.
 
     A LoRA config names its targets before the model is known (`trainer.protocol.LoraConfig`,
-    `MegatronBackend(lora_targets=...)`), so a name must mean the same in every family that has
-    it; a family naming a Megatron layer's HF modules differently fails here, at import. A target
-    some family lacks (Qwen3.5's delta-net projections) is optional: not in the default LoRA.
+    `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; two
+    families naming a Megatron target's HF modules (or its parent) differently, or one HF module
+    for two Megatron targets, fail here, at import.
     """
     modules: dict[str, tuple[str, ...]] = {}
     parents: dict[str, str] = {}
-    owner: dict[str, str] = {}
+    hf_owner: dict[str, str] = {}
     for spec in specs:
         for target, hf_names in spec.lora.modules.items():
-            if target in modules and (modules[target], parents[target]) != (
-                hf_names,
-                spec.lora.parents[target],
+            parent = spec.lora.parents[target]
+            if (
+                modules.setdefault(target, hf_names) != hf_names
+                or parents.setdefault(target, parent) != parent
             ):
-                raise RuntimeError(
-                    f"family {spec.name} names its LoRA target {target} unlike family {owner[target]}"
-                )
-            modules.setdefault(target, hf_names)
-            parents.setdefault(target, spec.lora.parents[target])
-            owner.setdefault(target, spec.name)
-    everywhere = set.intersection(*(set(spec.lora.modules) for spec in specs))
-    optional = {target for spec in specs for target in spec.lora.optional} | (set(modules) - everywhere)
+                raise RuntimeError(f"family {spec.name} names its LoRA module {target} unlike another family")
+            for hf in hf_names:
+                if hf_owner.setdefault(hf, target) != target:
+                    raise RuntimeError(
+                        f"family {spec.name} maps {hf} to {target}, another family to {hf_owner[hf]}"
+                    )
     experts = {target for spec in specs for target in spec.lora.expert_targets}
+    default = {target for spec in specs for target in spec.lora.default_targets}
     return LoraNames(
         modules=modules,
         parents=parents,
         expert_targets=tuple(target for target in modules if target in experts),
-        optional=tuple(target for target in modules if target in optional),
+        optional=tuple(target for target in modules if target not in default),
     )
 
 

@@ -12,6 +12,7 @@ from art_mega.trainer.families import (
     FAMILIES,
     LORA_NAMES,
     _by_model_type,
+    deepseek_v3,
     family_for,
     gemma3,
     gpt_oss,
@@ -66,7 +67,9 @@ def test_mistral_nemo_head_dim_is_its_own() -> None:
 def test_mistral_v01_window_is_on_every_layer() -> None:
     v01 = mistral.model_args({**MISTRAL_7B_V03, "sliding_window": 4096})
     assert v01.sliding_window == 4096 and v01.window_layers == (True,) * 32
-    assert dataclasses.replace(v01, sliding_window=None, window_layers=()) == mistral.model_args(MISTRAL_7B_V03)
+    assert dataclasses.replace(v01, sliding_window=None, window_layers=()) == mistral.model_args(
+        MISTRAL_7B_V03
+    )
     assert mistral.model_args(MISTRAL_7B_V03).window_layers == ()
 
 
@@ -121,6 +124,7 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "qwen3_5_text": qwen3_5.SPEC,
         "qwen3_5_moe": qwen3_5_moe.SPEC,
         "qwen3_5_moe_text": qwen3_5_moe.SPEC,
+        "deepseek_v3": deepseek_v3.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")
@@ -163,6 +167,14 @@ def test_shared_lora_names_cover_every_family() -> None:
     assert qwen3_5.SPEC.lora.parse("decoder.layers.0.self_attention.in_proj_qkv") == (
         "0.linear_attn",
         "in_proj_qkv",
+    )
+    # DeepSeek-V3's MLA targets are named explicitly (not defaults); its shared experts map like an MLP
+    assert {"linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj"} <= set(LORA_NAMES.optional)
+    assert "linear_qkv" not in LORA_NAMES.optional
+    assert LORA_NAMES.normalise(("kv_a_proj_with_mqa", "o_proj")) == ("linear_proj", "linear_kv_down_proj")
+    assert deepseek_v3.SPEC.lora.parse("decoder.layers.3.mlp.shared_experts.linear_fc2") == (
+        "3.mlp.shared_experts",
+        "linear_fc2",
     )
 
 
