@@ -272,11 +272,21 @@ class TrainerEngine:
         self, tensors: dict[str, torch.Tensor], chunk_size: int | None = None, *, trained_only: bool = False
     ) -> torch.Tensor:
         """Logprobs float32 [b, L] of one microbatch; with `trained_only` at its trained tokens
-        (`loss_mask` > 0) only, 0.0 elsewhere (the LM head runs on the positions predicting them)."""
+        (`loss_mask` > 0) only, 0.0 elsewhere (the LM head runs on the positions predicting them).
+        One pipeline stage only (the whole model on this rank)."""
         needed = tensors["loss_mask"] > 0 if trained_only else None
         logits = forward_logits(
             self.ddp, tensors["input_ids"], tensors["position_ids"], tensors["segment_ids"], needed=needed
         )
+        return self._logprobs_of_logits(logits, tensors, chunk_size, needed)
+
+    def _logprobs_of_logits(
+        self,
+        logits: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        chunk_size: int | None,
+        needed: torch.Tensor | None,
+    ) -> torch.Tensor:
         return token_logprobs(
             logits,
             tensors["input_ids"],
@@ -286,6 +296,61 @@ class TrainerEngine:
             needed=needed,
             sampling=SamplingRows.from_tensors(tensors),
         )
+
+    @property
+    def _pipelined(self) -> bool:
+        return self.state.pp > 1
+
+    def _all_logprobs(
+        self,
+        micro: list[dict[str, torch.Tensor]],
+        chunk_size: int | None = None,
+        *,
+        trained_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """`_forward_logprobs` of every microbatch in `micro`, on every rank.
+
+        Under pipeline parallelism the microbatches run through megatron-core's 1F1B schedule
+        forward only (`get_forward_backward_func`, `collect_non_loss_data`): the last stage computes
+        the logprobs and broadcasts them over the pipeline group, so every stage returns the same
+        [b, L] tensors (float32), as every rank does without pipelining.
+        """
+        if not self._pipelined:
+            return [self._forward_logprobs(t, chunk_size, trained_only=trained_only) for t in micro]
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+            t = next(data_iterator)
+            needed = t["loss_mask"] > 0 if trained_only else None
+            out = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"], needed=needed)
+
+            def collect(logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+                return self._logprobs_of_logits(logits, t, chunk_size, needed)
+
+            return out, collect
+
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iter(micro),
+                model=[self.ddp],
+                num_microbatches=len(micro),
+                seq_length=max(t["input_ids"].shape[1] for t in micro),
+                micro_batch_size=self.micro_batch_rows,
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        shapes = [tuple(t["input_ids"].shape) for t in micro]
+        if mpu.is_pipeline_last_stage():
+            flat = torch.cat([o.float().reshape(-1) for o in outputs])
+        else:
+            flat = torch.empty(sum(a * b for a, b in shapes), dtype=torch.float32, device=self.state.device)
+        torch.distributed.broadcast(
+            flat, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+        )
+        pieces = flat.split([a * b for a, b in shapes])
+        return [piece.reshape(shape) for piece, shape in zip(pieces, shapes, strict=True)]
 
     # ------------------------------------------------------------------ public API
 
@@ -305,8 +370,8 @@ class TrainerEngine:
         context = lora_disabled(self.ddp.module) if reference else contextlib.nullcontext()
         with context:
             first = 0
-            for tensors in self._microbatches(batch):
-                values = self._forward_logprobs(tensors, trained_only=trained_only).cpu().numpy()
+            for tensor in self._all_logprobs(self._microbatches(batch), trained_only=trained_only):
+                values = tensor.cpu().numpy()
                 out[first : first + values.shape[0], : values.shape[1]] = values
                 first += values.shape[0]
         return out
@@ -379,9 +444,7 @@ class TrainerEngine:
             return metrics
 
         old_policy = None if old_policy_logprobs is None else {"old_policy": old_policy_logprobs}
-        microbatches = [
-            self._prepare(tensors, loss, loss_config) for tensors in self._microbatches(batch, old_policy)
-        ]
+        microbatches = self._prepare(self._microbatches(batch, old_policy), loss, loss_config)
         decay = self.optimizer_settings.weight_decay if weight_decay is None else weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -405,7 +468,7 @@ class TrainerEngine:
             forward_only=False,
         )
         metrics.update(
-            self._reduce_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
+            self._stage_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
         )
         # Megatron's step() clips with the norm and updates in one call (and only fp16's loss
         # scaler checks for inf), so the norm is computed here first: `prepare_grads` hands the
@@ -446,24 +509,28 @@ class TrainerEngine:
         return None
 
     def _prepare(
-        self, tensors: dict[str, torch.Tensor], loss: str, loss_config: GRPOLossConfig
-    ) -> _Microbatch:
-        """Loss inputs that need their own forward pass before the step (reference, TIS)."""
+        self, micro: list[dict[str, torch.Tensor]], loss: str, loss_config: GRPOLossConfig
+    ) -> list[_Microbatch]:
+        """Each microbatch with the loss inputs that need their own forward pass before the step
+        (reference, TIS), computed for all microbatches at once (`_all_logprobs`)."""
         if loss != "grpo":
-            return _Microbatch(tensors)
-        ref = old = inference = None
+            return [_Microbatch(tensors) for tensors in micro]
+        none: list[torch.Tensor | None] = [None] * len(micro)
+        refs, olds, inferences = list(none), list(none), list(none)
         chunk_size = loss_config.logprob_calculation_chunk_size
         if loss_config.needs_reference:
             with self._reference(loss_config.kl_ref_adapter_path):
-                ref = self._forward_logprobs(tensors, chunk_size, trained_only=True)
+                refs = list(self._all_logprobs(micro, chunk_size, trained_only=True))
         if loss_config.recomputes_old:
-            old = (
-                tensors["old_policy"]
-                if "old_policy" in tensors
-                else self._forward_logprobs(tensors, chunk_size, trained_only=True)
-            )
-            inference = tensors["old_logprobs"]
-        return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
+            if "old_policy" in micro[0]:
+                olds = [tensors["old_policy"] for tensors in micro]
+            else:
+                olds = list(self._all_logprobs(micro, chunk_size, trained_only=True))
+            inferences = [tensors["old_logprobs"] for tensors in micro]
+        return [
+            _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
+            for tensors, ref, old, inference in zip(micro, refs, olds, inferences, strict=True)
+        ]
 
     @contextlib.contextmanager
     def _reference(self, adapter_dir: str | None) -> Iterator[None]:
@@ -521,6 +588,11 @@ class TrainerEngine:
         t = micro.tensors
         needed = t["loss_mask"] > 0
         logits = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"], needed=needed)
+        if self._pipelined:
+            from megatron.core import parallel_state as mpu
+
+            if not mpu.is_pipeline_last_stage():  # hidden states for the next stage; no loss here
+                return logits, None
         entropy = None
         if self.compute_entropy:
             entropy = token_entropy(
@@ -620,6 +692,23 @@ class TrainerEngine:
         )
         return value, tokens.to(torch.int), info
 
+    def _stage_metrics(
+        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool
+    ) -> dict[str, float]:
+        """`_reduce_metrics`; under pipeline parallelism computed on the last stage (the only one
+        with losses) and broadcast over the pipeline group, so every rank returns the same."""
+        if not self._pipelined:
+            return self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
+        from megatron.core import parallel_state as mpu
+
+        box: list[Any] = [None]
+        if mpu.is_pipeline_last_stage():
+            box[0] = self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
+        torch.distributed.broadcast_object_list(
+            box, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+        )
+        return box[0]
+
     def _reduce_metrics(
         self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool = False
     ) -> dict[str, float]:
@@ -696,8 +785,10 @@ class TrainerEngine:
             "world_size": s.world_size,
             "tp": s.tp,
             "dp": s.dp,
+            "pp": s.pp,
             "tp_rank": s.tp_rank,
             "dp_rank": s.dp_rank,
+            "pp_rank": s.pp_rank,
         }
 
     def state_file(self, directory: str | os.PathLike[str]) -> Path:

@@ -234,6 +234,11 @@ class FamilySpec(Generic[ArgsT]):
     `te_name_map` local-spec -> TransformerEngine-spec parameter name suffixes (TE fuses a norm
     into the next linear); `lora` the LoRA <-> PEFT names both ways.
 
+    `pipeline_parallel`: the family's model can be split into pipeline stages (pp > 1): its
+    layers are uniform blocks whose weights depend only on their global index, and nothing outside
+    megatron-core's GPTModel reads the embedding or the output layer (checked for each family by
+    the pp = 2 equality tests, `tests/trainer/test_pipeline_parallel.py`).
+
     `finish_model(args, module)`, where set, is called on the built GPTModel after its weights
     are loaded, for what a layer spec cannot express (forward hooks, e.g. Gemma's embedding scale).
     """
@@ -251,3 +256,4 @@ class FamilySpec(Generic[ArgsT]):
     te_name_map: Mapping[str, str]
     lora: LoraNames = field(repr=False)
     finish_model: Callable[[ArgsT, Any], None] | None = None
+    pipeline_parallel: bool = False
