@@ -295,6 +295,9 @@ def _pipeline_config(config: Any, pp: int) -> Any:
         pipeline_dtype=config.params_dtype,
         variable_seq_lengths=True,
         batch_p2p_comm=False,
+        # megatron-core refuses variable lengths with the allgather dispatcher, dense models
+        # included (its default; a dense model dispatches no tokens)
+        moe_token_dispatcher_type="alltoall" if not config.num_moe_experts else config.moe_token_dispatcher_type,
     )
 
 
