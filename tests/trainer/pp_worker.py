@@ -82,7 +82,9 @@ def main(rank: int, world: int, out: Path, port: int, pairs: dict[str, str]) -> 
     assert layout["world"] == world
     state = join(rank, world, port, **layout["sizes"])
     results: dict[str, Any] = {
-        "state": {key: getattr(state, key) for key in ("tp", "pp", "dp", "ep", "tp_rank", "pp_rank", "dp_rank")}
+        "state": {
+            key: getattr(state, key) for key in ("tp", "pp", "dp", "ep", "tp_rank", "pp_rank", "dp_rank")
+        }
     }
     results["training"] = pipeline_steps(state, pairs[layout["model"]], out / "run")
     destroy_parallel()

@@ -37,7 +37,7 @@ def main(rank: int, world: int, out: Path, ports: tuple[int, int], model_dir: st
     import torch
 
     from art_mega.trainer import checkpoint
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.engine import TrainerEngine, _sub_optimizers
     from art_mega.trainer.parallel import destroy_parallel
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER, grpo_batch, rows
     from tests.trainer.engine_scenarios import STEP_LOSSES as LOSSES
@@ -65,10 +65,24 @@ def main(rank: int, world: int, out: Path, ports: tuple[int, int], model_dir: st
         state = _join(rank, world, port, **sizes)
         engine = TrainerEngine(model_dir, state, lora=LORA, optimizer=OPTIMIZER)
         engine.load_state(saved)
+        adam_steps = sorted(
+            {
+                float(st["step"])
+                for sub in _sub_optimizers(engine.optimizer)
+                for st in sub.optimizer.state.values()
+            }
+        )
         share = rows(batch, state.dp_rank, state.dp)
-        metrics = [engine.train_step(share, "grpo", LOSSES[(2 + k) % len(LOSSES)]) for k in range(STEPS_AFTER)]
+        metrics = [
+            engine.train_step(share, "grpo", LOSSES[(2 + k) % len(LOSSES)]) for k in range(STEPS_AFTER)
+        ]
         engine.export_adapter(out / f"{name}-adapter")
-        results[name] = {"metrics": metrics, "adapter": str(out / f"{name}-adapter"), "steps": engine.steps}
+        results[name] = {
+            "metrics": metrics,
+            "adapter": str(out / f"{name}-adapter"),
+            "steps": engine.steps,
+            "adam_steps": adam_steps,
+        }
         port = _next_port(state)
         del engine
         destroy_parallel()
