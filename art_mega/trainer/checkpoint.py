@@ -73,16 +73,13 @@ RANK_DIGITS = 5
 
 
 class ManifestLayout(BaseModel):
-    """The parallel layout the checkpoint's rank files were written with (`pp` 1 in manifests
-    written before pipeline stages). A resume on another layout re-shards the rank files
-    (`TrainerEngine.load_portable`)."""
+    """The parallel layout the checkpoint's rank files were written with."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     world_size: int = Field(ge=1)
     tp: int = Field(ge=1)
     dp: int = Field(ge=1)
-    pp: int = Field(default=1, ge=1)
 
 
 class Manifest(BaseModel):

@@ -147,9 +147,7 @@ def write_checkpoint(
             step=step,
             adapter_sha256=files.sha256,
             base_model=str(engine.model_dir),
-            layout=checkpoint.ManifestLayout(
-                world_size=state.world_size, tp=state.tp, dp=state.dp, pp=state.pp
-            ),
+            layout=checkpoint.ManifestLayout(world_size=state.world_size, tp=state.tp, dp=state.dp),
             written_at=time.time(),
         )
     if host_of is not None:
