@@ -16,6 +16,7 @@ from tests.trainer.engine_scenarios import assert_steps_match
 from tests.trainer.test_lora_engine import LAYOUT_TOLERANCE
 
 require_trainer_deps()
+pytestmark = pytest.mark.timeout(900)  # gloo worlds of tiny models, started in the first test
 
 RESUMED = ("tp1dp2", "pp2")
 

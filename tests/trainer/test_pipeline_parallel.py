@@ -23,6 +23,7 @@ from tests.trainer.pp_worker import LAYOUTS
 from tests.trainer.test_lora_engine import LAYOUT_TOLERANCE
 
 require_trainer_deps()
+pytestmark = pytest.mark.timeout(900)  # gloo worlds of tiny models, started in the first test
 
 ALL_LAYOUTS_ENV = "ART_MEGA_TEST_ALL_PP_LAYOUTS"
 """Set to 1 to run every layout of `pp_worker.LAYOUTS` (4 worlds, 14 gloo processes: ~6 min on
