@@ -99,7 +99,8 @@ def test_pipeline_steps_match_one_process(layout: str, pp_results, pp_reference)
     for rank, results in enumerate(ranks):
         run = results["training"]
         # the batch's old logprobs come from a forward-only pipeline pass before the steps
-        assert np.array_equal(run["old_logprobs"], reference["old_logprobs"])
+        gap = np.abs(run["old_logprobs"] - reference["old_logprobs"]).max()
+        assert gap == 0.0 if layout == "pp2" else gap <= LAYOUT_TOLERANCE
         assert_steps_match(f"{layout} rank {rank}", run["metrics"], reference["metrics"], LAYOUT_TOLERANCE)
         if layout == "pp2":  # exactly one process's numbers but the norm (a sum over stages)
             for got, expected in zip(run["metrics"], reference["metrics"], strict=True):
