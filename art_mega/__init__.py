@@ -48,7 +48,7 @@ _EXPORTS = {
     "ArtLaunchContext": "art_mega.launch.context",
     "ArtRuntime": "art_mega.runtime.runtime",
     "InstalledAsyncCallable": "art_mega.rollouts.installed",
-    "RolloutExecutor": "art_mega.rollouts.executor",
+    "RolloutExecutor": "art_mega.rollouts.remote",
     "UserError": "art_mega.errors",
     "compile_topology": "art_mega.topology",
     "ClusterSpec": "art_mega.topology",

@@ -23,7 +23,7 @@ Exceptions that stay in their modules, because no user ever sees them:
   to the reply that reports it (`RemoteFailure`).
 - `rollouts.wire.WireError`: a value that cannot travel; the controller raises
   `RolloutValueError` naming the rollout and host instead.
-- `trainer.jobs.StepOrderError`, `trainer.rank_main.InvalidMessageError`: a rank refusing a job
+- `trainer.rank.jobs.StepOrderError`, `trainer.rank.main.InvalidMessageError`: a rank refusing a job
   (its step number, a malformed line on its socket) inside the rank process; the controller sees
   the rank's `failed` event, a `TrainerJobError`.
 - `rewards.ruler._ReplyError`: a judge's reply that is not the scores asked for; RULER asks once
@@ -110,7 +110,7 @@ class ModelSplitError(UserError):
 class MemoryPlanError(UserError):
     """A trainer rank or a vLLM replica would not fit its GPU's memory (the memory plan that
     `MegatronBackend.register` computes from config.json and the GPUs' NVML memory before any
-    rank or replica starts, `trainer.memory_plan`).
+    rank or replica starts, `trainer.prepare.memory_plan`).
 
     Attributes:
         model: the base model as the user named it.
@@ -676,7 +676,7 @@ class AgentStartError(ArtMegaError):
 
 
 class TrainerJobError(ArtMegaError, RuntimeError):
-    """A trainer rank failed or died (`trainer.service`); names the rank, host and log file.
+    """A trainer rank failed or died (`trainer.remote`); names the rank, host and log file.
 
     Attributes:
         rank: the first failing rank (None where no one rank is at fault).
@@ -707,7 +707,7 @@ class RankRefusedStepError(TrainerJobError, UserError):
     (exit code 2) whose message is the rank's sentence, naming the step and the quantity.
 
     Attributes:
-        error_type: the rank's exception, one of `trainer.service.REFUSALS`.
+        error_type: the rank's exception, one of `trainer.remote.REFUSALS`.
     """
 
     def __init__(
@@ -848,7 +848,7 @@ class AdapterPublishError(ArtMegaError):
 
 
 class AdapterTransferError(ArtMegaError):
-    """A step's adapter did not reach a replica host intact (`transfer.adapters`); the detail
+    """A step's adapter did not reach a replica host intact (`transfer.remote`); the detail
     names the host, the transfer and the file where one is at fault (e.g. a sha256 mismatch).
 
     Attributes:

@@ -691,6 +691,34 @@ def _prefixed(key: str, split: str) -> str:
     return key if "/" in key and (head in SECTIONS or head in SPLITS) else f"{split}/{key}"
 
 
+LAUNCH_RESTARTS: list[dict[str, Any]] = []
+"""This controller process's restarts after a lost host (`launch.controller.run_with_restarts`
+appends {"restart": n, "max_restarts": N, "cause": sentence}); `record_restarts` writes them
+into a run's history."""
+_RECORDED: set[tuple[str, int]] = set()
+
+
+def record_restarts(run_dir: str | Path, step: int) -> None:
+    """Append one history.jsonl row per restart of this process not yet written to `run_dir`:
+    {"step": step (the LATEST the rerun resumes from), "launch/restart": n,
+    "launch/max_restarts": N, "launch/restart_cause": sentence, "recorded_at": ISO time}."""
+    for restart in LAUNCH_RESTARTS:
+        key = (str(run_dir), int(restart["restart"]))
+        if key in _RECORDED:
+            continue
+        _RECORDED.add(key)
+        append_history(
+            Path(run_dir) / "history.jsonl",
+            {
+                "step": step,
+                "launch/restart": restart["restart"],
+                "launch/max_restarts": restart["max_restarts"],
+                "launch/restart_cause": restart["cause"],
+                "recorded_at": datetime.datetime.now(datetime.UTC).isoformat(),
+            },
+        )
+
+
 def append_history(path: Path, row: Mapping[str, Any]) -> None:
     """Append one JSON line to `path` (created with its folder), flushed and fsynced."""
     path.parent.mkdir(parents=True, exist_ok=True)

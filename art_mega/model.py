@@ -470,7 +470,7 @@ class Model(BaseModel, Generic[ModelConfig]):
         from art_mega.trainer.checkpoint import run_dir
 
         # Duck-typed: the model never imports the backend (it sits below it, see
-        # tests/unit/test_import_graph.py); every art-mega backend has `_artifact_root()`.
+        # tests/unit/project/test_import_graph.py); every art-mega backend has `_artifact_root()`.
         artifact_root = getattr(backend, "_artifact_root", None)
         if not callable(artifact_root):
             raise UserError(
@@ -534,6 +534,10 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         self._output_dir = str(await backend.register(self))
         self.inference_base_url, self.inference_api_key = backend.inference_endpoint(self)
         self.inference_model_name = backend.inference_name(self)
+        from art_mega.metrics import LAUNCH_RESTARTS, record_restarts
+
+        if LAUNCH_RESTARTS:  # this program is a rerun after a lost host: say so in the history
+            record_restarts(self._output_dir, await self.get_step())
         from art_mega.progress import line
 
         line(f"art-mega: run folder {self._output_dir}")

@@ -48,7 +48,7 @@ from typing import Any
 SUBDIR = "read-ahead"
 READ_AHEAD_ENV = "ART_MEGA_READ_AHEAD"
 """The listing a trainer rank reads ahead at its start and writes once ready (set by
-`trainer.service.TrainerService.start`)."""
+`trainer.remote.TrainerService.start`)."""
 
 
 def listing_path(cache_root: str | os.PathLike[str], kind: str, interpreter: str) -> Path:

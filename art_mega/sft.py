@@ -116,7 +116,7 @@ class TrainSFTConfig(BaseModel):
 
 def _check_tool_calls(calls: Any, where: str) -> None:
     """Refuse tool calls the chat template could not render as the OpenAI format means them."""
-    from art_mega.trainer.tokenize import parse_tool_arguments
+    from art_mega.trainer.prepare.tokenize import parse_tool_arguments
 
     if not isinstance(calls, list):
         raise ValueError(f"{where}.tool_calls is a {type(calls).__name__}; tool_calls must be a list")
@@ -182,7 +182,7 @@ def parse_sft_row(line: str, path: str, number: int) -> Trajectory:
             role, a content that is not a string, a bad tool call, a last message that is not
             the assistant's, or tools that are not a list of function tools.
     """
-    from art_mega.trainer.tokenize import template_tools
+    from art_mega.trainer.prepare.tokenize import template_tools
 
     where = f"{path}:{number}"
 

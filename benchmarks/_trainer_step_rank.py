@@ -2,7 +2,7 @@
 
     python benchmarks/_trainer_step_rank.py CONFIG_JSON_PATH
 
-The rank does what a trainer rank of the service does (`art_mega.trainer.rank_main`): joins the
+The rank does what a trainer rank of the service does (`art_mega.trainer.rank.main`): joins the
 world from its row of the compiled topology's rank table (`init_parallel`, gloo on 127.0.0.1),
 builds the engine from the launch config (`jobs.build_engine`), then runs `warmup` + `steps`
 GRPO steps (`TrainerEngine.train_step`, default `GRPOLossConfig`) on its DP share of a seeded
@@ -34,8 +34,8 @@ def synthetic_documents(vocab_size: int, documents: int, seq_len: int, seed: int
     third of each a prompt (loss_mask 0), advantages N(0, 1), weight 1 / trained tokens."""
     import numpy as np
 
-    from art_mega.trainer.advantages import token_weight
     from art_mega.trainer.batch import Document
+    from art_mega.trainer.prepare.advantages import token_weight
 
     rng = np.random.default_rng(seed)
     docs = []
@@ -64,9 +64,9 @@ def main(config_path: str) -> int:
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.batch import pack
-    from art_mega.trainer.jobs import build_engine
-    from art_mega.trainer.parallel import destroy_parallel, init_parallel
     from art_mega.trainer.protocol import EngineConfig
+    from art_mega.trainer.rank.jobs import build_engine
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
     config = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)

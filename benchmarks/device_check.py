@@ -239,9 +239,9 @@ def megatron_logits(work: Path, log_dir: Path, use_te: bool = False) -> list[tup
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
-    from art_mega.trainer.logprobs import forward_logits
     from art_mega.trainer.model_builder import build_megatron_model
-    from art_mega.trainer.parallel import destroy_parallel, init_parallel
+    from art_mega.trainer.rank.logprobs import forward_logits
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
     spec = "TE" if use_te else "local"
     tolerance = TE_TOLERANCE if use_te else LOGITS_TOLERANCE
@@ -335,9 +335,9 @@ async def trainer_grpo(work: Path, log_dir: Path) -> list[tuple[str, float, str]
     from art_mega.runtime.runtime import ArtRuntime
     from art_mega.topology import TrainerSpec, compile_topology
     from art_mega.trainer.checkpoint import adapter_dir, checkpoints_dir, step_dir
+    from art_mega.trainer.prepare.tokenize import grpo_documents
     from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
-    from art_mega.trainer.service import TrainerService
-    from art_mega.trainer.tokenize import grpo_documents
+    from art_mega.trainer.remote import TrainerService
 
     model_dir = resolve_base_model(MODEL, work / "cache").model_dir
     documents, stats = grpo_documents(
@@ -414,7 +414,7 @@ async def trainer_throughput(work: Path, log_dir: Path) -> list[tuple[str, float
     from art_mega.trainer.batch import Document
     from art_mega.trainer.checkpoint import checkpoints_dir, step_dir
     from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
-    from art_mega.trainer.service import TrainerService
+    from art_mega.trainer.remote import TrainerService
 
     model_dir = _smollm2_shaped(work / "smollm2-shape")
     rng = random.Random(0)
@@ -928,11 +928,11 @@ def mfu(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.batch import pack
-    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.flops import mfu as utilisation
     from art_mega.trainer.flops import peak_flops_for, step_flops
-    from art_mega.trainer.parallel import destroy_parallel, init_parallel
     from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
     device = _device()
     cpu = device == "cpu"

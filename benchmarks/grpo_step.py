@@ -14,7 +14,7 @@ the policy ratio), rewards 0..1 within each group.
 
 The split comes from the step's metrics: controller side `time/prepare_s` (advantages, tokens,
 pack, batch write), `time/train_s` (job round trip + commit), `time/publish_s`; rank 0 side
-(`trainer.jobs.run_train_job`) `time/batch_load_s`, `time/megatron_s`, `time/adapter_export_s`,
+(`trainer.rank.jobs.run_train_job`) `time/batch_load_s`, `time/megatron_s`, `time/adapter_export_s`,
 `time/state_save_s`, `time/checkpoint_s`. "Outside Megatron" is the step's wall time minus
 `time/megatron_s`. The first step (tokenizer load, first-call allocations) is a warm-up and is
 not counted; the figures are the split of the median step by wall time among the rest (one
@@ -67,7 +67,7 @@ async def attach_trainer(backend: Any, model: Any) -> None:
     from art_mega.basemodels.resolve import resolve_base_model
     from art_mega.trainer import checkpoint
     from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
-    from art_mega.trainer.service import TrainerService
+    from art_mega.trainer.remote import TrainerService
 
     runtime = backend._runtime
     cluster = runtime.topology.cluster

@@ -28,7 +28,7 @@ HERE = REPO / "benchmarks"
 MARK = "MEMORY "
 KINDS = (
     ("art_mega.rollouts.worker", "rollout worker"),
-    ("art_mega.trainer.rank_main", "trainer rank"),
+    ("art_mega.trainer.rank.main", "trainer rank"),
     ("art_mega.preflight.probe", "preflight probe"),
     ("vllm.entrypoints", "vLLM replica"),
     ("art_mega worker", "agent"),

@@ -209,13 +209,13 @@ def _pin(pid: int, where: set[int]) -> None:
 def pin_processes() -> dict[str, list[int]]:
     """Pin this run's processes (this controller and its descendants only) by kind: vLLM and
     this controller (its agent too) to the first half of the cores, the trainer rank
-    (`art_mega.trainer.rank_main`) and its children to the second. Returns kind -> pids."""
+    (`art_mega.trainer.rank.main`) and its children to the second. Returns kind -> pids."""
     import psutil
 
     inference, trainer = cores()
     pinned: dict[str, list[int]] = {"replica": [], "trainer": [], "controller": [os.getpid()]}
     _pin(os.getpid(), inference)
-    ranks = {p.pid for p in psutil.Process().children(recursive=True) if "rank_main" in " ".join(p.cmdline())}
+    ranks = {p.pid for p in psutil.Process().children(recursive=True) if "trainer.rank.main" in " ".join(p.cmdline())}
     for proc in psutil.Process().children(recursive=True):
         line = " ".join(proc.cmdline())
         under_rank = proc.pid in ranks or any(a.pid in ranks for a in proc.parents())

@@ -28,6 +28,7 @@ from _results import RESULTS, rewrite  # noqa: E402
 SCRIPTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("executor.py", ()),
     ("launch.py", ()),
+    ("launch_scale.py", ()),
     ("preflight.py", ()),
     ("peers_torchrun.py", ()),
     ("memory.py", ()),

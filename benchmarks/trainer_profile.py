@@ -80,9 +80,9 @@ def _profile(args: argparse.Namespace, work: Path, on_gpu: bool) -> int:
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
     from art_mega.trainer.batch import Document, pack
-    from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.parallel import destroy_parallel, init_parallel
     from art_mega.trainer.protocol import LoraConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
     model_dir = _smollm2_shaped(work / "smollm2-shape")
     rank = TrainerRank(

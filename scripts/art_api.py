@@ -1,12 +1,12 @@
 """Write ART's public API, read with `ast` from an unpacked openpipe-art wheel, as JSON.
 
-    python3.12 scripts/art_api.py /work/ref/art-0.5.23/art > tests/unit/data/art_0_5_23_api.json
+    python3.12 scripts/art_api.py /work/ref/art-0.5.23/art > tests/unit/client/data/art_0_5_23_api.json
 
 ART 0.5.20+ uses Python 3.12 syntax (`type X = ...`), so run this with Python >= 3.12; it
 imports nothing from ART (no torch, no vllm). The output is committed, so CI needs neither the
-wheel nor a download; tests/unit/test_art_table.py and test_art_signatures.py read it.
+wheel nor a download; tests/unit/client/test_art_table.py and test_art_signatures.py read it.
 
-What counts as public is what tests/unit/test_art_table.py counted for 0.5.18: the `__all__` of
+What counts as public is what tests/unit/client/test_art_table.py counted for 0.5.18: the `__all__` of
 the packages programs import (`MODULES_ALL`), chosen names of the modules programs import from
 (`MODULES_PICKED`), and the public fields and methods of the classes programs use (`CLASSES`).
 For every callable among them (a function, a method, a class's constructor) the parameters are

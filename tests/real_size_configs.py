@@ -1,6 +1,6 @@
 """Published full-size config.json values of the existing families and their parameter counts:
 built on the meta device by `tests/trainer/test_real_size_mapping.py`, sized analytically by
-`tests/unit/test_memory_plan.py`."""
+`tests/unit/trainer/test_memory_plan.py`."""
 
 from __future__ import annotations
 

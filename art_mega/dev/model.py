@@ -264,7 +264,7 @@ READ_KEYS: dict[str, frozenset[str] | None] = {
     "engine_args": None,
     # the optimizer (backend.art_optimizer): AdamW's betas and epsilon, RL's decay and clip
     "trainer_args": frozenset({"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm"}),
-    # the replicas' --default-chat-template-kwargs and the trainer's tokenization (trainer.tokenize)
+    # the replicas' --default-chat-template-kwargs and the trainer's tokenization (trainer.prepare.tokenize)
     "chat_template_kwargs": None,
 }
 """The `InternalModelConfig` fields art-mega reads (`LocalBackend.register`): a top-level field

@@ -35,7 +35,7 @@ _EXPORTS = {
     "InstalledAsyncCallable": "art_mega.rollouts.installed",
     "NcclTransportSpec": "art_mega.topology",
     "NixlTransportSpec": "art_mega.topology",
-    "RolloutExecutor": "art_mega.rollouts.executor",
+    "RolloutExecutor": "art_mega.rollouts.remote",
     "compile_topology": "art_mega.topology",
 }
 

@@ -46,7 +46,7 @@ class AdapterPublisher:
     started on the previous step finish on it. `timeout_s` bounds each HTTP call to a replica;
     `retry_delay_s` is the pause before the one retry of a failed load. `stage`, when given,
     turns one exported adapter path into replica -> path before loading (e.g.
-    `transfer.adapters.AdapterTransport` for host-local artifact roots; its errors
+    `transfer.remote.AdapterTransport` for host-local artifact roots; its errors
     propagate and the served step stays). `prune`, when given, is awaited after each
     publication's unloads with the steps some replica may still load (the window plus any step
     a replica still holds), so staged copies of every other step can be deleted (e.g.

@@ -40,7 +40,7 @@ def tag_choices(router: PolicyRouter, reply: Any) -> Any:
     server's word on which adapter produced it, not the router's guess (both read the same
     adapter name, so they never disagree). Where the reply has the prompt's token ids
     (`return_token_ids`), each choice without them also keeps them as `prompt_token_ids`:
-    training then trains the choice after exactly the prompt vLLM tokenized (`trainer.tokenize`).
+    training then trains the choice after exactly the prompt vLLM tokenized (`trainer.prepare.tokenize`).
     Returns `reply`."""
     step = served_step(router, str(getattr(reply, "model", "")))
     prompt = getattr(reply, "prompt_token_ids", None)

@@ -10,7 +10,7 @@ from art_mega.agent.app import Service
 from art_mega.inference import routes as inference_routes
 from art_mega.preflight import routes as preflight_routes
 from art_mega.rollouts import routes as rollout_routes
-from art_mega.trainer import host as trainer_host
+from art_mega.trainer import routes as trainer_routes
 from art_mega.transfer import files as artifact_files
 from art_mega.transfer import routes as adapter_routes
 
@@ -20,5 +20,5 @@ AGENT_SERVICES: tuple[Service, ...] = (
     inference_routes.register,
     adapter_routes.register,
     artifact_files.register,
-    trainer_host.register,
+    trainer_routes.register,
 )

@@ -49,6 +49,7 @@ def _root(
 ) -> None:
     """Train LLM agents with GRPO and SFT on one machine or many."""
 
+
 ProgramOpt = Annotated[
     str,
     typer.Option(
@@ -56,6 +57,7 @@ ProgramOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
 
 MAX_STARTUP_TIMEOUT_S = 86400.0
 """The longest --startup-timeout (one day): larger values overflow socket and timer limits."""
@@ -116,6 +118,22 @@ LeaseOpt = Annotated[
         "exits, freeing its port (default: $ART_MEGA_CONTROLLER_LEASE or 20).",
     ),
 ]
+
+
+MaxRestartsOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-restarts",
+        parser=integer,
+        help="Times to restart after a lost host (torchelastic's name): stop every host, wait for them, "
+        "prove the cluster again and rerun the program, which resumes from LATEST (default 0).",
+    ),
+]
+
+
+def _check_max_restarts(value: int) -> None:
+    if not 0 <= value <= 1000:
+        raise UserError(f"--max-restarts {value} is out of range; use 0 (no restart) to 1000")
 
 
 def _fail(message: str, code: int) -> None:
@@ -259,6 +277,7 @@ def local(
         float, typer.Option("--startup-timeout", parser=seconds, help="Seconds to wait for the agent.")
     ] = 60.0,
     controller_lease: LeaseOpt = None,
+    max_restarts: MaxRestartsOpt = 0,
     debug: DebugOpt = False,
 ) -> None:
     """Run PROGRAM on this machine with one loopback agent."""
@@ -269,11 +288,12 @@ def local(
         from art_mega.launch.program import load_program, parse_program
 
         _check_port(port)
+        _check_max_restarts(max_restarts)
         lease_s = parse_controller_lease(controller_lease)
         ref = parse_program(program)
         with _reading_ahead():  # before the program imports art-mega's modules
             main = load_program(ref)
-            return asyncio.run(run_local(main, ref, port, startup_timeout, debug, lease_s))
+            return asyncio.run(run_local(main, ref, port, startup_timeout, debug, lease_s, max_restarts))
 
     raise typer.Exit(_guarded(debug, body))
 
@@ -342,6 +362,7 @@ def ssh(
         float, typer.Option("--startup-timeout", parser=seconds, help="Seconds to wait for every agent.")
     ] = 60.0,
     controller_lease: LeaseOpt = None,
+    max_restarts: MaxRestartsOpt = 0,
     debug: DebugOpt = False,
 ) -> None:
     """Run PROGRAM with an agent started over SSH on every --host."""
@@ -352,6 +373,7 @@ def ssh(
         from art_mega.launch.ssh import default_python, plan_hosts, run_ssh
 
         lease_s = parse_controller_lease(controller_lease)
+        _check_max_restarts(max_restarts)
         planned = plan_hosts(host, ssh_arg or [], port)
         _refuse_loopback(
             [(h.target.text, h.endpoint.host) for h in planned],
@@ -367,7 +389,18 @@ def ssh(
             main = load_program(ref)
             chosen = python or default_python()
             return asyncio.run(
-                run_ssh(main, ref, host, chosen, port, ssh_arg or [], startup_timeout, debug, lease_s)
+                run_ssh(
+                    main,
+                    ref,
+                    host,
+                    chosen,
+                    port,
+                    ssh_arg or [],
+                    startup_timeout,
+                    debug,
+                    lease_s,
+                    max_restarts,
+                )
             )
 
     raise typer.Exit(_guarded(debug, body))
@@ -400,6 +433,56 @@ def skypilot(
         with _reading_ahead():  # before the program imports art-mega's modules
             main = load_program(ref)
             return asyncio.run(run_skypilot(main, ref, node, secret, port, startup_timeout, debug))
+
+    raise typer.Exit(_guarded(debug, body))
+
+
+@app.command()
+def slurm(
+    program: ProgramOpt,
+    port: Annotated[
+        int, typer.Option("--port", parser=integer, help="Agent port on every node; node 0 also uses PORT+1.")
+    ] = 22222,
+    startup_timeout: Annotated[
+        float,
+        typer.Option(
+            "--startup-timeout", parser=seconds, help="Seconds to wait for the agent and for every node."
+        ),
+    ] = 120.0,
+    debug: DebugOpt = False,
+) -> None:
+    """Run PROGRAM across a Slurm allocation: srun --ntasks-per-node=1 art-mega slurm ... (one per node)."""
+
+    def body() -> int:
+        from art_mega.launch.program import load_program, parse_program
+        from art_mega.launch.skypilot import run_skypilot
+        from art_mega.launch.slurm import launch_id_for_job, prepare
+
+        if not 1 <= port <= 65534:
+            raise UserError(f"--port {port} is out of range; use 1..65534 (node 0 also listens on PORT+1)")
+        node, secret = prepare(os.environ)
+        ref = parse_program(program)
+        if node.rank == 0:
+            print(
+                f"art-mega slurm: job {node.job_id}, {node.num_nodes} nodes ({node.names[0]} is the controller), "
+                f"submitted from {node.submit_dir or '?'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        with _reading_ahead():  # before the program imports art-mega's modules
+            main = load_program(ref)
+            return asyncio.run(
+                run_skypilot(
+                    main,
+                    ref,
+                    node.as_group(),
+                    secret,
+                    port,
+                    startup_timeout,
+                    debug,
+                    launch_id=launch_id_for_job(secret, node),
+                )
+            )
 
     raise typer.Exit(_guarded(debug, body))
 

@@ -115,8 +115,12 @@ async def supervise(
     debug: bool = False,
     watchers: Sequence[Callable[[], Awaitable[None]]] = (),
     monitor: AgentMonitor | None = None,
+    lost_out: list[HostLostError] | None = None,
 ) -> int:
     """Run `main(launch)` while watching every agent; return the process exit code.
+
+    `lost_out`, when given, receives the `HostLostError` that ended the program (none when it
+    ended otherwise), so a launcher can restart (`run_with_restarts`).
 
     `watchers` are extra coroutine functions (e.g. one per SSH session) that raise
     `HostLostError` when their host is lost; that cancels the program like a lost heartbeat.
@@ -128,7 +132,7 @@ async def supervise(
     watched = AgentMonitor(clients, expected, _ignore_loss) if monitor is None else monitor
     main_task = asyncio.create_task(main(launch), name="art-mega-program")
     guard.target = main_task
-    lost: list[HostLostError] = []
+    lost: list[HostLostError] = [] if lost_out is None else lost_out
     cutting: list[asyncio.Task[None]] = []
 
     def start_cutting() -> None:
@@ -172,6 +176,7 @@ async def supervise(
             code = 1
         elif isinstance(exc, AgentError) and (found := await _confirm_lost(clients, exc)) is not None:
             code = 1
+            lost.append(found)
             report(f"error: {found}; the program was stopped")
         else:
             code, message = describe_failure(exc, debug)
@@ -190,6 +195,40 @@ async def supervise(
         if owned:
             await watched.stop()
     return code
+
+
+async def run_with_restarts(
+    attempt: Callable[[int], Awaitable[tuple[int, HostLostError | None]]],
+    max_restarts: int,
+    guard: SignalGuard | None = None,
+) -> int:
+    """Run `attempt(n)` (n = 0, 1, ...) until it ends without a lost host, a signal arrives, or
+    `max_restarts` restarts are spent (torchelastic's `--max-restarts`); return the last code.
+
+    `attempt` starts every host, proves it, runs the program and stops every host; it returns
+    its exit code and the `HostLostError` that ended it (None: it ended otherwise). Each restart
+    is reported with its cause on stderr and recorded in `metrics.LAUNCH_RESTARTS`, which a
+    model writes into its run's history.jsonl when the program registers it again (the program
+    resumes from its run's LATEST checkpoint, as any relaunch does).
+    """
+    from art_mega.metrics import LAUNCH_RESTARTS
+
+    number = 0
+    while True:
+        code, lost = await attempt(number)
+        signalled = guard is not None and guard.received is not None
+        if lost is None or signalled or code == 0:
+            return code
+        if number >= max_restarts:
+            if max_restarts:
+                report(f"error: {lost}; no restart left (--max-restarts {max_restarts})")
+            return code
+        number += 1
+        report(
+            f"restart {number}/{max_restarts}: {lost}; every host was stopped, now waiting for the hosts, "
+            "proving the cluster again and rerunning the program (it resumes from LATEST)"
+        )
+        LAUNCH_RESTARTS.append({"restart": number, "max_restarts": max_restarts, "cause": str(lost)})
 
 
 async def _cut_off_unresponsive(launch: ArtLaunchContext, monitor: AgentMonitor) -> None:
@@ -250,16 +289,41 @@ async def run_local(
     startup_timeout_s: float,
     debug: bool = False,
     controller_lease_s: float | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """`art-mega local`: own one loopback agent, run the program, stop the agent.
 
-    `controller_lease_s`: the agent's `--controller-lease` (None: the environment's or 20 s)."""
+    `controller_lease_s`: the agent's `--controller-lease` (None: the environment's or 20 s).
+    A lost agent (killed, frozen) is started again and the program rerun up to `max_restarts`
+    times (`run_with_restarts`)."""
     guard = SignalGuard()
     guard.install()
+    try:
+
+        async def attempt(number: int) -> tuple[int, HostLostError | None]:
+            return await _run_local_once(
+                main, program, port, startup_timeout_s, debug, controller_lease_s, guard
+            )
+
+        return await run_with_restarts(attempt, max_restarts, guard)
+    finally:
+        guard.uninstall()
+
+
+async def _run_local_once(
+    main: Callable[[ArtLaunchContext], Any],
+    program: ProgramRef,
+    port: int,
+    startup_timeout_s: float,
+    debug: bool,
+    controller_lease_s: float | None,
+    guard: SignalGuard,
+) -> tuple[int, HostLostError | None]:
     launch_id = secrets.token_hex(8)
     secret = secrets.token_hex(32).encode()
     agent: LocalAgent | None = None
     clients: list[AgentClient] = []
+    lost: list[HostLostError] = []
     code = 0
     try:
         agent = await start_local_agent(
@@ -279,13 +343,14 @@ async def run_local(
             sys_path=program.sys_path,
             _secret=secret,
         )
-        code = await supervise(main, launch, clients, {"host0": (launch_id, agent.pid)}, guard, debug)
+        code = await supervise(
+            main, launch, clients, {"host0": (launch_id, agent.pid)}, guard, debug, lost_out=lost
+        )
     except asyncio.CancelledError:
         code = 128 + (guard.received or signal.SIGTERM)
     finally:
         await asyncio.shield(_stop_local(agent, clients))
-        guard.uninstall()
-    return code
+    return code, (lost[0] if lost else None)
 
 
 async def _stop_local(agent: LocalAgent | None, clients: list[AgentClient]) -> None:

@@ -68,12 +68,18 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 def _raised_at(exc: BaseException) -> str:
-    """`file:line` of the innermost frame outside the import machinery that raised `exc`."""
+    """`file:line` of the innermost frame outside the import machinery that raised `exc`, skipping
+    a replacement of `sys.exit` that a library installed (wandb's exit hook wraps it), so a
+    program's `sys.exit(...)` is named at its own line."""
+    exit_fn = getattr(sys.exit, "__func__", sys.exit)
+    exit_wrapper = getattr(exit_fn, "__code__", None)
     where = "an unknown line"
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith("<frozen ") and "importlib" not in Path(filename).parts:
+        if tb.tb_frame.f_code is exit_wrapper:
+            pass
+        elif not filename.startswith("<frozen ") and "importlib" not in Path(filename).parts:
             where = f"{filename}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where

@@ -267,11 +267,15 @@ async def run_skypilot(
     port: int,
     startup_timeout_s: float,
     debug: bool = False,
+    launch_id: str | None = None,
 ) -> int:
-    """Run this node's part of the launch and return its exit code."""
+    """Run this node's part of the launch and return its exit code.
+
+    `launch_id` defaults to `launch_id_for(secret, node)` (`art-mega slurm` adds its job id).
+    """
     guard = SignalGuard()
     guard.install()
-    launch_id = launch_id_for(secret, node)
+    launch_id = launch_id or launch_id_for(secret, node)
     agent: LocalAgent | None = None
     server = None
     peers: dict[int, tuple[int, str, asyncio.StreamWriter]] = {}

@@ -20,7 +20,7 @@ from art_mega.agent.client import AgentClient
 from art_mega.agent.lease import DEFAULT_CONTROLLER_LEASE_S
 from art_mega.errors import EXIT_CODES, AgentError, HostLostError, UserError
 from art_mega.launch.context import ArtLaunchContext
-from art_mega.launch.controller import UNRESPONSIVE_AFTER_S, SignalGuard, report, supervise
+from art_mega.launch.controller import UNRESPONSIVE_AFTER_S, SignalGuard, report, run_with_restarts, supervise
 from art_mega.launch.program import ProgramRef
 from art_mega.launch.ssh_session import AgentSession, agent_command, connect
 from art_mega.launch.ssh_target import (
@@ -193,36 +193,103 @@ async def run_ssh(
     startup_timeout_s: float,
     debug: bool = False,
     controller_lease_s: float = DEFAULT_CONTROLLER_LEASE_S,
+    max_restarts: int = 0,
 ) -> int:
     """Start agents over SSH on every host, run `main(launch)`, and stop every host (bounded).
 
     Every agent runs with `--controller-lease controller_lease_s`; this controller's heartbeats
-    hold each lease from the moment that agent is proven until it is stopped.
+    hold each lease from the moment that agent is proven until it is stopped. When a host is
+    lost, up to `max_restarts` times: every host is stopped, the same hosts are started again
+    (retrying each for up to `startup_timeout_s` plus the lease, the time a cut-off agent takes
+    to give up its port) with a new launch id and secret, and the program runs again
+    (`controller.run_with_restarts`).
     """
     hosts = plan_hosts(host_values, ssh_args, port)
     for host in hosts:
         refuse_existing_listener(host.endpoint, f"--host {host.target.text!r} worker address")
     guard = SignalGuard()
     guard.install()
+    try:
+
+        async def attempt(number: int) -> tuple[int, HostLostError | None]:
+            fresh = [SshHost(h.target, h.spec, h.endpoint) for h in hosts]
+            wait_s = startup_timeout_s + (controller_lease_s + STOP_GRACE_S if number else 0.0)
+            return await _run_once(
+                main, program, fresh, python, startup_timeout_s, debug, controller_lease_s, guard, wait_s
+            )
+
+        return await run_with_restarts(attempt, max_restarts, guard)
+    finally:
+        guard.uninstall()
+
+
+async def _start_host_retrying(
+    host: SshHost,
+    python: str,
+    launch_id: str,
+    secret: bytes,
+    timeout_s: float,
+    lease_s: float,
+    monitor: AgentMonitor,
+    wait_s: float,
+) -> None:
+    """`_start_host`, tried again (after closing what a try left) until `wait_s` seconds have
+    passed: after a restart the host may still be unreachable or its old agent may still hold
+    the port until its lease runs out."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            await _start_host(host, python, launch_id, secret, timeout_s, lease_s, monitor)
+            return
+        except (UserError, AgentError, OSError) as exc:
+            if loop.time() + 1.0 > deadline:
+                raise
+            if host.session is not None or host.client is not None:
+                await _stop_host(host, unresponsive=True)
+            host.session, host.client, host.pid = None, None, None
+            report(f"waiting for host {host.label}: {str(exc)[:200]}")
+            await asyncio.sleep(1.0)
+
+
+async def _run_once(
+    main: Callable[[ArtLaunchContext], Any],
+    program: ProgramRef,
+    hosts: list[SshHost],
+    python: str,
+    startup_timeout_s: float,
+    debug: bool,
+    controller_lease_s: float,
+    guard: SignalGuard,
+    wait_s: float,
+) -> tuple[int, HostLostError | None]:
+    """One launch over `hosts`: start and prove every agent, run the program, stop every host."""
     launch_id = secrets.token_hex(8)
     secret = secrets.token_hex(32).encode()
     code = 0
+    lost: list[HostLostError] = []
     monitor = AgentMonitor([], {}, lambda exc: None)
     monitor.start()
     try:
-        results = await asyncio.gather(
-            *(
+        if wait_s > startup_timeout_s:
+            starts = [
+                _start_host_retrying(
+                    h, python, launch_id, secret, startup_timeout_s, controller_lease_s, monitor, wait_s
+                )
+                for h in hosts
+            ]
+        else:
+            starts = [
                 _start_host(h, python, launch_id, secret, startup_timeout_s, controller_lease_s, monitor)
                 for h in hosts
-            ),
-            return_exceptions=True,
-        )
+            ]
+        results = await asyncio.gather(*starts, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise failures[0]
         if monitor.lost is not None:  # a host proven early was lost while the others started
             report(f"error: {monitor.lost}")
-            return 1
+            return 1, monitor.lost
         controller_rank = next((i for i, h in enumerate(hosts) if _is_local_address(h.endpoint.host)), 0)
         launch = ArtLaunchContext(
             worker_addresses=tuple(h.endpoint.address for h in hosts),
@@ -242,17 +309,19 @@ async def run_ssh(
             debug,
             [_session_watcher(h) for h in hosts],
             monitor=monitor,
+            lost_out=lost,
         )
     except asyncio.CancelledError:
         code = 128 + (guard.received or signal.SIGTERM)
     finally:
         monitor.on_lost = lambda exc: None
         silent = {c.address for c in monitor.unresponsive(UNRESPONSIVE_AFTER_S)}
+        if lost:
+            silent.add(lost[0].address)
         await asyncio.shield(_stop_hosts(hosts, silent, monitor))
-        guard.uninstall()
     if guard.received is not None:
         code = 128 + guard.received
-    return code
+    return code, (lost[0] if lost else None)
 
 
 def default_python() -> str:

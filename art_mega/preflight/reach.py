@@ -40,7 +40,7 @@ def check_artifact_root_reach(topology: CompiledTopology) -> None:
     and reads the manifest of rank 0's checkpoints there. With `ClusterSpec.shared_artifact_root=False`
     that needs trainer rank 0 on the controller's host; ranks on other hosts get their batches
     through their agents (`art_mega.backend.remote_trainer_hosts`), commit their own hosts'
-    checkpoint folders (`trainer.jobs.write_checkpoint`), and adapters reach replica hosts over NIXL.
+    checkpoint folders (`trainer.rank.jobs.write_checkpoint`), and adapters reach replica hosts over NIXL.
 
     Raises:
         UserError: artifact_root is host-local and trainer rank 0 runs on another host.

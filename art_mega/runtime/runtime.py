@@ -26,8 +26,8 @@ from art_mega.preflight.protocol import (
     HostFacts,
     PreflightPrepareRequest,
 )
-from art_mega.rollouts.executor import RolloutExecutor
 from art_mega.rollouts.installed import InstalledAsyncCallable
+from art_mega.rollouts.remote import RolloutExecutor
 from art_mega.runtime.local_agent import LocalAgent, start_local_agent
 from art_mega.runtime.monitor import AgentMonitor
 from art_mega.runtime.open_ports import choose_ports_on_agents

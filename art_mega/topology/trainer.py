@@ -39,7 +39,7 @@ class TrainerSpec(SpecModel):
     """Intra-op threads (torch.set_num_threads) a rank uses while it runs a train job; between
     jobs it holds one. None: on a CPU rank, the cores of its CPU affinity divided among the CPU
     ranks of its host, because the replicas are idle while the trainer trains, but no more than
-    the cores not busy at the job's start (at least 1; `trainer.rank_main.train_threads`); on a
+    the cores not busy at the job's start (at least 1; `trainer.rank.main.train_threads`); on a
     GPU rank, torch's default. More than the rank's cores is refused at its start."""
     master_port: ListenPort | None = None
 
@@ -64,8 +64,8 @@ class TrainerSpec(SpecModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(field, sentence) of the first size art-mega's trainer cannot run yet, or None.
 
-        pp > 1 with cp > 1: pipeline stages do not split context-parallel rows (`trainer/engine.py`);
-        etp > 1: expert-tensor parallelism with LoRA is not built (`trainer/lora.py`), and
+        pp > 1 with cp > 1: pipeline stages do not split context-parallel rows (`trainer/rank/engine.py`);
+        etp > 1: expert-tensor parallelism with LoRA is not built (`trainer/rank/lora.py`), and
         training is LoRA only. Whether a model can be split into pp stages needs its config
         (`model_builder.check_pipeline`, at register). `compile_topology` raises it as a
         `TopologyError` (and `MegatronBackend.register` and a rank's `init_parallel` again, for a

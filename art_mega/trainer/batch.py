@@ -2,7 +2,7 @@
 
 Shapes: B packed rows of S tokens. Several documents share a row; `segment_ids` tells them
 apart so no token attends across documents. A document is one token sequence of a trajectory
-(see `trainer.tokenize`: one per history, more where a turn is trained in its own context); all
+(see `trainer.prepare.tokenize`: one per history, more where a turn is trained in its own context); all
 documents of one trajectory carry its advantage and weight. Token t of a row is
 predicted from tokens < t of its own document; the per-token fields below describe token t.
 """

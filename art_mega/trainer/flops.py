@@ -30,14 +30,14 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
   kernel's recomputation of the scores is hardware work, not model FLOPs). The LoRA factors are
   trained: their input and weight gradients are both counted (Hu et al. 2021, "LoRA").
 - No activation recomputation: the families' `TransformerConfig` leaves `recompute_granularity`
-  None (tests/unit/test_flops.py pins it), and the only checkpointed piece of the step, the
+  None (tests/unit/trainer/test_flops.py pins it), and the only checkpointed piece of the step, the
   chunked cross entropy (`logprobs.token_logprobs`), recomputes a softmax, not a matmul.
 - The step is one forward with gradients and its backward: a loss that reads a KL reference
   (`GRPOLossConfig.needs_reference`) or recomputes the old policy's logprobs (`recomputes_old`)
   runs one more forward without gradients per microbatch, which this count does not include.
 - MoE layers: the router (h -> experts) for every token and the top-k experts' SwiGLU MLPs for
   every token (`top_k` expert passes per token, whatever the balance between experts); each
-  expert's linear_fc1 / linear_fc2 carries its own adapter, as `trainer.lora.apply_lora` puts them.
+  expert's linear_fc1 / linear_fc2 carries its own adapter, as `trainer.rank.lora.apply_lora` puts them.
   Megatron's router backward also forms the frozen router weight's gradient
   (`moe_utils.RouterGatingLinearFunction`), 2 h E per token and layer: work the model does not
   need, so not model FLOPs and not counted (tests/trainer/test_flops_engine.py shows it apart).

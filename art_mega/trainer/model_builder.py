@@ -108,7 +108,7 @@ def check_pipeline(family: FamilySpec[Any], args: Any, pp: int, model_dir: str |
 
 def read_model_args(model_dir: str | os.PathLike[str]) -> tuple[FamilySpec[Any], Any]:
     """The family and its architecture arguments of the HF model in `model_dir` (config.json
-    only, no torch; `trainer.memory_plan` sizes the model from them). Raises `UserError` as
+    only, no torch; `trainer.prepare.memory_plan` sizes the model from them). Raises `UserError` as
     `check_model_fits` does."""
     config = read_hf_config(model_dir)
     args = _model_args(config, model_dir)

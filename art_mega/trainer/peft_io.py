@@ -38,7 +38,7 @@ from art_mega.trainer.protocol import LoraConfig
 if TYPE_CHECKING:
     import torch
 
-    from art_mega.trainer.lora import LoraLinear
+    from art_mega.trainer.rank.lora import LoraLinear
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -170,7 +170,7 @@ def export_adapter(
     """
     import torch
 
-    from art_mega.trainer.lora import lora_layers
+    from art_mega.trainer.rank.lora import lora_layers
 
     tensors: dict[str, torch.Tensor] = {}
     expert_tensors: dict[str, torch.Tensor] = {}
@@ -232,7 +232,7 @@ def import_adapter(
     """
     import torch
 
-    from art_mega.trainer.lora import lora_layers
+    from art_mega.trainer.rank.lora import lora_layers
 
     directory = Path(adapter_dir)
     found, tensors = read_adapter(directory)

@@ -1,5 +1,5 @@
 """Every message of the trainer service, typed: controller <-> agent (the /trainer/* routes) and
-agent <-> rank (newline-delimited JSON on the inherited socket, see `trainer.host`).
+agent <-> rank (newline-delimited JSON on the inherited socket, see `trainer.routes`).
 
 One GRPO step crosses these hops, and each carries one of the models below, built by its sender
 (`model_dump_json()`) and validated by its receiver (`model_validate_json()`):
@@ -62,7 +62,7 @@ Step = Annotated[int, Field(ge=0, strict=True)]
 
 
 class LoraConfig(_Body):
-    """The adapter's LoRA, applied on the rank by `trainer.lora.apply_lora`.
+    """The adapter's LoRA, applied on the rank by `trainer.rank.lora.apply_lora`.
 
     Built in Python (the controller, a `TrainerEngine` user), a rank < 1, no target, an unknown
     target or part of a fused layer's HF names raises `UserError` (one sentence); in a JSON
@@ -113,7 +113,7 @@ class LoraConfig(_Body):
 
 class OptimizerConfig(_Body):
     """AdamW over the LoRA parameters (Megatron's optimizer; decoupled weight decay), built by
-    `trainer.engine.TrainerEngine`. `backend.art_optimizer` sends ART's defaults."""
+    `trainer.rank.engine.TrainerEngine`. `backend.art_optimizer` sends ART's defaults."""
 
     lr: Finite = Field(default=1e-5, gt=0)
     """The default learning rate (a `train_step`, so each job, may pass its own)."""
@@ -191,7 +191,7 @@ class RankConfig(_Body):
 
 
 class GRPOLossConfig(_Body):
-    """The GRPO loss of an `RLJob`: the hyper-parameters of `trainer.loss.grpo_loss`. The defaults
+    """The GRPO loss of an `RLJob`: the hyper-parameters of `trainer.rank.loss.grpo_loss`. The defaults
     are the plain clipped-PPO objective; `backend.train` sends ART's defaults (CISPO with epsilon
     1.0 / epsilon_high 4.0).
 
@@ -396,7 +396,7 @@ class Failed(_Body):
     read as a job). `error` is "<error_type>: <message>".
 
     dirty: the rank's weights or optimizer state may be ahead of its last checkpoint, so it
-    refuses training jobs until it is restarted (`rank_main`); False when it failed untouched.
+    refuses training jobs until it is restarted (`rank.main`); False when it failed untouched.
     """
 
     kind: Literal["failed"] = "failed"

@@ -41,7 +41,7 @@ def _history(workdir: Path, project: str, name: str) -> tuple[Path, list[dict]]:
 
 async def test_sft_from_a_jsonl_file(workdir, tiny_tokenizer):
     from art_mega.sft import read_sft_jsonl
-    from art_mega.trainer.tokenize import sft_documents
+    from art_mega.trainer.prepare.tokenize import sft_documents
     from tests.art_compat import sft_from_file
 
     await sft_from_file.main()

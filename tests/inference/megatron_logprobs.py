@@ -18,9 +18,9 @@ import torch
 def main(spec_path: str, out_path: str) -> None:
     from art_mega.agent.ports import free_port
     from art_mega.trainer.batch import TrainBatch
-    from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.parallel import destroy_parallel
     from art_mega.trainer.protocol import LoraConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.parallel import destroy_parallel
     from tests.trainer.tp_worker import join
 
     torch.set_num_threads(1)

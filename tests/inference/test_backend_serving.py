@@ -411,7 +411,7 @@ async def test_grad_accumulation_sequences_takes_one_optimizer_step_per_packed_r
     row of P tokens the call's sequences pack into (counted here by packing them as the backend
     does), all in one new checkpoint; the rank's update count moves by that many."""
     from art_mega.trainer.batch import pack
-    from art_mega.trainer.tokenize import grpo_documents
+    from art_mega.trainer.prepare.tokenize import grpo_documents
 
     backend, model = setup.backend, setup.model
     step = await model.get_step()
@@ -439,7 +439,7 @@ async def test_arts_default_takes_one_optimizer_step_per_packed_row(setup: Setup
     optimizer step per packed row (rows of `packed_sequence_length` here, so there are several),
     all in one new checkpoint."""
     from art_mega.trainer.batch import pack_steps
-    from art_mega.trainer.tokenize import grpo_documents
+    from art_mega.trainer.prepare.tokenize import grpo_documents
 
     backend, model = setup.backend, setup.model
     step = await model.get_step()

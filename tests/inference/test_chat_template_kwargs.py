@@ -85,7 +85,7 @@ async def prompt_ids(url: str, messages: list[dict], **body: object) -> list[int
 async def test_the_replica_prompt_and_the_trainer_tokens_agree(url: str, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from art_mega.trainer.tokenize import tokenize_history
+    from art_mega.trainer.prepare.tokenize import tokenize_history
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     served = await prompt_ids(url, CONVERSATION)

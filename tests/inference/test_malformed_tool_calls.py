@@ -21,7 +21,7 @@ import pytest
 
 from art_mega.inference import PolicyRouter, ReplicaEndpoint
 from art_mega.inference.policy_client import policy_client
-from art_mega.trainer.tokenize import _sampled_message, tokenize_history
+from art_mega.trainer.prepare.tokenize import _sampled_message, tokenize_history
 from tests.helpers import trained_turns
 from tests.inference.common import VLLM_PYTHON
 from tests.inference.conftest import MODEL_NAME, Policy, Served

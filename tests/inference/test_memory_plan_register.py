@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from art_mega.trainer.memory_plan import PLAN_FILE, read_plan
+from art_mega.trainer.prepare.memory_plan import PLAN_FILE, read_plan
 from tests.inference.conftest import Policy
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(1200)]

@@ -1,6 +1,6 @@
 """A replica (started as launches start it: `--logprobs-mode processed_logprobs`) reports the
 logprobs of the distribution it sampled from: HF's logits divided by the temperature and
-truncated by min_p / top_k / top_p (`trainer.logprobs._row_threshold`, which
+truncated by min_p / top_k / top_p (`trainer.rank.logprobs._row_threshold`, which
 tests/trainer/test_sampled_distribution.py checks against vLLM's own sampler functions)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ async def test_the_replica_reports_processed_logprobs(
     import torch
     from openai import AsyncOpenAI
 
-    from art_mega.trainer.logprobs import _row_threshold
+    from art_mega.trainer.rank.logprobs import _row_threshold
 
     async with AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0) as client:
         reply = await client.chat.completions.create(

@@ -7,7 +7,7 @@ import pytest
 
 from art_mega.inference import PolicyRouter, ReplicaEndpoint
 from art_mega.inference.policy_client import policy_client
-from art_mega.trainer.tokenize import tokenize_history
+from art_mega.trainer.prepare.tokenize import tokenize_history
 from tests.helpers import trained_turns
 from tests.inference.conftest import MODEL_NAME, Served
 

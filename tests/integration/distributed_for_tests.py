@@ -1,4 +1,4 @@
-"""Rollouts for tests/integration/test_distributed_api.py and tests/unit/test_distributed_api.py:
+"""Rollouts for tests/integration/test_distributed_api.py and tests/unit/distributed/test_distributed_api.py:
 where a call ran, and what a typed `TrainableModel[Policy]` looks like on the worker."""
 
 import os

@@ -16,8 +16,8 @@ import pytest
 
 from art_mega.agent.client import AgentClient
 from art_mega.agent.listeners import listener_pids
-from art_mega.rollouts.executor import start_rollout_workers
 from art_mega.rollouts.installed import InstalledAsyncCallable
+from art_mega.rollouts.remote import start_rollout_workers
 from art_mega.runtime.monitor import AgentMonitor
 from tests.conftest import REPO, cli_env, run_cli, wait_gone
 from tests.integration import rollouts_for_tests as r

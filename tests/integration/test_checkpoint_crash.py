@@ -6,7 +6,7 @@ are driven by `TrainerService` with the jobs, checkpoint folders and commit poin
 
 Where the kill lands: a save of the tiny model takes milliseconds, so watching the folder and
 killing would race it. The ranks run with `$ART_MEGA_TEST_SAVE_PAUSE` (documented in
-`art_mega.trainer.jobs`): while the named file exists, each rank waits inside `write_checkpoint`
+`art_mega.trainer.rank.jobs`): while the named file exists, each rank waits inside `write_checkpoint`
 after its adapter and optimizer-state file are written into the staging folder and before the
 folder is renamed. The test sees both ranks' state files appear there (the real save got that
 far) and SIGKILLs rank 1 at that point.
@@ -26,7 +26,7 @@ from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
 from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig, RLJob
-from art_mega.trainer.service import TrainerService
+from art_mega.trainer.remote import TrainerService
 from tests.helpers import loopback_cluster
 
 pytest.importorskip("megatron.core", reason="trainer ranks need megatron-core (the trainer-cpu extra)")
@@ -148,7 +148,7 @@ async def test_a_rank_killed_mid_save_leaves_the_last_commit_and_the_next_run_re
 
 
 def test_check_job_step_names_the_expected_step():
-    from art_mega.trainer.jobs import StepOrderError, check_job_step
+    from art_mega.trainer.rank.jobs import StepOrderError, check_job_step
 
     assert check_job_step("export", 0, None) == 0
     assert check_job_step("sft", 8, 7) == 8

@@ -20,7 +20,7 @@ from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.trainer.checkpoint import read_commit, write_commit
 from art_mega.trainer.protocol import EngineConfig, ExportJob, LoraConfig
-from art_mega.trainer.service import TrainerService
+from art_mega.trainer.remote import TrainerService
 from tests.helpers import loopback_cluster
 from tests.integration.test_checkpoint_crash import adapter_sha256, rl_job, wait_for
 

@@ -5,7 +5,7 @@ name that is not cached is refused in its sentence. Both exit 2 before any train
 replica starts."""
 
 from tests.conftest import cli_env, run_cli
-from tests.unit.test_hub_models import write_hf_cache
+from tests.unit.basemodels.test_hub_models import write_hf_cache
 
 PROGRAM = "tests/integration/programs/prog_register_split.py:main"
 

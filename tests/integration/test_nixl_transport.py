@@ -36,7 +36,6 @@ from art_mega.agent.ports import free_port
 from art_mega.errors import AdapterTransferError, UserError
 from art_mega.runtime.runtime import ArtRuntime
 from art_mega.topology import InferenceSpec, TrainerSpec, compile_topology
-from art_mega.transfer.adapters import adapter_transport_for
 from art_mega.transfer.nixl import AdapterTransfers
 from art_mega.transfer.protocol import (
     ADAPTERS_FETCH,
@@ -45,6 +44,7 @@ from art_mega.transfer.protocol import (
     FetchResponse,
     OfferRequest,
 )
+from art_mega.transfer.remote import adapter_transport_for
 from tests.conftest import REPO, cli_env, wait_gone
 from tests.helpers import loopback_cluster
 from tests.inference.common import VLLM_PYTHON, make_adapter, vllm_unavailable_reason

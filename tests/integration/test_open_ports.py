@@ -11,7 +11,7 @@ import socket
 from art_mega import ArtRuntime, InferenceSpec, TrainerSpec, compile_topology
 from art_mega.inference.replica import check_port_free
 from art_mega.inference.router import ReplicaEndpoint
-from art_mega.trainer.service import TrainerService
+from art_mega.trainer.remote import TrainerService
 from tests.helpers import loopback_cluster
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from art_mega.errors import BaseModelError
 from art_mega.trainer import checkpoint as ckpt
-from tests.unit.test_warm_start_checks import PREFIX, adapter_tensors, write_adapter
+from tests.unit.trainer.test_warm_start_checks import PREFIX, adapter_tensors, write_adapter
 
 pytestmark = pytest.mark.asyncio
 

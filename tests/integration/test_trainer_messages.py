@@ -20,7 +20,6 @@ from art_mega.agent.supervisor import Supervisor
 from art_mega.errors import TrainerJobError
 from art_mega.runtime.local_agent import start_local_agent
 from art_mega.topology import EndpointSpec
-from art_mega.trainer.host import TrainerRanks
 from art_mega.trainer.protocol import (
     Done,
     Failed,
@@ -31,7 +30,8 @@ from art_mega.trainer.protocol import (
     TrainerRankLaunch,
     TrainerStartRequest,
 )
-from art_mega.trainer.service import TrainerService
+from art_mega.trainer.remote import TrainerService
+from art_mega.trainer.routes import TrainerRanks
 from tests.helpers import loopback_cluster
 
 SECRET = secrets.token_hex(32).encode()

@@ -12,7 +12,7 @@ from art_mega.agent.ports import free_port
 from art_mega.errors import TrainerJobError
 from art_mega.readahead import listing_path
 from art_mega.trainer.protocol import PingJob
-from art_mega.trainer.service import TrainerService
+from art_mega.trainer.remote import TrainerService
 from tests.helpers import loopback_cluster
 
 pytest.importorskip("megatron.core", reason="trainer ranks need megatron-core (the trainer-cpu extra)")

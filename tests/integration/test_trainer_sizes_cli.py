@@ -8,7 +8,7 @@ Before: `compile_topology(TrainerSpec(pp=2))` compiled, and every started traine
 import pytest
 
 from tests.conftest import cli_env, run_cli
-from tests.unit.test_topology_compile import ETP_REFUSED, PP_REFUSED
+from tests.unit.topology.test_topology_compile import ETP_REFUSED, PP_REFUSED
 
 
 @pytest.mark.parametrize(

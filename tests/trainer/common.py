@@ -51,8 +51,8 @@ def megatron_logits(built, ids):
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from art_mega.trainer.cp_attention import gather_from_cp_ranks
-    from art_mega.trainer.logprobs import forward_logits
+    from art_mega.trainer.rank.cp_attention import gather_from_cp_ranks
+    from art_mega.trainer.rank.logprobs import forward_logits
 
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():

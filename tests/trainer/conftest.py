@@ -36,8 +36,8 @@ def megatron_world() -> Iterator[object]:
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
-    from art_mega.trainer.cpu_compat import remove_cpu_compat
-    from art_mega.trainer.parallel import destroy_parallel, init_parallel
+    from art_mega.trainer.rank.cpu_compat import remove_cpu_compat
+    from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
     rank = TrainerRank(rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 1))
     state = init_parallel(rank, TrainerSpec(), 1, master_addr="127.0.0.1", master_port=free_port())

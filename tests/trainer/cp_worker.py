@@ -18,7 +18,7 @@ from art_mega.topology.compiled import TrainerRank
 from art_mega.topology.groups import rank_coordinates
 from art_mega.topology.trainer import TrainerSpec
 from art_mega.trainer.model_builder import build_megatron_model
-from art_mega.trainer.parallel import ParallelState, destroy_parallel, init_parallel
+from art_mega.trainer.rank.parallel import ParallelState, destroy_parallel, init_parallel
 from tests.trainer.common import input_ids, megatron_logits
 from tests.trainer.engine_scenarios import training
 
@@ -52,8 +52,8 @@ def packed_forward(built: Any) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from art_mega.trainer.cp_attention import gather_from_cp_ranks
-    from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
+    from art_mega.trainer.rank.cp_attention import gather_from_cp_ranks
+    from art_mega.trainer.rank.logprobs import forward_logits, token_entropy, token_logprobs
 
     rows = packed_rows(built.vocab_size)
     with torch.no_grad():
@@ -91,8 +91,8 @@ def megatron_split(state: ParallelState) -> dict[str, bool]:
     from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from art_mega.trainer.cp_attention import cp_attention_mask, cp_token_indices
-    from art_mega.trainer.logprobs import packed_attention_mask
+    from art_mega.trainer.rank.cp_attention import cp_attention_mask, cp_token_indices
+    from art_mega.trainer.rank.logprobs import packed_attention_mask
 
     length = 24
     segments = torch.nn.functional.pad(packed_rows(768)["segment_ids"], (0, length - PACKED_LEN))

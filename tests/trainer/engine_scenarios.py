@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from art_mega.trainer.advantages import group_advantages, token_weight
 from art_mega.trainer.batch import Document, TrainBatch, pack
-from art_mega.trainer.engine import TrainerEngine
-from art_mega.trainer.lora import lora_parameters
-from art_mega.trainer.parallel import ParallelState
+from art_mega.trainer.prepare.advantages import group_advantages, token_weight
 from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig, OptimizerConfig
+from art_mega.trainer.rank.engine import TrainerEngine
+from art_mega.trainer.rank.lora import lora_parameters
+from art_mega.trainer.rank.parallel import ParallelState
 from tests.trainer.common import input_ids, megatron_logits
 
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from art_mega.trainer.parallel import destroy_parallel
+from art_mega.trainer.rank.parallel import destroy_parallel
 from tests.trainer.engine_scenarios import run_all, training
 from tests.trainer.tp_worker import join
 

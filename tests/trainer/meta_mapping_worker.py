@@ -67,11 +67,11 @@ def _expert_module_exists(hf_params: dict[str, Any], parent: str, hf_module: str
 def main(in_path: str, out_path: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from art_mega.trainer.cpu_compat import apply_cpu_compat
     from art_mega.trainer.families import family_for
     from art_mega.trainer.families.spec import ParallelLayout
-    from art_mega.trainer.lora import apply_lora
     from art_mega.trainer.protocol import LoraConfig
+    from art_mega.trainer.rank.cpu_compat import apply_cpu_compat
+    from art_mega.trainer.rank.lora import apply_lora
 
     spec = json.load(open(in_path))
     config, tp, ep = spec["config"], int(spec["tp"]), int(spec["ep"])

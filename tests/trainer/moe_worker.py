@@ -14,7 +14,7 @@ def join(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, etp: int
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
-    from art_mega.trainer.parallel import init_parallel
+    from art_mega.trainer.rank.parallel import init_parallel
 
     coordinates = rank_coordinates(rank, world, tp=tp, ep=ep, etp=etp)
     row = TrainerRank(rank=rank, host_id="local", local_rank=rank, **coordinates)
@@ -25,7 +25,7 @@ def join(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, etp: int
 def three_steps(state, model_dir: str, out: Path, *, dp_split: bool) -> dict:
     """The 3 GRPO steps of `engine_scenarios.training` (same batch, losses, LoRA and optimizer)
     and the export of the adapter, without its resume and import round trip."""
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.rank.engine import TrainerEngine
     from tests.trainer.common import input_ids, megatron_logits
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER, STEP_LOSSES, grpo_batch, rows
 
@@ -52,7 +52,7 @@ def main(rank: int, world: int, out: Path, port: int, models: dict[str, str]) ->
     import torch
 
     from art_mega.trainer.model_builder import build_megatron_model
-    from art_mega.trainer.parallel import destroy_parallel
+    from art_mega.trainer.rank.parallel import destroy_parallel
     from tests.trainer.common import input_ids, megatron_logits
     from tests.trainer.engine_scenarios import training
 

@@ -34,7 +34,7 @@ def join(rank: int, world: int, port: int, **sizes: int):
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
-    from art_mega.trainer.parallel import init_parallel
+    from art_mega.trainer.rank.parallel import init_parallel
 
     row = TrainerRank(rank=rank, host_id="local", local_rank=rank, **rank_coordinates(rank, world, **sizes))
     return init_parallel(
@@ -50,8 +50,8 @@ def pipeline_steps(state, model_dir: str, out: Path) -> dict[str, Any]:
     Without gradient clipping (`PP_OPTIMIZER`): the clip coefficient comes from the global norm,
     a sum whose order depends on the layout, and would make the weights differ in their last
     bits; without it, pipeline stages compute exactly what one process does."""
-    from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.lora import lora_parameters
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.lora import lora_parameters
     from tests.trainer.engine_scenarios import LORA, STEP_LOSSES, grpo_batch, rows
 
     engine = TrainerEngine(model_dir, state, lora=LORA, optimizer=PP_OPTIMIZER)
@@ -75,7 +75,7 @@ def pipeline_steps(state, model_dir: str, out: Path) -> dict[str, Any]:
 def main(rank: int, world: int, out: Path, port: int, pairs: dict[str, str]) -> None:
     import torch
 
-    from art_mega.trainer.parallel import destroy_parallel
+    from art_mega.trainer.rank.parallel import destroy_parallel
 
     torch.set_num_threads(1)
     layout = LAYOUTS[pairs["layout"]]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from art_mega.trainer.model_builder import build_megatron_model
-from art_mega.trainer.parallel import destroy_parallel
+from art_mega.trainer.rank.parallel import destroy_parallel
 from tests.trainer.common import input_ids, megatron_logits
 from tests.trainer.engine_scenarios import training
 from tests.trainer.tp_worker import join
@@ -22,7 +22,7 @@ def packed_logits(built, ids):
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from art_mega.trainer.logprobs import forward_logits
+    from art_mega.trainer.rank.logprobs import forward_logits
 
     length = ids.shape[1]
     segments = torch.cat([torch.ones(ids.shape[0], 10), 2 * torch.ones(ids.shape[0], length - 10)], 1).long()

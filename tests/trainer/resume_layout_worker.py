@@ -37,8 +37,8 @@ def main(rank: int, world: int, out: Path, ports: tuple[int, int], model_dir: st
     import torch
 
     from art_mega.trainer import checkpoint
-    from art_mega.trainer.engine import TrainerEngine, _sub_optimizers
-    from art_mega.trainer.parallel import destroy_parallel
+    from art_mega.trainer.rank.engine import TrainerEngine, _sub_optimizers
+    from art_mega.trainer.rank.parallel import destroy_parallel
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER, grpo_batch, rows
     from tests.trainer.engine_scenarios import STEP_LOSSES as LOSSES
 

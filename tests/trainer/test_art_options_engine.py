@@ -49,8 +49,8 @@ def by_hand(
 def test_art_options_train_as_computed_by_hand(megatron_world, tiny_llama_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)
@@ -86,9 +86,9 @@ def test_a_step_takes_its_own_weight_decay_and_clip(megatron_world, tiny_llama_d
     import torch
     from transformers import AutoTokenizer
 
-    from art_mega.trainer.engine import TrainerEngine, _sub_optimizers
-    from art_mega.trainer.lora import lora_parameters
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine, _sub_optimizers
+    from art_mega.trainer.rank.lora import lora_parameters
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)
@@ -119,8 +119,8 @@ def test_kl_against_a_reference_adapter(megatron_world, tiny_llama_dir: Path, tm
     earlier step here), and the trained LoRA is itself again after the reference pass."""
     from transformers import AutoTokenizer
 
-    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)

@@ -69,7 +69,7 @@ def test_cpu_rope_cp_slice(megatron_world, only_patch) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 
-    from art_mega.trainer import cpu_compat
+    from art_mega.trainer.rank import cpu_compat
 
     angles = torch.arange(16.0).reshape(8, 1, 1, 2)
     group = mpu.get_context_parallel_group()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from art_mega.errors import UserError
-from art_mega.trainer import cpu_compat
+from art_mega.trainer.rank import cpu_compat
 from tests.trainer.common import require_trainer_deps
 
 require_trainer_deps()

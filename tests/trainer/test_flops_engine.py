@@ -19,10 +19,10 @@ def test_engine_step_runs_the_counted_matmuls(megatron_world, tiny_dirs: dict[st
 
     from art_mega.basemodels.tiny_moe import build_tiny_moe
     from art_mega.trainer.batch import Document, pack
-    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.flops import ModelShape, step_flops
     from art_mega.trainer.hf_checkpoint import read_hf_config
     from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     model_dir = tiny_dirs["qwen3"] if model == "qwen3" else build_tiny_moe(tmp_path / "moe")
     engine = TrainerEngine(model_dir, megatron_world, lora=LoraConfig(rank=4))
@@ -58,5 +58,5 @@ def test_engine_step_runs_the_counted_matmuls(megatron_world, tiny_dirs: dict[st
     linears = ops.get("mm", 0) + ops.get("addmm", 0)
     assert linears == expected.total - expected.attention + router_weight_grad, ops
     # CPU SDPA runs the fused flash kernel, which FlopCounterMode has no formula for: the
-    # attention terms are checked against eager attention in tests/unit/test_flops.py
+    # attention terms are checked against eager attention in tests/unit/trainer/test_flops.py
     assert set(ops) <= {"mm", "addmm", "bmm"}, ops

@@ -46,7 +46,7 @@ def rows(batch: TrainBatch, first: int, last: int) -> TrainBatch:
 
 
 def lora(engine: Any) -> dict[str, Any]:
-    from art_mega.trainer.lora import lora_parameters
+    from art_mega.trainer.rank.lora import lora_parameters
 
     return {name: p.detach().clone() for name, p in lora_parameters(engine.ddp.module).items()}
 
@@ -56,7 +56,7 @@ def fresh(megatron_world, tiny_dirs: dict[str, Path]) -> Any:
     """Builds n identical fresh engines of the tiny llama (one thread: tiny matrices)."""
     import torch
 
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -70,7 +70,7 @@ def fresh(megatron_world, tiny_dirs: dict[str, Path]) -> Any:
 
 
 def run_job(engine: Any, world: Any, batch: TrainBatch, tmp_path: Path, **job: Any) -> dict[str, float]:
-    from art_mega.trainer.jobs import run_train_job
+    from art_mega.trainer.rank.jobs import run_train_job
 
     (tmp_path / "batch").mkdir()
     batch.save(tmp_path / "batch" / "dp0.safetensors")

@@ -18,8 +18,8 @@ def test_chunked_logprobs_and_gradients_equal_unchunked(
 ) -> None:
     import torch
 
-    from art_mega.trainer.logprobs import forward_logits, token_logprobs
     from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.logprobs import forward_logits, token_logprobs
 
     built = build_megatron_model(tiny_dirs["llama"])
     ids = input_ids(built.vocab_size)
@@ -56,8 +56,8 @@ def test_an_engine_step_with_chunks_equals_the_unchunked_step(megatron_world, ti
     the reference / old-policy recomputations: the same loss, KL and gradient norm."""
     from transformers import AutoTokenizer
 
-    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER
     from tests.trainer.test_lora_engine import ADAM_DRIFT_TOLERANCE
     from tests.trainer.test_plain_assistant_engine import plain_turn_batch

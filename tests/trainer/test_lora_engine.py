@@ -32,7 +32,7 @@ measured up to 1.5e-4 (qwen2_1kv, TP=2) on logits of standard deviation 1.5."""
 def test_fresh_lora_is_the_identity(megatron_world, tiny_dirs: dict[str, Path], tp1_logits: dict) -> None:
     import torch
 
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     engine = TrainerEngine(tiny_dirs["llama"], megatron_world, lora=LORA, optimizer=OPTIMIZER)
     params = {n: p for n, p in engine.ddp.module.named_parameters() if p.requires_grad}
@@ -48,8 +48,8 @@ def test_logprobs_and_entropy_are_those_of_the_next_token_distribution(
 ) -> None:
     import torch
 
-    from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
     from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.logprobs import forward_logits, token_entropy, token_logprobs
 
     built = build_megatron_model(tiny_dirs["qwen3"])
     ids = input_ids(built.vocab_size)

@@ -190,8 +190,8 @@ def test_adapter_holds_every_expert(moe_reference) -> None:
 def test_fresh_moe_lora_wraps_every_expert(megatron_world, moe_dirs) -> None:
     import torch
 
-    from art_mega.trainer.lora import apply_lora, lora_parameters
     from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.lora import apply_lora, lora_parameters
 
     built = build_megatron_model(moe_dirs["moe"])
     layers = apply_lora(built.module, LORA)

@@ -50,8 +50,8 @@ def lora_model(megatron_world, tiny_dirs: dict[str, Path]):
     a gradient), and its LoRA parameters."""
     import torch
 
-    from art_mega.trainer.lora import apply_lora, lora_parameters
     from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.lora import apply_lora, lora_parameters
     from tests.trainer.engine_scenarios import LORA
 
     built = build_megatron_model(tiny_dirs["llama"])
@@ -68,7 +68,7 @@ def lora_model(megatron_world, tiny_dirs: dict[str, Path]):
 def test_needed_positions_equal_the_full_rows(lora_model, chunk_size: int | None) -> None:
     import torch
 
-    from art_mega.trainer.logprobs import forward_logits, token_entropy, token_logprobs
+    from art_mega.trainer.rank.logprobs import forward_logits, token_entropy, token_logprobs
 
     built, params = lora_model
     module = built.module
@@ -119,7 +119,7 @@ def test_needed_positions_equal_the_full_rows(lora_model, chunk_size: int | None
 def test_nothing_needed_gives_zeros_and_no_gradient(lora_model) -> None:
     import torch
 
-    from art_mega.trainer.logprobs import forward_logits, token_logprobs
+    from art_mega.trainer.rank.logprobs import forward_logits, token_logprobs
 
     built, params = lora_model
     ids, positions, segments, _ = _packed_rows(built.vocab_size)
@@ -136,7 +136,7 @@ def test_nothing_needed_gives_zeros_and_no_gradient(lora_model) -> None:
 def test_logits_of_other_positions_are_refused(lora_model) -> None:
     import torch
 
-    from art_mega.trainer.logprobs import forward_logits, token_logprobs
+    from art_mega.trainer.rank.logprobs import forward_logits, token_logprobs
 
     built, _ = lora_model
     ids, positions, segments, needed = _packed_rows(built.vocab_size)
@@ -164,11 +164,11 @@ def test_engine_step_equals_the_full_row_loss(megatron_world, tiny_llama_dir: Pa
     computed from full-row logits; every forward runs only up to each microbatch's last token."""
     import torch
 
-    from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.logprobs import forward_logits, token_logprobs
-    from art_mega.trainer.lora import lora_disabled, lora_parameters
-    from art_mega.trainer.loss import grpo_loss, sft_loss
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.logprobs import forward_logits, token_logprobs
+    from art_mega.trainer.rank.lora import lora_disabled, lora_parameters
+    from art_mega.trainer.rank.loss import grpo_loss, sft_loss
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER, grpo_batch
 
     config = GRPOLossConfig(kl_beta=0.05, tis_cap=2.0)

@@ -23,8 +23,8 @@ def snapshot(engine: Any) -> dict[str, Any]:
     """Copies of the engine's LoRA weights, every Adam state tensor and its step count."""
     import torch
 
-    from art_mega.trainer.engine import _sub_optimizers
-    from art_mega.trainer.lora import lora_parameters
+    from art_mega.trainer.rank.engine import _sub_optimizers
+    from art_mega.trainer.rank.lora import lora_parameters
 
     state = {f"lora {n}": p.detach().clone() for n, p in lora_parameters(engine.ddp.module).items()}
     for k, sub in enumerate(_sub_optimizers(engine.optimizer)):
@@ -51,7 +51,7 @@ def engines(megatron_world, tiny_dirs: dict[str, Path]) -> tuple[Any, Any, Any]:
     """Two identical engines of the tiny llama, each after one good GRPO step, and the batch."""
     import torch
 
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.rank.engine import TrainerEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -109,8 +109,8 @@ def test_a_nonfinite_gradient_norm_with_a_finite_loss_aborts_too(engines: tuple[
 def test_a_job_with_a_nonfinite_loss_names_its_step_and_writes_no_checkpoint(
     megatron_world, engines: tuple[Any, Any, Any], tmp_path: Path
 ) -> None:
-    from art_mega.trainer.jobs import run_train_job
     from art_mega.trainer.protocol import RLJob
+    from art_mega.trainer.rank.jobs import run_train_job
 
     engine, _, batch = engines
     (tmp_path / "batch").mkdir()
@@ -141,9 +141,9 @@ def test_a_checkpoint_with_a_nonfinite_tensor_is_never_staged(
 ) -> None:
     import torch
 
-    from art_mega.trainer.engine import TrainerEngine, _sub_optimizers
-    from art_mega.trainer.jobs import write_checkpoint
-    from art_mega.trainer.lora import lora_parameters
+    from art_mega.trainer.rank.engine import TrainerEngine, _sub_optimizers
+    from art_mega.trainer.rank.jobs import write_checkpoint
+    from art_mega.trainer.rank.lora import lora_parameters
 
     _, _, batch = engines
     engine = TrainerEngine(tiny_dirs["llama"], megatron_world, lora=LORA, optimizer=OPTIMIZER)

@@ -8,10 +8,10 @@ from art_mega.errors import TopologyError
 from art_mega.topology.compiled import TrainerRank
 from art_mega.topology.groups import rank_coordinates
 from art_mega.topology.trainer import TrainerSpec
-from art_mega.trainer.cpu_compat import PATCHES, applied_patches
-from art_mega.trainer.parallel import init_parallel
+from art_mega.trainer.rank.cpu_compat import PATCHES, applied_patches
+from art_mega.trainer.rank.parallel import init_parallel
 from tests.trainer.common import require_trainer_deps
-from tests.unit.test_topology_compile import ETP_REFUSED, PP_REFUSED
+from tests.unit.topology.test_topology_compile import ETP_REFUSED, PP_REFUSED
 
 require_trainer_deps()
 

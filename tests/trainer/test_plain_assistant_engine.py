@@ -25,7 +25,7 @@ def plain_turn_batch(tokenizer):  # noqa: ANN001, ANN201
 
     import art_mega as art
     from art_mega.trainer.batch import pack
-    from art_mega.trainer.tokenize import grpo_documents
+    from art_mega.trainer.prepare.tokenize import grpo_documents
 
     def conversation(ids: list[int], logprobs: list[float]) -> list:
         sampled = Choice.model_validate(
@@ -81,9 +81,9 @@ def test_a_plain_turn_under_the_flag_trains_finite_with_ratio_one(
 
     from art_mega.errors import NonFiniteStepError
     from art_mega.trainer.batch import TrainBatch, pack
-    from art_mega.trainer.engine import TrainerEngine
-    from art_mega.trainer.lora import lora_parameters
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
+    from art_mega.trainer.rank.lora import lora_parameters
 
     batch = plain_turn_batch(AutoTokenizer.from_pretrained(tiny_llama_dir))
     unknown = np.isnan(batch.old_logprobs)

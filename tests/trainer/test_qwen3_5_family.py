@@ -108,7 +108,7 @@ def test_chunked_delta_rule_matches_the_recurrence() -> None:
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from art_mega.trainer.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+    from art_mega.trainer.rank.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
     gen = torch.Generator().manual_seed(0)
     b, s, h, dk, dv = 2, 37, 3, 16, 8

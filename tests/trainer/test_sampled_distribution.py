@@ -65,8 +65,8 @@ def test_token_logprobs_are_vllms_processed_logprobs(
 ) -> None:
     import torch
 
-    from art_mega.trainer.logprobs import SamplingRows, forward_logits, token_logprobs
     from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.logprobs import SamplingRows, forward_logits, token_logprobs
 
     built = build_megatron_model(tiny_dirs["llama"])
     ids = input_ids(built.vocab_size)
@@ -148,8 +148,8 @@ def test_the_step_reports_the_gap_and_constrained_tokens_train_at_ratio_one(
 ) -> None:
     from art_mega.trainer.batch import TrainBatch
     from art_mega.trainer.behaviour import CONSTRAINED, EXACT
-    from art_mega.trainer.engine import TrainerEngine
     from art_mega.trainer.protocol import GRPOLossConfig
+    from art_mega.trainer.rank.engine import TrainerEngine
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER
 
     engine = TrainerEngine(tiny_llama_dir, megatron_world, lora=LORA, optimizer=OPTIMIZER)

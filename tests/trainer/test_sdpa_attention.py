@@ -27,7 +27,7 @@ def _pair(config):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from art_mega.trainer.sdpa_attention import sdpa_core_attention
+    from art_mega.trainer.rank.sdpa_attention import sdpa_core_attention
 
     reference = DotProductAttention(config, 1, AttnMaskType.causal, "self")
     return sdpa_core_attention()(config, 1, AttnMaskType.causal, "self"), reference
@@ -36,7 +36,7 @@ def _pair(config):
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("packed", [True, False])
 def test_matches_megatron_dot_product_attention(megatron_world, heads, groups, packed):
-    from art_mega.trainer.logprobs import packed_attention_mask
+    from art_mega.trainer.rank.logprobs import packed_attention_mask
 
     seq, batch, head_dim = 12, 2, 8
     sdpa, reference = _pair(_config(heads, groups, head_dim))
@@ -71,7 +71,7 @@ def test_matches_megatron_dot_product_attention(megatron_world, heads, groups, p
 def test_refuses_what_it_does_not_implement(megatron_world):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from art_mega.trainer.sdpa_attention import sdpa_core_attention
+    from art_mega.trainer.rank.sdpa_attention import sdpa_core_attention
 
     config = _config(4, 2, 8)
     windowed = copy.copy(config)
@@ -87,7 +87,7 @@ def test_refuses_what_it_does_not_implement(megatron_world):
 
 def test_the_local_spec_uses_it(megatron_world, tiny_dirs):
     from art_mega.trainer.model_builder import build_megatron_model
-    from art_mega.trainer.sdpa_attention import sdpa_core_attention
+    from art_mega.trainer.rank.sdpa_attention import sdpa_core_attention
 
     built = build_megatron_model(tiny_dirs["qwen3"], device="cpu", dtype="float32", use_te=False)
     cores = [m for m in built.module.modules() if isinstance(m, sdpa_core_attention())]

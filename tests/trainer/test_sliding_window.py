@@ -88,8 +88,8 @@ def test_sdpa_window_matches_megatron_per_layer(megatron_world, packed: bool) ->
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from art_mega.trainer.logprobs import packed_attention_mask
-    from art_mega.trainer.sdpa_attention import sdpa_core_attention, sliding_window_causal_mask
+    from art_mega.trainer.rank.logprobs import packed_attention_mask
+    from art_mega.trainer.rank.sdpa_attention import sdpa_core_attention, sliding_window_causal_mask
 
     config = _attention_config([1, 0])
     seq, batch = 12, 2

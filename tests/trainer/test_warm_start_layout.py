@@ -15,7 +15,7 @@ from art_mega.trainer import checkpoint
 def test_an_exported_adapter_passes_the_warm_start_check(
     megatron_world, tiny_llama_dir: Path, tmp_path: Path, family: str
 ) -> None:
-    from art_mega.trainer.engine import TrainerEngine
+    from art_mega.trainer.rank.engine import TrainerEngine
     from tests.trainer.engine_scenarios import LORA, OPTIMIZER
     from tests.trainer.moe_worker import build_tiny_moe
 

@@ -17,7 +17,7 @@ from art_mega.topology.compiled import TrainerRank
 from art_mega.topology.groups import rank_coordinates
 from art_mega.topology.trainer import TrainerSpec
 from art_mega.trainer.model_builder import build_megatron_model
-from art_mega.trainer.parallel import destroy_parallel, init_parallel
+from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 from tests.trainer.common import EQUIVALENCE_MODELS, input_ids, megatron_logits
 
 

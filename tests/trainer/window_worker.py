@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from art_mega.trainer.model_builder import build_megatron_model
-from art_mega.trainer.parallel import destroy_parallel
+from art_mega.trainer.rank.parallel import destroy_parallel
 from tests.trainer.common import input_ids, megatron_logits
 from tests.trainer.tp_worker import join
 

@@ -187,7 +187,7 @@ def layer_spec(args: GptOssArgs, *, use_te: bool):
     attention, on every device (`use_te` is not used: the sinks are `sdpa_attention`'s)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from art_mega.trainer.sdpa_attention import with_sdpa_attention
+    from art_mega.trainer.rank.sdpa_attention import with_sdpa_attention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=False, normalization="RMSNorm"

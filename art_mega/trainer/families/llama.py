@@ -306,8 +306,8 @@ def layer_spec(args: DenseArgs, *, use_te: bool):
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
-    from art_mega.trainer.cp_attention import with_context_parallel_attention
-    from art_mega.trainer.sdpa_attention import with_sdpa_attention
+    from art_mega.trainer.rank.cp_attention import with_context_parallel_attention
+    from art_mega.trainer.rank.sdpa_attention import with_sdpa_attention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
     return with_context_parallel_attention(with_sdpa_attention(spec))

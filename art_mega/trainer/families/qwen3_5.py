@@ -230,7 +230,7 @@ def _mixer_class() -> type:
     from megatron.core import tensor_parallel
     from megatron.core.transformer.module import MegatronModule
 
-    from art_mega.trainer.delta_rule import chunk_gated_delta_rule
+    from art_mega.trainer.rank.delta_rule import chunk_gated_delta_rule
 
     class GatedDeltaNetMixer(MegatronModule):
         """A gated delta-net token mixer in a Megatron TransformerLayer's self-attention slot.

@@ -152,8 +152,8 @@ def layer_spec(args: MoeArgs, *, use_te: bool):
     (with our context-parallel core attention when CP > 1, as in the dense family)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from art_mega.trainer.cp_attention import with_context_parallel_attention
-    from art_mega.trainer.sdpa_attention import with_sdpa_attention
+    from art_mega.trainer.rank.cp_attention import with_context_parallel_attention
+    from art_mega.trainer.rank.sdpa_attention import with_sdpa_attention
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(

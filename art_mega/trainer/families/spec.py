@@ -45,7 +45,7 @@ class ParallelLayout:
 
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.(\d+)\.)?(\w+)$")
-"""An adapter name of `trainer.lora.apply_lora`: decoder.layers.{i}[.mlp.experts.{e}].{target}."""
+"""An adapter name of `trainer.rank.lora.apply_lora`: decoder.layers.{i}[.mlp.experts.{e}].{target}."""
 
 
 @dataclass(frozen=True)

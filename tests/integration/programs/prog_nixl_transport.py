@@ -10,7 +10,7 @@ import os
 
 from art_mega import ArtRuntime, compile_topology
 from art_mega.topology import InferenceSpec, TrainerSpec
-from art_mega.transfer.adapters import adapter_transport_for
+from art_mega.transfer.remote import adapter_transport_for
 
 
 async def main(launch):

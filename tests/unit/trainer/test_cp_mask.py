@@ -7,14 +7,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the cpu extra (torch) is not installed")
 
-from art_mega.trainer.cp_attention import (  # noqa: E402
+from art_mega.trainer.rank.cp_attention import (  # noqa: E402
     _gathered_to_sequence_order,
     cp_attention_mask,
     cp_token_indices,
     padded_length,
     slice_for_cp_rank,
 )
-from art_mega.trainer.logprobs import packed_attention_mask  # noqa: E402
+from art_mega.trainer.rank.logprobs import packed_attention_mask  # noqa: E402
 
 SEGMENTS = torch.tensor(
     [

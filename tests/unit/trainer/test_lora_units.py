@@ -8,14 +8,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="the cpu extra (torch) is not installed")
 
 from art_mega.errors import UserError  # noqa: E402
-from art_mega.trainer.engine import _document_layout, _token_ratios  # noqa: E402
 from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, shard  # noqa: E402
 from art_mega.trainer.families.llama import SPEC  # noqa: E402
-from art_mega.trainer.logprobs import _mask_padded_vocab, _shift_to_token, packed_attention_mask  # noqa: E402
-from art_mega.trainer.lora import init_lora_a  # noqa: E402
 from art_mega.trainer.peft_config import check_adapter_config  # noqa: E402
 from art_mega.trainer.peft_io import adapter_config  # noqa: E402
 from art_mega.trainer.protocol import LoraConfig  # noqa: E402
+from art_mega.trainer.rank.engine import _document_layout, _token_ratios  # noqa: E402
+from art_mega.trainer.rank.logprobs import _mask_padded_vocab, _shift_to_token, packed_attention_mask  # noqa: E402
+from art_mega.trainer.rank.lora import init_lora_a  # noqa: E402
 
 megatron_to_hf, hf_to_megatron = SPEC.lora.to_peft, SPEC.lora.from_peft
 

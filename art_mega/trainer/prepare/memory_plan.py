@@ -1,0 +1,724 @@
+"""The memory plan: bytes each trainer rank and each vLLM replica needs, from config.json alone,
+checked against each GPU's memory (NVML, `preflight.protocol.GpuInfo.memory_bytes`) by
+`MegatronBackend.register` before any rank or replica starts.
+
+Torch-free: parameter counts are analytic from the family's architecture arguments
+(`families.*.model_args`), equal to what megatron-core builds on the meta device and to the
+published counts (`tests/unit/trainer/test_memory_plan.py` checks them against
+`tests/trainer/test_real_size_mapping.py`'s figures).
+
+A trainer rank (TP size t, CP size c, EP size e, DP size d; parameter bytes w: 2 for bfloat16, 4 for
+float32; one micro-batch of b packed rows of s tokens; L layers, hidden h, heads a of width k, g KV
+heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
+
+- weights: the frozen base model's parameters on the rank x w. Megatron splits attention, the dense
+  MLP and the (padded) vocabulary t ways, experts e ways (whole experts), and keeps the norms and the
+  router whole (Shoeybi et al. 2019, "Megatron-LM", section 3; megatron-core's layer shapes, as
+  `FamilySpec.megatron_state_dict` maps them).
+- LoRA: r x (in + out) per wrapped linear, the sharded factor split t ways (`trainer/rank/lora.py`'s
+  docstring), times w; its gradient in float32 (DDP's `grad_reduce_in_fp32` buffer, 4 bytes); Adam's
+  two float32 moments (8 bytes) plus a float32 master copy where the parameters are bfloat16
+  (4 bytes): 18 bytes a parameter in bfloat16, 16 in float32, the optimizer's part divided by d
+  under the distributed optimizer (ZeRO stage 1: Rajbhandari et al. 2020, "ZeRO", section 3, K = 12
+  for mixed-precision Adam; Megatron's `theoretical_memory_usage.py`: 18 bytes, or 6 + 12/d).
+- activations, no recomputation (the families leave megatron-core's `recompute_granularity` None;
+  `trainer/flops.py`): what autograd keeps per token per layer, in elements of w bytes
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  section 4, counted for this trainer's layers; Megatron's own estimate `compute_activation_memory`
+  is sbh(18 + 4f/h) bytes): the two norms' inputs and outputs (4h, split t ways under sequence
+  parallelism, which the MoE family uses at t > 1), the attention's query, repeated keys and values
+  and output (`sdpa_attention`: 4ak/t; memory-efficient attention keeps no s x s scores), Qwen3's
+  q/k-norm inputs ((a + g)k/t), the MLP's fc1 output and activation (3f/t; an MoE layer: top_k x
+  (h + 3i), the routed copy and the expert's fc1 output and activation, plus E router logits) and
+  r per LoRA-wrapped linear (its x A^T). Times s/c x b x L, plus the embedding output, the final
+  norm's input and the LM head's input (3h a token).
+- logits: the LM head's output over the needed positions (every position in the worst case) and
+  its gradient, [b, s/c, V/t] in w bytes each, plus the cross entropy's float32 working set
+  [b, chunk, V/t] x 4 (`logprobs.token_logprobs`: chunk = `logprob_calculation_chunk_size`, or s/c
+  for whole rows; Megatron's estimate counts s b V x 4 for the output layer).
+- reserve: `TRAINER_RESERVE_BYTES` for the CUDA context, NCCL buffers and the allocator's slack.
+
+A replica (TP x PP GPUs of one replica, dtype bytes w'): its weights (the whole model x w' across its
+GPUs), vLLM's LoRA slots (`max_loras` adapters of `max_lora_rank` on every LoRA-able linear,
+preallocated), the KV cache one sequence of `max_model_len` tokens needs
+(2 x L x g x k x w' a token: vLLM refuses to start when its cache holds less) and
+`REPLICA_ACTIVATION_RESERVE_BYTES` a GPU for vLLM's profile run, against `gpu_memory_utilization` x
+the smallest of its GPUs x their count (vLLM sizes its cache from that budget: `Worker.
+determine_available_memory`); what is left over is the KV cache the replica gets.
+
+These are estimates from the formulas above, not measurements: they are refused on only where the
+smallest trainable row (`PACKED_ROW_TOKENS`, or the fixed rows of `MegatronBackend(seq_len=)`) or one
+full-length sequence of a replica does not fit; a longer row limit than fits is one logged line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from art_mega.errors import MemoryPlanError
+
+GIB = 1 << 30
+TRAINER_RESERVE_BYTES = GIB
+"""A GPU rank's memory beside its tensors: the CUDA context, NCCL's buffers, the caching
+allocator's fragmentation (an estimate; a CPU rank's plan counts it too)."""
+REPLICA_ACTIVATION_RESERVE_BYTES = GIB
+"""What a GPU replica keeps a GPU for vLLM's profile-run activations (an estimate, as
+`MegatronBackend._gpu_kv_bytes` sizes the default context)."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes of one element of each parameter dtype the trainer and vLLM use."""
+PLAN_FILE = "memory_plan.json"
+"""The plan in a run folder (`write_plan`; this module is its one owner)."""
+_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class _Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelShape(_Plan):
+    """The sizes of a model that its memory depends on, from the family's `model_args`.
+
+    `num_experts` 0: a dense MLP of `ffn_hidden_size`; else every layer is an MoE layer of
+    `num_experts` experts of `expert_ffn_hidden_size`, `top_k` routed a token, and a router.
+    `norms_per_layer`: RMSNorms of width hidden a layer (2; Gemma 3: 4).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn_hidden_size: int = 0
+
+    @classmethod
+    def from_args(cls, args: Any) -> ModelShape:
+        """From a family's architecture arguments (`llama.DenseArgs`, `qwen3_moe.MoeArgs`,
+        `gemma3.Gemma3Args`)."""
+        from art_mega.trainer.families.gemma3 import Gemma3Args
+
+        return cls(
+            model_type=args.model_type,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_query_groups=args.num_query_groups,
+            head_dim=args.head_dim,
+            ffn_hidden_size=args.ffn_hidden_size,
+            tie_word_embeddings=args.tie_word_embeddings,
+            qkv_bias=args.qkv_bias,
+            qk_norm=args.qk_norm,
+            norms_per_layer=4 if isinstance(args, Gemma3Args) else 2,
+            num_experts=getattr(args, "num_experts", 0),
+            top_k=getattr(args, "top_k", 0),
+            expert_ffn_hidden_size=getattr(args, "expert_ffn_hidden_size", 0),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike[str]) -> tuple[ModelShape, list[int]]:
+        """The shape of an HF model directory's config.json and the tp sizes its family allows
+        (no torch). Raises `UserError` as `model_builder.check_model_fits` does for a config it
+        cannot read."""
+        from art_mega.trainer.model_builder import read_model_args
+
+        family, args = read_model_args(model_dir)
+        return cls.from_args(args), list(family.valid_tp_sizes(args))
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output width of the fused QKV projection: (heads + 2 KV heads) x head_dim."""
+        return (self.num_heads + 2 * self.num_query_groups) * self.head_dim
+
+    def parameters(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters one rank holds at tensor parallel `tp` and expert parallel `ep` (1, 1: the
+        whole model, the published count)."""
+        h, layers = self.hidden_size, self.num_layers
+        vocab = math.ceil(self.vocab_size / tp) * h
+        layer = (
+            h * self.qkv_rows // tp
+            + (self.qkv_rows // tp if self.qkv_bias else 0)
+            + self.num_heads * self.head_dim // tp * h
+            + (2 * self.head_dim if self.qk_norm else 0)
+            + self.norms_per_layer * h
+        )
+        if self.num_experts:
+            layer += self.num_experts * h + self.num_experts // ep * 3 * h * self.expert_ffn_hidden_size
+        else:
+            layer += 3 * h * self.ffn_hidden_size // tp
+        return vocab * (1 if self.tie_word_embeddings else 2) + layers * layer + h
+
+    def lora_parameters(
+        self, rank: int, targets: Sequence[str] = _LORA_TARGETS, tp: int = 1, ep: int = 1
+    ) -> int:
+        """LoRA parameters one rank holds: r x (in + out) of every wrapped linear (Megatron names
+        in `targets`), the TP-split factor split `tp` ways (column-parallel B, row-parallel A),
+        an MoE layer's fc1/fc2 once per local expert (`num_experts / ep`, not split by TP)."""
+        h, q = self.hidden_size, self.num_heads * self.head_dim
+        if self.num_experts:
+            i = self.expert_ffn_hidden_size
+            fc1, fc2 = (h + 2 * i) * self.num_experts // ep, (i + h) * self.num_experts // ep
+        else:
+            f = self.ffn_hidden_size
+            fc1, fc2 = h + 2 * f // tp, f // tp + h
+        widths = {
+            "linear_qkv": h + self.qkv_rows // tp,
+            "linear_proj": q // tp + h,
+            "linear_fc1": fc1,
+            "linear_fc2": fc2,
+        }
+        return rank * self.num_layers * sum(widths[name] for name in targets)
+
+    def activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
+        """Elements autograd keeps a token a layer without recomputation (the module docstring's
+        count); divided by hidden it is the plan's `activation_factor`."""
+        h, k = self.hidden_size, self.head_dim
+        sequence_parallel = self.num_experts > 0 and tp > 1
+        norms = 4 * h // (tp if sequence_parallel else 1)
+        attention = 4 * self.num_heads * k // tp
+        if self.qk_norm:
+            attention += (self.num_heads + self.num_query_groups) * k // tp
+        attention_lora = sum(1 for name in targets if name in ("linear_qkv", "linear_proj"))
+        mlp_lora = len(targets) - attention_lora
+        if self.num_experts:
+            mlp = self.top_k * (h + 3 * self.expert_ffn_hidden_size) + self.num_experts
+            mlp_lora *= self.top_k
+        else:
+            mlp = 3 * self.ffn_hidden_size // tp
+        return norms + attention + mlp + lora_rank * (attention_lora + mlp_lora)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """vLLM's KV cache a token, over all of a replica's GPUs: 2 x layers x KV heads x
+        head_dim x `dtype_bytes`."""
+        return 2 * self.num_layers * self.num_query_groups * self.head_dim * dtype_bytes
+
+
+class RankMemory(_Plan):
+    """Bytes one trainer rank needs (see the module docstring for each term); `available_bytes`
+    its GPU's memory (None on a CPU rank); `max_row_tokens` the longest packed row whose
+    micro-batch fits (None on a CPU rank)."""
+
+    rank: int
+    host_id: str
+    gpu_id: int | str | None
+    weights_bytes: int
+    lora_bytes: int
+    lora_grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    logits_bytes: int
+    reserve_bytes: int
+    needed_bytes: int
+    available_bytes: int | None
+    shared_with_replica: bool = False
+    max_row_tokens: int | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the rank holds between steps: weights, LoRA with its gradient and Adam, reserve."""
+        return (
+            self.weights_bytes
+            + self.lora_bytes
+            + self.lora_grad_bytes
+            + self.optimizer_bytes
+            + self.reserve_bytes
+        )
+
+
+class ReplicaMemory(_Plan):
+    """Bytes one vLLM replica needs over its GPUs; `available_bytes` is gpu_memory_utilization x
+    its smallest GPU x its GPU count (None on CPU), `kv_cache_bytes` what is left of it for the KV
+    cache (None on CPU)."""
+
+    name: str
+    index: int
+    host_id: str
+    gpus: int
+    weights_bytes: int
+    lora_slot_bytes: int
+    kv_min_bytes: int
+    reserve_bytes: int
+    needed_bytes: int
+    available_bytes: int | None
+    kv_cache_bytes: int | None
+
+
+class MemoryPlan(_Plan):
+    """A run's memory plan: the layout it is for and every rank's and replica's bytes.
+
+    `row_tokens` x `micro_batch_rows` is the micro-batch the ranks' activations and logits are
+    planned at (the smallest trainable rows: `PACKED_ROW_TOKENS`, or the fixed rows); `seq_len`
+    the longest row a step may pack; `activation_factor` the activation elements a token a layer
+    divided by hidden; `recompute` "none" (the trainer keeps every activation)."""
+
+    model: str
+    trainer_dtype: str
+    replica_dtype: str
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    distributed_optimizer: bool
+    lora_rank: int
+    lora_parameters: int
+    row_tokens: int
+    seq_len: int
+    micro_batch_rows: int
+    logprob_chunk: int | None
+    activation_factor: float
+    recompute: str = "none"
+    max_model_len: int
+    gpu_memory_utilization: float
+    ranks: tuple[RankMemory, ...]
+    replicas: tuple[ReplicaMemory, ...]
+
+    @property
+    def layout(self) -> str:
+        """The trainer layout as the sentences name it."""
+        return f"TrainerSpec tp={self.tp}, cp={self.cp}, ep={self.ep} (dp={self.dp})"
+
+    def line(self) -> str:
+        """The plan in one log line: the largest rank's and replica's needs against the smallest
+        memory they get."""
+        rank = max(self.ranks, key=lambda r: r.needed_bytes)
+        parts = [
+            f"memory plan for {self.model} at {self.layout}, {self.trainer_dtype}, "
+            f"{self.micro_batch_rows} x {self.row_tokens}-token rows: trainer rank {rank.rank} needs "
+            f"{_gib(rank.needed_bytes)} GiB (weights {_gib(rank.weights_bytes)}, LoRA "
+            f"{_gib(rank.lora_bytes + rank.lora_grad_bytes + rank.optimizer_bytes)} with grads and Adam, "
+            f"activations {_gib(rank.activation_bytes)} (factor {self.activation_factor:.1f}, no recomputation), "
+            f"logits {_gib(rank.logits_bytes)}, reserve {_gib(rank.reserve_bytes)}) of "
+            + (
+                f"{_gib(rank.available_bytes)} GiB, rows up to {rank.max_row_tokens} tokens fit"
+                if rank.available_bytes
+                else "CPU memory"
+            )
+        ]
+        if self.replicas:
+            replica = max(self.replicas, key=lambda r: r.needed_bytes)
+            parts.append(
+                f"replica {replica.name}/{replica.index} needs {_gib(replica.needed_bytes)} GiB on {replica.gpus} "
+                f"GPU(s) (weights {_gib(replica.weights_bytes)}, LoRA slots {_gib(replica.lora_slot_bytes)}, "
+                f"one {self.max_model_len}-token sequence's KV cache {_gib(replica.kv_min_bytes)}, reserve "
+                f"{_gib(replica.reserve_bytes)}) of "
+                + (
+                    f"{_gib(replica.available_bytes)} GiB at gpu_memory_utilization "
+                    f"{self.gpu_memory_utilization:g}, KV cache {_gib(replica.kv_cache_bytes or 0)} GiB"
+                    if replica.available_bytes is not None
+                    else "CPU memory"
+                )
+            )
+        return "; ".join(parts)
+
+    def warnings(self) -> list[str]:
+        """Lines to log for what fits only in part: a row limit longer than the rows that fit."""
+        lines = []
+        short = [r for r in self.ranks if r.max_row_tokens is not None and r.max_row_tokens < self.seq_len]
+        if short:
+            rank = min(short, key=lambda r: r.max_row_tokens or 0)
+            lines.append(
+                f"trainer rank {rank.rank} on host {rank.host_id} fits {self.micro_batch_rows} packed row(s) of up to "
+                f"{rank.max_row_tokens} tokens of {self.model} in {_gib(rank.available_bytes)} GiB, but rows may "
+                f"pack up to {self.seq_len} tokens: a step with longer rows runs out of GPU memory; set "
+                "max_seq_length (or MegatronBackend(seq_len=)) at most that, pass logprob_calculation_chunk_size "
+                "to backend.train, or use more TP"
+            )
+        return lines
+
+
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / GIB:.1f}"
+
+
+def rank_terms(
+    shape: ModelShape,
+    *,
+    tp: int,
+    cp: int = 1,
+    ep: int = 1,
+    dp: int = 1,
+    dtype: str,
+    lora_rank: int,
+    lora_targets: Sequence[str] = _LORA_TARGETS,
+    distributed_optimizer: bool | None = None,
+    row_tokens: int,
+    micro_batch_rows: int = 1,
+    logprob_chunk: int | None = None,
+) -> dict[str, int]:
+    """The byte terms of one trainer rank (the module docstring's formulas): weights, lora,
+    lora_grad, optimizer, activations, logits, reserve. `distributed_optimizer` None: when dp > 1
+    (`OptimizerConfig.distributed`'s default)."""
+    w = DTYPE_BYTES[dtype]
+    lora = shape.lora_parameters(lora_rank, lora_targets, tp, ep)
+    distributed = dp > 1 if distributed_optimizer is None else distributed_optimizer
+    adam = (8 + (4 if w < 4 else 0)) * lora
+    return {
+        "weights": shape.parameters(tp, ep) * w,
+        "lora": lora * w,
+        "lora_grad": lora * 4,
+        "optimizer": math.ceil(adam / dp) if distributed else adam,
+        "activations": activation_bytes(
+            shape,
+            tp=tp,
+            cp=cp,
+            dtype=dtype,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            row_tokens=row_tokens,
+            micro_batch_rows=micro_batch_rows,
+        ),
+        "logits": logits_bytes(
+            shape,
+            tp=tp,
+            cp=cp,
+            dtype=dtype,
+            row_tokens=row_tokens,
+            micro_batch_rows=micro_batch_rows,
+            logprob_chunk=logprob_chunk,
+        ),
+        "reserve": TRAINER_RESERVE_BYTES,
+    }
+
+
+def activation_bytes(
+    shape: ModelShape,
+    *,
+    tp: int,
+    cp: int,
+    dtype: str,
+    lora_rank: int,
+    lora_targets: Sequence[str],
+    row_tokens: int,
+    micro_batch_rows: int,
+) -> int:
+    """Activations of one micro-batch: tokens (`row_tokens` / cp x rows) x (layers x
+    `activation_elements` + 3 hidden) x dtype bytes."""
+    tokens = math.ceil(row_tokens / cp) * micro_batch_rows
+    per_token = (
+        shape.num_layers * shape.activation_elements(tp, lora_rank, lora_targets) + 3 * shape.hidden_size
+    )
+    return tokens * per_token * DTYPE_BYTES[dtype]
+
+
+def logits_bytes(
+    shape: ModelShape,
+    *,
+    tp: int,
+    cp: int,
+    dtype: str,
+    row_tokens: int,
+    micro_batch_rows: int,
+    logprob_chunk: int | None,
+) -> int:
+    """The LM head's output and its gradient [rows, row_tokens / cp, V/tp] in dtype bytes, plus
+    the float32 cross-entropy working set [rows, chunk or row_tokens / cp, V/tp]."""
+    positions = math.ceil(row_tokens / cp)
+    chunk = positions if logprob_chunk is None else min(logprob_chunk, positions)
+    vocab = math.ceil(shape.vocab_size / tp)
+    return micro_batch_rows * vocab * (positions * 2 * DTYPE_BYTES[dtype] + chunk * 4)
+
+
+def _positions_that_fit(room: int, per_position: int) -> int:
+    """Positions a rank (of a CP group) can hold in `room` bytes at `per_position` bytes each:
+    the activations and logits grow linearly with the row."""
+    return max(room, 0) // max(per_position, 1)
+
+
+def plan_memory(
+    shape: ModelShape,
+    topology: Any,
+    gpu_memory: Mapping[tuple[str, int | str], int],
+    *,
+    model: str,
+    trainer_dtype: str,
+    replica_dtype: str,
+    lora_rank: int,
+    lora_targets: Sequence[str] = _LORA_TARGETS,
+    row_tokens: int,
+    seq_len: int,
+    micro_batch_rows: int = 1,
+    logprob_chunk: int | None = None,
+    distributed_optimizer: bool | None = None,
+    max_model_len: int,
+    gpu_memory_utilization: float | None = None,
+    max_loras: int = 1,
+    max_lora_rank: int | None = None,
+) -> MemoryPlan:
+    """The plan of `topology` (a `CompiledTopology`) for the model of `shape`.
+
+    `gpu_memory` maps (host id, GPU id as the topology names it) to that GPU's bytes
+    (`gpu_memory_of`); a GPU not in it (a CPU rank or replica) gets `available_bytes` None.
+    `row_tokens` x `micro_batch_rows` is the micro-batch planned, `seq_len` the longest row a step
+    may pack; `gpu_memory_utilization` None is vLLM's 0.9.
+    """
+    trainer = topology.trainer
+    tp, cp, ep = trainer.tp, trainer.cp, trainer.ep
+    dp = max(len(topology.trainer_ranks) // (tp * cp * trainer.pp), 1)
+    common = {
+        "tp": tp,
+        "cp": cp,
+        "ep": ep,
+        "dp": dp,
+        "dtype": trainer_dtype,
+        "lora_rank": lora_rank,
+        "lora_targets": lora_targets,
+        "distributed_optimizer": distributed_optimizer,
+        "micro_batch_rows": micro_batch_rows,
+        "logprob_chunk": logprob_chunk,
+    }
+    terms = rank_terms(shape, row_tokens=row_tokens, **common)
+    needed = sum(terms.values())
+    resident = needed - terms["activations"] - terms["logits"]
+    util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization
+    shared = {
+        (host, gpu)
+        for replica in topology.replicas
+        if replica.shared_gpus
+        for host, gpus in replica.gpu_ids
+        for gpu in gpus
+    }
+
+    # activations and logits of one position per CP rank (whole-row logits): both are linear in it
+    per_position = activation_bytes(
+        shape,
+        tp=tp,
+        cp=cp,
+        dtype=trainer_dtype,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        row_tokens=cp,
+        micro_batch_rows=micro_batch_rows,
+    ) + logits_bytes(
+        shape,
+        tp=tp,
+        cp=cp,
+        dtype=trainer_dtype,
+        row_tokens=cp,
+        micro_batch_rows=micro_batch_rows,
+        logprob_chunk=None,
+    )
+
+    ranks = []
+    for rank in topology.trainer_ranks:
+        available = gpu_memory.get((rank.host_id, rank.gpu_id)) if rank.gpu_id is not None else None
+        ranks.append(
+            RankMemory(
+                rank=rank.rank,
+                host_id=rank.host_id,
+                gpu_id=rank.gpu_id,
+                weights_bytes=terms["weights"],
+                lora_bytes=terms["lora"],
+                lora_grad_bytes=terms["lora_grad"],
+                optimizer_bytes=terms["optimizer"],
+                activation_bytes=terms["activations"],
+                logits_bytes=terms["logits"],
+                reserve_bytes=terms["reserve"],
+                needed_bytes=needed,
+                available_bytes=available,
+                shared_with_replica=(rank.host_id, rank.gpu_id) in shared,
+                max_row_tokens=(
+                    None
+                    if available is None
+                    else min(seq_len, _positions_that_fit(available - resident, per_position) * cp)
+                ),
+            )
+        )
+    w = DTYPE_BYTES[replica_dtype]
+    slot_rank = max_lora_rank or lora_rank
+    replicas = []
+    for replica in topology.replicas:
+        gpus = sum(len(ids) for _, ids in replica.gpu_ids)
+        memories = [gpu_memory.get((host, gpu)) for host, ids in replica.gpu_ids for gpu in ids]
+        weights = shape.parameters() * w
+        lora_slots = max_loras * shape.lora_parameters(slot_rank) * w
+        kv_min = shape.kv_bytes_per_token(w) * max_model_len
+        reserve = REPLICA_ACTIVATION_RESERVE_BYTES * max(gpus, 1)
+        available = (
+            None if not memories or None in memories else int(util * min(m for m in memories if m) * gpus)
+        )
+        replicas.append(
+            ReplicaMemory(
+                name=replica.name,
+                index=replica.index,
+                host_id=replica.host_ids[0],
+                gpus=gpus,
+                weights_bytes=weights,
+                lora_slot_bytes=lora_slots,
+                kv_min_bytes=kv_min,
+                reserve_bytes=reserve,
+                needed_bytes=weights + lora_slots + kv_min + reserve,
+                available_bytes=available,
+                kv_cache_bytes=None
+                if available is None
+                else max(available - weights - lora_slots - reserve, 0),
+            )
+        )
+    return MemoryPlan(
+        model=model,
+        trainer_dtype=trainer_dtype,
+        replica_dtype=replica_dtype,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        dp=dp,
+        distributed_optimizer=dp > 1 if distributed_optimizer is None else distributed_optimizer,
+        lora_rank=lora_rank,
+        lora_parameters=shape.lora_parameters(lora_rank, lora_targets, tp, ep),
+        row_tokens=row_tokens,
+        seq_len=seq_len,
+        micro_batch_rows=micro_batch_rows,
+        logprob_chunk=logprob_chunk,
+        activation_factor=shape.activation_elements(tp, lora_rank, lora_targets) / shape.hidden_size,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=util,
+        ranks=tuple(ranks),
+        replicas=tuple(replicas),
+    )
+
+
+def gpu_memory_of(topology: Any, host_facts: Mapping[str, Any]) -> dict[tuple[str, int | str], int]:
+    """(host id, GPU id) -> bytes of every GPU the topology's trainer ranks and replicas name,
+    from the hosts' NVML facts (`preflight.protocol.HostFacts`, `admission.resolve_gpu`); a host
+    without facts or GPUs is left out (its ranks and replicas are planned, never refused)."""
+    from art_mega.preflight.admission import resolve_gpu
+
+    named = {(r.host_id, r.gpu_id) for r in topology.trainer_ranks if r.gpu_id is not None}
+    named |= {(host, gpu) for replica in topology.replicas for host, ids in replica.gpu_ids for gpu in ids}
+    memory = {}
+    for host, gpu in sorted(named, key=str):
+        facts = host_facts.get(host)
+        if facts is not None and facts.gpus:
+            memory[(host, gpu)] = resolve_gpu(host, gpu, facts).memory_bytes
+    return memory
+
+
+def check_plan(plan: MemoryPlan, shape: ModelShape, valid_tp: Sequence[int] = ()) -> None:
+    """Raise `MemoryPlanError` (one sentence: the model, the layout, the process, the GiB needed
+    and available, a fix) for the first trainer rank or replica that does not fit its GPU memory;
+    a shared-GPU rank must leave the replica its gpu_memory_utilization share while it holds its
+    weights (the replica starts after the ranks and sizes itself from free memory). Ranks and
+    replicas without GPU memory (CPU) are never refused. `valid_tp`: the tp sizes the model
+    allows, for the fix (the smallest one that fits)."""
+    for rank in plan.ranks:
+        if rank.available_bytes is None:
+            continue
+        if rank.needed_bytes > rank.available_bytes:
+            raise MemoryPlanError(
+                f"{plan.model} does not fit trainer rank {rank.rank} on host {rank.host_id} (GPU {rank.gpu_id}, "
+                f"{_gib(rank.available_bytes)} GiB) at {plan.layout}: it needs {_gib(rank.needed_bytes)} GiB "
+                f"({plan.trainer_dtype} weights {_gib(rank.weights_bytes)}, LoRA with grads and Adam "
+                f"{_gib(rank.lora_bytes + rank.lora_grad_bytes + rank.optimizer_bytes)}, activations of "
+                f"{plan.micro_batch_rows} x {plan.row_tokens}-token rows {_gib(rank.activation_bytes)}, logits "
+                f"{_gib(rank.logits_bytes)}, reserve {_gib(rank.reserve_bytes)}); "
+                f"{_rank_fix(plan, shape, rank, valid_tp)}",
+                plan.model,
+                f"trainer rank {rank.rank}",
+                rank.host_id,
+                rank.needed_bytes,
+                rank.available_bytes,
+            )
+        left = rank.available_bytes - int(rank.available_bytes * plan.gpu_memory_utilization)
+        if rank.shared_with_replica and rank.resident_bytes > left:
+            fits = math.floor((1 - rank.resident_bytes / rank.available_bytes) * 100) / 100
+            fix = f"set gpu_memory_utilization={fits:.2f} or lower" if fits > 0 else "use more TP"
+            raise MemoryPlanError(
+                f"{plan.model} does not fit trainer rank {rank.rank} on host {rank.host_id} (GPU {rank.gpu_id}) "
+                f"beside its replica at {plan.layout}: the rank holds {_gib(rank.resident_bytes)} GiB between "
+                f"steps, and the replica, which starts after it, needs gpu_memory_utilization="
+                f"{plan.gpu_memory_utilization:g} of {_gib(rank.available_bytes)} GiB free, which leaves the rank "
+                f"{_gib(left)} GiB; {fix}, or give the replicas their own GPUs",
+                plan.model,
+                f"trainer rank {rank.rank}",
+                rank.host_id,
+                rank.resident_bytes,
+                left,
+            )
+    for replica in plan.replicas:
+        if replica.available_bytes is None or replica.needed_bytes <= replica.available_bytes:
+            continue
+        raise MemoryPlanError(
+            f"{plan.model} does not fit replica {replica.name}/{replica.index} on host {replica.host_id} "
+            f"({replica.gpus} GPU(s), {_gib(replica.available_bytes)} GiB at gpu_memory_utilization="
+            f"{plan.gpu_memory_utilization:g}): it needs {_gib(replica.needed_bytes)} GiB ({plan.replica_dtype} "
+            f"weights {_gib(replica.weights_bytes)}, LoRA slots {_gib(replica.lora_slot_bytes)}, the KV cache of "
+            f"one {plan.max_model_len}-token sequence {_gib(replica.kv_min_bytes)}, reserve "
+            f"{_gib(replica.reserve_bytes)}); use a larger InferenceSpec.tp, a smaller max_model_len, or a "
+            "higher gpu_memory_utilization",
+            plan.model,
+            f"replica {replica.name}/{replica.index}",
+            replica.host_id,
+            replica.needed_bytes,
+            replica.available_bytes,
+        )
+
+
+def _rank_fix(plan: MemoryPlan, shape: ModelShape, rank: RankMemory, valid_tp: Sequence[int]) -> str:
+    """The fix of a rank that does not fit: the smallest larger tp that fits the same GPU, else
+    fewer rows a micro-batch when the activations and logits are what does not fit, else larger
+    GPUs."""
+    available = rank.available_bytes or 0
+    for tp in sorted(t for t in valid_tp if t > plan.tp):
+        terms = rank_terms(
+            shape,
+            tp=tp,
+            cp=plan.cp,
+            ep=plan.ep,
+            dp=plan.dp,
+            dtype=plan.trainer_dtype,
+            lora_rank=plan.lora_rank,
+            distributed_optimizer=plan.distributed_optimizer,
+            row_tokens=plan.row_tokens,
+            micro_batch_rows=plan.micro_batch_rows,
+            logprob_chunk=plan.logprob_chunk,
+        )
+        if sum(terms.values()) <= available:
+            return (
+                f"use TrainerSpec.tp={tp} ({tp * plan.cp} such GPUs a model copy; {_gib(sum(terms.values()))} GiB "
+                "a rank), or larger GPUs"
+            )
+    if rank.resident_bytes < available and plan.micro_batch_rows > 1:
+        return "use micro_batch_rows=1, more TP, or larger GPUs"
+    if rank.resident_bytes < available:
+        return "pass logprob_calculation_chunk_size to backend.train and use more TP, or larger GPUs"
+    return (
+        f"no tp up to {max(valid_tp, default=plan.tp)} fits it on {_gib(available)} GiB GPUs; use larger GPUs"
+    )
+
+
+def write_plan(run_dir: str | os.PathLike[str], plan: MemoryPlan) -> Path:
+    """Write `plan` as `<run_dir>/memory_plan.json` (replaced at each register) and return its path."""
+    path = Path(run_dir) / PLAN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{PLAN_FILE}.{os.getpid()}.tmp")
+    staged.write_text(json.dumps(plan.model_dump(mode="json"), indent=1) + "\n")
+    staged.replace(path)
+    return path
+
+
+def read_plan(run_dir: str | os.PathLike[str]) -> MemoryPlan:
+    """The plan `write_plan` wrote in `run_dir`."""
+    return MemoryPlan.model_validate_json((Path(run_dir) / PLAN_FILE).read_text())
+
+
+def log_plan(plan: MemoryPlan, logger: logging.Logger | None = None) -> None:
+    """Log the plan's one line (info) and its `warnings` (warning)."""
+    logger = logger or logging.getLogger("art_mega.memory_plan")
+    logger.info("%s", plan.line())
+    for line in plan.warnings():
+        logger.warning("%s", line)
