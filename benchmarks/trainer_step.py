@@ -6,8 +6,9 @@ from its row of a compiled topology's rank table (`compile_topology` with one lo
 `TrainerSpec(cpu_ranks_per_host=world)`), builds `TrainerEngine` through `jobs.build_engine`
 (LoRA rank 8, alpha 16, every default target) and times `train_step` on its DP share of the same
 seeded packed batch after one warm-up step. Layouts: dense tiny llama TP1 (1 rank), TP2, DP2
-(distributed optimizer), CP2; tiny Qwen3-MoE (4 experts, top-2) EP1 (1 rank), EP2, TP2+EP2
-(4 ranks). Per layout it reports the median over ranks-synchronised steps of the slowest
+(distributed optimizer), CP2, PP2 (2 stages of 1 layer, 1F1B over gloo point-to-point), PP2+TP2
+and PP2+DP2 (4 ranks); tiny Qwen3-MoE (4 experts, top-2) EP1 (1 rank), EP2, TP2+EP2 and
+PP2+EP2 (4 ranks). Per layout it reports the median over ranks-synchronised steps of the slowest
 rank's step time, its ratio to the one-process step of the same model (TP1 or EP1, same run),
 tokens/s (non-padding tokens of the global batch / median step) and the peak RSS (VmHWM) of
 its ranks. Never fails on a slow figure; a layout that crashes makes the exit status 1.
@@ -55,6 +56,7 @@ class Layout:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    pp: int = 1
     baseline: str = "TP1"
 
 
@@ -63,9 +65,13 @@ LAYOUTS = (
     Layout("TP2", "dense", 2, tp=2),
     Layout("DP2", "dense", 2),
     Layout("CP2", "dense", 2, cp=2),
+    Layout("PP2", "dense", 2, pp=2),
+    Layout("PP2+TP2", "dense", 4, tp=2, pp=2),
+    Layout("PP2+DP2", "dense", 4, pp=2),
     Layout("EP1", "moe", 1, baseline="EP1"),
     Layout("EP2", "moe", 2, ep=2, baseline="EP1"),
     Layout("TP2+EP2", "moe", 4, tp=2, ep=2, baseline="EP1"),
+    Layout("PP2+EP2", "moe", 4, ep=2, pp=2, baseline="EP1"),
 )
 MODEL_NAMES = {"dense": "tiny llama", "moe": "tiny Qwen3-MoE"}
 
@@ -191,7 +197,12 @@ def rank_table(layout: Layout, port: int) -> tuple[list[dict], dict]:
         allow_shared_kernel=True,
     )
     spec = TrainerSpec(
-        tp=layout.tp, cp=layout.cp, ep=layout.ep, cpu_ranks_per_host=layout.world, master_port=port
+        tp=layout.tp,
+        cp=layout.cp,
+        ep=layout.ep,
+        pp=layout.pp,
+        cpu_ranks_per_host=layout.world,
+        master_port=port,
     )
     topology = compile_topology(cluster, trainer=spec)
     return [row.model_dump(mode="json") for row in topology.trainer_ranks], spec.model_dump(mode="json")

@@ -154,7 +154,7 @@ class S3Mixin:
         resumes from it: the next `train` makes step n+1. The whole checkpoint folder is copied:
         the adapter, and the rank state files, so the forked run also continues the source's
         optimizer state (Adam moments, step count) where ART's fork carries the adapter only;
-        resuming them needs the source's trainer layout (world size, tp, dp), as any resume does.
+        on another trainer layout the moments are re-sharded (`TrainerEngine.load_portable`).
 
         Raises:
             UserError: `model` is registered here; `model` already has a committed checkpoint

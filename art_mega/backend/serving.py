@@ -269,7 +269,9 @@ class ServingMixin:
 
         if (refused := trainer.unsupported()) is not None:  # compile_topology refuses it first
             raise TopologyError(refused[1], refused[0])
-        check_model_fits(resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, spec="TrainerSpec")
+        check_model_fits(
+            resolved.model_dir, trainer.tp, ep=trainer.ep, etp=trainer.etp, pp=trainer.pp, spec="TrainerSpec"
+        )
         for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
             check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
         lora = self._lora_settings(resolved.model_dir)

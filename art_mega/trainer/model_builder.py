@@ -7,6 +7,7 @@ mapping.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +49,17 @@ def te_available() -> bool:
 
 
 def check_model_fits(
-    model_dir: str | os.PathLike[str], tp: int, *, ep: int = 1, etp: int = 1, spec: str | None = None
+    model_dir: str | os.PathLike[str],
+    tp: int,
+    *,
+    ep: int = 1,
+    etp: int = 1,
+    pp: int = 1,
+    spec: str | None = None,
 ) -> None:
     """Refuse an HF model in `model_dir` that cannot be split `tp` ways (and, for an MoE model,
-    its experts `ep` ways and their FFN `etp` ways; a dense model ignores ep/etp).
+    its experts `ep` ways and their FFN `etp` ways; a dense model ignores ep/etp), or into `pp`
+    pipeline stages (`check_pipeline`).
 
     Reads only config.json (no torch): `MegatronBackend.register` calls it before any rank or
     replica starts. `spec` ("TrainerSpec", "InferenceSpec") names the sizes' owner in the
@@ -67,10 +75,35 @@ def check_model_fits(
     family = family_for(config)
     try:
         _check_parallel(family, args, ParallelLayout(tp=tp, ep=ep, etp=etp), model_dir)
+        check_pipeline(family, args, pp, model_dir)
     except ModelSplitError as exc:
         if spec is None:
             raise
         raise ModelSplitError(f"{spec}.{exc}", exc.model_dir, tp, ep, etp) from None
+
+
+def check_pipeline(family: FamilySpec[Any], args: Any, pp: int, model_dir: str | os.PathLike[str]) -> None:
+    """Refuse `pp` > 1 pipeline stages for a family whose model cannot be split into stages
+    (`FamilySpec.pipeline_parallel`) or whose decoder layers `pp` does not divide (each stage
+    holds num_layers / pp whole layers, megatron-core's even split). Raises `ModelSplitError`."""
+    if pp == 1:
+        return
+    if not family.pipeline_parallel:
+        raise ModelSplitError(
+            f"pp={pp} cannot split this {family.name} model: pipeline stages are built for the llama "
+            "and qwen3_moe families only; use pp=1 and split it with tp (or ep for experts).",
+            str(model_dir),
+            1,
+        )
+    layers = args.num_layers
+    if layers % pp:
+        sizes = ", ".join(str(n) for n in range(1, layers + 1) if layers % n == 0)
+        raise ModelSplitError(
+            f"pp={pp} cannot split this {family.name} model ({layers} decoder layers) into equal "
+            f"stages; use pp in {{{sizes}}}.",
+            str(model_dir),
+            1,
+        )
 
 
 def read_model_args(model_dir: str | os.PathLike[str]) -> tuple[FamilySpec[Any], Any]:
@@ -201,13 +234,26 @@ def build_megatron_model(
     if use_te is None:
         use_te = on_cuda and te_available()
     kind = "cuda" if on_cuda else "cpu"
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    check_pipeline(family, args, pp, model_dir)
     transformer_config = family.transformer_config(args, layout, dtype=dtype, device=kind)
+    if pp > 1:
+        transformer_config = _pipeline_config(transformer_config, pp)
     kwargs = family.gpt_model_kwargs(args, tp=layout.tp)
-    module = GPTModel(transformer_config, family.layer_spec(args, use_te=use_te), **kwargs)
+    module = GPTModel(
+        transformer_config,
+        family.layer_spec(args, use_te=use_te),
+        pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(),
+        **kwargs,
+    )
     module.to(device)
     with SafetensorsReader(model_dir) as reader:
         state = family.megatron_state_dict(args, reader.get, layout)
-    state = _rename_for_spec(state, set(module.state_dict()), family.te_name_map)
+    model_keys = set(module.state_dict())
+    if pp > 1:
+        state = _stage_state(state, model_keys, module.decoder.layers)
+    state = _rename_for_spec(state, model_keys, family.te_name_map)
     dtype_t = next(module.parameters()).dtype
     state = {name: tensor.to(dtype=dtype_t) for name, tensor in state.items()}
     missing, unexpected = module.load_state_dict(state, strict=False)
@@ -232,6 +278,56 @@ def build_megatron_model(
         device=device,
         uses_te=use_te,
     )
+
+
+def _pipeline_config(config: Any, pp: int) -> Any:
+    """`config` (a `TransformerConfig`) for `pp` pipeline stages: megatron-core's even split of
+    the layers (`get_num_layers_to_build`), stage-to-stage tensors in the parameter dtype, and
+    shapes sent before each tensor (`variable_seq_lengths`: every microbatch is cut to its own
+    length, `TrainerEngine._real_columns`). Sends are plain isend/irecv (`batch_p2p_comm` off:
+    gloo has no batched point-to-point). Rebuilt with `dataclasses.replace`, so the config's own
+    checks run for the new sizes."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=config.params_dtype,
+        variable_seq_lengths=True,
+        batch_p2p_comm=False,
+        # megatron-core refuses variable lengths with the allgather dispatcher, dense models
+        # included (its default; a dense model dispatches no tokens)
+        moe_token_dispatcher_type="alltoall" if not config.num_moe_experts else config.moe_token_dispatcher_type,
+    )
+
+
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _stage_state(state: dict[str, Any], model_keys: set[str], layers: Any) -> dict[str, Any]:
+    """The tensors of this pipeline stage from the whole model's Megatron `state`.
+
+    A stage's `decoder.layers` are numbered from 0 while each `TransformerLayer` knows its global
+    `layer_number` (from 1): global layer g is local layer g - offset. The embedding, the final
+    norm and the output layer are kept where the stage has them (`model_keys`). With tied
+    embeddings the last stage has its own output-layer weight (megatron-core zeroes it and sums
+    it with the first stage's over the embedding group, `LanguageModule.setup_embeddings_and_output_layer`):
+    it gets the embedding matrix, as the tie says.
+    """
+    offset = layers[0].layer_number - 1
+    count = len(layers)
+    out = {}
+    for name, tensor in state.items():
+        match = _LAYER_KEY.match(name)
+        if match is not None:
+            local = int(match.group(1)) - offset
+            if 0 <= local < count:
+                out[f"decoder.layers.{local}.{match.group(2)}"] = tensor
+        elif name in model_keys:
+            out[name] = tensor
+    if "output_layer.weight" in model_keys and "output_layer.weight" not in out:
+        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
+    return out
 
 
 def _norms_in(module: Any, dtype: Any) -> None:

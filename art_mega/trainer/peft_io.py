@@ -112,6 +112,26 @@ def _ep_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for part in gathered for key, value in part.items()}
 
 
+def _pp_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The union of every pipeline stage's adapter tensors (CPU copies), on every stage.
+
+    Each stage holds the LoRA of its own decoder layers, already named by their global index
+    (`lora._adapter_name`); an all-gather of the tensor dicts over the pipeline group gives global
+    rank 0 (on the first stage) the whole adapter. Collective over that group.
+    """
+    import torch
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_pipeline_model_parallel_group()
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return tensors
+    gathered: list[Any] = [None] * size
+    local = {key: value.cpu() for key, value in tensors.items()}
+    torch.distributed.all_gather_object(gathered, local, group=group)
+    return {key: value for part in gathered for key, value in part.items()}
+
+
 def adapter_config(config: LoraConfig, base_model_name_or_path: str) -> dict[str, Any]:
     """The `adapter_config.json` dict PEFT (and vLLM's PEFT helper) read for this LoRA
     (`target_modules` in the names every family shares, `families.LORA_NAMES`)."""
@@ -155,7 +175,8 @@ def export_adapter(
     `num_query_groups` its attention heads and KV heads (to split the fused QKV adapter).
 
     Collective: every rank calls it (each TP group all-gathers its shards, each EP group its
-    experts' adapters, `_ep_gather`); global rank 0 writes
+    experts' adapters, `_ep_gather`, each pipeline group its stages' layers, `_pp_gather`);
+    global rank 0 writes
     `adapter_config.json` and `adapter_model.safetensors` (keys
     `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`, ..., tensors in the
     parameters' dtype), each through `checkpoint.atomic_write` (temp file, fsync, rename);
@@ -174,6 +195,7 @@ def export_adapter(
         hf = names.to_peft(name, a, b_shards, num_heads, num_query_groups)
         (expert_tensors if layer.is_expert else tensors).update(hf)
     tensors.update(_ep_gather(expert_tensors))
+    tensors = _pp_gather(tensors)
     result = None
     if torch.distributed.get_rank() == 0:
         from safetensors.torch import save

@@ -26,14 +26,14 @@ def test_cpu_world_of_one(megatron_world) -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (TrainerSpec(pp=2), PP_REFUSED),
+        (TrainerSpec(pp=2, cp=2), PP_REFUSED),
         (TrainerSpec(etp=2), ETP_REFUSED),
     ],
 )
 def test_unsupported_sizes_are_refused_before_joining(spec: TrainerSpec, message: str) -> None:
     rank = TrainerRank(
-        rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 2, pp=spec.pp, cp=spec.cp, etp=spec.etp)
+        rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 4, pp=spec.pp, cp=spec.cp, etp=spec.etp)
     )
     with pytest.raises(TopologyError) as caught:
-        init_parallel(rank, spec, 2, master_addr="127.0.0.1", master_port=1)
+        init_parallel(rank, spec, 4, master_addr="127.0.0.1", master_port=1)
     assert str(caught.value) == message

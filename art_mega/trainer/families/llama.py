@@ -418,5 +418,6 @@ SPEC: FamilySpec[DenseArgs] = FamilySpec(
     megatron_state_dict=megatron_state_dict,
     te_name_map=TE_NAME_MAP,
     lora=LORA_NAMES,
+    pipeline_parallel=True,
 )
 """The Llama family (llama, qwen2, qwen3)."""

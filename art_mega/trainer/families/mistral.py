@@ -56,6 +56,6 @@ def model_args(config: dict[str, Any]) -> llama.DenseArgs:
 
 
 SPEC: FamilySpec[llama.DenseArgs] = dataclasses.replace(
-    llama.SPEC, name="mistral", model_types=MODEL_TYPES, model_args=model_args
+    llama.SPEC, name="mistral", model_types=MODEL_TYPES, model_args=model_args, pipeline_parallel=False
 )
 """The Mistral family: Mistral's config reading, everything else the Llama family's."""

@@ -251,5 +251,6 @@ SPEC: FamilySpec[MoeArgs] = FamilySpec(
         parents=llama.LORA_NAMES.parents,
         expert_targets=("linear_fc1", "linear_fc2"),
     ),
+    pipeline_parallel=True,
 )
 """The Qwen3-MoE family."""

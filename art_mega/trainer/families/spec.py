@@ -270,6 +270,11 @@ class FamilySpec(Generic[ArgsT]):
     `te_name_map` local-spec -> TransformerEngine-spec parameter name suffixes (TE fuses a norm
     into the next linear); `lora` the LoRA <-> PEFT names both ways.
 
+    `pipeline_parallel`: the family's model can be split into pipeline stages (pp > 1): its
+    layers are uniform blocks whose weights depend only on their global index, and nothing outside
+    megatron-core's GPTModel reads the embedding or the output layer (checked for each family by
+    the pp = 2 equality tests, `tests/trainer/test_pipeline_parallel.py`).
+
     `finish_model(args, module)`, where set, is called on the built GPTModel after its weights
     are loaded, for what a layer spec cannot express (forward hooks, e.g. Gemma's embedding scale).
     `lora_for(args)`, where set, gives one model's LoRA names when its layers differ in shape
@@ -290,6 +295,7 @@ class FamilySpec(Generic[ArgsT]):
     lora: LoraNames = field(repr=False)
     finish_model: Callable[[ArgsT, Any], None] | None = None
     lora_for: Callable[[ArgsT], LoraNames] | None = None
+    pipeline_parallel: bool = False
 
     def lora_names(self, args: ArgsT) -> LoraNames:
         """The LoRA <-> PEFT names of the model with arguments `args` (`lora_for`, else `lora`)."""

@@ -36,8 +36,15 @@ changed megatron-core fails loudly here rather than silently later.
   local `DotProductAttention` refuses it (`transformer/dot_product_attention.py:57`) and
   `cp_attention.py` provides the core attention.
 
-Not patched yet, because nothing in art-mega runs them on CPU yet: the pipeline-parallel
-schedules (`pipeline_parallel/schedules.py:983,2138`).
+- `cpu_pipeline_schedule`: the 1F1B pipeline schedule's token counter made on "cuda"
+  (`pipeline_parallel/schedules.py:2138`), the `torch.cuda.synchronize()` after exchanging
+  tensor shapes (`pipeline_parallel/p2p_communication.py:242`, variable sequence lengths) and
+  the tied output weight moved to CUDA (`models/common/language_module/language_module.py:244`). The
+  point-to-point sends themselves are plain `isend` / `irecv`, which gloo runs (the engine sets
+  `batch_p2p_comm=False`, so the other `synchronize` at `:398` is never reached).
+
+Not patched, because nothing in art-mega runs it on CPU: the interleaved (virtual-stage)
+pipeline schedule (`pipeline_parallel/schedules.py:983`).
 """
 
 from __future__ import annotations
@@ -312,6 +319,40 @@ def cpu_schedule_tokens(log: _UndoLog) -> None:
     _rewrite(log, schedules, "forward_backward_no_pipelining", [('device="cuda"', 'device="cpu"', 1)])
 
 
+def cpu_pipeline_schedule(log: _UndoLog) -> None:
+    """Run megatron-core's 1F1B pipeline schedule (`forward_backward_pipelining_without_interleaving`)
+    with CPU tensors over gloo.
+
+    Its `total_num_tokens` is made with `device="cuda"` (`pipeline_parallel/schedules.py:2138`);
+    `P2PCommunicator._communicate_shapes` (variable sequence lengths) ends with an unconditional
+    `torch.cuda.synchronize()` (`pipeline_parallel/p2p_communication.py:242`), not needed on the
+    CPU where `req.wait()` has completed the transfer. A model with tied embeddings moves the
+    last stage's output weight to CUDA before summing it with the first stage's
+    (`models/common/language_module/language_module.py:244`).
+    """
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    _rewrite(
+        log,
+        schedules,
+        "forward_backward_pipelining_without_interleaving",
+        [('device="cuda"', 'device="cpu"', 1)],
+    )
+    _rewrite(
+        log,
+        p2p_communication.P2PCommunicator,
+        "_communicate_shapes",
+        [("torch.cuda.synchronize()", "None", 1)],
+    )
+    _rewrite(
+        log,
+        language_module.LanguageModule,
+        "setup_embeddings_and_output_layer",
+        [("weight.data.cuda()", "weight.data", 1)],
+    )
+
+
 _ABSENT = object()
 """Recorded as the old value of an attribute a patch adds; undoing deletes the attribute."""
 
@@ -414,6 +455,7 @@ PATCHES: dict[str, Callable[[_UndoLog], None]] = {
     "cpu_optimizer_tensors": cpu_optimizer_tensors,
     "cpu_grad_norm": cpu_grad_norm,
     "cpu_schedule_tokens": cpu_schedule_tokens,
+    "cpu_pipeline_schedule": cpu_pipeline_schedule,
     "cpu_moe_router_gemm": cpu_moe_router_gemm,
     "cpu_alltoall_dispatcher": cpu_alltoall_dispatcher,
     "cpu_sequence_parallel_norm": cpu_sequence_parallel_norm,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,8 +38,11 @@ from art_mega.trainer.rank.lora import apply_lora, lora_disabled, lora_parameter
 from art_mega.trainer.rank.loss import grpo_loss, known_logprobs, sft_loss
 from art_mega.trainer.rank.parallel import ParallelState
 
-STATE_FORMAT = 1
-"""Version of the per-rank state file written by `save_state`."""
+STATE_FORMAT = 2
+"""Version of the per-rank state file written by `save_state` (2 adds the layout-free Adam
+moments, `named_adam`, and pp to the layout; a format-1 file still loads on its own layout)."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -272,11 +276,21 @@ class TrainerEngine:
         self, tensors: dict[str, torch.Tensor], chunk_size: int | None = None, *, trained_only: bool = False
     ) -> torch.Tensor:
         """Logprobs float32 [b, L] of one microbatch; with `trained_only` at its trained tokens
-        (`loss_mask` > 0) only, 0.0 elsewhere (the LM head runs on the positions predicting them)."""
+        (`loss_mask` > 0) only, 0.0 elsewhere (the LM head runs on the positions predicting them).
+        One pipeline stage only (the whole model on this rank)."""
         needed = tensors["loss_mask"] > 0 if trained_only else None
         logits = forward_logits(
             self.ddp, tensors["input_ids"], tensors["position_ids"], tensors["segment_ids"], needed=needed
         )
+        return self._logprobs_of_logits(logits, tensors, chunk_size, needed)
+
+    def _logprobs_of_logits(
+        self,
+        logits: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        chunk_size: int | None,
+        needed: torch.Tensor | None,
+    ) -> torch.Tensor:
         return token_logprobs(
             logits,
             tensors["input_ids"],
@@ -286,6 +300,61 @@ class TrainerEngine:
             needed=needed,
             sampling=SamplingRows.from_tensors(tensors),
         )
+
+    @property
+    def _pipelined(self) -> bool:
+        return self.state.pp > 1
+
+    def _all_logprobs(
+        self,
+        micro: list[dict[str, torch.Tensor]],
+        chunk_size: int | None = None,
+        *,
+        trained_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """`_forward_logprobs` of every microbatch in `micro`, on every rank.
+
+        Under pipeline parallelism the microbatches run through megatron-core's 1F1B schedule
+        forward only (`get_forward_backward_func`, `collect_non_loss_data`): the last stage computes
+        the logprobs and broadcasts them over the pipeline group, so every stage returns the same
+        [b, L] tensors (float32), as every rank does without pipelining.
+        """
+        if not self._pipelined:
+            return [self._forward_logprobs(t, chunk_size, trained_only=trained_only) for t in micro]
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+            t = next(data_iterator)
+            needed = t["loss_mask"] > 0 if trained_only else None
+            out = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"], needed=needed)
+
+            def collect(logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+                return self._logprobs_of_logits(logits, t, chunk_size, needed)
+
+            return out, collect
+
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iter(micro),
+                model=[self.ddp],
+                num_microbatches=len(micro),
+                seq_length=max(t["input_ids"].shape[1] for t in micro),
+                micro_batch_size=self.micro_batch_rows,
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        shapes = [tuple(t["input_ids"].shape) for t in micro]
+        if mpu.is_pipeline_last_stage():
+            flat = torch.cat([o.float().reshape(-1) for o in outputs])
+        else:
+            flat = torch.empty(sum(a * b for a, b in shapes), dtype=torch.float32, device=self.state.device)
+        torch.distributed.broadcast(
+            flat, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+        )
+        pieces = flat.split([a * b for a, b in shapes])
+        return [piece.reshape(shape) for piece, shape in zip(pieces, shapes, strict=True)]
 
     # ------------------------------------------------------------------ public API
 
@@ -305,8 +374,8 @@ class TrainerEngine:
         context = lora_disabled(self.ddp.module) if reference else contextlib.nullcontext()
         with context:
             first = 0
-            for tensors in self._microbatches(batch):
-                values = self._forward_logprobs(tensors, trained_only=trained_only).cpu().numpy()
+            for tensor in self._all_logprobs(self._microbatches(batch), trained_only=trained_only):
+                values = tensor.cpu().numpy()
                 out[first : first + values.shape[0], : values.shape[1]] = values
                 first += values.shape[0]
         return out
@@ -379,9 +448,7 @@ class TrainerEngine:
             return metrics
 
         old_policy = None if old_policy_logprobs is None else {"old_policy": old_policy_logprobs}
-        microbatches = [
-            self._prepare(tensors, loss, loss_config) for tensors in self._microbatches(batch, old_policy)
-        ]
+        microbatches = self._prepare(self._microbatches(batch, old_policy), loss, loss_config)
         decay = self.optimizer_settings.weight_decay if weight_decay is None else weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -405,7 +472,7 @@ class TrainerEngine:
             forward_only=False,
         )
         metrics.update(
-            self._reduce_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
+            self._stage_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
         )
         # Megatron's step() clips with the norm and updates in one call (and only fp16's loss
         # scaler checks for inf), so the norm is computed here first: `prepare_grads` hands the
@@ -446,24 +513,28 @@ class TrainerEngine:
         return None
 
     def _prepare(
-        self, tensors: dict[str, torch.Tensor], loss: str, loss_config: GRPOLossConfig
-    ) -> _Microbatch:
-        """Loss inputs that need their own forward pass before the step (reference, TIS)."""
+        self, micro: list[dict[str, torch.Tensor]], loss: str, loss_config: GRPOLossConfig
+    ) -> list[_Microbatch]:
+        """Each microbatch with the loss inputs that need their own forward pass before the step
+        (reference, TIS), computed for all microbatches at once (`_all_logprobs`)."""
         if loss != "grpo":
-            return _Microbatch(tensors)
-        ref = old = inference = None
+            return [_Microbatch(tensors) for tensors in micro]
+        none: list[torch.Tensor | None] = [None] * len(micro)
+        refs, olds, inferences = list(none), list(none), list(none)
         chunk_size = loss_config.logprob_calculation_chunk_size
         if loss_config.needs_reference:
             with self._reference(loss_config.kl_ref_adapter_path):
-                ref = self._forward_logprobs(tensors, chunk_size, trained_only=True)
+                refs = list(self._all_logprobs(micro, chunk_size, trained_only=True))
         if loss_config.recomputes_old:
-            old = (
-                tensors["old_policy"]
-                if "old_policy" in tensors
-                else self._forward_logprobs(tensors, chunk_size, trained_only=True)
-            )
-            inference = tensors["old_logprobs"]
-        return _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
+            if "old_policy" in micro[0]:
+                olds = [tensors["old_policy"] for tensors in micro]
+            else:
+                olds = list(self._all_logprobs(micro, chunk_size, trained_only=True))
+            inferences = [tensors["old_logprobs"] for tensors in micro]
+        return [
+            _Microbatch(tensors, ref_logprobs=ref, old_logprobs=old, inference_logprobs=inference)
+            for tensors, ref, old, inference in zip(micro, refs, olds, inferences, strict=True)
+        ]
 
     @contextlib.contextmanager
     def _reference(self, adapter_dir: str | None) -> Iterator[None]:
@@ -521,6 +592,11 @@ class TrainerEngine:
         t = micro.tensors
         needed = t["loss_mask"] > 0
         logits = forward_logits(model, t["input_ids"], t["position_ids"], t["segment_ids"], needed=needed)
+        if self._pipelined:
+            from megatron.core import parallel_state as mpu
+
+            if not mpu.is_pipeline_last_stage():  # hidden states for the next stage; no loss here
+                return logits, None
         entropy = None
         if self.compute_entropy:
             entropy = token_entropy(
@@ -620,6 +696,23 @@ class TrainerEngine:
         )
         return value, tokens.to(torch.int), info
 
+    def _stage_metrics(
+        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool
+    ) -> dict[str, float]:
+        """`_reduce_metrics`; under pipeline parallelism computed on the last stage (the only one
+        with losses) and broadcast over the pipeline group, so every rank returns the same."""
+        if not self._pipelined:
+            return self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
+        from megatron.core import parallel_state as mpu
+
+        box: list[Any] = [None]
+        if mpu.is_pipeline_last_stage():
+            box[0] = self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
+        torch.distributed.broadcast_object_list(
+            box, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+        )
+        return box[0]
+
     def _reduce_metrics(
         self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool = False
     ) -> dict[str, float]:
@@ -696,8 +789,10 @@ class TrainerEngine:
             "world_size": s.world_size,
             "tp": s.tp,
             "dp": s.dp,
+            "pp": s.pp,
             "tp_rank": s.tp_rank,
             "dp_rank": s.dp_rank,
+            "pp_rank": s.pp_rank,
         }
 
     def state_file(self, directory: str | os.PathLike[str]) -> Path:
@@ -720,6 +815,7 @@ class TrainerEngine:
             "steps": self.steps,
             "lora": {name: p.detach().cpu().clone() for name, p in lora_parameters(self.ddp.module).items()},
             "optimizers": [_optimizer_state(sub) for sub in _sub_optimizers(self.optimizer)],
+            "named_adam": self._named_adam(),
         }
         with checkpoint.atomic_write(path) as handle:
             torch.save(payload, handle)
@@ -727,16 +823,22 @@ class TrainerEngine:
 
     @torch.no_grad()
     def load_state(self, directory: str | os.PathLike[str]) -> None:
-        """Restore what `save_state` wrote for this rank (same parallel layout and LoRA config).
+        """Restore a checkpoint `directory` written by `save_state` on every rank of a trainer.
 
-        Raises `RuntimeError` when the file's layout or parameter names differ from this engine's.
+        On the layout it was written with (world size, tp, dp, pp and this rank's coordinates):
+        this rank's file as it was (LoRA shards, Megatron optimizer state, step count), exactly.
+        On another layout (a lost node, a bigger allocation; `load_portable`): the LoRA from
+        the checkpoint's PEFT adapter and the Adam moments re-sharded from every old rank's
+        layout-free record.
+
+        Raises `RuntimeError` when the file holds other LoRA parameters than this engine
+        (another model or LoRA config).
         """
         path = self.state_file(directory)
-        payload = torch.load(path, map_location=self.state.device, weights_only=False)
-        if payload.get("format") != STATE_FORMAT or payload["layout"] != self._layout():
-            raise RuntimeError(
-                f"{path} was saved with layout {payload.get('layout')}, this rank is {self._layout()}"
-            )
+        payload = torch.load(path, map_location=self.state.device, weights_only=False) if path.exists() else None
+        if payload is None or _saved_layout(payload) != self._layout():
+            self.load_portable(directory)
+            return
         params = lora_parameters(self.ddp.module)
         if set(payload["lora"]) != set(params):
             raise RuntimeError(f"{path} holds other LoRA parameters than this model")
@@ -747,6 +849,205 @@ class TrainerEngine:
             _load_optimizer_state(sub, saved)
         self.optimizer.reload_model_params()
         self.steps = payload["steps"]
+
+    @torch.no_grad()
+    def load_portable(self, directory: str | os.PathLike[str]) -> None:
+        """Resume a checkpoint written on another parallel layout (TP, PP, EP, DP, distributed
+        optimizer or not): the LoRA weights from its PEFT adapter (`load_adapter`, layout-free),
+        the step count from its rank files, and Adam's moments and step re-sharded from the
+        `named_adam` records of every old rank (`_assemble_adam`): each parameter's full
+        moments are rebuilt from the old shards, then this rank's shard is cut from them.
+
+        Where the moments cannot be rebuilt (rank files of format 1, a bf16 optimizer without
+        the distributed layout, a parameter missing from the records) the optimizer restarts
+        from zero moments, said in one logged line on global rank 0. Not collective.
+        """
+        from art_mega.trainer.peft_io import import_adapter
+
+        files = sorted(Path(directory).glob("rank*.pt"))
+        saved = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        import_adapter(
+            self.ddp.module,
+            self.lora_config,
+            checkpoint.adapter_dir(directory),
+            num_heads=self.model.args.num_heads,
+            num_query_groups=self.model.args.num_query_groups,
+            names=self.model.family.lora,
+        )
+        self.optimizer.reload_model_params()
+        self.steps = saved[0]["steps"] if saved else 0
+        old = _saved_layout(saved[0]) if saved else None
+        problem = None
+        if not saved or any("named_adam" not in payload for payload in saved):
+            problem = "its rank files hold no layout-free optimizer state (written before format 2)"
+        else:
+            moments = _assemble_adam([payload["named_adam"] for payload in saved])
+            problem = self._set_named_adam(moments)
+        if self.state.rank == 0:
+            if problem is None:
+                log.info("resumed %s written on layout %s at %s, optimizer state re-sharded", directory, old, self._layout())
+            else:
+                log.warning(
+                    "resumed %s (layout %s) at layout %s with its LoRA weights; the optimizer state "
+                    "restarts from zero because %s",
+                    directory,
+                    old,
+                    self._layout(),
+                    problem,
+                )
+
+    def _named_adam(self) -> dict[str, dict[str, Any]] | None:
+        """This rank's Adam state per LoRA parameter, in a form any layout can read back:
+        {name: {"exp_avg", "exp_avg_sq" (float32, this rank's part, flattened when the
+        distributed optimizer holds a slice), "step", "shape" (the rank's shard), "full" (the
+        unsharded shape), "split" (the TP-split dimension or None), "tp_rank", "range" (the
+        flat [start, end) of the shard that this rank's slice covers, None for all of it)}}.
+        None before the first step, or where the per-parameter state is not reachable (a bf16
+        optimizer without the distributed layout)."""
+        from art_mega.trainer.rank.lora import lora_layers
+
+        out: dict[str, dict[str, Any]] = {}
+        for layer_name, layer in lora_layers(self.ddp.module).items():
+            for matrix in ("lora_A", "lora_B"):
+                param = getattr(layer, matrix)
+                place = self._main_of(param)
+                if place is _NOT_HERE:
+                    continue
+                if place is None or not place[0].state.get(place[1]):
+                    return None
+                inner, main, span = place
+                state = inner.state[main]
+                split = _split_dim(layer, matrix)
+                full = list(param.shape)
+                if split is not None:
+                    full[split] *= layer.tp_size
+                out[f"{layer_name}.{matrix}"] = {
+                    "exp_avg": state["exp_avg"].detach().float().cpu().clone(),
+                    "exp_avg_sq": state["exp_avg_sq"].detach().float().cpu().clone(),
+                    "step": float(state["step"]),
+                    "shape": tuple(param.shape),
+                    "full": tuple(full),
+                    "split": split,
+                    "tp_rank": layer.tp_rank if split is not None else 0,
+                    "range": span,
+                }
+        return out
+
+    def _set_named_adam(self, moments: dict[str, dict[str, Any]]) -> str | None:
+        """Put full moments (`_assemble_adam`) into this rank's optimizer; None, or why not."""
+        from art_mega.trainer.rank.lora import lora_layers
+
+        targets = []
+        for layer_name, layer in lora_layers(self.ddp.module).items():
+            for matrix in ("lora_A", "lora_B"):
+                name = f"{layer_name}.{matrix}"
+                if name not in moments:
+                    return f"the records have no state for {name}"
+                param = getattr(layer, matrix)
+                place = self._main_of(param)
+                if place is None:
+                    return "this optimizer keeps no fp32 main copy per LoRA parameter (bf16 without the distributed optimizer)"
+                if place is _NOT_HERE:
+                    continue
+                targets.append((name, layer, matrix, *place))
+        for name, layer, matrix, inner, main, span in targets:
+            record = moments[name]
+            state = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = _tp_shard(record[key], _split_dim(layer, matrix), layer.tp_size, layer.tp_rank)
+                flat = shard.reshape(-1)
+                if span is not None:
+                    flat = flat[span[0] : span[1]]
+                state[key] = flat.reshape(main.shape).to(device=main.device, dtype=main.dtype).clone()
+            state["step"] = torch.tensor(record["step"], dtype=torch.float32)
+            inner.state[main] = state
+        return None
+
+    def _main_of(self, param: torch.Tensor) -> tuple[Any, torch.Tensor, tuple[int, int] | None] | None | Any:
+        """(inner torch optimizer, main parameter, flat range) of `param` on this rank;
+        `_NOT_HERE` where the distributed optimizer gives this rank no slice; None where no
+        fp32 main copy is reachable."""
+        distributed = False
+        for sub in _sub_optimizers(self.optimizer):
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            if _is_distributed(sub):
+                distributed = True
+                if param in sub.model_param_group_index_map:
+                    group, order = sub.model_param_group_index_map[param]
+                    span = sub._get_model_param_range_map(param)["param"]
+                    return inner, inner.param_groups[group]["params"][order], (span.start, span.end)
+                continue
+            for group in inner.param_groups:
+                if any(p is param for p in group["params"]):
+                    return inner, param, None
+        return _NOT_HERE if distributed else None
+
+_NOT_HERE = object()
+"""A parameter whose distributed-optimizer state lives on other DP ranks only."""
+
+
+def _saved_layout(payload: dict[str, Any]) -> dict[str, int]:
+    """The layout of a rank file, with pp = 1 for a format-1 file (written before pipelines)."""
+    return {"pp": 1, "pp_rank": 0, **payload.get("layout", {})}
+
+
+def _split_dim(layer: Any, matrix: str) -> int | None:
+    """The dimension of `layer`'s `matrix` ("lora_A" / "lora_B") split over its TP group: B's
+    rows in a column-parallel layer, A's columns in a row-parallel one (`lora.LoraLinear`)."""
+    if layer.tp_size == 1:
+        return None
+    if layer.kind == "column":
+        return 0 if matrix == "lora_B" else None
+    return 1 if matrix == "lora_A" else None
+
+
+def _tp_shard(full: torch.Tensor, dim: int | None, size: int, rank: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(size, dim=dim)[rank]
+
+
+def _assemble_adam(records: list[dict[str, dict[str, Any]] | None]) -> dict[str, dict[str, Any]]:
+    """Full (unsharded) Adam moments per LoRA parameter from every old rank's `_named_adam`.
+
+    Each record holds a rank's part: its TP shard (`split`, `tp_rank`) and, under the distributed
+    optimizer, a flat slice of that shard (`range`). Parts of the same shard from several DP
+    ranks fill it together; DP replicas write the same values. Returns {name: {"exp_avg",
+    "exp_avg_sq" (float32, `full` shape), "step"}}; a name with no record is absent."""
+    shards: dict[tuple[str, int], dict[str, Any]] = {}
+    for record in records:
+        for name, part in (record or {}).items():
+            key = (name, part["tp_rank"])
+            numel = int(np.prod(part["shape"]))
+            entry = shards.setdefault(
+                key,
+                {
+                    **{m: torch.zeros(numel) for m in ("exp_avg", "exp_avg_sq")},
+                    "record": part,
+                },
+            )
+            start, end = part["range"] if part["range"] is not None else (0, numel)
+            for m in ("exp_avg", "exp_avg_sq"):
+                entry[m][start:end] = part[m].reshape(-1)
+    out: dict[str, dict[str, Any]] = {}
+    for (name, tp_rank), entry in shards.items():
+        part = entry["record"]
+        full = out.setdefault(
+            name,
+            {
+                "exp_avg": torch.zeros(part["full"]),
+                "exp_avg_sq": torch.zeros(part["full"]),
+                "step": part["step"],
+            },
+        )
+        for m in ("exp_avg", "exp_avg_sq"):
+            shard = entry[m].reshape(part["shape"])
+            if part["split"] is None:
+                full[m].copy_(shard)
+            else:
+                size = part["full"][part["split"]] // part["shape"][part["split"]]
+                full[m].chunk(size, dim=part["split"])[tp_rank].copy_(shard)
+    return out
 
 
 def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:

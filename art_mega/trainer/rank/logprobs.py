@@ -438,12 +438,16 @@ def forward_logits(
 
 def _run(module: torch.nn.Module, keep: torch.Tensor | None, *inputs: torch.Tensor | None) -> torch.Tensor:
     """`module(*inputs)`; with `keep` (bool [B, P], this rank's positions) the output layer sees
-    the hidden states [K, 1, h] of the kept positions only and the result is [1, K, V_padded / tp]."""
+    the hidden states [K, 1, h] of the kept positions only and the result is [1, K, V_padded / tp].
+    A pipeline stage other than the last (no output layer) returns its hidden states [P, B, h]
+    for the next stage, whatever `keep`."""
     if keep is None:
         return module(*inputs)
     gpt = module
-    while not hasattr(gpt, "output_layer"):  # DDP / Float16Module wrappers hold the GPTModel
+    while not hasattr(gpt, "post_process"):  # DDP / Float16Module wrappers hold the GPTModel
         gpt = gpt.module
+    if not gpt.post_process:  # a pipeline stage before the last: hidden states, no output layer
+        return module(*inputs)
     output_layer = gpt.output_layer
     rows, cols = keep.nonzero(as_tuple=True)
     if output_layer.sequence_parallel:

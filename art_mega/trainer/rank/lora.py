@@ -245,16 +245,35 @@ _LOCAL_EXPERT = ".experts.local_experts."
 def _adapter_name(module: Any, path: str, ep_rank: int) -> tuple[str, bool]:
     """(adapter name, is an expert layer) of the linear at `path` in `module`.
 
-    A dense layer keeps its path. An expert's linear at `...mlp.experts.local_experts.{j}.{leaf}`
-    is named `...mlp.experts.{ep_rank * local experts + j}.{leaf}` (Megatron's contiguous split
-    of experts over EP ranks, `transformer/moe/moe_layer.py` local_expert_indices).
+    A dense layer keeps its path, with the decoder layer's global index: under pipeline
+    parallelism a stage numbers its `decoder.layers` from 0, and `decoder.layers.{i}` becomes
+    `decoder.layers.{layer_number - 1}` (megatron-core's global `TransformerLayer.layer_number`,
+    from 1), so names, initial A matrices and PEFT keys are the same on every pipeline layout.
+    An expert's linear at `...mlp.experts.local_experts.{j}.{leaf}` is named
+    `...mlp.experts.{ep_rank * local experts + j}.{leaf}` (Megatron's contiguous split of experts
+    over EP ranks, `transformer/moe/moe_layer.py` local_expert_indices).
     """
+    named = _global_layer_path(module, path)
     if _LOCAL_EXPERT not in path:
-        return path, False
+        return named, False
     head, tail = path.split(_LOCAL_EXPERT, 1)
     local, leaf = tail.split(".", 1)
     num_local = len(module.get_submodule(head + ".experts.local_experts"))
-    return f"{head}.experts.{ep_rank * num_local + int(local)}.{leaf}", True
+    return f"{named.split(_LOCAL_EXPERT, 1)[0]}.experts.{ep_rank * num_local + int(local)}.{leaf}", True
+
+
+_LAYERS = "decoder.layers."
+
+
+def _global_layer_path(module: Any, path: str) -> str:
+    """`path` with its local decoder-layer index replaced by the layer's global one (see
+    `_adapter_name`); unchanged outside `decoder.layers` and on a model of one stage."""
+    if not path.startswith(_LAYERS):
+        return path
+    local, rest = path[len(_LAYERS) :].split(".", 1)
+    layer = module.get_submodule(_LAYERS + local)
+    number = getattr(layer, "layer_number", None)
+    return path if number is None else f"{_LAYERS}{number - 1}.{rest}"
 
 
 def lora_layers(module: Any) -> dict[str, LoraLinear]:

@@ -61,6 +61,29 @@ def test_experts_that_do_not_divide_by_ep_are_one_sentence(tmp_path):
         check_model_fits(model, 1, ep=3)
 
 
+def test_pipeline_stages_that_do_not_divide_the_layers_are_one_sentence(tmp_path):
+    model = _config(tmp_path, num_hidden_layers=6)
+    check_model_fits(model, 1, pp=2)
+    check_model_fits(model, 2, pp=3)
+    with pytest.raises(ModelSplitError) as caught:
+        check_model_fits(model, 1, pp=4, spec="TrainerSpec")
+    assert str(caught.value) == (
+        "TrainerSpec.pp=4 cannot split this llama model (6 decoder layers) into equal stages; "
+        "use pp in {1, 2, 3, 6}."
+    )
+
+
+def test_pipeline_stages_of_a_family_without_them_are_one_sentence(tmp_path):
+    model = _config(tmp_path, model_type="mistral", sliding_window=None)
+    check_model_fits(model, 1)
+    with pytest.raises(ModelSplitError) as caught:
+        check_model_fits(model, 1, pp=2, spec="TrainerSpec")
+    assert str(caught.value) == (
+        "TrainerSpec.pp=2 cannot split this mistral model: pipeline stages are built for the llama "
+        "and qwen3_moe families only; use pp=1 and split it with tp (or ep for experts)."
+    )
+
+
 def test_the_checks_import_no_torch(tmp_path):
     model = _config(tmp_path)
     code = (
@@ -203,7 +226,7 @@ def _topology(trainer_tp: int = 1, replica_tp: int = 1):
     )
 
 
-@pytest.mark.parametrize("sizes", [{"pp": 2}, {"etp": 2}])
+@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2}, {"etp": 2}])
 def test_register_refuses_trainer_sizes_of_a_topology_not_compiled_here(sizes, tmp_path):
     """A topology edited after `compile_topology` (which refuses pp / etp itself) is refused at
     register, from the spec alone, before the model is read and before any start."""

@@ -204,8 +204,8 @@ def test_trainer_expert_divisibility() -> None:
 
 
 PP_REFUSED = (
-    "TrainerSpec.pp=2 is not supported yet (pipeline parallelism is not built); use pp=1 and split "
-    "the model with tp (or ep for experts) instead."
+    "TrainerSpec.pp=2 with cp=2 is not supported yet (pipeline stages do not split context-parallel "
+    "rows); use cp=1 with pp, or pp=1 with cp."
 )
 ETP_REFUSED = (
     "TrainerSpec.etp=2 is not supported with LoRA (expert-tensor parallel LoRA is not built); use "
@@ -215,7 +215,7 @@ ETP_REFUSED = (
 
 @pytest.mark.parametrize(
     ("trainer", "field", "sentence"),
-    [(TrainerSpec(tp=2, pp=2), "TrainerSpec.pp", PP_REFUSED), (TrainerSpec(ep=2, etp=2), "TrainerSpec.etp", ETP_REFUSED)],
+    [(TrainerSpec(cp=2, pp=2), "TrainerSpec.pp", PP_REFUSED), (TrainerSpec(ep=2, etp=2), "TrainerSpec.etp", ETP_REFUSED)],
 )
 def test_sizes_the_trainer_cannot_run_are_refused_at_compile(trainer, field, sentence) -> None:
     # sizes that divide the world (8 GPUs): before, these compiled and failed on every started rank
@@ -224,6 +224,16 @@ def test_sizes_the_trainer_cannot_run_are_refused_at_compile(trainer, field, sen
         compile_topology(spec, trainer=trainer)
     assert (str(info.value), info.value.field) == (sentence, field)
     assert info.value.exit_code == 2
+
+
+def test_pipeline_stages_compile_across_hosts() -> None:
+    # pp=2 over two 4-GPU hosts: each host one stage of tp=2 x dp=2 (megatron-core's tp-cp-ep-dp-pp order)
+    spec = cluster(host(0, gpus=4), host(1, gpus=4), nccl_transport=IB)
+    topology = compile_topology(spec, trainer=TrainerSpec(tp=2, pp=2))
+    assert topology.trainer_groups is not None
+    assert topology.trainer_groups.pp == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert [rank.pp_rank for rank in topology.trainer_ranks] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [rank.host_id for rank in topology.trainer_ranks[::4]] == ["h0", "h1"]
 
 
 def test_multi_host_gpu_trainer_needs_nccl_transport() -> None:
