@@ -33,6 +33,10 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "gpt_oss": ("openai", None),  # the harmony format's parser, as ART's GPT-OSS handler names it
     "qwen3_5": ("qwen3_xml", None),  # as ART's Qwen3.5 handler (vllm_server_args)
     "qwen3_5_text": ("qwen3_xml", None),
+    "qwen3_5_moe": ("qwen3_xml", None),
+    "qwen3_5_moe_text": ("qwen3_xml", None),
+    # DeepSeek-V3's native <｜tool▁calls▁begin｜> blocks (vLLM's deepseek_v3 parser); hermes without it
+    "deepseek_v3": ("deepseek_v3", "<｜tool▁calls▁begin｜>"),
 }
 """HF `model_type` -> (vLLM `--tool-call-parser` name, the token it needs in the tokenizer)."""
 

@@ -26,15 +26,19 @@ def test_select_layouts_adds_the_baseline_of_each_model_in_table_order():
         "TP2",
         "DP2",
         "CP2",
+        "PP2",
+        "PP2+TP2",
+        "PP2+DP2",
         "EP1",
         "EP2",
         "TP2+EP2",
+        "PP2+EP2",
     ]
 
 
 @pytest.mark.parametrize("names", ["TP3", "TP2,tp1", ","])
 def test_unknown_layout_is_a_user_error_naming_the_field(names):
-    with pytest.raises(UserError, match="--layouts=.*TP1,TP2,DP2,CP2,EP1,EP2,TP2\\+EP2"):
+    with pytest.raises(UserError, match="--layouts=.*TP1,TP2,DP2,CP2,PP2,PP2\\+TP2,PP2\\+DP2,EP1,EP2,TP2\\+EP2,PP2\\+EP2"):
         trainer_step.select_layouts(names)
 
 
@@ -47,8 +51,8 @@ def test_step_count():
 
 
 def test_bad_arguments_exit_2_before_any_run(capsys):
-    assert trainer_step.main(["--layouts", "PP2"]) == 2
-    assert "--layouts='PP2'" in capsys.readouterr().err
+    assert trainer_step.main(["--layouts", "PP3"]) == 2
+    assert "--layouts='PP3'" in capsys.readouterr().err
     assert trainer_step.main(["--steps", "-1"]) == 2
 
 

@@ -15,6 +15,7 @@ from art_mega.trainer.families import (
     deepseek_v3,
     family_for,
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     mistral,
@@ -125,6 +126,7 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "qwen3_5_moe": qwen3_5_moe.SPEC,
         "qwen3_5_moe_text": qwen3_5_moe.SPEC,
         "deepseek_v3": deepseek_v3.SPEC,
+        "gemma4_text": gemma4.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")
@@ -134,9 +136,16 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
 
 def test_shared_lora_names_cover_every_family() -> None:
     assert LORA_NAMES.default_targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-    # Qwen3.5's delta-net projections: optional (the other families lack them)
-    assert LORA_NAMES.targets == LORA_NAMES.default_targets + ("in_proj_qkv", "in_proj_z", "out_proj")
-    assert LORA_NAMES.optional == ("in_proj_qkv", "in_proj_z", "out_proj")
+    # Qwen3.5's delta-net projections and DeepSeek-V3's MLA projections: optional (not defaults anywhere)
+    assert set(LORA_NAMES.optional) == {
+        "in_proj_qkv",
+        "in_proj_z",
+        "out_proj",
+        "linear_q_down_proj",
+        "linear_q_up_proj",
+        "linear_kv_down_proj",
+    }
+    assert LORA_NAMES.targets == LORA_NAMES.default_targets + LORA_NAMES.optional
     assert LORA_NAMES.expert_targets == ("linear_fc1", "linear_fc2")
     assert LORA_NAMES.normalise(["out_proj", "q_proj", "k_proj", "v_proj"]) == ("linear_qkv", "out_proj")
     assert mistral.SPEC.lora.hf_target_modules(mistral.SPEC.lora.targets) == [
