@@ -705,10 +705,17 @@ def _click_class(name: str) -> type[Exception]:
 def _did_you_mean(exc: Exception, message: str) -> str:
     """click's "(Possible options: A, B)" of an unknown option as "(did you mean A?)", A the
     closest by difflib's ratio (click lists every option sharing a prefix, in no useful order);
-    an unknown command's ". Did you mean 'local'?" alike."""
+    an unknown command's ". Did you mean 'local'?" alike, kept only when the names are close
+    (difflib ratio >= 0.7: click's 0.6 offers `plan` for `launch`)."""
     import difflib
 
-    message = re.sub(r"\. Did you mean '([^']+)'\?", r" (did you mean \1?)", message)
+    def command(match: re.Match[str]) -> str:
+        typed = re.search(r"No such command '([^']+)'", message)
+        if typed and difflib.SequenceMatcher(None, typed.group(1), match.group(1)).ratio() < 0.7:
+            return ""
+        return f" (did you mean {match.group(1)}?)"
+
+    message = re.sub(r"\. Did you mean '([^']+)'\?", command, message)
     option, possible = getattr(exc, "option_name", None), list(getattr(exc, "possibilities", None) or ())
     if not option or not possible:
         return message
