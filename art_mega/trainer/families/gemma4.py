@@ -518,6 +518,7 @@ class Gemma4LoraNames(LoraNames):
         num_query_groups: int,
         tp_size: int,
         tp_rank: int,
+        column_parts: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """As `LoraNames.from_peft` (a global layer's KV heads its own); a k_eq_v layer's B is
         fused from q_proj and k_proj, whose v_proj copy (`to_peft`) must equal k_proj's.
@@ -528,7 +529,9 @@ class Gemma4LoraNames(LoraNames):
         """
         if not self._global(name) or not self.k_eq_v:
             groups = self.global_query_groups if self._global(name) else num_query_groups
-            return super().from_peft(name, tensors, num_heads, groups, tp_size, tp_rank)
+            return super().from_peft(
+                name, tensors, num_heads, groups, tp_size, tp_rank, column_parts=column_parts
+            )
         import torch
 
         parent, _ = self.parse(name)
