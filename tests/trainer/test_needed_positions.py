@@ -227,9 +227,9 @@ def test_engine_step_equals_the_full_row_loss(megatron_world, tiny_llama_dir: Pa
     assert rows >= 4 and batch.shape[1] == 32 + PAD_COLUMNS
     real = [int(np.nonzero(batch.segment_ids[r : r + 2].any(axis=0))[0][-1]) + 1 for r in range(0, rows, 2)]
     assert max(real) <= 32 and min(real) > 1
-    # logprobs twice; the GRPO step: reference and old policy per microbatch, then the step's
-    # forwards; SFT's forwards
-    assert widths == real + real + [width for width in real for _ in range(2)] + real + real, (widths, real)
+    # logprobs twice; the GRPO step: the reference pass over the microbatches, then the old policy's
+    # (each a forward-only sweep, as a pipeline schedule runs them), then the step's forwards; SFT's
+    assert widths == real * 6, (widths, real)
     assert every.shape == batch.shape
     # float32 logprobs of magnitude up to ~10 have ulps of ~1e-6: the trimmed microbatches' other
     # matmul shapes may round a last bit differently (2 ulps, 1.9e-6, with torch 2.13.0+cpu)
