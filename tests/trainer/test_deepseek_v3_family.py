@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -300,6 +301,10 @@ def test_peft_drops_the_dense_and_shared_mlp_lora(deepseek_tp1, deepseek_dir: Pa
     assert (peft_logits - run["logits"]).abs().max().item() > 0.01
 
 
+@pytest.mark.skipif(
+    not os.environ.get("ART_MEGA_SLOW_META"),
+    reason="DeepSeek-V3's 61 layers x 256 experts on the meta device take ~8 min on 2 cores: ART_MEGA_SLOW_META=1",
+)
 @pytest.mark.timeout(900)
 def test_published_config_maps_every_tensor_on_meta(tmp_path: Path) -> None:
     """`tests.trainer.meta_mapping_worker` (see tests/trainer/test_real_size_mapping.py) at TP=8, EP=8
