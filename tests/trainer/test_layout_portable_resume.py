@@ -36,7 +36,7 @@ def resume_results(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
 
 @pytest.mark.xfail(
     reason="open (issue 32): after the merge of pp with main the resumed step's ratio_mean is 0.86 off the "
-    "unbroken run's (first clean-clone CI of f3c7229); not yet diagnosed",
+    "unbroken run's (first clean-clone CI of 3b87822); not yet diagnosed",
     strict=False,
     run=False,
 )

@@ -152,5 +152,5 @@ def test_pipeline_peft_export_matches_one_process(layout: str, pp_results, pp_re
     print(f"{layout}: max |adapter - one process| = {diff:.1e}")
     # after 3 Adam steps (which divide by sqrt of tiny second moments) the MoE layout's adapter is
     # 3.2e-5 from one process's while its losses and LoRA gradients are within LAYOUT_TOLERANCE
-    # (clean-clone CI of f3c7229): the export bound for combined layouts is 4x the step bound
+    # (clean-clone CI of 3b87822): the export bound for combined layouts is 4x the step bound
     assert diff <= (4 * LAYOUT_TOLERANCE if layout == "pp2ep2" else LAYOUT_TOLERANCE)
