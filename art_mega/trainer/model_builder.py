@@ -136,6 +136,7 @@ def _model_args(config: Any, model_dir: str | os.PathLike[str]) -> Any:
         raise UserError(
             f"{path} is not a model config (an object with a model_type string); use the model's own config.json."
         )
+    family = family_for(config)  # an unsupported model_type first: its wrapper may omit sizes (gemma3)
     inner = config.get("text_config")
     sizes = {**config, **inner} if isinstance(inner, dict) else config  # a multimodal wrapper's decoder
     for name in (*CONFIG_SIZES, *OPTIONAL_CONFIG_SIZES):
@@ -156,7 +157,6 @@ def _model_args(config: Any, model_dir: str | os.PathLike[str]) -> Any:
             f"{path}: num_key_value_heads={kv} does not divide num_attention_heads={heads} (each KV head "
             "serves a whole group of query heads); use the model's own config.json."
         )
-    family = family_for(config)
     try:
         return family.model_args(config)
     except (KeyError, TypeError, ValueError) as exc:

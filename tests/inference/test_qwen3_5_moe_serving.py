@@ -13,7 +13,7 @@ one's sentence while it stands:
   serves no LoRA on an MoE model, its MoE LoRA backend is the Triton one (see
   `test_gpt_oss_serving.py`, measured there on GPT-OSS).
 Serving the trained adapter (delta-net, attention, shared expert and per-expert LoRA) is the
-device check's `qwen3_5_moe_vllm` step (`benchmarks/device_check.py`)."""
+device check's `qwen3_5_moe` step (`benchmarks/device_check.py`)."""
 
 from __future__ import annotations
 

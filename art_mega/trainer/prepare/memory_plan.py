@@ -91,6 +91,13 @@ class ModelShape(_Plan):
     `norms_per_layer`: RMSNorms of width hidden a layer (2; Gemma 3 and 4: 4). Gemma 4's
     `global_layers` have their own fused-QKV rows and query width (`global_qkv_rows`,
     `global_head_dim`); the activation estimate uses the other layers' shape for them.
+    MoE extras: the first `dense_layers` layers have a dense MLP of `ffn_hidden_size` instead
+    (DeepSeek-V3's first_k_dense_replace); every MoE layer's shared expert of
+    `shared_expert_ffn_hidden_size` (0: none; DeepSeek-V3's n_shared_experts x its expert width)
+    and, with `shared_expert_gate`, its [1, hidden] gate (Qwen3.5 MoE). `kv_lora_rank` > 0:
+    multi-head latent attention (DeepSeek-V3: `q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`,
+    `v_head_dim`, head_dim = nope + rope), counted by `_mla_parameters`; the LoRA and activation
+    estimates use the GQA shape for it.
     """
 
     model_type: str
@@ -120,6 +127,13 @@ class ModelShape(_Plan):
     global_layers: int = 0
     global_head_dim: int = 0
     global_qkv_rows: int = 0
+    dense_layers: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_args(cls, args: Any) -> ModelShape:
@@ -142,6 +156,21 @@ class ModelShape(_Plan):
             }
         if isinstance(args, GptOssArgs):
             hybrid = {"gpt_oss_biases": True, "mxfp4_experts": bool(args.mxfp4)}
+        from art_mega.trainer.families.deepseek_v3 import DeepseekV3Args
+        from art_mega.trainer.families.qwen3_5_moe import Qwen35MoeArgs
+
+        if isinstance(args, Qwen35MoeArgs):
+            hybrid["shared_expert_ffn_hidden_size"] = args.shared_expert_ffn_hidden_size
+            hybrid["shared_expert_gate"] = True
+        if isinstance(args, DeepseekV3Args):
+            hybrid = {
+                "dense_layers": args.first_k_dense,
+                "shared_expert_ffn_hidden_size": args.num_shared_experts * args.expert_ffn_hidden_size,
+                "q_lora_rank": args.q_lora_rank,
+                "kv_lora_rank": args.kv_lora_rank,
+                "qk_rope_head_dim": args.qk_rope_head_dim,
+                "v_head_dim": args.v_head_dim,
+            }
         from art_mega.trainer.families.gemma4 import Gemma4Args
 
         global_layers = global_head_dim = global_qkv_rows = 0
@@ -206,6 +235,23 @@ class ModelShape(_Plan):
             + (2 * self.head_dim if self.qk_norm else 0)
         )
 
+    def _mla_parameters(self, tp: int) -> int:
+        """One multi-head latent attention mixer's parameters on a rank (HF `DeepseekV3Attention`,
+        megatron-core's `MLASelfAttention`): q_a_proj h x q_lora, q_b_proj q_lora x heads (nope +
+        rope), kv_a_proj_with_mqa h x (kv_lora + rope), kv_b_proj kv_lora x heads (nope + v), o_proj
+        heads v x h, all split tp ways (the local spec's down projections are column-parallel),
+        and the q / kv latent RMSNorms (whole)."""
+        h, heads = self.hidden_size, self.num_heads
+        nope = self.head_dim - self.qk_rope_head_dim
+        split = (
+            h * self.q_lora_rank
+            + self.q_lora_rank * heads * self.head_dim
+            + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * heads * (nope + self.v_head_dim)
+            + heads * self.v_head_dim * h
+        )
+        return split // tp + self.q_lora_rank + self.kv_lora_rank
+
     def _delta_parameters(self, tp: int) -> int:
         """One gated delta-net mixer's parameters on a rank (HF `Qwen3_5GatedDeltaNet`, kept as
         four projections by `qwen3_5.GatedDeltaNetMixer`): in_proj_qkv h x conv channels,
@@ -230,24 +276,27 @@ class ModelShape(_Plan):
             return 0
         h, i = self.hidden_size, self.expert_ffn_hidden_size
         per_expert = 3 * h * i + ((2 * i + h) if self.gpt_oss_biases else 0)
-        return self.num_layers * (self.num_experts // ep) * per_expert
+        return (self.num_layers - self.dense_layers) * (self.num_experts // ep) * per_expert
 
     def parameters(self, tp: int = 1, ep: int = 1) -> int:
         """Parameters one rank holds at tensor parallel `tp` and expert parallel `ep` (1, 1: the
         whole model, the published count)."""
         h, layers = self.hidden_size, self.num_layers
         vocab = math.ceil(self.vocab_size / tp) * h
-        mixers = (layers - self.delta_layers) * self._attention_parameters(tp)
+        attention = self._mla_parameters(tp) if self.kv_lora_rank else self._attention_parameters(tp)
+        mixers = (layers - self.delta_layers) * attention
         mixers += self.delta_layers * self._delta_parameters(tp)
-        layer = self.norms_per_layer * h
+        dense = 3 * h * self.ffn_hidden_size // tp
+        mlps = layers * dense
         if self.num_experts:
-            layer += self.num_experts * h + (self.num_experts if self.gpt_oss_biases else 0)
-        else:
-            layer += 3 * h * self.ffn_hidden_size // tp
+            moe = self.num_experts * h + (self.num_experts if self.gpt_oss_biases else 0)
+            moe += 3 * h * self.shared_expert_ffn_hidden_size // tp + (h if self.shared_expert_gate else 0)
+            mlps = self.dense_layers * dense + (layers - self.dense_layers) * moe
         return (
             vocab * (1 if self.tie_word_embeddings else 2)
             + mixers
-            + layers * layer
+            + layers * self.norms_per_layer * h
+            + mlps
             + self.expert_parameters(ep)
             + h
             + self._global_extra(tp)

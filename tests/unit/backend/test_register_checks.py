@@ -84,6 +84,35 @@ def test_pipeline_stages_of_a_family_without_them_are_one_sentence(tmp_path):
     )
 
 
+GEMMA3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "num_hidden_layers": 27},
+}
+"""google/gemma-3-4b-it's config.json (its vision config shortened): the multimodal wrapper, whose
+text_config leaves the head counts and the vocabulary to Gemma3TextConfig's defaults."""
+
+
+def test_an_unsupported_wrapper_is_named_before_its_missing_sizes(tmp_path):
+    """The unsupported model_type is the sentence, not "vocab_size is missing ... use the model's own
+    config.json", which the published gemma-3-4b-it config.json got (found by running other
+    published configs of the families through register's checks)."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_IT))
+    with pytest.raises(UserError) as caught:
+        check_model_fits(tmp_path, 1)
+    assert str(caught.value).startswith(
+        "model_type='gemma3' is not supported by the Megatron trainer; supported: "
+    )
+
+
 def test_the_checks_import_no_torch(tmp_path):
     model = _config(tmp_path)
     code = (
@@ -238,13 +267,17 @@ def test_register_refuses_trainer_sizes_of_a_topology_not_compiled_here(sizes, t
     from tests.unit.topology.test_topology_compile import ETP_REFUSED, PP_REFUSED
 
     host = HostSpec(host_id="h", node_rank=0, worker_address="tcp://127.0.0.1:1", cpu_slots=2)
-    cluster = ClusterSpec(hosts=(host,), controller_host_id="h", artifact_root=str(tmp_path), cache_root="/tmp/c")
+    cluster = ClusterSpec(
+        hosts=(host,), controller_host_id="h", artifact_root=str(tmp_path), cache_root="/tmp/c"
+    )
     topology = compile_topology(
         cluster, trainer=TrainerSpec(cpu_ranks_per_host=2), inference=InferenceSpec(replicas=1)
     )
     trainer = topology.trainer.model_copy(update=sizes)
     resolved = SimpleNamespace(model_dir=tmp_path / "no-model-here", warm_start=None)
     with pytest.raises(TopologyError) as caught:
-        MegatronBackend()._check_model_and_adapter(trainer, topology.replicas, resolved, tmp_path / "run", None)
+        MegatronBackend()._check_model_and_adapter(
+            trainer, topology.replicas, resolved, tmp_path / "run", None
+        )
     assert str(caught.value) == (PP_REFUSED if "pp" in sizes else ETP_REFUSED)
     assert list(tmp_path.iterdir()) == []

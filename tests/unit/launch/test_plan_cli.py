@@ -69,7 +69,9 @@ def test_llama_33_70b_on_two_h100_nodes_by_hand(configs, capsys):
     assert figure(out, "weights", "vLLM replica") == round(70_553_706_496 * 2 / GIB, 1)
     assert "of 143.4 GiB at gpu_memory_utilization 0.9" in out  # 0.9 x 2 x 81559 MiB
     # KV cache of one 4096-token sequence: 2 x 80 layers x 8 KV heads x 128 x 2 bytes a token
-    assert figure(out, "KV cache, one full sequence", "vLLM replica") == round(2 * 80 * 8 * 128 * 2 * 4096 / GIB, 1)
+    assert figure(out, "KV cache, one full sequence", "vLLM replica") == round(
+        2 * 80 * 8 * 128 * 2 * 4096 / GIB, 1
+    )
     assert "8 trainer rank(s) and 4 replica(s)" in out
     # full recomputation keeps far less than none (one layer's input a layer, plus one layer)
     assert figure(out, "activations, full recomputation") < figure(out, "activations, no recomputation") / 4
@@ -160,7 +162,19 @@ def test_a_hub_id_reads_an_offline_cache_with_only_config_json(tmp_path):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    command = [sys.executable, "-m", "art_mega", "plan", "Qwen/Qwen3-32B", "--gpu", "H100-80GB", "--tp", "2", "--replicas", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "art_mega",
+        "plan",
+        "Qwen/Qwen3-32B",
+        "--gpu",
+        "H100-80GB",
+        "--tp",
+        "2",
+        "--replicas",
+        "2",
+    ]
     proc = subprocess.run(command, env={**env, "PYTHONPATH": str(Path(__file__).parents[3])},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -179,3 +193,23 @@ def test_without_gpus_the_plan_is_of_cpu_ranks_in_float32(configs, capsys, monke
     assert "on 1 CPU host(s)" in out and "trainer rank (float32," in out
     assert figure(out, "weights") == round(32_762_123_264 * 4 / GIB, 1)
     assert "of CPU memory" in out and "layouts" not in out
+
+
+def test_shared_gpus_list_only_layouts_that_leave_the_replica_its_share(configs, capsys):
+    """Qwen3-32B on 8 H100s beside a replica (--shared-gpus, gpu_memory_utilization 0.9): a rank
+    keeps 8.0 GiB, so tp=8's 7.6 GiB of weights plus reserve does not fit, and no layout is offered
+    (the list once held every layout that fits a whole GPU, tp=8 included: found by running
+    Qwen2.5-32B's config through `art-mega plan`)."""
+    code, out, err = run_plan(capsys, str(configs / "Qwen3-32B"), "--gpu", "H100-80GB", "--gpus", "8",
+                              "--tp", "8", "--shared-gpus")  # fmt: skip
+    assert code == 2 and "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert re.search(r"it needs [0-9.]+ GiB and has 8\.0 GiB", line), line
+    assert line.endswith("layouts that fit: none on these GPUs"), line
+    # at 0.7 a rank keeps 23.9 GiB: tp=2's 30.5 GiB of weights no longer fit beside the replica
+    code, out, err = run_plan(capsys, str(configs / "Qwen3-32B"), "--gpu", "H100-80GB", "--gpus", "8", "--tp", "8",
+                              "--shared-gpus", "--inference-tp", "2", "--gpu-memory-utilization", "0.7")  # fmt: skip
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == (
+        "trainer layouts of these 8 GPU(s) that fit: --tp 4 (dp=2) (42.3 GiB), --tp 8 (dp=1) (26.9 GiB)"
+    )

@@ -29,8 +29,10 @@ from art_mega.trainer.prepare.memory_plan import (
     read_plan,
     write_plan,
 )
-from tests.real_size_configs import CONFIGS, PUBLISHED
+from tests.real_size_configs import CONFIGS, DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS, GEMMA4_31B_TEXT, PUBLISHED
 from tests.trainer.gemma3_configs import GEMMA3_27B_TEXT
+from tests.trainer.gpt_oss_configs import GPT_OSS_20B, GPT_OSS_120B, GPT_OSS_PARAMETERS
+from tests.trainer.qwen3_5_configs import QWEN3_5_35B_A3B, QWEN3_6_27B
 
 
 def shape(name: str) -> ModelShape:
@@ -43,6 +45,44 @@ def test_parameter_counts_from_config_equal_the_published_and_meta_counts(name: 
     # PUBLISHED is what transformers and megatron-core build on the meta device
     # (tests/trainer/test_real_size_mapping.py asserts both equal it)
     assert shape(name).parameters() == PUBLISHED[name]
+
+
+OTHER_PUBLISHED = {
+    "Qwen3.6-27B": (QWEN3_6_27B, 26_895_998_464),
+    "Qwen3.5-35B-A3B": (QWEN3_5_35B_A3B, 34_660_610_688),
+    "gpt-oss-20b": (GPT_OSS_20B, GPT_OSS_PARAMETERS["gpt-oss-20b"]),
+    "gpt-oss-120b": (GPT_OSS_120B, GPT_OSS_PARAMETERS["gpt-oss-120b"]),
+    "gemma-4-31B": (GEMMA4_31B_TEXT, 30_697_345_280),
+    "DeepSeek-V3": (DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS),
+}
+"""The other families' published configs and the counts their meta-device tests assert (HF's =
+Megatron's). The plan once missed Qwen3.5 MoE's shared experts (-0.4%) and counted DeepSeek-V3's
+MLA, dense first layers and shared experts as GQA MoE layers (+9%; +46% on a 3-layer Kimi-K2):
+found by running other published configs of these families through `art-mega plan`."""
+
+
+@pytest.mark.parametrize("name", OTHER_PUBLISHED)
+def test_every_family_counts_its_published_parameters(name: str) -> None:
+    config, published = OTHER_PUBLISHED[name]
+    counted = ModelShape.from_args(family_for(config).model_args(config))
+    assert counted.parameters() == published
+
+
+def test_deepseek_v3_rank_holds_its_split_of_mla_dense_and_shared_experts() -> None:
+    """DeepSeek-V3 at tp=8, ep=8, by hand: MLA's five projections split 8 ways plus the two latent
+    norms, 3 dense MLPs and 58 shared experts split 8 ways, 32 of 256 routed experts a layer whole,
+    the routers and norms whole, the vocabulary split 8 ways (untied)."""
+    counted = ModelShape.from_args(family_for(DEEPSEEK_V3).model_args(DEEPSEEK_V3))
+    h, heads = 7168, 128
+    mla = h * 1536 + 1536 * heads * 192 + h * (512 + 64) + 512 * heads * (128 + 128) + heads * 128 * h
+    expected = (
+        2 * 129280 // 8 * h
+        + 61 * (mla // 8 + 1536 + 512 + 2 * h)
+        + 3 * 3 * h * 18432 // 8
+        + 58 * (256 * h + 3 * h * 2048 // 8 + 32 * 3 * h * 2048)
+        + h
+    )
+    assert counted.parameters(tp=8, ep=8) == expected
 
 
 def test_gemma3_counts_its_four_norms_a_layer() -> None:
