@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
 from art_mega.dev.train import TRAIN_CONFIG_KEYS
 from art_mega.errors import HyperParameterError, UserError
 from art_mega.train_options import TrainConfig, art_epsilons
+from art_mega.types import TrainResult
 
 
 def _check_name(value: str, field: str) -> str:
@@ -545,9 +546,11 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         self, trajectory_groups: Any, config: Any = None, _config: Any = None, **kwargs: Any
     ) -> Any:
         """ART's `model.train(groups, config=TrainConfig(...), _config=dev.TrainConfig(...))`:
-        one GRPO step through the backend (not logged: ART 0.5.18 trains through
-        `backend.train`, which does not log either; call `model.log(groups, metrics=result.metrics,
-        step=result.step, split="train")` as ART's documentation does).
+        one GRPO step through the backend, then the groups and the step's metrics logged as
+        `model.log(groups, metrics=result.metrics, step=result.step, split="train")` (ART's
+        `model.train`, which ART 0.5.x replaced by that pair, logged the train batch and the trainer's
+        metrics the same way, so ART's example programs get their train reward curve). Returns
+        `backend.train`'s `TrainResult`.
 
         `config`'s learning rate, `kl_penalty_coef` and `beta` (as `kl_beta`) apply; a
         `learning_rate`, `kl_penalty_coef` or `kl_beta` in `kwargs` must agree with them (see
@@ -573,7 +576,12 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             kwargs["config"] = config  # the backend checks it against learning_rate / kl_beta
         if _config is not None:
             kwargs.update(dev_train_options(_config, kwargs))
-        return await self._require_backend().train(self, trajectory_groups, **kwargs)
+        if isinstance(trajectory_groups, Iterator):  # a generator is read twice: to train, to log
+            trajectory_groups = list(trajectory_groups)
+        result = await self._require_backend().train(self, trajectory_groups, **kwargs)
+        if isinstance(result, TrainResult):
+            await self.log(trajectory_groups, split="train", metrics=result.metrics, step=result.step)
+        return result
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`.

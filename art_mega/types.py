@@ -1,13 +1,14 @@
 """ART's type names: `Messages`, `MessagesAndChoices`, `Tools` (the OpenAI chat types a
 `Trajectory` holds), `Verbosity`, `Backend` (what a `TrainableModel` needs of its backend), and,
-as ART's `art.types` has them, `TrainConfig`, `TrainSFTConfig`, `TrainResult` and
-`LocalTrainResult`: the very classes `art_mega` exports (from `art_mega.model`, `art_mega.sft`,
-`art_mega.backend`), loaded on first use so this module stays light.
+as ART's `art.types` has them, `TrainResult` and `LocalTrainResult` (what `backend.train` returns,
+defined here) and `TrainConfig`, `TrainSFTConfig`: the very classes `art_mega` exports (from
+`art_mega.model`, `art_mega.sft`), loaded on first use so this module stays light.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -26,11 +27,28 @@ Tools = list[ChatCompletionToolParam]
 Verbosity = Literal[0, 1, 2]
 """ART's verbosity levels (0 quiet, 1 progress, 2 debug), for annotating a program's own option."""
 
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one `backend.train` did: the new policy step and its metrics (loss/, data/, time/)."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalTrainResult(TrainResult):
+    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory, and ART
+    0.5.23's `checkpoint_ready` (an awaitable for a checkpoint still being written; always None
+    here: art-mega's step returns once its checkpoint is committed)."""
+
+    checkpoint_path: str | None = None
+    checkpoint_ready: Any = field(default=None, repr=False, compare=False)
+
+
 _CLASSES = {
     "TrainConfig": "art_mega.model",
     "TrainSFTConfig": "art_mega.sft",
-    "TrainResult": "art_mega.backend",
-    "LocalTrainResult": "art_mega.backend",
 }
 """ART's `art.types` classes, by the module that defines them (imported on first access)."""
 

@@ -40,7 +40,7 @@ from art_mega.backend.serving import (
     remote_trainer_hosts,
     replica_python,
 )
-from art_mega.backend.step import LocalTrainResult, TrainResult
+from art_mega.types import LocalTrainResult, TrainResult
 
 __all__ = [
     "ART_OPTION_HINTS",

@@ -9,7 +9,6 @@ import inspect
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from art_mega.trainer.protocol import (
     RLJob,
     SFTJob,
 )
+from art_mega.types import LocalTrainResult, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +60,6 @@ def published_adapter(result: Any, step: int, checkpoint_dir: Path) -> str:
                 manifest, f"records adapter sha256 {recorded}, but rank 0 exported {ready[0].sha256}"
             )
     return ready[0].path
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What one `backend.train` did: the new policy step and its metrics (loss/, data/, time/)."""
-
-    step: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LocalTrainResult(TrainResult):
-    """ART's LocalTrainResult: a `TrainResult` with the new step's checkpoint directory, and ART
-    0.5.23's `checkpoint_ready` (an awaitable for a checkpoint still being written; always None
-    here: art-mega's step returns once its checkpoint is committed)."""
-
-    checkpoint_path: str | None = None
-    checkpoint_ready: Any = field(default=None, repr=False, compare=False)
 
 
 class StepMixin:
