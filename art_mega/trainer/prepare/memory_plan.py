@@ -368,23 +368,67 @@ def plan_memory(
         "logprob_chunk": logprob_chunk,
     }
     terms = rank_terms(shape, row_tokens=row_tokens, **common)
-    needed = sum(terms.values())
-    resident = needed - terms["activations"] - terms["logits"]
     util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization
-    shared = {
-        (host, gpu)
-        for replica in topology.replicas
-        if replica.shared_gpus
-        for host, gpus in replica.gpu_ids
-        for gpu in gpus
-    }
-
-    # activations and logits of one position per CP rank (whole-row logits): both are linear in it
-    per_position = activation_bytes(
+    per_position = _per_position_bytes(
         shape,
         tp=tp,
         cp=cp,
         dtype=trainer_dtype,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        micro_batch_rows=micro_batch_rows,
+    )
+    ranks = _rank_memories(topology, gpu_memory, terms, per_position=per_position, seq_len=seq_len, cp=cp)
+    replicas = _replica_memories(
+        shape,
+        topology,
+        gpu_memory,
+        replica_dtype=replica_dtype,
+        lora_slot_rank=max_lora_rank or lora_rank,
+        max_loras=max_loras,
+        max_model_len=max_model_len,
+        util=util,
+    )
+    return MemoryPlan(
+        model=model,
+        trainer_dtype=trainer_dtype,
+        replica_dtype=replica_dtype,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        dp=dp,
+        distributed_optimizer=dp > 1 if distributed_optimizer is None else distributed_optimizer,
+        lora_rank=lora_rank,
+        lora_parameters=shape.lora_parameters(lora_rank, lora_targets, tp, ep),
+        row_tokens=row_tokens,
+        seq_len=seq_len,
+        micro_batch_rows=micro_batch_rows,
+        logprob_chunk=logprob_chunk,
+        activation_factor=shape.activation_elements(tp, lora_rank, lora_targets) / shape.hidden_size,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=util,
+        ranks=tuple(ranks),
+        replicas=tuple(replicas),
+    )
+
+
+def _per_position_bytes(
+    shape: ModelShape,
+    *,
+    tp: int,
+    cp: int,
+    dtype: str,
+    lora_rank: int,
+    lora_targets: Sequence[str],
+    micro_batch_rows: int,
+) -> int:
+    """Activations and logits (whole-row logits) of one position per CP rank, in bytes: both are
+    linear in the positions, so a rank's room divided by this is the positions that fit it."""
+    return activation_bytes(
+        shape,
+        tp=tp,
+        cp=cp,
+        dtype=dtype,
         lora_rank=lora_rank,
         lora_targets=lora_targets,
         row_tokens=cp,
@@ -393,12 +437,35 @@ def plan_memory(
         shape,
         tp=tp,
         cp=cp,
-        dtype=trainer_dtype,
+        dtype=dtype,
         row_tokens=cp,
         micro_batch_rows=micro_batch_rows,
         logprob_chunk=None,
     )
 
+
+def _rank_memories(
+    topology: Any,
+    gpu_memory: Mapping[tuple[str, int | str], int],
+    terms: dict[str, int],
+    *,
+    per_position: int,
+    seq_len: int,
+    cp: int,
+) -> list[RankMemory]:
+    """Every trainer rank of `topology`: the same `terms` (`rank_terms`, bytes) on each, its GPU's
+    bytes from `gpu_memory` (None on CPU), whether a shared-GPU replica sits on that GPU, and the
+    longest row (tokens, at most `seq_len`) whose activations and logits (`per_position` bytes a
+    position per CP rank) fit beside what the rank holds between steps."""
+    needed = sum(terms.values())
+    resident = needed - terms["activations"] - terms["logits"]
+    shared = {
+        (host, gpu)
+        for replica in topology.replicas
+        if replica.shared_gpus
+        for host, gpus in replica.gpu_ids
+        for gpu in gpus
+    }
     ranks = []
     for rank in topology.trainer_ranks:
         available = gpu_memory.get((rank.host_id, rank.gpu_id)) if rank.gpu_id is not None else None
@@ -424,14 +491,31 @@ def plan_memory(
                 ),
             )
         )
+    return ranks
+
+
+def _replica_memories(
+    shape: ModelShape,
+    topology: Any,
+    gpu_memory: Mapping[tuple[str, int | str], int],
+    *,
+    replica_dtype: str,
+    lora_slot_rank: int,
+    max_loras: int,
+    max_model_len: int,
+    util: float,
+) -> list[ReplicaMemory]:
+    """Every vLLM replica of `topology` (bytes over its GPUs, the module docstring's terms):
+    weights, `max_loras` LoRA slots of `lora_slot_rank`, one `max_model_len`-token sequence's KV
+    cache and the profile-run reserve, against `util` x its smallest GPU x its GPU count (None
+    where a GPU's memory is unknown: CPU)."""
     w = DTYPE_BYTES[replica_dtype]
-    slot_rank = max_lora_rank or lora_rank
     replicas = []
     for replica in topology.replicas:
         gpus = sum(len(ids) for _, ids in replica.gpu_ids)
         memories = [gpu_memory.get((host, gpu)) for host, ids in replica.gpu_ids for gpu in ids]
         weights = replica_weight_bytes(shape, w)
-        lora_slots = max_loras * shape.lora_parameters(slot_rank) * w
+        lora_slots = max_loras * shape.lora_parameters(lora_slot_rank) * w
         kv_min = shape.kv_bytes_per_token(w) * max_model_len + shape.delta_state_bytes(w)
         reserve = REPLICA_ACTIVATION_RESERVE_BYTES * max(gpus, 1)
         available = (
@@ -454,27 +538,7 @@ def plan_memory(
                 else max(available - weights - lora_slots - reserve, 0),
             )
         )
-    return MemoryPlan(
-        model=model,
-        trainer_dtype=trainer_dtype,
-        replica_dtype=replica_dtype,
-        tp=tp,
-        cp=cp,
-        ep=ep,
-        dp=dp,
-        distributed_optimizer=dp > 1 if distributed_optimizer is None else distributed_optimizer,
-        lora_rank=lora_rank,
-        lora_parameters=shape.lora_parameters(lora_rank, lora_targets, tp, ep),
-        row_tokens=row_tokens,
-        seq_len=seq_len,
-        micro_batch_rows=micro_batch_rows,
-        logprob_chunk=logprob_chunk,
-        activation_factor=shape.activation_elements(tp, lora_rank, lora_targets) / shape.hidden_size,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=util,
-        ranks=tuple(ranks),
-        replicas=tuple(replicas),
-    )
+    return replicas
 
 
 def gpu_memory_of(topology: Any, host_facts: Mapping[str, Any]) -> dict[tuple[str, int | str], int]:
