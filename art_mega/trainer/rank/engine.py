@@ -23,7 +23,7 @@ from art_mega.trainer.rank.logprobs import SamplingRows, forward_logits, token_e
 from art_mega.trainer.rank.lora import apply_lora, lora_disabled, lora_parameters
 from art_mega.trainer.rank.parallel import ParallelState
 from art_mega.trainer.rank.saved_state import SavedState, _sub_optimizers
-from art_mega.trainer.rank.step_loss import StepLoss, _Microbatch
+from art_mega.trainer.rank.step_loss import Objective, StepLoss, _Microbatch, loss_metric, objective_of
 
 
 class TrainerEngine(SavedState, StepLoss):
@@ -314,7 +314,7 @@ class TrainerEngine(SavedState, StepLoss):
     def train_step(
         self,
         batch: TrainBatch,
-        loss: Literal["grpo", "sft"] = "grpo",
+        loss: Objective | Literal["grpo", "sft"] = "grpo",
         loss_config: GRPOLossConfig = GRPOLossConfig(),
         learning_rate: float | None = None,
         weight_decay: float | None = None,
@@ -326,6 +326,11 @@ class TrainerEngine(SavedState, StepLoss):
         `learning_rate`, `weight_decay` (AdamW's, decoupled) and `clip_grad` (the global
         gradient-norm clip, 0 disables it) apply to this step; None: the engine's
         `OptimizerConfig` (ART trains RL and SFT with different decay and clip).
+
+        `loss`: the step's objective, dispatched on by its type: a `GRPOLossConfig` (GRPO, an
+        `RLJob`'s `loss`) or `step_loss.SFT_LOSS` (SFT), as `jobs` passes them from the job's type.
+        The names "grpo" (with `loss_config`) and "sft" stand for them where no job is at hand
+        (tests, benchmarks; `step_loss.objective_of`).
 
         GRPO (`loss.grpo_loss`): `batch.old_logprobs` are the sampling policy's logprobs and
         `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` or
@@ -367,8 +372,7 @@ class TrainerEngine(SavedState, StepLoss):
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if loss not in ("grpo", "sft"):
-            raise ValueError(f"loss={loss!r} must be 'grpo' or 'sft'")
+        objective = objective_of(loss, loss_config)
         lr = self.optimizer_settings.lr if learning_rate is None else learning_rate
         trained = batch.loss_mask > 0
         local_denominator = float((batch.weights * trained).sum())
@@ -379,7 +383,7 @@ class TrainerEngine(SavedState, StepLoss):
             return metrics
 
         old_policy = None if old_policy_logprobs is None else {"old_policy": old_policy_logprobs}
-        microbatches = self._prepare(self._microbatches(batch, old_policy), loss, loss_config)
+        microbatches = self._prepare(self._microbatches(batch, old_policy), objective)
         decay = self.optimizer_settings.weight_decay if weight_decay is None else weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -390,9 +394,7 @@ class TrainerEngine(SavedState, StepLoss):
                 sub.config.clip_grad = clip
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        step = functools.partial(
-            self._forward_step, loss=loss, loss_config=loss_config, denominator=denominator
-        )
+        step = functools.partial(self._forward_step, objective=objective, denominator=denominator)
         outputs = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(microbatches),
@@ -402,15 +404,13 @@ class TrainerEngine(SavedState, StepLoss):
             micro_batch_size=self.micro_batch_rows,
             forward_only=False,
         )
-        metrics.update(
-            self._stage_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
-        )
+        metrics.update(self._stage_metrics(outputs, objective, tokens))
         # Megatron's step() clips with the norm and updates in one call (and only fp16's loss
         # scaler checks for inf), so the norm is computed here first: `prepare_grads` hands the
         # gradients to the main parameters (a copy that step() repeats), nothing is updated yet.
         self.optimizer.prepare_grads()
         metrics["loss/grad_norm"] = float(self.optimizer.get_grad_norm())
-        for quantity in ("loss/policy" if loss == "grpo" else "loss/sft", "loss/grad_norm"):
+        for quantity in (loss_metric(objective), "loss/grad_norm"):
             if not np.isfinite(metrics[quantity]):
                 raise NonFiniteStepError(quantity, metrics[quantity])
         self.optimizer.step()
@@ -443,13 +443,12 @@ class TrainerEngine(SavedState, StepLoss):
                                 return f"optimizer state {key!r} of {label}"
         return None
 
-    def _prepare(
-        self, micro: list[dict[str, torch.Tensor]], loss: str, loss_config: GRPOLossConfig
-    ) -> list[_Microbatch]:
+    def _prepare(self, micro: list[dict[str, torch.Tensor]], objective: Objective) -> list[_Microbatch]:
         """Each microbatch with the loss inputs that need their own forward pass before the step
         (reference, TIS), computed for all microbatches at once (`_all_logprobs`)."""
-        if loss != "grpo":
+        if not isinstance(objective, GRPOLossConfig):
             return [_Microbatch(tensors) for tensors in micro]
+        loss_config = objective
         none: list[torch.Tensor | None] = [None] * len(micro)
         refs, olds, inferences = list(none), list(none), list(none)
         chunk_size = loss_config.logprob_calculation_chunk_size
@@ -509,8 +508,7 @@ class TrainerEngine(SavedState, StepLoss):
         data_iterator: Iterator[_Microbatch],
         model: Any,
         *,
-        loss: str,
-        loss_config: GRPOLossConfig,
+        objective: Objective,
         denominator: float,
     ) -> tuple[torch.Tensor, Any]:
         """Megatron's forward_step_func: logprobs of one microbatch and its loss function.
@@ -538,7 +536,7 @@ class TrainerEngine(SavedState, StepLoss):
             t["input_ids"],
             vocab_size=self.vocab_size,
             segment_ids=t["segment_ids"],
-            chunk_size=loss_config.logprob_calculation_chunk_size,
+            chunk_size=objective.logprob_calculation_chunk_size,
             needed=needed,
             sampling=SamplingRows.from_tensors(t),
         )
@@ -546,8 +544,7 @@ class TrainerEngine(SavedState, StepLoss):
             self._loss,
             micro=micro,
             entropy=entropy,
-            loss=loss,
-            loss_config=loss_config,
+            objective=objective,
             denominator=denominator,
         )
         return logprobs, loss_fn

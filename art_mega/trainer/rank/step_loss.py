@@ -9,7 +9,7 @@ engine's `compute_entropy`, `_pipelined`, `_dp_sum` and `_dp_gather`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,6 +25,37 @@ from art_mega.trainer.behaviour import (
 )
 from art_mega.trainer.protocol import GRPOLossConfig
 from art_mega.trainer.rank.loss import grpo_loss, known_logprobs, sft_loss
+
+
+@dataclass(frozen=True)
+class SFTLoss:
+    """The SFT objective (`loss.sft_loss`): cross entropy on the `loss_mask` tokens weighted by
+    `weights`. Its one option is the logprobs' vocabulary chunk (None: whole rows), which the
+    SFT job does not set."""
+
+    logprob_calculation_chunk_size: int | None = None
+
+
+SFT_LOSS = SFTLoss()
+Objective = GRPOLossConfig | SFTLoss
+"""A step's objective: the step dispatches on its type (`GRPOLossConfig`: GRPO, `SFTLoss`: SFT)."""
+
+
+def objective_of(loss: Objective | Literal["grpo", "sft"], loss_config: GRPOLossConfig) -> Objective:
+    """`loss` itself when it is an objective; else the objective its name stands for ("grpo":
+    `loss_config`, "sft": `SFT_LOSS`). Raises `ValueError` for another name."""
+    if isinstance(loss, (GRPOLossConfig, SFTLoss)):
+        return loss
+    if loss == "grpo":
+        return loss_config
+    if loss == "sft":
+        return SFT_LOSS
+    raise ValueError(f"loss={loss!r} must be 'grpo' or 'sft'")
+
+
+def loss_metric(objective: Objective) -> str:
+    """The metric of `objective`'s loss: `loss/policy` (GRPO) or `loss/sft`."""
+    return "loss/policy" if isinstance(objective, GRPOLossConfig) else "loss/sft"
 
 
 @dataclass(frozen=True)
@@ -86,11 +117,11 @@ class StepLoss:
         *,
         micro: _Microbatch,
         entropy: torch.Tensor | None,
-        loss: str,
-        loss_config: GRPOLossConfig,
+        objective: Objective,
         denominator: float,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """This microbatch's share of the step loss, its trained-token count and diagnostics."""
+        """This microbatch's share of the step loss (SFT or GRPO, by `objective`'s type), its
+        trained-token count and diagnostics."""
         t = micro.tensors
         rows, cols, valid = _document_layout(t["segment_ids"].cpu())
         rows, cols, valid = rows.to(logprobs.device), cols.to(logprobs.device), valid.to(logprobs.device)
@@ -108,10 +139,11 @@ class StepLoss:
         info: dict[str, Any] = {}
         if entropy is not None:
             info["entropy_sum"] = float((docs(entropy) * (mask > 0)).sum())
-        if loss == "sft":
+        if isinstance(objective, SFTLoss):
             value = sft_loss(new, mask, weights) * local_denominator / denominator
             info["loss_sum"] = float(value.detach())
             return value, tokens.to(torch.int), info
+        loss_config: GRPOLossConfig = objective
         sampler = docs(t["old_logprobs"])
         code = docs(t["sampling"].long())
         trained = mask > 0
@@ -156,36 +188,39 @@ class StepLoss:
         return value, tokens.to(torch.int), info
 
     def _stage_metrics(
-        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool
+        self, outputs: list[dict[str, Any]], objective: Objective, tokens: float
     ) -> dict[str, float]:
         """`_reduce_metrics`; under pipeline parallelism computed on the last stage (the only one
         with losses) and broadcast over the pipeline group, so every rank returns the same."""
         if not self._pipelined:
-            return self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
+            return self._reduce_metrics(outputs, objective, tokens)
         from megatron.core import parallel_state as mpu
 
         box: list[Any] = [None]
         if mpu.is_pipeline_last_stage():
-            box[0] = self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
+            box[0] = self._reduce_metrics(outputs, objective, tokens)
         torch.distributed.broadcast_object_list(
-            box, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+            box,
+            src=mpu.get_pipeline_model_parallel_last_rank(),
+            group=mpu.get_pipeline_model_parallel_group(),
         )
         return box[0]
 
     def _reduce_metrics(
-        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool = False
+        self, outputs: list[dict[str, Any]], objective: Objective, tokens: float
     ) -> dict[str, float]:
-        """Step metrics from every microbatch's diagnostics, summed over DP ranks
-        (`kl_policy_ref`: report ART's `loss/kl_policy_ref`, the token mean of new - ref)."""
+        """Step metrics from every microbatch's diagnostics, summed over DP ranks (a GRPO
+        objective with `kl_penalty_coef` > 0 also reports ART's `loss/kl_policy_ref`, the token
+        mean of new - ref)."""
         keys = ["loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "kl_policy_ref_sum"]
         keys += ["constrained_count", "processed_count", "untagged_count"]
         local = [sum(float(out.get(key, 0.0)) for out in outputs) for key in keys]
         loss_sum, entropy_sum, kl_sum, clipped_sum, kl_policy_ref_sum, *counts = self._dp_sum(local)
         count = max(tokens, 1.0)
-        metrics = {"loss/policy" if loss == "grpo" else "loss/sft": loss_sum}
+        metrics = {loss_metric(objective): loss_sum}
         if self.compute_entropy:
             metrics["loss/entropy"] = entropy_sum / count
-        if loss == "grpo":
+        if isinstance(objective, GRPOLossConfig):
             ratios = self._dp_gather(torch.cat([out["ratios"] for out in outputs]))
             ratios = ratios if ratios.numel() else torch.ones(1)
             metrics.update(
@@ -197,7 +232,7 @@ class StepLoss:
                     "loss/ratio_p99": float(torch.quantile(ratios.double(), 0.99)),
                 }
             )
-            if kl_policy_ref:
+            if objective.kl_penalty_coef > 0:
                 metrics["loss/kl_policy_ref"] = kl_policy_ref_sum / count
             gaps = self._dp_gather(torch.cat([out["sampler_gaps"] for out in outputs]))
             if gaps.numel():
