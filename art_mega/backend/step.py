@@ -503,17 +503,7 @@ class StepMixin:
             if kind == "rl"
             else SFTJob(**where, learning_rates=learning_rates)
         )
-        metrics.update(await self._prefix_cache_metrics())  # before a sleep, of this step's rollouts
-        async with self._shared.asleep(metrics):  # replicas on the trainer's GPUs free them
-            # after a failed step the ranks may be one update ahead: restart them from the last commit
-            await self._service.recover(self._checkpoint(self._step))
-            result = await self._service.run(job)
-        try:
-            checkpoint.write_commit(checkpoint.checkpoints_dir(self._run_dir), step)
-        except BaseException:
-            self._service.dirty = True  # the ranks hold step `step`, the commit says `self._step`
-            raise
-        self._step = step
+        result = await self._run_and_commit(job, metrics)
         trained = time.perf_counter()
         report = await self._publisher.publish(step, published_adapter(result, step, self._checkpoint(step)))
         published = time.perf_counter()
@@ -532,6 +522,41 @@ class StepMixin:
         )
         metrics = art_train_metrics(metrics, kl_loss=float(loss.get("kl_beta", 0.0)) > 0)
         return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(self._checkpoint(step)))
+
+    async def _run_and_commit(self, job: RLJob | SFTJob, metrics: dict[str, float]) -> Any:
+        """Run `job` on the ranks and commit its step: recover the ranks from the last commit
+        (after a failed step they may be one update ahead), run the job with the shared-GPU
+        replicas asleep, write the commit pointer (the controller owns it, not the ranks) and
+        advance `self._step`. Returns the service's `trainer.remote.JobResult` (each rank's `Done`,
+        rank 0's `AdapterReady`).
+
+        The replicas' prefix-cache counters of this step's rollouts (`_prefix_cache_metrics`) are
+        read in a background task started before the sleep, off the step's critical path, and
+        added to `metrics` once the step is committed (with `time/sleep_s` and `time/wake_s`
+        from `asleep`); a failed step cancels the read.
+
+        Raises:
+            whatever the job, the sleep or wake (`ReplicaSleepError`) or the commit raised; a failed
+            commit marks the service dirty (the ranks hold a step the commit does not name).
+        """
+        step = job.step
+        cache_read = asyncio.create_task(self._prefix_cache_metrics())
+        try:
+            async with self._shared.asleep(metrics):  # replicas on the trainer's GPUs free them
+                await self._service.recover(self._checkpoint(self._step))
+                result = await self._service.run(job)
+        except BaseException:
+            cache_read.cancel()
+            raise
+        try:
+            checkpoint.write_commit(checkpoint.checkpoints_dir(self._run_dir), step)
+        except BaseException:
+            cache_read.cancel()
+            self._service.dirty = True  # the ranks hold step `step`, the commit says `self._step`
+            raise
+        self._step = step
+        metrics.update(await cache_read)  # long arrived: the step took longer than one GET
+        return result
 
     async def _prefix_cache_metrics(self) -> dict[str, float]:
         """`inference/prefix_cache_hit_rate`: the share (0..1) of the prompt tokens the replicas

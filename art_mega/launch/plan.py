@@ -47,13 +47,13 @@ class PlanRequest:
 
 
 def gpu_bytes_of(name: str) -> int:
-    """Bytes of a GPU named as `memory_plan.GPU_MEMORY_MIB` names it (case-insensitive), or
+    """Bytes of a GPU named as `stated_layout.GPU_MEMORY_MIB` names it (case-insensitive), or
     `NAME-<N>GB` for another board (N GiB).
 
     Raises:
         UserError: a name of neither form (names the known ones).
     """
-    from art_mega.trainer.prepare.memory_plan import GPU_MEMORY_MIB
+    from art_mega.trainer.prepare.stated_layout import GPU_MEMORY_MIB
 
     known = {k.lower(): v for k, v in GPU_MEMORY_MIB.items()}
     if name.lower() in known:
@@ -129,6 +129,7 @@ def plan_text(request: PlanRequest) -> str:
             the model does not allow (tp its heads do not divide, ep its experts do not).
     """
     from art_mega.trainer.prepare import memory_plan as mp
+    from art_mega.trainer.prepare import stated_layout
 
     model_dir = model_config_dir(request.model)
     shape, valid_tp = mp.ModelShape.from_model_dir(model_dir)
@@ -149,7 +150,7 @@ def plan_text(request: PlanRequest) -> str:
     on_gpu = gpu_bytes is not None
     dtype = request.dtype or ("bfloat16" if on_gpu else "float32")
     max_model_len = request.max_model_len or request.seq_len
-    layout = mp.StatedLayout.build(
+    layout = stated_layout.StatedLayout.build(
         hosts=request.hosts,
         gpus=gpus if on_gpu else 0,
         tp=request.tp,
@@ -238,7 +239,7 @@ def plan_text(request: PlanRequest) -> str:
         ]
     fits: list[tuple[int, int, int, int]] = []
     if on_gpu and gpu_bytes is not None:
-        fits = mp.layouts_that_fit(
+        fits = stated_layout.layouts_that_fit(
             shape,
             valid_tp,
             world=len(plan.ranks),

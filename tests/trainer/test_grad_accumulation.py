@@ -77,7 +77,7 @@ def run_job(engine: Any, world: Any, batch: TrainBatch, tmp_path: Path, **job: A
     rl = RLJob(step=1, batch_dir=str(tmp_path / "batch"), checkpoint_dir=str(tmp_path / "0001"), **job)
     shared_root = SimpleNamespace(host_local_root=False)  # the RankConfig field the save reads
     metrics, adapter = run_train_job(rl, world, engine, shared_root, last_step=0)
-    assert adapter is not None and adapter["step"] == 1
+    assert adapter is not None and adapter.step == 1
     return metrics
 
 

@@ -221,9 +221,7 @@ def transformer_config(
 @functools.cache
 def _mixer_class() -> type:
     """`GatedDeltaNetMixer`, built on first use (it subclasses megatron-core's MegatronModule)."""
-    import torch
     import torch.nn.functional as F
-    from megatron.core import tensor_parallel
     from megatron.core.transformer.module import MegatronModule
 
     from art_mega.trainer.rank.delta_rule import chunk_gated_delta_rule
@@ -261,45 +259,8 @@ def _mixer_class() -> type:
             self.key_heads = config.linear_num_key_heads // tp
             self.value_heads = config.linear_num_value_heads // tp
             self.kernel = config.linear_conv_kernel_dim
-            qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-            hidden = config.hidden_size
-            common = dict(
-                config=config,
-                init_method=config.init_method,
-                bias=False,
-                gather_output=False,
-                skip_bias_add=True,
-                is_expert=False,
-                tp_group=tp_group,
-            )
-            self.in_proj_qkv = tensor_parallel.ColumnParallelLinear(hidden, (2 * qk + vd) * tp, **common)
-            # TP splits q, k and v one by one: rank r holds [q_r; k_r; v_r] (LoRA export reads this)
-            self.in_proj_qkv.tp_parts = (qk * tp, qk * tp, vd * tp)
-            self.in_proj_z = tensor_parallel.ColumnParallelLinear(hidden, vd * tp, **common)
-            self.in_proj_b = tensor_parallel.ColumnParallelLinear(hidden, self.value_heads * tp, **common)
-            self.in_proj_a = tensor_parallel.ColumnParallelLinear(hidden, self.value_heads * tp, **common)
-            device = None if config.use_cpu_initialization else torch.cuda.current_device()
-            dtype = config.params_dtype
-            self.conv1d_weight = torch.nn.Parameter(
-                torch.zeros(2 * qk + vd, 1, self.kernel, device=device, dtype=dtype)
-            )
-            self.dt_bias = torch.nn.Parameter(torch.ones(self.value_heads, device=device, dtype=dtype))
-            self.A_log = torch.nn.Parameter(torch.zeros(self.value_heads, device=device, dtype=dtype))
-            self.norm_weight = torch.nn.Parameter(torch.ones(self.value_dim, device=device, dtype=dtype))
-            for param in (self.conv1d_weight, self.dt_bias, self.A_log):
-                param.tensor_model_parallel = True
             self.norm_eps = config.layernorm_epsilon
-            self.out_proj = tensor_parallel.RowParallelLinear(
-                vd * tp,
-                hidden,
-                config=config,
-                init_method=config.output_layer_init_method,
-                bias=False,
-                input_is_parallel=True,
-                skip_bias_add=True,
-                is_expert=False,
-                tp_group=tp_group,
-            )
+            _add_mixer_parameters(self, config, tp_group, tp)
 
         def _conv(self, qkv: Tensor) -> Tensor:
             """silu(causal depthwise conv1d) of qkv [n, s, c] -> [n, s, c] (HF `causal_conv1d_fn`)."""
@@ -344,19 +305,73 @@ def _mixer_class() -> type:
                         g[row : row + 1, start:end],
                         beta[row : row + 1, start:end],
                     )[0]
-            y = self._gated_norm(o, z.reshape(batch, length, self.value_heads, self.value_dim))
+            y = _gated_norm(
+                o, z.reshape(batch, length, self.value_heads, self.value_dim), self.norm_weight, self.norm_eps
+            )
             out, _ = self.out_proj(y.reshape(batch, length, -1).transpose(0, 1).contiguous())
             return out, None
 
-        def _gated_norm(self, o: Tensor, z: Tensor) -> Tensor:
-            """weight * rms_norm(o) * silu(z) over each value head (HF `Qwen3_5RMSNormGated`: the norm
-            in fp32, cast back to o's dtype before the weight, the gate in fp32)."""
-            dtype = o.dtype
-            normed = o.float() * torch.rsqrt(o.float().pow(2).mean(-1, keepdim=True) + self.norm_eps)
-            y = self.norm_weight * normed.to(dtype)
-            return (y * F.silu(z.float())).to(dtype)
-
     return GatedDeltaNetMixer
+
+
+def _add_mixer_parameters(mixer: Any, config: Any, tp_group: Any, tp: int) -> None:
+    """Give `GatedDeltaNetMixer` `mixer` (its `key_heads`, `value_heads` (this TP rank's), `key_dim`,
+    `value_dim` and `kernel` set) its linears and parameters on this TP rank of `tp`, in
+    `config.params_dtype`: the shapes of the class docstring, TP-split as HF's heads are."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    qk, vd = mixer.key_heads * mixer.key_dim, mixer.value_heads * mixer.value_dim
+    hidden = config.hidden_size
+    common = dict(
+        config=config,
+        init_method=config.init_method,
+        bias=False,
+        gather_output=False,
+        skip_bias_add=True,
+        is_expert=False,
+        tp_group=tp_group,
+    )
+    mixer.in_proj_qkv = tensor_parallel.ColumnParallelLinear(hidden, (2 * qk + vd) * tp, **common)
+    # TP splits q, k and v one by one: rank r holds [q_r; k_r; v_r] (LoRA export reads this)
+    mixer.in_proj_qkv.tp_parts = (qk * tp, qk * tp, vd * tp)
+    mixer.in_proj_z = tensor_parallel.ColumnParallelLinear(hidden, vd * tp, **common)
+    mixer.in_proj_b = tensor_parallel.ColumnParallelLinear(hidden, mixer.value_heads * tp, **common)
+    mixer.in_proj_a = tensor_parallel.ColumnParallelLinear(hidden, mixer.value_heads * tp, **common)
+    device = None if config.use_cpu_initialization else torch.cuda.current_device()
+    dtype = config.params_dtype
+    mixer.conv1d_weight = torch.nn.Parameter(
+        torch.zeros(2 * qk + vd, 1, mixer.kernel, device=device, dtype=dtype)
+    )
+    mixer.dt_bias = torch.nn.Parameter(torch.ones(mixer.value_heads, device=device, dtype=dtype))
+    mixer.A_log = torch.nn.Parameter(torch.zeros(mixer.value_heads, device=device, dtype=dtype))
+    mixer.norm_weight = torch.nn.Parameter(torch.ones(mixer.value_dim, device=device, dtype=dtype))
+    for param in (mixer.conv1d_weight, mixer.dt_bias, mixer.A_log):
+        param.tensor_model_parallel = True
+    mixer.out_proj = tensor_parallel.RowParallelLinear(
+        vd * tp,
+        hidden,
+        config=config,
+        init_method=config.output_layer_init_method,
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=True,
+        is_expert=False,
+        tp_group=tp_group,
+    )
+
+
+def _gated_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * rms_norm(o) * silu(z) over each value head: o, z [b, s, value heads, value width],
+    weight [value width] (HF `Qwen3_5RMSNormGated`: the norm in fp32, cast back to o's dtype
+    before the weight, the gate in fp32); returns o's shape and dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = o.dtype
+    normed = o.float() * torch.rsqrt(o.float().pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * normed.to(dtype)
+    return (y * F.silu(z.float())).to(dtype)
 
 
 def _documents(attention_mask: Tensor) -> list[tuple[int, tuple[int, int]]]:

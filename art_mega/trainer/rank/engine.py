@@ -9,93 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from art_mega.errors import NonFiniteStepError
-from art_mega.trainer import checkpoint
 from art_mega.trainer.batch import TrainBatch
-from art_mega.trainer.behaviour import (
-    CONSTRAINED,
-    CONSTRAINED_FRACTION,
-    GAP_MEAN,
-    GAP_P95,
-    PROCESSED,
-    PROCESSED_FRACTION,
-    UNTAGGED,
-    UNTAGGED_FRACTION,
-)
 from art_mega.trainer.protocol import GRPOLossConfig, LoraConfig, OptimizerConfig
 from art_mega.trainer.rank.logprobs import SamplingRows, forward_logits, token_entropy, token_logprobs
 from art_mega.trainer.rank.lora import apply_lora, lora_disabled, lora_parameters
-from art_mega.trainer.rank.loss import grpo_loss, known_logprobs, sft_loss
 from art_mega.trainer.rank.parallel import ParallelState
-
-STATE_FORMAT = 2
-"""Version of the per-rank state file written by `save_state` (2 adds the layout-free Adam
-moments, `named_adam`, and pp to the layout; a format-1 file still loads on its own layout)."""
-
-log = logging.getLogger(__name__)
+from art_mega.trainer.rank.saved_state import SavedState, _sub_optimizers
+from art_mega.trainer.rank.step_loss import Objective, StepLoss, _Microbatch, loss_metric, objective_of
 
 
-@dataclass(frozen=True)
-class _Microbatch:
-    """One microbatch's tensors (rows of the rank's batch) and the loss inputs computed beforehand."""
-
-    tensors: dict[str, torch.Tensor]
-    ref_logprobs: torch.Tensor | None = None
-    old_logprobs: torch.Tensor | None = None
-    inference_logprobs: torch.Tensor | None = None
-
-
-def _document_layout(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Index tensors that lay packed rows out as one document per row.
-
-    Returns (rows, cols, valid), each [D, L] with D the documents of all rows and L the longest:
-    `values[rows, cols]` is document d's token j (valid[d, j] False past its end, where the
-    indices point at token 0 of its row). Lets sequence-level terms (GSPO) see documents, not rows.
-    """
-    starts = []
-    for row in range(segment_ids.shape[0]):
-        seg = segment_ids[row]
-        for doc in torch.unique(seg[seg > 0]).tolist():
-            cols = (seg == doc).nonzero().flatten()
-            starts.append((row, int(cols[0]), len(cols)))
-    if not starts:
-        empty = torch.zeros(0, 1, dtype=torch.long)
-        return empty, empty, empty.bool()
-    longest = max(length for _, _, length in starts)
-    offsets = torch.arange(longest)
-    rows = torch.tensor([row for row, _, _ in starts])[:, None].expand(-1, longest)
-    valid = offsets[None, :] < torch.tensor([length for _, _, length in starts])[:, None]
-    cols = torch.tensor([start for _, start, _ in starts])[:, None] + offsets[None, :]
-    cols = torch.where(valid, cols, torch.zeros_like(cols))
-    return rows.contiguous(), cols, valid
-
-
-def _token_ratios(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """The importance ratios `grpo_loss` uses, at trained tokens only (1-D, detached)."""
-    log_ratio = (new - old).detach()
-    token = torch.exp(log_ratio)
-    per_doc = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
-    sequence = torch.exp(per_doc)[:, None].expand_as(new)
-    ratios = {
-        "token": token,
-        "sequence": sequence,
-        "average": (token + sequence) / 2,
-        "geometric_average": (token * sequence) ** 0.5,
-    }[level]
-    return ratios[mask > 0]
-
-
-class TrainerEngine:
+class TrainerEngine(SavedState, StepLoss):
     """A trainer rank's model, LoRA adapter, optimizer and training steps.
 
     `TrainerEngine(model_dir, parallel_state, lora=..., optimizer=...)` builds this rank's
@@ -383,7 +314,7 @@ class TrainerEngine:
     def train_step(
         self,
         batch: TrainBatch,
-        loss: Literal["grpo", "sft"] = "grpo",
+        loss: Objective | Literal["grpo", "sft"] = "grpo",
         loss_config: GRPOLossConfig = GRPOLossConfig(),
         learning_rate: float | None = None,
         weight_decay: float | None = None,
@@ -395,6 +326,11 @@ class TrainerEngine:
         `learning_rate`, `weight_decay` (AdamW's, decoupled) and `clip_grad` (the global
         gradient-norm clip, 0 disables it) apply to this step; None: the engine's
         `OptimizerConfig` (ART trains RL and SFT with different decay and clip).
+
+        `loss`: the step's objective, dispatched on by its type: a `GRPOLossConfig` (GRPO, an
+        `RLJob`'s `loss`) or `step_loss.SFT_LOSS` (SFT), as `jobs` passes them from the job's type.
+        The names "grpo" (with `loss_config`) and "sft" stand for them where no job is at hand
+        (tests, benchmarks; `step_loss.objective_of`).
 
         GRPO (`loss.grpo_loss`): `batch.old_logprobs` are the sampling policy's logprobs and
         `batch.advantages` the per-token advantages. With `loss_config.kl_beta > 0` or
@@ -436,8 +372,7 @@ class TrainerEngine:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if loss not in ("grpo", "sft"):
-            raise ValueError(f"loss={loss!r} must be 'grpo' or 'sft'")
+        objective = objective_of(loss, loss_config)
         lr = self.optimizer_settings.lr if learning_rate is None else learning_rate
         trained = batch.loss_mask > 0
         local_denominator = float((batch.weights * trained).sum())
@@ -448,7 +383,7 @@ class TrainerEngine:
             return metrics
 
         old_policy = None if old_policy_logprobs is None else {"old_policy": old_policy_logprobs}
-        microbatches = self._prepare(self._microbatches(batch, old_policy), loss, loss_config)
+        microbatches = self._prepare(self._microbatches(batch, old_policy), objective)
         decay = self.optimizer_settings.weight_decay if weight_decay is None else weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -459,9 +394,7 @@ class TrainerEngine:
                 sub.config.clip_grad = clip
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        step = functools.partial(
-            self._forward_step, loss=loss, loss_config=loss_config, denominator=denominator
-        )
+        step = functools.partial(self._forward_step, objective=objective, denominator=denominator)
         outputs = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(microbatches),
@@ -471,15 +404,13 @@ class TrainerEngine:
             micro_batch_size=self.micro_batch_rows,
             forward_only=False,
         )
-        metrics.update(
-            self._stage_metrics(outputs, loss, tokens, loss == "grpo" and loss_config.kl_penalty_coef > 0)
-        )
+        metrics.update(self._stage_metrics(outputs, objective, tokens))
         # Megatron's step() clips with the norm and updates in one call (and only fp16's loss
         # scaler checks for inf), so the norm is computed here first: `prepare_grads` hands the
         # gradients to the main parameters (a copy that step() repeats), nothing is updated yet.
         self.optimizer.prepare_grads()
         metrics["loss/grad_norm"] = float(self.optimizer.get_grad_norm())
-        for quantity in ("loss/policy" if loss == "grpo" else "loss/sft", "loss/grad_norm"):
+        for quantity in (loss_metric(objective), "loss/grad_norm"):
             if not np.isfinite(metrics[quantity]):
                 raise NonFiniteStepError(quantity, metrics[quantity])
         self.optimizer.step()
@@ -512,13 +443,12 @@ class TrainerEngine:
                                 return f"optimizer state {key!r} of {label}"
         return None
 
-    def _prepare(
-        self, micro: list[dict[str, torch.Tensor]], loss: str, loss_config: GRPOLossConfig
-    ) -> list[_Microbatch]:
+    def _prepare(self, micro: list[dict[str, torch.Tensor]], objective: Objective) -> list[_Microbatch]:
         """Each microbatch with the loss inputs that need their own forward pass before the step
         (reference, TIS), computed for all microbatches at once (`_all_logprobs`)."""
-        if loss != "grpo":
+        if not isinstance(objective, GRPOLossConfig):
             return [_Microbatch(tensors) for tensors in micro]
+        loss_config = objective
         none: list[torch.Tensor | None] = [None] * len(micro)
         refs, olds, inferences = list(none), list(none), list(none)
         chunk_size = loss_config.logprob_calculation_chunk_size
@@ -578,8 +508,7 @@ class TrainerEngine:
         data_iterator: Iterator[_Microbatch],
         model: Any,
         *,
-        loss: str,
-        loss_config: GRPOLossConfig,
+        objective: Objective,
         denominator: float,
     ) -> tuple[torch.Tensor, Any]:
         """Megatron's forward_step_func: logprobs of one microbatch and its loss function.
@@ -607,7 +536,7 @@ class TrainerEngine:
             t["input_ids"],
             vocab_size=self.vocab_size,
             segment_ids=t["segment_ids"],
-            chunk_size=loss_config.logprob_calculation_chunk_size,
+            chunk_size=objective.logprob_calculation_chunk_size,
             needed=needed,
             sampling=SamplingRows.from_tensors(t),
         )
@@ -615,439 +544,10 @@ class TrainerEngine:
             self._loss,
             micro=micro,
             entropy=entropy,
-            loss=loss,
-            loss_config=loss_config,
+            objective=objective,
             denominator=denominator,
         )
         return logprobs, loss_fn
-
-    def _loss(
-        self,
-        logprobs: torch.Tensor,
-        *,
-        micro: _Microbatch,
-        entropy: torch.Tensor | None,
-        loss: str,
-        loss_config: GRPOLossConfig,
-        denominator: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """This microbatch's share of the step loss, its trained-token count and diagnostics."""
-        t = micro.tensors
-        rows, cols, valid = _document_layout(t["segment_ids"].cpu())
-        rows, cols, valid = rows.to(logprobs.device), cols.to(logprobs.device), valid.to(logprobs.device)
-
-        def docs(values: torch.Tensor) -> torch.Tensor:
-            # masked, not multiplied: past a document's end the indices repeat its row's token
-            # 0, whose old logprob may be NaN (unknown), and NaN * 0 would poison the loss
-            return values[rows, cols].masked_fill(~valid, 0.0)
-
-        mask = docs(t["loss_mask"])
-        weights = docs(t["weights"])
-        new = docs(logprobs)
-        local_denominator = (weights * mask).sum()
-        tokens = (mask > 0).sum()
-        info: dict[str, Any] = {}
-        if entropy is not None:
-            info["entropy_sum"] = float((docs(entropy) * (mask > 0)).sum())
-        if loss == "sft":
-            value = sft_loss(new, mask, weights) * local_denominator / denominator
-            info["loss_sum"] = float(value.detach())
-            return value, tokens.to(torch.int), info
-        sampler = docs(t["old_logprobs"])
-        code = docs(t["sampling"].long())
-        trained = mask > 0
-        # the behaviour-policy rule (trainer.behaviour): a sampler logprob of a distribution the
-        # trainer cannot compute (grammar mask, processed logits) is unknown, like a NaN one
-        opaque = trained & ((code == CONSTRAINED) | (code == PROCESSED))
-        nan = torch.full_like(sampler, float("nan"))
-        inference = None
-        if micro.old_logprobs is not None:
-            old = docs(micro.old_logprobs)
-            inference = torch.where(opaque, nan, docs(micro.inference_logprobs))
-        else:
-            old = torch.where(opaque, nan, sampler)
-        old = known_logprobs(old, new, mask)  # unknown (NaN) ones: the ratio metrics see 1 too
-        sampled = trained & torch.isfinite(sampler)
-        info.update(
-            sampler_gaps=(sampler - new.detach())[sampled].abs().cpu(),
-            constrained_count=float((trained & (code == CONSTRAINED)).sum()),
-            processed_count=float((trained & (code == PROCESSED)).sum()),
-            untagged_count=float((trained & (code == UNTAGGED)).sum()),
-        )
-        out = grpo_loss(
-            new,
-            old,
-            docs(t["advantages"]),
-            mask,
-            weights,
-            config=loss_config,
-            ref_logprobs=None if micro.ref_logprobs is None else docs(micro.ref_logprobs),
-            inference_logprobs=inference,
-            packed_rows=rows[:, 0],
-        )
-        value = out.loss * local_denominator / denominator
-        count = float(tokens)
-        info.update(
-            loss_sum=float(value.detach()),
-            kl_policy_ref_sum=(out.kl_policy_ref or 0.0) * count,
-            kl_sum=out.kl * count,
-            clipped_sum=out.clipped_fraction * count,
-            ratios=_token_ratios(new, old, mask, loss_config.importance_sampling_level).cpu(),
-        )
-        return value, tokens.to(torch.int), info
-
-    def _stage_metrics(
-        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool
-    ) -> dict[str, float]:
-        """`_reduce_metrics`; under pipeline parallelism computed on the last stage (the only one
-        with losses) and broadcast over the pipeline group, so every rank returns the same."""
-        if not self._pipelined:
-            return self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
-        from megatron.core import parallel_state as mpu
-
-        box: list[Any] = [None]
-        if mpu.is_pipeline_last_stage():
-            box[0] = self._reduce_metrics(outputs, loss, tokens, kl_policy_ref)
-        torch.distributed.broadcast_object_list(
-            box, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
-        )
-        return box[0]
-
-    def _reduce_metrics(
-        self, outputs: list[dict[str, Any]], loss: str, tokens: float, kl_policy_ref: bool = False
-    ) -> dict[str, float]:
-        """Step metrics from every microbatch's diagnostics, summed over DP ranks
-        (`kl_policy_ref`: report ART's `loss/kl_policy_ref`, the token mean of new - ref)."""
-        keys = ["loss_sum", "entropy_sum", "kl_sum", "clipped_sum", "kl_policy_ref_sum"]
-        keys += ["constrained_count", "processed_count", "untagged_count"]
-        local = [sum(float(out.get(key, 0.0)) for out in outputs) for key in keys]
-        loss_sum, entropy_sum, kl_sum, clipped_sum, kl_policy_ref_sum, *counts = self._dp_sum(local)
-        count = max(tokens, 1.0)
-        metrics = {"loss/policy" if loss == "grpo" else "loss/sft": loss_sum}
-        if self.compute_entropy:
-            metrics["loss/entropy"] = entropy_sum / count
-        if loss == "grpo":
-            ratios = self._dp_gather(torch.cat([out["ratios"] for out in outputs]))
-            ratios = ratios if ratios.numel() else torch.ones(1)
-            metrics.update(
-                {
-                    "loss/kl": kl_sum / count,
-                    "loss/clipped_fraction": clipped_sum / count,
-                    "loss/ratio_mean": float(ratios.mean()),
-                    "loss/ratio_p95": float(torch.quantile(ratios.double(), 0.95)),
-                    "loss/ratio_p99": float(torch.quantile(ratios.double(), 0.99)),
-                }
-            )
-            if kl_policy_ref:
-                metrics["loss/kl_policy_ref"] = kl_policy_ref_sum / count
-            gaps = self._dp_gather(torch.cat([out["sampler_gaps"] for out in outputs]))
-            if gaps.numel():
-                metrics[GAP_MEAN] = float(gaps.double().mean())
-                metrics[GAP_P95] = float(torch.quantile(gaps.double(), 0.95))
-            for name, value in zip((CONSTRAINED_FRACTION, PROCESSED_FRACTION, UNTAGGED_FRACTION), counts):
-                metrics[name] = value / count
-        return metrics
-
-    # ------------------------------------------------------------------ adapters and state
-
-    def export_adapter(self, out_dir: str | os.PathLike[str]) -> Any:
-        """Write the adapter as an HF PEFT directory (`peft_io.export_adapter`; collective, rank 0
-        writes). Returns `AdapterFiles` on global rank 0, None on the others."""
-        from art_mega.trainer.peft_io import export_adapter
-
-        return export_adapter(
-            self.ddp.module,
-            self.lora_config,
-            out_dir,
-            num_heads=self.model.args.num_heads,
-            num_query_groups=self.model.args.num_query_groups,
-            names=self.model.family.lora_names(self.model.args),
-            base_model_name_or_path=self.model_dir,
-        )
-
-    def load_adapter(self, adapter_dir: str | os.PathLike[str]) -> None:
-        """Warm start: load an HF PEFT LoRA directory into this rank's shards (`peft_io.import_adapter`).
-
-        The optimizer's state is kept; its main parameters are refreshed from the model.
-        Raises `UserError` for an adapter of another rank, alpha or target set.
-        """
-        from art_mega.trainer.peft_io import import_adapter
-
-        import_adapter(
-            self.ddp.module,
-            self.lora_config,
-            adapter_dir,
-            num_heads=self.model.args.num_heads,
-            num_query_groups=self.model.args.num_query_groups,
-            names=self.model.family.lora_names(self.model.args),
-        )
-        self.optimizer.reload_model_params()
-
-    def _layout(self) -> dict[str, int]:
-        s = self.state
-        return {
-            "world_size": s.world_size,
-            "tp": s.tp,
-            "dp": s.dp,
-            "pp": s.pp,
-            "tp_rank": s.tp_rank,
-            "dp_rank": s.dp_rank,
-            "pp_rank": s.pp_rank,
-        }
-
-    def state_file(self, directory: str | os.PathLike[str]) -> Path:
-        """This rank's state file in `directory` (a checkpoint or its staging folder):
-        `checkpoint.rank_state_file` of this global rank."""
-        return checkpoint.rank_state_file(directory, self.state.rank)
-
-    def save_state(self, directory: str | os.PathLike[str]) -> Path:
-        """Write this rank's LoRA shards, optimizer state and step count to `state_file(directory)`.
-
-        Collective only in that every rank writes its own file (`checkpoint.atomic_write`: temp
-        file, fsync, rename). The distributed optimizer's parameter state is this rank's shard
-        (`get_parameter_state_dp_reshardable`). Returns the path.
-        """
-        path = self.state_file(directory)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "format": STATE_FORMAT,
-            "layout": self._layout(),
-            "steps": self.steps,
-            "lora": {name: p.detach().cpu().clone() for name, p in lora_parameters(self.ddp.module).items()},
-            "optimizers": [_optimizer_state(sub) for sub in _sub_optimizers(self.optimizer)],
-            "named_adam": self._named_adam(),
-        }
-        with checkpoint.atomic_write(path) as handle:
-            torch.save(payload, handle)
-        return path
-
-    @torch.no_grad()
-    def load_state(self, directory: str | os.PathLike[str]) -> None:
-        """Restore a checkpoint `directory` written by `save_state` on every rank of a trainer.
-
-        On the layout it was written with (world size, tp, dp, pp and this rank's coordinates):
-        this rank's file as it was (LoRA shards, Megatron optimizer state, step count), exactly.
-        On another layout (a lost node, a bigger allocation; `load_portable`): the LoRA from
-        the checkpoint's PEFT adapter and the Adam moments re-sharded from every old rank's
-        layout-free record.
-
-        Raises `RuntimeError` when the file holds other LoRA parameters than this engine
-        (another model or LoRA config).
-        """
-        path = self.state_file(directory)
-        payload = torch.load(path, map_location=self.state.device, weights_only=False) if path.exists() else None
-        if payload is None or _saved_layout(payload) != self._layout():
-            self.load_portable(directory)
-            return
-        params = lora_parameters(self.ddp.module)
-        if set(payload["lora"]) != set(params):
-            raise RuntimeError(f"{path} holds other LoRA parameters than this model")
-        for name, param in params.items():
-            param.copy_(payload["lora"][name])
-        subs = _sub_optimizers(self.optimizer)
-        for sub, saved in zip(subs, payload["optimizers"], strict=True):
-            _load_optimizer_state(sub, saved)
-        self.optimizer.reload_model_params()
-        self.steps = payload["steps"]
-
-    @torch.no_grad()
-    def load_portable(self, directory: str | os.PathLike[str]) -> None:
-        """Resume a checkpoint written on another parallel layout (TP, PP, EP, DP, distributed
-        optimizer or not): the LoRA weights from its PEFT adapter (`load_adapter`, layout-free),
-        the step count from its rank files, and Adam's moments and step re-sharded from the
-        `named_adam` records of every old rank (`_assemble_adam`): each parameter's full
-        moments are rebuilt from the old shards, then this rank's shard is cut from them.
-
-        Where the moments cannot be rebuilt (rank files of format 1, a bf16 optimizer without
-        the distributed layout, a parameter missing from the records) the optimizer restarts
-        from zero moments, said in one logged line on global rank 0. Not collective.
-        """
-        from art_mega.trainer.peft_io import import_adapter
-
-        files = sorted(Path(directory).glob("rank*.pt"))
-        saved = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-        import_adapter(
-            self.ddp.module,
-            self.lora_config,
-            checkpoint.adapter_dir(directory),
-            num_heads=self.model.args.num_heads,
-            num_query_groups=self.model.args.num_query_groups,
-            names=self.model.family.lora,
-        )
-        self.optimizer.reload_model_params()
-        self.steps = saved[0]["steps"] if saved else 0
-        old = _saved_layout(saved[0]) if saved else None
-        problem = None
-        if not saved or any("named_adam" not in payload for payload in saved):
-            problem = "its rank files hold no layout-free optimizer state (written before format 2)"
-        else:
-            moments = _assemble_adam([payload["named_adam"] for payload in saved])
-            problem = self._set_named_adam(moments)
-        if self.state.rank == 0:
-            if problem is None:
-                log.info("resumed %s written on layout %s at %s, optimizer state re-sharded", directory, old, self._layout())
-            else:
-                log.warning(
-                    "resumed %s (layout %s) at layout %s with its LoRA weights; the optimizer state "
-                    "restarts from zero because %s",
-                    directory,
-                    old,
-                    self._layout(),
-                    problem,
-                )
-
-    def _named_adam(self) -> dict[str, dict[str, Any]] | None:
-        """This rank's Adam state per LoRA parameter, in a form any layout can read back:
-        {name: {"exp_avg", "exp_avg_sq" (float32, this rank's part, flattened when the
-        distributed optimizer holds a slice), "step", "shape" (the rank's shard), "full" (the
-        unsharded shape), "split" (the TP-split dimension or None), "tp_rank", "range" (the
-        flat [start, end) of the shard that this rank's slice covers, None for all of it)}}.
-        None before the first step, or where the per-parameter state is not reachable (a bf16
-        optimizer without the distributed layout)."""
-        from art_mega.trainer.rank.lora import lora_layers
-
-        out: dict[str, dict[str, Any]] = {}
-        for layer_name, layer in lora_layers(self.ddp.module).items():
-            for matrix in ("lora_A", "lora_B"):
-                param = getattr(layer, matrix)
-                place = self._main_of(param)
-                if place is _NOT_HERE:
-                    continue
-                if place is None or not place[0].state.get(place[1]):
-                    return None
-                inner, main, span = place
-                state = inner.state[main]
-                split = _split_dim(layer, matrix)
-                full = list(param.shape)
-                if split is not None:
-                    full[split] *= layer.tp_size
-                out[f"{layer_name}.{matrix}"] = {
-                    "exp_avg": state["exp_avg"].detach().float().cpu().clone(),
-                    "exp_avg_sq": state["exp_avg_sq"].detach().float().cpu().clone(),
-                    "step": float(state["step"]),
-                    "shape": tuple(param.shape),
-                    "full": tuple(full),
-                    "split": split,
-                    "tp_rank": layer.tp_rank if split is not None else 0,
-                    "range": span,
-                }
-        return out
-
-    def _set_named_adam(self, moments: dict[str, dict[str, Any]]) -> str | None:
-        """Put full moments (`_assemble_adam`) into this rank's optimizer; None, or why not."""
-        from art_mega.trainer.rank.lora import lora_layers
-
-        targets = []
-        for layer_name, layer in lora_layers(self.ddp.module).items():
-            for matrix in ("lora_A", "lora_B"):
-                name = f"{layer_name}.{matrix}"
-                if name not in moments:
-                    return f"the records have no state for {name}"
-                param = getattr(layer, matrix)
-                place = self._main_of(param)
-                if place is None:
-                    return "this optimizer keeps no fp32 main copy per LoRA parameter (bf16 without the distributed optimizer)"
-                if place is _NOT_HERE:
-                    continue
-                targets.append((name, layer, matrix, *place))
-        for name, layer, matrix, inner, main, span in targets:
-            record = moments[name]
-            state = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                shard = _tp_shard(record[key], _split_dim(layer, matrix), layer.tp_size, layer.tp_rank)
-                flat = shard.reshape(-1)
-                if span is not None:
-                    flat = flat[span[0] : span[1]]
-                state[key] = flat.reshape(main.shape).to(device=main.device, dtype=main.dtype).clone()
-            state["step"] = torch.tensor(record["step"], dtype=torch.float32)
-            inner.state[main] = state
-        return None
-
-    def _main_of(self, param: torch.Tensor) -> tuple[Any, torch.Tensor, tuple[int, int] | None] | None | Any:
-        """(inner torch optimizer, main parameter, flat range) of `param` on this rank;
-        `_NOT_HERE` where the distributed optimizer gives this rank no slice; None where no
-        fp32 main copy is reachable."""
-        distributed = False
-        for sub in _sub_optimizers(self.optimizer):
-            inner = getattr(sub, "optimizer", None)
-            if inner is None:
-                continue
-            if _is_distributed(sub):
-                distributed = True
-                if param in sub.model_param_group_index_map:
-                    group, order = sub.model_param_group_index_map[param]
-                    span = sub._get_model_param_range_map(param)["param"]
-                    return inner, inner.param_groups[group]["params"][order], (span.start, span.end)
-                continue
-            for group in inner.param_groups:
-                if any(p is param for p in group["params"]):
-                    return inner, param, None
-        return _NOT_HERE if distributed else None
-
-_NOT_HERE = object()
-"""A parameter whose distributed-optimizer state lives on other DP ranks only."""
-
-
-def _saved_layout(payload: dict[str, Any]) -> dict[str, int]:
-    """The layout of a rank file, with pp = 1 for a format-1 file (written before pipelines)."""
-    return {"pp": 1, "pp_rank": 0, **payload.get("layout", {})}
-
-
-def _split_dim(layer: Any, matrix: str) -> int | None:
-    """The dimension of `layer`'s `matrix` ("lora_A" / "lora_B") split over its TP group: B's
-    rows in a column-parallel layer, A's columns in a row-parallel one (`lora.LoraLinear`)."""
-    if layer.tp_size == 1:
-        return None
-    if layer.kind == "column":
-        return 0 if matrix == "lora_B" else None
-    return 1 if matrix == "lora_A" else None
-
-
-def _tp_shard(full: torch.Tensor, dim: int | None, size: int, rank: int) -> torch.Tensor:
-    return full if dim is None else full.chunk(size, dim=dim)[rank]
-
-
-def _assemble_adam(records: list[dict[str, dict[str, Any]] | None]) -> dict[str, dict[str, Any]]:
-    """Full (unsharded) Adam moments per LoRA parameter from every old rank's `_named_adam`.
-
-    Each record holds a rank's part: its TP shard (`split`, `tp_rank`) and, under the distributed
-    optimizer, a flat slice of that shard (`range`). Parts of the same shard from several DP
-    ranks fill it together; DP replicas write the same values. Returns {name: {"exp_avg",
-    "exp_avg_sq" (float32, `full` shape), "step"}}; a name with no record is absent."""
-    shards: dict[tuple[str, int], dict[str, Any]] = {}
-    for record in records:
-        for name, part in (record or {}).items():
-            key = (name, part["tp_rank"])
-            numel = int(np.prod(part["shape"]))
-            entry = shards.setdefault(
-                key,
-                {
-                    **{m: torch.zeros(numel) for m in ("exp_avg", "exp_avg_sq")},
-                    "record": part,
-                },
-            )
-            start, end = part["range"] if part["range"] is not None else (0, numel)
-            for m in ("exp_avg", "exp_avg_sq"):
-                entry[m][start:end] = part[m].reshape(-1)
-    out: dict[str, dict[str, Any]] = {}
-    for (name, tp_rank), entry in shards.items():
-        part = entry["record"]
-        full = out.setdefault(
-            name,
-            {
-                "exp_avg": torch.zeros(part["full"]),
-                "exp_avg_sq": torch.zeros(part["full"]),
-                "step": part["step"],
-            },
-        )
-        for m in ("exp_avg", "exp_avg_sq"):
-            shard = entry[m].reshape(part["shape"])
-            if part["split"] is None:
-                full[m].copy_(shard)
-            else:
-                size = part["full"][part["split"]] // part["shape"][part["split"]]
-                full[m].chunk(size, dim=part["split"])[tp_rank].copy_(shard)
-    return out
 
 
 def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
@@ -1059,47 +559,3 @@ def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None, **
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
-
-
-def _sub_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _is_distributed(optimizer: Any) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return isinstance(optimizer, DistributedOptimizer)
-
-
-def _optimizer_state(optimizer: Any) -> dict[str, Any] | None:
-    """One (non-chained) Megatron optimizer's state on this rank; None before its first step."""
-    inner = getattr(optimizer, "optimizer", None)
-    if inner is None or not inner.state:
-        return None
-    if _is_distributed(optimizer):
-        param_state = optimizer.get_parameter_state_dp_reshardable()
-        # The loader skips entries marked as padding and expects the mark on every entry
-        # (`distrib_optimizer.py` load_parameter_state_from_dp_reshardable); this rank's own
-        # entries are never padding.
-        for key, per_dtype in param_state.items():
-            if isinstance(key, int):
-                for buckets in per_dtype.values():
-                    for bucket in buckets:
-                        for entry in bucket:
-                            entry.setdefault("padding", False)
-        return {"state": optimizer.state_dict(), "param_state": param_state}
-    return {"state": optimizer.state_dict()}
-
-
-def _load_optimizer_state(optimizer: Any, saved: dict[str, Any] | None) -> None:
-    if saved is None:
-        return
-    optimizer.load_state_dict(saved["state"])
-    if _is_distributed(optimizer):
-        optimizer.load_parameter_state_from_dp_reshardable(saved["param_state"])
-        # Without apex/TE, `DistributedOptimizer.load_state_dict` gives every parameter the same
-        # `step` tensor object; torch's foreach Adam then adds 1 to it once per parameter per
-        # step, and the bias correction goes wrong. Each parameter gets its own copy.
-        for state in optimizer.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].clone()

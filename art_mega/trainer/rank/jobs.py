@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from art_mega.trainer import checkpoint
-from art_mega.trainer.protocol import EngineConfig, RankConfig, RLJob, SFTJob, StepJob
+from art_mega.trainer.protocol import EngineConfig, RankConfig, RLJob, SFTJob, Step, StepJob
 
 SAVE_PAUSE_ENV = "ART_MEGA_TEST_SAVE_PAUSE"
 SAVE_PAUSE_POLL_S = 0.05
@@ -41,6 +43,19 @@ SAVE_PAUSE_POLL_S = 0.05
 
 class StepOrderError(ValueError):
     """A job named a step other than the one after the last committed step."""
+
+
+class CommittedAdapter(BaseModel):
+    """What `write_checkpoint` hands rank 0's main loop once step `step`'s checkpoint is committed:
+    its PEFT adapter folder `path` (in the final checkpoint folder, not the staging one) and the
+    sha256 (hex) of its weights file, as the manifest records it. `rank.main` sends it on as the
+    job's `AdapterReady`, which the backend publishes from and checks the sha256 against."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str
+    step: Step
+    sha256: str
 
 
 def resumed_step(config: EngineConfig) -> int | None:
@@ -98,12 +113,12 @@ def write_checkpoint(
     checkpoint_dir: str,
     timings: dict[str, float] | None = None,
     host_of: list[str] | None = None,
-) -> dict[str, Any] | None:
+) -> CommittedAdapter | None:
     """Collective: export the adapter and every rank's state, then commit the folder.
 
     `host_of` (the host id of each global rank) says the artifact_root is host-local: the lowest
     rank of each host then commits its host's folder (see the module docstring); None (a shared
-    root): rank 0 commits the one folder. Returns the adapter_ready event on rank 0 (path, step,
+    root): rank 0 commits the one folder. Returns the `CommittedAdapter` on rank 0 (path, step,
     sha256), None on other ranks. With `timings`, adds this rank's `time/adapter_export_s` and
     `time/state_save_s` (seconds).
 
@@ -168,8 +183,7 @@ def write_checkpoint(
     dist.barrier()
     if state.rank != 0:
         return None
-    path = str(checkpoint.adapter_dir(final))
-    return {"event": "adapter_ready", "path": path, "step": step, "sha256": files.sha256}
+    return CommittedAdapter(path=str(checkpoint.adapter_dir(final)), step=step, sha256=files.sha256)
 
 
 def checkpoint_hosts(config: RankConfig) -> list[str] | None:
@@ -209,6 +223,7 @@ def _sft_steps(job: SFTJob, state: Any, engine: Any, step: int) -> dict[str, flo
     from art_mega.errors import NonFiniteStepError
     from art_mega.trainer.batch import TrainBatch
     from art_mega.trainer.protocol import sft_batch_file
+    from art_mega.trainer.rank.step_loss import SFT_LOSS
 
     samples: list[dict[str, float]] = []
     load_s = megatron_s = 0.0
@@ -217,7 +232,7 @@ def _sft_steps(job: SFTJob, state: Any, engine: Any, step: int) -> dict[str, flo
         batch = TrainBatch.load(sft_batch_file(job.batch_dir, k, state.dp_rank))
         loaded = time.perf_counter()
         try:
-            samples.append(engine.train_step(batch, loss="sft", learning_rate=rate))
+            samples.append(engine.train_step(batch, loss=SFT_LOSS, learning_rate=rate))
         except NonFiniteStepError as exc:
             raise _step_failed(exc, k, "SFT batch", step) from None
         load_s += loaded - started
@@ -268,8 +283,7 @@ def _rl_steps(job: RLJob, state: Any, engine: Any, step: int) -> dict[str, float
             samples.append(
                 engine.train_step(
                     part,
-                    loss="grpo",
-                    loss_config=job.loss,
+                    loss=job.loss,
                     learning_rate=job.learning_rate,
                     weight_decay=job.weight_decay,
                     clip_grad=job.clip_grad,
@@ -286,9 +300,9 @@ def _rl_steps(job: RLJob, state: Any, engine: Any, step: int) -> dict[str, float
 
 def run_train_job(
     job: StepJob, state: Any, engine: Any, config: RankConfig, last_step: int | None = None
-) -> tuple[dict[str, float], dict[str, Any] | None]:
+) -> tuple[dict[str, float], CommittedAdapter | None]:
     """Run an `rl`, `sft` or `export` job on this rank; returns its metrics and, on rank 0,
-    `write_checkpoint`'s adapter_ready (None on other ranks).
+    `write_checkpoint`'s `CommittedAdapter` (None on other ranks).
 
     The job's step must be `last_step + 1` (`check_job_step`); an rl job trains on
     `<batch_dir>/dp<r>.safetensors` (r: this rank's DP rank) first, in one or several optimizer

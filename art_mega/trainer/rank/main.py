@@ -200,7 +200,7 @@ def _run(
     metrics, adapter = run_train_job(job, state, engine, config, last_step)
     if adapter is None:
         return metrics, []
-    ready = AdapterReady(job=request.id, path=adapter["path"], step=adapter["step"], sha256=adapter["sha256"])
+    ready = AdapterReady(job=request.id, path=adapter.path, step=adapter.step, sha256=adapter.sha256)
     return metrics, [ready]
 
 

@@ -65,6 +65,62 @@ def _attention_with_sinks(
     return torch.matmul(probs.to(v.dtype), v)
 
 
+def _attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    attention_mask: Any,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    sinks: Any,
+    scale: float,
+    dropout: float,
+) -> Any:
+    """Attention of q [b, h, sq, d] over k/v [b, h, skv, d] (KV heads already repeated) -> [b, h,
+    sq, d] in v's dtype. `attention_mask` bool [b or 1, 1, sq, skv] (True = masked) or None (causal
+    when `causal`, else none), combined with a causal `window` (left, 0) band (module docstring);
+    with `sinks` [h] the explicit-scores path (`_attention_with_sinks`), else SDPA. `dropout`: the
+    probability (0.0 outside training)."""
+    import torch
+
+    if window is not None:
+        band = sliding_window_causal_mask(q.shape[2], k.shape[2], window, q.device)
+        attention_mask = band if attention_mask is None else attention_mask | band
+    if sinks is not None:
+        if attention_mask is None:
+            sq, skv = q.shape[2], k.shape[2]
+            attention_mask = (
+                sliding_window_causal_mask(sq, skv, (skv, 0), q.device)
+                if causal
+                else torch.zeros(sq, skv, dtype=torch.bool, device=q.device)
+            )
+        return _attention_with_sinks(q, k, v, attention_mask, sinks, scale, dropout)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=None if attention_mask is None else ~attention_mask,
+        dropout_p=dropout,
+        is_causal=attention_mask is None and causal,
+        scale=scale,
+    )
+
+
+def _causal_window(config: Any, layer_number: int) -> tuple[int, int] | None:
+    """The sliding window (left, 0) of layer `layer_number` (1-based) as megatron-core's
+    `is_layer_window_attention` marks it from `config.window_size` / `window_attn_skip_freq`, None
+    for a full-attention layer. Raises `ValueError` for a window that looks ahead or is unbounded
+    on the left (the module's windows are causal)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+    window = tuple(config.window_size) if windowed else None
+    if window is not None and (window[1] != 0 or window[0] < 0):
+        raise ValueError(f"SdpaCoreAttention's sliding window is causal, (left >= 0, 0); got {window}")
+    return window
+
+
 @functools.cache
 def sdpa_core_attention() -> type:
     """The `SdpaCoreAttention` class, a core-attention module for Megatron `ModuleSpec`s (built on
@@ -74,7 +130,6 @@ def sdpa_core_attention() -> type:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.utils import is_layer_window_attention
     from megatron.core.utils import divide
 
     class SdpaCoreAttention(MegatronModule):
@@ -111,14 +166,7 @@ def sdpa_core_attention() -> type:
             softmax_type = getattr(config, "softmax_type", "vanilla")
             if softmax_type not in ("vanilla", "learnable"):
                 raise ValueError(f"SdpaCoreAttention has no {softmax_type!r} softmax (vanilla, learnable)")
-            windowed = is_layer_window_attention(
-                config.window_size, config.window_attn_skip_freq, layer_number
-            )
-            self.window = tuple(config.window_size) if windowed else None
-            if self.window is not None and (self.window[1] != 0 or self.window[0] < 0):
-                raise ValueError(
-                    f"SdpaCoreAttention's sliding window is causal, (left >= 0, 0); got {self.window}"
-                )
+            self.window = _causal_window(config, layer_number)
             tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
             tp = tp_group.size() if tp_group is not None else mpu.get_tensor_model_parallel_world_size()
             self.heads = divide(config.num_attention_heads, tp)
@@ -152,31 +200,17 @@ def sdpa_core_attention() -> type:
                 k = k.repeat_interleave(self.heads // self.groups, dim=1)
                 v = v.repeat_interleave(self.heads // self.groups, dim=1)
             mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-            if self.window is not None:
-                band = sliding_window_causal_mask(q.shape[2], k.shape[2], self.window, q.device)
-                attention_mask = band if attention_mask is None else attention_mask | band
-            dropout = self.dropout if self.training else 0.0
-            if self.softmax_offset is not None:
-                if attention_mask is None:
-                    sq, skv = q.shape[2], k.shape[2]
-                    attention_mask = (
-                        sliding_window_causal_mask(sq, skv, (skv, 0), q.device)
-                        if mask_type == AttnMaskType.causal
-                        else torch.zeros(sq, skv, dtype=torch.bool, device=q.device)
-                    )
-                out = _attention_with_sinks(
-                    q, k, v, attention_mask, self.softmax_offset, self.softmax_scale, dropout
-                )
-            else:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=None if attention_mask is None else ~attention_mask,
-                    dropout_p=dropout,
-                    is_causal=attention_mask is None and mask_type == AttnMaskType.causal,
-                    scale=self.softmax_scale,
-                )
+            out = _attend(
+                q,
+                k,
+                v,
+                attention_mask,
+                causal=mask_type == AttnMaskType.causal,
+                window=self.window,
+                sinks=self.softmax_offset,
+                scale=self.softmax_scale,
+                dropout=self.dropout if self.training else 0.0,
+            )
             seq, batch = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(seq, batch, self.heads * self.head_dim)
 

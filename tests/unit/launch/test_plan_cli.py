@@ -15,7 +15,8 @@ import pytest
 
 from art_mega.launch.cli import main
 from art_mega.trainer.families import family_for
-from art_mega.trainer.prepare.memory_plan import GPU_MEMORY_MIB, ModelShape
+from art_mega.trainer.prepare.memory_plan import ModelShape
+from art_mega.trainer.prepare.stated_layout import GPU_MEMORY_MIB
 from tests.real_size_configs import CONFIGS
 from tests.trainer.gpt_oss_configs import GPT_OSS_120B, GPT_OSS_PARAMETERS
 from tests.trainer.qwen3_5_configs import QWEN3_6_27B

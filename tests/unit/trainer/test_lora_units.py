@@ -13,9 +13,9 @@ from art_mega.trainer.families.llama import SPEC  # noqa: E402
 from art_mega.trainer.peft_config import check_adapter_config  # noqa: E402
 from art_mega.trainer.peft_io import adapter_config  # noqa: E402
 from art_mega.trainer.protocol import LoraConfig  # noqa: E402
-from art_mega.trainer.rank.engine import _document_layout, _token_ratios  # noqa: E402
 from art_mega.trainer.rank.logprobs import _mask_padded_vocab, _shift_to_token, packed_attention_mask  # noqa: E402
 from art_mega.trainer.rank.lora import init_lora_a  # noqa: E402
+from art_mega.trainer.rank.step_loss import _document_layout, _token_ratios  # noqa: E402
 
 megatron_to_hf, hf_to_megatron = SPEC.lora.to_peft, SPEC.lora.from_peft
 
