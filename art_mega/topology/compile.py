@@ -45,7 +45,7 @@ def compile_topology(
     hosts) without `ClusterSpec.nccl_transport` or with its `net_name` "Socket"; too few free
     GPUs for the replicas; trainer sizes that do not divide the world (tp*cp*pp, etp*ep*pp);
     tp*pp of a replica that spans hosts not a multiple of the GPUs per host; `cluster` that is
-    not a `ClusterSpec`; trainer sizes art-mega cannot run yet (pp > 1, etp > 1 with LoRA:
+    not a `ClusterSpec`; trainer sizes art-mega cannot run yet (pp > 1 with cp > 1:
     `TrainerSpec.unsupported`).
     """
     if not isinstance(cluster, ClusterSpec):

@@ -64,9 +64,8 @@ class TrainerSpec(SpecModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(field, sentence) of the first size art-mega's trainer cannot run yet, or None.
 
-        pp > 1 with cp > 1: pipeline stages do not split context-parallel rows (`trainer/rank/engine.py`);
-        etp > 1: expert-tensor parallelism with LoRA is not built (`trainer/rank/lora.py`), and
-        training is LoRA only. Whether a model can be split into pp stages needs its config
+        pp > 1 with cp > 1: pipeline stages do not split context-parallel rows (`trainer/rank/engine.py`).
+        Whether a model can be split into pp stages needs its config
         (`model_builder.check_pipeline`, at register). `compile_topology` raises it as a
         `TopologyError` (and `MegatronBackend.register` and a rank's `init_parallel` again, for a
         topology not compiled here), so it is refused before any rank or replica starts.
@@ -75,11 +74,6 @@ class TrainerSpec(SpecModel):
             return "TrainerSpec.pp", (
                 f"TrainerSpec.pp={self.pp} with cp={self.cp} is not supported yet (pipeline stages "
                 "do not split context-parallel rows); use cp=1 with pp, or pp=1 with cp."
-            )
-        if self.etp != 1:
-            return "TrainerSpec.etp", (
-                f"TrainerSpec.etp={self.etp} is not supported with LoRA (expert-tensor parallel LoRA "
-                "is not built); use etp=1 and split the experts with ep instead."
             )
         return None
 

@@ -1,4 +1,4 @@
-"""Trainer sizes the trainer cannot run yet (pp > 1 with cp > 1; etp > 1, as training is LoRA only) are refused
+"""Trainer sizes the trainer cannot run yet (pp > 1 with cp > 1) are refused
 through `art-mega local` when the program compiles its topology: one sentence, exit code 2, and
 nothing started (no run folder, no log).
 
@@ -8,12 +8,12 @@ Before: `compile_topology(TrainerSpec(pp=2))` compiled, and every started traine
 import pytest
 
 from tests.conftest import cli_env, run_cli
-from tests.unit.topology.test_topology_compile import ETP_REFUSED, PP_REFUSED
+from tests.unit.topology.test_topology_compile import PP_REFUSED
 
 
 @pytest.mark.parametrize(
     ("sizes", "sentence"),
-    [("pp=2,cp=2", PP_REFUSED), ("ep=1,etp=2", ETP_REFUSED)],
+    [("pp=2,cp=2", PP_REFUSED)],
 )
 def test_unsupported_trainer_sizes_exit_2_before_anything_starts(sizes, sentence, tiny_llama_dir, tmp_path):
     root = tmp_path / "artifacts"

@@ -11,7 +11,7 @@ from art_mega.topology.trainer import TrainerSpec
 from art_mega.trainer.rank.cpu_compat import PATCHES, applied_patches
 from art_mega.trainer.rank.parallel import init_parallel
 from tests.trainer.common import require_trainer_deps
-from tests.unit.topology.test_topology_compile import ETP_REFUSED, PP_REFUSED
+from tests.unit.topology.test_topology_compile import PP_REFUSED
 
 require_trainer_deps()
 
@@ -23,13 +23,7 @@ def test_cpu_world_of_one(megatron_world) -> None:
     assert applied_patches() == tuple(PATCHES)
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [
-        (TrainerSpec(pp=2, cp=2), PP_REFUSED),
-        (TrainerSpec(etp=2), ETP_REFUSED),
-    ],
-)
+@pytest.mark.parametrize(("spec", "message"), [(TrainerSpec(pp=2, cp=2), PP_REFUSED)])
 def test_unsupported_sizes_are_refused_before_joining(spec: TrainerSpec, message: str) -> None:
     rank = TrainerRank(
         rank=0, host_id="local", local_rank=0, **rank_coordinates(0, 4, pp=spec.pp, cp=spec.cp, etp=spec.etp)

@@ -271,15 +271,29 @@ def megatron_state_dict(
     return state
 
 
+def check_parallel(args: GptOssArgs, layout: ParallelLayout) -> None:
+    """Qwen3-MoE's size checks, and etp = 1: megatron-core adds an expert's linear_fc2 bias on
+    every expert-TP rank before the token dispatcher sums their partial outputs
+    (`transformer/mlp.py` MLP.forward, `moe/token_dispatcher.py` combine), so at etp > 1 the
+    down_proj bias would count etp times. Raises `UserError` (one sentence)."""
+    qwen3_moe.SPEC.check_parallel(args, layout)
+    if layout.etp != 1:
+        raise UserError(
+            f"etp={layout.etp} cannot split this gpt_oss model: megatron-core would add its experts' "
+            "down_proj bias once per expert-TP rank; use etp=1 and split the experts with ep."
+        )
+
+
 SPEC: FamilySpec[GptOssArgs] = dataclasses.replace(
     qwen3_moe.SPEC,
     name="gpt_oss",
     model_types=MODEL_TYPES,
     model_args=model_args,
+    check_parallel=check_parallel,
     transformer_config=transformer_config,
     layer_spec=layer_spec,
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
 )
-"""The GPT-OSS family: Qwen3-MoE's parallel limits (TP over heads, EP over experts, ETP over the
-expert width), GPTModel arguments and LoRA names; its own config, layer spec and weights."""
+"""The GPT-OSS family: Qwen3-MoE's parallel limits (TP over heads, EP over experts; etp = 1,
+`check_parallel`), GPTModel arguments and LoRA names; its own config, layer spec and weights."""

@@ -28,9 +28,22 @@ its own adapter, named by the layer and the expert's global index
 same expert. Under expert parallelism each rank holds the adapters of its own experts only; they
 carry `allreduce = False`, so Megatron's DDP reduces their gradients over the expert
 data-parallel group and its optimizer keeps them in the expert parameter group (as Megatron
-marks expert weights, `tensor_parallel/layers.py:886`). Expert tensor parallelism (etp > 1)
-with LoRA is not implemented: Megatron's expert linears leave their TP communication to the
-token dispatcher (`explicit_expert_comm`), which a replicated A would need as well.
+marks expert weights, `tensor_parallel/layers.py:886`).
+
+Expert tensor parallelism (etp > 1, megatron-core's `expert_tensor_parallel_size`): each expert's
+linear_fc1 is column-parallel and linear_fc2 row-parallel over the expert-TP group, and the
+linears leave all communication to the alltoall token dispatcher (`explicit_expert_comm`,
+`tensor_parallel/layers.py:841`): it all-gathers the expert's tokens over the group before fc1
+(backward: reduce-scatter, summing each rank's partial input gradient) and reduce-scatters fc2's
+partial outputs after it (`moe/token_dispatcher.py:696,779`). The adapter is split to match
+(fc1: B [2I/etp, r] rows as `fc1_shard` splits the weight, A replicated; fc2: A [r, I/etp]
+columns, B replicated) and adds no communication of its own to the forward: fc1's x A^T is
+computed whole on every rank, fc2's partial x_rank A_rank^T B^T is summed by the dispatcher
+with the base output. The replicated factor's gradient is then a partial sum on each rank (fc1:
+dL/dA from this rank's B rows; fc2: dL/dB from this rank's input columns), all-reduced over the
+expert-TP group in the backward (`_EtpReplicatedLinear`). In the grad norm it counts once: on
+expert-TP rank 0 only (the other ranks mark their copy `shared`, as megatron-core marks a tied
+embedding, `transformer/module.py` param_is_not_shared).
 """
 
 from __future__ import annotations
@@ -93,8 +106,8 @@ class LoraLinear(torch.nn.Module):
     `partition_dim`), which its grad-norm and checkpoint code read. `enabled = False` makes the
     layer the base layer (reference-policy logprobs). Under sequence parallelism a column
     layer's input is [s/t, b, in] and a row layer's output [s/t, b, out], as Megatron's.
-    `is_expert`: an MoE expert's linear (`tp_size`/`tp_rank` are then the expert-TP ones,
-    which must be 1; see the module docstring).
+    `is_expert`: an MoE expert's linear (`tp_size`/`tp_rank` are then the expert-TP ones; above
+    1 the factors are split as the module docstring's expert tensor parallelism says).
     """
 
     def __init__(
@@ -120,8 +133,10 @@ class LoraLinear(torch.nn.Module):
             and not is_expert
             and not getattr(base, "explicit_expert_comm", False)
         )
-        if is_expert and tp_size > 1:
-            raise NotImplementedError(f"LoRA on {name}: expert tensor parallelism (etp > 1)")
+        # Expert tensor parallelism: the dispatcher does every reduction (module docstring).
+        self.expert_tp = is_expert and tp_size > 1
+        if self.expert_tp and not getattr(base, "explicit_expert_comm", False):
+            raise NotImplementedError(f"LoRA on {name}: an expert-TP linear without explicit_expert_comm")
         if kind == "column" and getattr(base, "gather_output", False):
             raise NotImplementedError(f"LoRA on {name}: column-parallel layers with gather_output")
         if kind == "row" and not getattr(base, "input_is_parallel", True):
@@ -156,6 +171,10 @@ class LoraLinear(torch.nn.Module):
         if is_expert:
             for param in (self.lora_A, self.lora_B):
                 param.allreduce = False
+        if self.expert_tp and tp_rank != 0:
+            # Every expert-TP rank holds the same full gradient of the replicated factor (summed in
+            # `_EtpReplicatedLinear`): the grad norm counts rank 0's (`param_is_not_shared`).
+            (self.lora_A if kind == "column" else self.lora_B).shared = True
         if self.sequence_parallel:
             # The replicated factor sees only this rank's sequence shard: finalize_model_grads
             # sums its gradient over TP, as for the norms (`sequence_parallel` attribute).
@@ -173,6 +192,8 @@ class LoraLinear(torch.nn.Module):
         output, bias = self.base(x, *args, **kwargs)
         if not self.enabled:
             return output, bias
+        if self.expert_tp:
+            return output + self._expert_tp_delta(x), bias
         hidden = F.linear(x, self.lora_A)
         if self.sequence_parallel and self.kind == "column":
             # x is this rank's sequence shard [s/t, b, in]: gather x A^T to [s, b, r]; the
@@ -190,6 +211,41 @@ class LoraLinear(torch.nn.Module):
         return output + F.linear(hidden, self.lora_B) * self.scaling, bias
 
 
+    def _expert_tp_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of scaling * (x A^T) B^T under expert tensor parallelism.
+
+        x: [tokens, in_local] (the dispatcher's gathered tokens; in_local = in / etp for fc2).
+        Returns [tokens, out_local]: column (fc1) this rank's output rows, complete; row (fc2) a
+        partial sum over the expert-TP ranks, which the dispatcher's reduce-scatter completes.
+        The replicated factor's gradient is all-reduced over the group (`_EtpReplicatedLinear`).
+        """
+        if self.kind == "column":
+            hidden = _EtpReplicatedLinear.apply(x, self.lora_A, self.tp_group)
+            return F.linear(hidden, self.lora_B) * self.scaling
+        hidden = F.linear(x, self.lora_A)
+        return _EtpReplicatedLinear.apply(hidden, self.lora_B, self.tp_group) * self.scaling
+
+
+class _EtpReplicatedLinear(torch.autograd.Function):
+    """y = x W^T for a factor W [n, k] replicated over the expert-TP group, whose gradient each
+    rank only sees a part of; the backward all-reduces dL/dW over `group` (sum) and leaves dL/dx
+    local (the token dispatcher sums the ranks' input gradients). x [..., k] -> y [..., n]."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        torch.distributed.all_reduce(grad_weight, group=ctx.group)
+        return grad_x, grad_weight, None
+
+
 def apply_lora(module: Any, config: LoraConfig) -> dict[str, LoraLinear]:
     """Freeze every parameter of `module` (a GPTModel) and wrap its targeted linears with LoRA.
 
@@ -200,9 +256,8 @@ def apply_lora(module: Any, config: LoraConfig) -> dict[str, LoraLinear]:
     (the targets linear_fc1 / linear_fc2 cover dense MLPs and experts alike). Only the LoRA A and
     B parameters have `requires_grad` afterwards.
 
-    Raises `NotImplementedError` for layers it cannot wrap yet (TE fused-norm linears, experts
-    under expert tensor parallelism) and `RuntimeError` when no targeted layer exists or the
-    module already has LoRA.
+    Raises `NotImplementedError` for layers it cannot wrap yet (TE fused-norm linears) and
+    `RuntimeError` when no targeted layer exists or the module already has LoRA.
     """
     from megatron.core import parallel_state as mpu
 

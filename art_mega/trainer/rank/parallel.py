@@ -1,6 +1,6 @@
 """Megatron's parallel state for one trainer rank, initialised from the compiled rank table.
 
-gloo and the CPU compatibility layer on CPU ranks, NCCL on GPU ranks; pipeline parallel is 1.
+gloo and the CPU compatibility layer on CPU ranks, NCCL on GPU ranks.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def init_parallel(
     layer, gloo and the CPU; a GPU rank NCCL and cuda:0. Megatron's data-parallel, tensor-
     and model-parallel RNG states are seeded from `seed` (`model_parallel_cuda_manual_seed`).
 
-    Raises `TopologyError` for pp > 1 or etp > 1 (`TrainerSpec.unsupported`), `ValueError` when neither
+    Raises `TopologyError` for sizes the trainer cannot run (`TrainerSpec.unsupported`), `ValueError` when neither
     `master_port` nor `trainer.master_port` gives a port, and `RuntimeError` when the coordinates megatron-core derives differ from the rank table's
     (the table and megatron's RankGenerator disagree: a bug, not a user error).
     """

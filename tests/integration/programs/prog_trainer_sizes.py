@@ -1,5 +1,5 @@
 """Compiles a topology whose TrainerSpec asks for sizes the trainer cannot run yet (TRAINER_SIZES,
-e.g. "pp=2,cp=2" or "ep=1,etp=2"), then would start a runtime and register: refused at
+e.g. "pp=2,cp=2"), then would start a runtime and register: refused at
 `compile_topology` in one sentence (exit 2) before any trainer rank or replica starts.
 REGISTER_ROOT: the artifact_root; REGISTER_MODEL: the model directory."""
 

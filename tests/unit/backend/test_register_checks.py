@@ -255,16 +255,16 @@ def _topology(trainer_tp: int = 1, replica_tp: int = 1):
     )
 
 
-@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2}, {"etp": 2}])
+@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2}])
 def test_register_refuses_trainer_sizes_of_a_topology_not_compiled_here(sizes, tmp_path):
-    """A topology edited after `compile_topology` (which refuses pp / etp itself) is refused at
+    """A topology edited after `compile_topology` (which refuses pp with cp itself) is refused at
     register, from the spec alone, before the model is read and before any start."""
     from types import SimpleNamespace
 
     from art_mega.backend import MegatronBackend
     from art_mega.errors import TopologyError
     from art_mega.topology import ClusterSpec, HostSpec, InferenceSpec, TrainerSpec, compile_topology
-    from tests.unit.topology.test_topology_compile import ETP_REFUSED, PP_REFUSED
+    from tests.unit.topology.test_topology_compile import PP_REFUSED
 
     host = HostSpec(host_id="h", node_rank=0, worker_address="tcp://127.0.0.1:1", cpu_slots=2)
     cluster = ClusterSpec(
@@ -276,8 +276,6 @@ def test_register_refuses_trainer_sizes_of_a_topology_not_compiled_here(sizes, t
     trainer = topology.trainer.model_copy(update=sizes)
     resolved = SimpleNamespace(model_dir=tmp_path / "no-model-here", warm_start=None)
     with pytest.raises(TopologyError) as caught:
-        MegatronBackend()._check_model_and_adapter(
-            trainer, topology.replicas, resolved, tmp_path / "run", None
-        )
-    assert str(caught.value) == (PP_REFUSED if "pp" in sizes else ETP_REFUSED)
+        MegatronBackend()._check_model_and_adapter(trainer, topology.replicas, resolved, tmp_path / "run", None)
+    assert str(caught.value) == PP_REFUSED
     assert list(tmp_path.iterdir()) == []

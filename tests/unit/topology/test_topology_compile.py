@@ -207,16 +207,9 @@ PP_REFUSED = (
     "TrainerSpec.pp=2 with cp=2 is not supported yet (pipeline stages do not split context-parallel "
     "rows); use cp=1 with pp, or pp=1 with cp."
 )
-ETP_REFUSED = (
-    "TrainerSpec.etp=2 is not supported with LoRA (expert-tensor parallel LoRA is not built); use "
-    "etp=1 and split the experts with ep instead."
-)
 
 
-@pytest.mark.parametrize(
-    ("trainer", "field", "sentence"),
-    [(TrainerSpec(cp=2, pp=2), "TrainerSpec.pp", PP_REFUSED), (TrainerSpec(ep=2, etp=2), "TrainerSpec.etp", ETP_REFUSED)],
-)
+@pytest.mark.parametrize(("trainer", "field", "sentence"), [(TrainerSpec(cp=2, pp=2), "TrainerSpec.pp", PP_REFUSED)])
 def test_sizes_the_trainer_cannot_run_are_refused_at_compile(trainer, field, sentence) -> None:
     # sizes that divide the world (8 GPUs): before, these compiled and failed on every started rank
     spec = cluster(host(0, gpus=4), host(1, gpus=4), nccl_transport=IB)
@@ -224,6 +217,15 @@ def test_sizes_the_trainer_cannot_run_are_refused_at_compile(trainer, field, sen
         compile_topology(spec, trainer=trainer)
     assert (str(info.value), info.value.field) == (sentence, field)
     assert info.value.exit_code == 2
+
+
+def test_expert_tensor_parallel_compiles() -> None:
+    # etp=2 x ep=2 over 8 GPUs with tp=2: expert-TP pairs are adjacent ranks (etp-ep-dp-pp order)
+    spec = cluster(host(0, gpus=4), host(1, gpus=4), nccl_transport=IB)
+    topology = compile_topology(spec, trainer=TrainerSpec(tp=2, ep=2, etp=2))
+    assert topology.trainer_groups is not None
+    assert topology.trainer_groups.ep == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert [rank.etp_rank for rank in topology.trainer_ranks] == [0, 1] * 4
 
 
 def test_pipeline_stages_compile_across_hosts() -> None:

@@ -44,6 +44,8 @@ def test_published_configs_are_parsed() -> None:
     big = gpt_oss.model_args(GPT_OSS_120B)
     assert (big.num_layers, big.num_experts) == (36, 128)
     gpt_oss.SPEC.check_parallel(big, ParallelLayout(tp=8, ep=8))
+    with pytest.raises(UserError, match=r"^etp=2 cannot split this gpt_oss model: .* use etp=1"):
+        gpt_oss.SPEC.check_parallel(big, ParallelLayout(tp=8, ep=8, etp=2))
     assert gpt_oss.SPEC.valid_tp_sizes(args) == [1, 2, 4, 8, 16, 32, 64]
 
 
