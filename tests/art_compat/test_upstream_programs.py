@@ -17,12 +17,13 @@ folder the `tiny_workdir` fixture links in: a tiny Llama (2 layers, hidden 64) w
 SmolLM2-135M-Instruct's tokenizer and chat template, trained on the programs' prompts to answer in
 each one's format (upstream/primed_tiny.py; built once per machine into the test model cache:
 858 s wall, 405 CPU-s on 2 cores shared with other runs).
-These two run in CI. The 2048 notebook names ./SmolLM2-135M-Instruct-format-primed (`primed_workdir`,
-upstream/primed.py: SmolLM2-135M-Instruct after a short fine-tune on its prompts, 694 s to build on
-2 shared cores): the tiny model does not keep its `<move>` format valid through a ~30-turn game,
-and on SmolLM2-135M one 2048 step (18 games, trajectories of ~1,600 tokens) takes ~450 s on 2
-cores, so it runs only with ART_MEGA_LONG_PROGRAMS=1. On untouched SmolLM2-135M-Instruct the 2048
-and Temporal Clue rewards never vary (no answer in the format, 0 tokens trained)."""
+These two run in CI. The 2048 notebook names ./2048-format-primed and runs with
+ART_MEGA_LONG_PROGRAMS=1 (~8 min a run and ~10 min to build its model once: more than `.ci/run`'s
+45 minutes leave): `tiny_2048_workdir` links the same tiny architecture primed on whole 2048 games, its logits sharpened
+(primed_tiny.py `RECIPE_2048`; 662 s to build on 2 shared cores), `primed_workdir` SmolLM2-135M-Instruct after a short fine-tune on its prompts (upstream/primed.py,
+694 s to build), where one 2048 step (18 games, trajectories of ~1,600 tokens) takes ~450 s on 2
+cores. On untouched SmolLM2-135M-Instruct the 2048 and Temporal Clue rewards never vary (no
+answer in the format, 0 tokens trained)."""
 
 import os
 import sys
@@ -54,9 +55,9 @@ def primed_dir(smollm2_dir):
 
 @pytest.fixture
 def primed_workdir(workdir, primed_dir):
-    """`workdir` holding ./SmolLM2-135M-Instruct-format-primed (a link to `primed_dir`), the
-    base_model the 2048 program names."""
-    (workdir / "SmolLM2-135M-Instruct-format-primed").symlink_to(primed_dir, target_is_directory=True)
+    """`workdir` holding ./2048-format-primed (the base_model the 2048 program names) as a link to
+    the format-primed SmolLM2 (`primed_dir`)."""
+    (workdir / "2048-format-primed").symlink_to(primed_dir, target_is_directory=True)
     return workdir
 
 
@@ -78,6 +79,24 @@ def tiny_workdir(workdir, tiny_primed_dir):
     return workdir
 
 
+@pytest.fixture(scope="session")
+def tiny_2048_dir(smollm2_dir):
+    """The tiny model primed on whole 2048 games (primed_tiny.py's `RECIPE_2048`), built once per
+    machine into the test model cache."""
+    from tests.art_compat.upstream.primed_tiny import build_primed_model
+    from tests.conftest import TEST_MODEL_CACHE
+
+    return build_primed_model(smollm2_dir, TEST_MODEL_CACHE, "2048")
+
+
+@pytest.fixture
+def tiny_2048_workdir(workdir, tiny_2048_dir):
+    """`workdir` holding ./2048-format-primed (the base_model the 2048 program names) as a link to
+    the tiny 2048-primed model (`tiny_2048_dir`)."""
+    (workdir / "2048-format-primed").symlink_to(tiny_2048_dir, target_is_directory=True)
+    return workdir
+
+
 def _weave_if_missing(monkeypatch) -> None:
     """The 2048 notebook decorates its rollout with `@weave.op` (W&B's tracing) and calls
     `weave.init` only when WANDB_API_KEY is set (unset here). Where the `weave` package is not
@@ -91,7 +110,7 @@ def _weave_if_missing(monkeypatch) -> None:
 
 
 LONG = pytest.mark.skipif(
-    not os.environ.get("ART_MEGA_LONG_PROGRAMS"), reason="~8 min a step on CPU: set ART_MEGA_LONG_PROGRAMS=1"
+    not os.environ.get("ART_MEGA_LONG_PROGRAMS"), reason="~4 min a step on CPU: set ART_MEGA_LONG_PROGRAMS=1"
 )
 
 
@@ -108,23 +127,47 @@ def _assert_steps(run, group_sizes: list[int], steps: int = 2) -> None:
         assert tokens > 0 and any(varied), (step, tokens, rewards)
 
 
+async def _run_2048(workdir, monkeypatch, label: str) -> None:
+    """Run the 2048 notebook for 2 steps in `workdir` and check its steps and checkpoint."""
+    _weave_if_missing(monkeypatch)
+    run = await run_program(UPSTREAM / "art_2048.py", monkeypatch)
+    moves = [t.metrics.get("move_number") for g in run.groups for group in g for t in group.trajectories]
+    print(f"2048 ({label}): steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
+    print(f"2048 ({label}): rewards {run.rewards(1)} {run.rewards(2)}, moves of finished games {moves}")
+    _assert_steps(run, [18])
+    checkpoints = workdir / ".art" / "2048-multi-turn" / "models" / "agent-002" / "checkpoints"
+    assert (checkpoints / "LATEST").read_text().strip() == "2"
+
+
+@LONG
+@pytest.mark.timeout(1200)
+async def test_2048_notebook_tiny(tiny_2048_workdir, monkeypatch):
+    """The 2048 game through a plain `AsyncOpenAI(base_url=model.inference_base_url, ...)` client
+    asking for `model=model.name`, with ART's T4 engine settings and `in_process=True`: one group
+    of 18 games a step (the notebook fixes 18 games, `max_completion_tokens=128` and
+    WINNING_VALUE = 64 in its own text; nothing outside it shortens a game). Its reward is -1 for a
+    game that makes an invalid move, else a value that grows with the tiles on the full board. On
+    the tiny model primed on whole left/right games (primed_tiny.py `RECIPE_2048`)
+    a game fills the board in ~30 moves (8 tokens each). Measured on 2 cores shared with other
+    runs (load average ~10): mean reward 0.43 and 0.46, 2 of 18 games invalid (-1) in step 1,
+    finished games of 29.8 and 27.4 moves, gathers of 143 s and 121 s, trained tokens 4,232 and
+    3,940, 389 s in the program and 463 s for the test. The cost is the notebook's own: ~520
+    completions a step in ~29 rounds of 18, each round waiting on the slowest game; the gathers
+    take as long as on the primed SmolLM2-135M (141 s, 123 s), so they are bound by the replica's
+    per-request time on loaded cores, not by the model's size."""
+    await _run_2048(tiny_2048_workdir, monkeypatch, "tiny")
+
+
 @LONG
 @pytest.mark.timeout(2400)
 async def test_2048_notebook(primed_workdir, monkeypatch):
-    """The 2048 game through a plain `AsyncOpenAI(base_url=model.inference_base_url, ...)` client
-    asking for `model=model.name`, with ART's T4 engine settings and `in_process=True`: one group
-    of 18 games a step. Its reward is -1 for a game that makes an invalid move, else a value that
-    grows with the tiles on the full board. On untouched SmolLM2-135M-Instruct every game made an
-    invalid first move (36 of 36, 0 tokens trained). The format-primed model (module docstring),
-    measured on 2 shared cores (ART_MEGA_LONG_PROGRAMS=1): mean reward 0.51 and 0.59 in steps 1
-    and 2, finished games of 36 and 34 moves on average, gathers of 141 s and 123 s, trained tokens
-    4,794 and 4,948, 916 s in all (an earlier run hit a 900 s timeout in step 2's train)."""
-    _weave_if_missing(monkeypatch)
-    run = await run_program(UPSTREAM / "art_2048.py", monkeypatch)
-    print(f"2048: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
-    _assert_steps(run, [18])
-    checkpoints = primed_workdir / ".art" / "2048-multi-turn" / "models" / "agent-002" / "checkpoints"
-    assert (checkpoints / "LATEST").read_text().strip() == "2"
+    """The same program on the format-primed SmolLM2-135M-Instruct (primed.py). On untouched
+    SmolLM2-135M-Instruct every game made an invalid first move (36 of 36, 0 tokens trained). The
+    format-primed model, measured on 2 shared cores (ART_MEGA_LONG_PROGRAMS=1): mean reward 0.51
+    and 0.59 in steps 1 and 2, finished games of 36 and 34 moves on average, gathers of 141 s and
+    123 s, trained tokens 4,794 and 4,948, 916 s in all (an earlier run hit a 900 s timeout in
+    step 2's train)."""
+    await _run_2048(primed_workdir, monkeypatch, "SmolLM2")
 
 
 @pytest.mark.timeout(1800)

@@ -13,11 +13,13 @@
 # Each code cell follows verbatim ("# %% [cell N]" marks it) except for these changes:
 # - `import art` -> `import art_mega as art` (cells 8 and 10), `from art.local import LocalBackend`
 #   -> `from art_mega.local import LocalBackend` (cell 8);
-# - base_model="Qwen/Qwen2.5-3B-Instruct" -> base_model="./SmolLM2-135M-Instruct-format-primed" (cell 8):
-#   a local HF folder, SmolLM2-135M-Instruct briefly fine-tuned to answer this notebook's prompts in its
-#   `<move>...</move>` format (tests/art_compat/upstream/primed.py builds it; the test links it into the
-#   program's working directory). Untouched, SmolLM2-135M-Instruct ends all 36 of 36 games on an
-#   invalid move at the first turn (reward -1 each), so no group varies and nothing trains.
+# - base_model="Qwen/Qwen2.5-3B-Instruct" -> base_model="./2048-format-primed" (cell 8): a local HF
+#   folder the test links into the program's working directory, a model briefly trained to answer this
+#   notebook's prompts in its `<move>...</move>` format: in CI the tiny Llama of
+#   tests/art_compat/upstream/primed_tiny.py (`RECIPE_2048`), with ART_MEGA_LONG_PROGRAMS=1 the
+#   fine-tuned SmolLM2-135M-Instruct of tests/art_compat/upstream/primed.py. Untouched,
+#   SmolLM2-135M-Instruct ends all 36 of 36 games on an invalid move at the first turn (reward -1
+#   each), so no group varies and nothing trains.
 # Cells dropped:
 # - cell 2 (installation: `%%capture`, the `!uv pip install openpipe-art[backend]==0.4.11 ...` lines and
 #   the Colab numpy/vllm/triton pin logic around them);
@@ -224,7 +226,7 @@ random.seed(42)
 model = art.TrainableModel(
     name="agent-002",
     project="2048-multi-turn",
-    base_model="./SmolLM2-135M-Instruct-format-primed",
+    base_model="./2048-format-primed",
 )
 # To run on a T4, we need to override some config defaults.
 model._internal_config = art.dev.InternalModelConfig(

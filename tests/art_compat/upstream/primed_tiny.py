@@ -8,9 +8,14 @@ rounds trained), minutes a step for SmolLM2-135M on 2 CPU cores; the issue allow
 or a tiny model". Why primed: untouched SmolLM2-135M-Instruct's Temporal Clue answers all score 0
 (every group's rewards equal, so GRPO trains nothing; ART drops zero-variance groups too), and a
 random tiny model answers nothing and never stops. ART programs may name a local model folder as
-`base_model`, so the programs stay unchanged but for the model name. (The 2048 notebook runs on
-the format-primed SmolLM2 of primed.py: a 2-layer tiny model kept `<move>...</move>` valid on
-only ~1 turn in 2 by a game's 20th turn, 1,000 tokens in, so every game ended at reward -1.)
+`base_model`, so the programs stay unchanged but for the model name.
+
+The 2048 notebook has a tiny model of its own (`RECIPE_2048`, `build_primed_model(..., "2048")`,
+cached at `<cache>/primed/tiny-2048-<hash>`): the same architecture trained on whole left/right
+games (`examples_2048`), its logits then sharpened (`RECIPE_2048["logit_scale"]`). Whole games,
+because a model primed on games of 1 to 8 turns lost the `<move>` format by turn 20 (1,000
+tokens in); sharpened, because trained alone each answer is valid with p ~0.54 only. Measured
+build: 662 s wall (~4 CPU-minutes) on 2 cores with a load average of ~7.
 
 The examples (`examples`), all from `RECIPE["seed"]`:
 - Temporal Clue: the prompts of the local puzzles.json's validation and test slices
@@ -68,6 +73,24 @@ RECIPE: dict[str, Any] = {
     "dilemma_replies": ["I cooperate.", "I defect."],
 }
 NAME = "tiny-format-primed"
+# The 2048 notebook's model: the same tiny Llama, primed on whole left/right games (its own folder,
+# so the Temporal Clue and prisoner's dilemma model above is not rebuilt or changed by it).
+RECIPE_2048: dict[str, Any] = {
+    "version": 1,  # raise on any change to the examples or the training below
+    "seed": 0,
+    "games_2048": 16,
+    "moves": ["left", "right"],
+    "model": RECIPE["model"],
+    "epochs": 10,
+    "learning_rate": 3e-3,
+    # After training, the final norm's weight is multiplied by this, which multiplies every logit
+    # by it (the head is linear and tied): sampling at temperature 1 then samples the trained
+    # model at temperature 1/3. Trained alone (10 epochs, answer-token loss 8.05 -> 0.165) each
+    # format token gets p ~0.95, a whole `<move>...</move>` answer ~0.54, and a game ends on an
+    # invalid move within a few turns; scaled by 3, an answer is valid with p 0.998 (min 0.993 over
+    # 167 turns of 6 held-out games), ~95% of 30-turn games finish, left/right stay ~57/43.
+    "logit_scale": 3.0,
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -136,6 +159,42 @@ def examples() -> list[list[dict[str, str]]]:
     return _clue_answers(rng) + _dilemma_games(rng)
 
 
+def examples_2048() -> list[list[dict[str, str]]]:
+    """`RECIPE_2048["games_2048"]` whole 2048 games, played and rendered by the notebook's own
+    functions (read from art_2048.py with `ast`, as primed.py does) after its system prompt, each
+    assistant turn `<move>left</move>` or `<move>right</move>` drawn 50/50 from `RECIPE_2048["seed"]`,
+    every game to its end (`check_game_finished`): 20 to 43 turns, 30 on average (300 simulated
+    games), so the model sees every position a game's context reaches (~1,600 tokens)."""
+    from tests.art_compat.upstream.primed import program_functions, system_prompt_2048
+
+    names = {"populate_random_cell", "generate_game", "render_board", "condense_sequence", "condense_board"}
+    game_fns = program_functions(UPSTREAM / "art_2048.py", names | {"apply_agent_move", "max_cell_value", "check_game_finished"})
+    rng = random.Random(RECIPE_2048["seed"])
+    conversations = []
+    state = random.getstate()  # the notebook's functions draw from the global `random`
+    random.seed(rng.random())
+    try:
+        for _ in range(RECIPE_2048["games_2048"]):
+            game = game_fns["generate_game"]()
+            messages = [{"role": "system", "content": system_prompt_2048()}]
+            while True:
+                move = f"<move>{rng.choice(RECIPE_2048['moves'])}</move>"
+                messages += [
+                    {"role": "user", "content": game_fns["render_board"](game)},
+                    {"role": "assistant", "content": move},
+                ]
+                game_fns["apply_agent_move"](game, move)
+                if game_fns["check_game_finished"](game):
+                    break
+            conversations.append(messages)
+    finally:
+        random.setstate(state)
+    return conversations
+
+
+PROGRAMS = {"clue-dilemma": (NAME, RECIPE, examples), "2048": ("tiny-2048-format-primed", RECIPE_2048, examples_2048)}
+
+
 def _tokenize(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Token ids of `messages` rendered by the model's chat template (as vLLM renders a request),
     and the positions whose token is an assistant answer or its end-of-turn token."""
@@ -155,19 +214,21 @@ def _tokenize(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int]
     return ids, answer
 
 
-def recipe_hash(tokenizer_dir: Path) -> str:
-    """12 hex digits of SHA-256 over `RECIPE` (its "version" included), the tokenizer files and
-    the examples (`examples()`, which the programs' prompts and game code render)."""
-    digest = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
+def recipe_hash(tokenizer_dir: Path, program: str = "clue-dilemma") -> str:
+    """12 hex digits of SHA-256 over the program's recipe (`RECIPE` or `RECIPE_2048`, its
+    "version" included), the tokenizer files and its examples (which the programs' prompts and
+    game code render)."""
+    _, recipe, make_examples = PROGRAMS[program]
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             digest.update((tokenizer_dir / name).read_bytes())
-    digest.update(json.dumps(examples(), sort_keys=True).encode())
+    digest.update(json.dumps(make_examples(), sort_keys=True).encode())
     return digest.hexdigest()[:12]
 
 
-def _tiny_model(tokenizer_dir: Path) -> Any:
-    """The seeded random tiny Llama (`RECIPE["model"]`) with SmolLM2's vocabulary, special token
+def _tiny_model(tokenizer_dir: Path, recipe: dict[str, Any]) -> Any:
+    """The seeded random tiny Llama (`recipe["model"]`, `recipe["seed"]`) with SmolLM2's vocabulary, special token
     ids and context (8,192 positions)."""
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
@@ -184,18 +245,21 @@ def _tiny_model(tokenizer_dir: Path) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         architectures=["LlamaForCausalLM"],
         dtype="float32",
-        **RECIPE["model"],
+        **recipe["model"],
     )
-    torch.manual_seed(RECIPE["seed"])
+    torch.manual_seed(recipe["seed"])
     return LlamaForCausalLM(config).to(torch.float32)
 
 
-def build_primed_model(tokenizer_dir: Path, cache_root: Path) -> Path:
+def build_primed_model(tokenizer_dir: Path, cache_root: Path, program: str = "clue-dilemma") -> Path:
     """Return the primed tiny model's HF folder (model.safetensors, config, tokenizer, chat
-    template), building it on first use; `tokenizer_dir` is SmolLM2-135M-Instruct's HF folder
-    (its tokenizer, chat template and config's token ids are used, not its weights). See the
-    module docstring."""
-    out = cache_root / "primed" / f"tiny-{recipe_hash(tokenizer_dir)}"
+    template) for `program` ("clue-dilemma": Temporal Clue and the prisoner's dilemma, `RECIPE`;
+    "2048": `RECIPE_2048`), building it on first use; `tokenizer_dir` is SmolLM2-135M-Instruct's
+    HF folder (its tokenizer, chat template and config's token ids are used, not its weights).
+    See the module docstring."""
+    _, recipe, make_examples = PROGRAMS[program]
+    prefix = "tiny" if program == "clue-dilemma" else f"tiny-{program}"
+    out = cache_root / "primed" / f"{prefix}-{recipe_hash(tokenizer_dir, program)}"
     if (out / "primed.json").is_file():
         return out
     import torch
@@ -203,20 +267,20 @@ def build_primed_model(tokenizer_dir: Path, cache_root: Path) -> Path:
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = _tiny_model(tokenizer_dir)
+    model = _tiny_model(tokenizer_dir, recipe)
     model.train()
     data = []
-    for messages in examples():
+    for messages in make_examples():
         ids, answer = _tokenize(tokenizer, messages)
         data.append(
             (torch.tensor([ids]), torch.tensor([i - 1 for i in answer]), torch.tensor([ids[i] for i in answer]))
         )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["learning_rate"], weight_decay=0.0)
-    total_steps = RECIPE["epochs"] * len(data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["learning_rate"], weight_decay=0.0)
+    total_steps = recipe["epochs"] * len(data)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
-    order = random.Random(RECIPE["seed"])
+    order = random.Random(recipe["seed"])
     losses = []
-    for _ in range(RECIPE["epochs"]):
+    for _ in range(recipe["epochs"]):
         total = 0.0
         for input_ids, positions, targets in order.sample(data, len(data)):
             hidden = model.model(input_ids=input_ids).last_hidden_state
@@ -229,6 +293,8 @@ def build_primed_model(tokenizer_dir: Path, cache_root: Path) -> Path:
             total += loss.item()
         losses.append(round(total / len(data), 4))
     model.eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(recipe.get("logit_scale", 1.0))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -237,7 +303,7 @@ def build_primed_model(tokenizer_dir: Path, cache_root: Path) -> Path:
             if (tokenizer_dir / name).is_file():
                 shutil.copy2(tokenizer_dir / name, staging / name)
         record = {
-            "recipe": RECIPE,
+            "recipe": recipe,
             "tokenizer": str(tokenizer_dir),
             "epoch_losses": losses,
             "build_s": round(time.perf_counter() - started, 1),
