@@ -83,14 +83,26 @@ def _full_lora(layer: LoraLinear) -> tuple[torch.Tensor, list[torch.Tensor]]:
     if layer.tp_size == 1:
         return a, [b]
     if layer.kind == "column":
-        shards = _tp_gather(b, layer.tp_group)
-        parts = _tp_parts(layer)
-        if parts is None:
-            return a, shards
-        local = [rows // layer.tp_size for rows in parts]
-        split = [shard.split(local, dim=0) for shard in shards]
-        return a, [pieces[i] for i in range(len(local)) for pieces in split]
+        return a, hf_order(_tp_gather(b, layer.tp_group), _tp_parts(layer))
     return torch.cat(_tp_gather(a, layer.tp_group), dim=1), [b]
+
+
+def hf_order(shards: list[torch.Tensor], parts: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """A column layer's B `shards` (TP rank order, each [rows / tp, r]) as `LoraNames.to_peft`
+    takes them: as they are without `parts`; with `parts` (the full row counts of the parts
+    each shard holds a slice of, `_tp_parts`) piece by piece, part 0 of every rank, then part
+    1, ..., so that their concatenation is B in the HF module's row order."""
+    if parts is None:
+        return shards
+    local = [rows // len(shards) for rows in parts]
+    split = [shard.split(local, dim=0) for shard in shards]
+    return [pieces[i] for i in range(len(local)) for pieces in split]
+
+
+def column_parts(layer: LoraLinear) -> tuple[int, ...] | None:
+    """`LoraNames.from_peft`'s `column_parts` for `layer`: its `_tp_parts`, else its full row
+    count for a column layer (B split over TP as one part), None for a row layer."""
+    return _tp_parts(layer) or ((layer.out_features,) if layer.kind == "column" else None)
 
 
 def _ep_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -261,9 +273,14 @@ def import_adapter(
     )
     with torch.no_grad():
         for name, layer in lora_layers(module).items():
-            parts = _tp_parts(layer) or ((layer.out_features,) if layer.kind == "column" else None)
             a, b = names.from_peft(
-                name, tensors, num_heads, num_query_groups, layer.tp_size, layer.tp_rank, column_parts=parts
+                name,
+                tensors,
+                num_heads,
+                num_query_groups,
+                layer.tp_size,
+                layer.tp_rank,
+                column_parts=column_parts(layer),
             )
             for param, value in ((layer.lora_A, a), (layer.lora_B, b)):
                 if param.shape != value.shape:

@@ -34,12 +34,6 @@ def resume_results(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
         world.kill()
 
 
-@pytest.mark.xfail(
-    reason="open (issue 32): after the merge of pp with main the resumed step's ratio_mean is 0.86 off the "
-    "unbroken run's (first clean-clone CI of 3b87822); not yet diagnosed",
-    strict=False,
-    run=False,
-)
 @pytest.mark.parametrize("layout", RESUMED)
 def test_resumed_steps_equal_the_unbroken_run(layout: str, resume_results: list[dict]) -> None:
     from safetensors.torch import load_file

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from art_mega.trainer import checkpoint
@@ -134,46 +133,26 @@ class SavedState:
         """Resume a checkpoint written on another parallel layout (TP, PP, EP, DP, distributed
         optimizer or not): the LoRA weights from its PEFT adapter (`load_adapter`, layout-free),
         the step count from its rank files, and Adam's moments and step re-sharded from the
-        `named_adam` records of every old rank (`_assemble_adam`): each parameter's full
-        moments are rebuilt from the old shards, then this rank's shard is cut from them.
+        `named_adam` records of every old rank (`portable`: the old shards are mapped to PEFT
+        tensors and cut for this rank as the adapter's weights are).
 
         Where the moments cannot be rebuilt (rank files of format 1, a bf16 optimizer without
         the distributed layout, a parameter missing from the records) the optimizer restarts
-        from zero moments, said in one logged line on global rank 0. Not collective.
+        from zero moments, said in one logged line on global rank 0 (`portable.log_resume`).
+        Not collective.
         """
-        from art_mega.trainer.peft_io import import_adapter
+        from art_mega.trainer.rank import portable
 
         files = sorted(Path(directory).glob("rank*.pt"))
         saved = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-        import_adapter(
-            self.ddp.module,
-            self.lora_config,
-            checkpoint.adapter_dir(directory),
-            num_heads=self.model.args.num_heads,
-            num_query_groups=self.model.args.num_query_groups,
-            names=self.model.family.lora,
-        )
-        self.optimizer.reload_model_params()
+        self.load_adapter(checkpoint.adapter_dir(directory))
         self.steps = saved[0]["steps"] if saved else 0
-        old = _saved_layout(saved[0]) if saved else None
-        problem = None
-        if not saved or any("named_adam" not in payload for payload in saved):
-            problem = "its rank files hold no layout-free optimizer state (written before format 2)"
-        else:
-            moments = _assemble_adam([payload["named_adam"] for payload in saved])
-            problem = self._set_named_adam(moments)
+        problem = portable.missing_state(saved)
+        if problem is None:
+            problem = self._set_named_adam(portable.tp_shards([payload["named_adam"] for payload in saved]))
         if self.state.rank == 0:
-            if problem is None:
-                log.info("resumed %s written on layout %s at %s, optimizer state re-sharded", directory, old, self._layout())
-            else:
-                log.warning(
-                    "resumed %s (layout %s) at layout %s with its LoRA weights; the optimizer state "
-                    "restarts from zero because %s",
-                    directory,
-                    old,
-                    self._layout(),
-                    problem,
-                )
+            old = _saved_layout(saved[0]) if saved else None
+            portable.log_resume(directory, old, self._layout(), problem)
 
     def _named_adam(self) -> dict[str, dict[str, Any]] | None:
         """This rank's Adam state per LoRA parameter, in a form any layout can read back:
@@ -212,32 +191,31 @@ class SavedState:
                 }
         return out
 
-    def _set_named_adam(self, moments: dict[str, dict[str, Any]]) -> str | None:
-        """Put full moments (`_assemble_adam`) into this rank's optimizer; None, or why not."""
+    def _set_named_adam(self, shards: dict[str, dict[str, Any]]) -> str | None:
+        """Put the moments of the old TP shards (`portable.tp_shards`) into this rank's optimizer,
+        cut for its layout (`portable.rank_moments`); None, or why not (nothing is set then)."""
         from art_mega.trainer.rank.lora import lora_layers
+        from art_mega.trainer.rank.portable import MOMENTS, Slot, as_flat_slice, rank_moments
 
         targets = []
-        for layer_name, layer in lora_layers(self.ddp.module).items():
+        for layer in lora_layers(self.ddp.module).values():
+            moments = rank_moments(
+                shards,
+                Slot.of(layer),
+                self.model.family.lora_names(self.model.args),
+                self.model.args.num_heads,
+                self.model.args.num_query_groups,
+            )
+            if isinstance(moments, str):
+                return moments
             for matrix in ("lora_A", "lora_B"):
-                name = f"{layer_name}.{matrix}"
-                if name not in moments:
-                    return f"the records have no state for {name}"
-                param = getattr(layer, matrix)
-                place = self._main_of(param)
+                place = self._main_of(getattr(layer, matrix))
                 if place is None:
                     return "this optimizer keeps no fp32 main copy per LoRA parameter (bf16 without the distributed optimizer)"
-                if place is _NOT_HERE:
-                    continue
-                targets.append((name, layer, matrix, *place))
-        for name, layer, matrix, inner, main, span in targets:
-            record = moments[name]
-            state = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                shard = _tp_shard(record[key], _split_dim(layer, matrix), layer.tp_size, layer.tp_rank)
-                flat = shard.reshape(-1)
-                if span is not None:
-                    flat = flat[span[0] : span[1]]
-                state[key] = flat.reshape(main.shape).to(device=main.device, dtype=main.dtype).clone()
+                if place is not _NOT_HERE:
+                    targets.append((moments[matrix], *place))
+        for record, inner, main, span in targets:
+            state = {m: as_flat_slice(record[m], span, main) for m in MOMENTS}
             state["step"] = torch.tensor(record["step"], dtype=torch.float32)
             inner.state[main] = state
         return None
@@ -281,53 +259,6 @@ def _split_dim(layer: Any, matrix: str) -> int | None:
     if layer.kind == "column":
         return 0 if matrix == "lora_B" else None
     return 1 if matrix == "lora_A" else None
-
-
-def _tp_shard(full: torch.Tensor, dim: int | None, size: int, rank: int) -> torch.Tensor:
-    return full if dim is None else full.chunk(size, dim=dim)[rank]
-
-
-def _assemble_adam(records: list[dict[str, dict[str, Any]] | None]) -> dict[str, dict[str, Any]]:
-    """Full (unsharded) Adam moments per LoRA parameter from every old rank's `_named_adam`.
-
-    Each record holds a rank's part: its TP shard (`split`, `tp_rank`) and, under the distributed
-    optimizer, a flat slice of that shard (`range`). Parts of the same shard from several DP
-    ranks fill it together; DP replicas write the same values. Returns {name: {"exp_avg",
-    "exp_avg_sq" (float32, `full` shape), "step"}}; a name with no record is absent."""
-    shards: dict[tuple[str, int], dict[str, Any]] = {}
-    for record in records:
-        for name, part in (record or {}).items():
-            key = (name, part["tp_rank"])
-            numel = int(np.prod(part["shape"]))
-            entry = shards.setdefault(
-                key,
-                {
-                    **{m: torch.zeros(numel) for m in ("exp_avg", "exp_avg_sq")},
-                    "record": part,
-                },
-            )
-            start, end = part["range"] if part["range"] is not None else (0, numel)
-            for m in ("exp_avg", "exp_avg_sq"):
-                entry[m][start:end] = part[m].reshape(-1)
-    out: dict[str, dict[str, Any]] = {}
-    for (name, tp_rank), entry in shards.items():
-        part = entry["record"]
-        full = out.setdefault(
-            name,
-            {
-                "exp_avg": torch.zeros(part["full"]),
-                "exp_avg_sq": torch.zeros(part["full"]),
-                "step": part["step"],
-            },
-        )
-        for m in ("exp_avg", "exp_avg_sq"):
-            shard = entry[m].reshape(part["shape"])
-            if part["split"] is None:
-                full[m].copy_(shard)
-            else:
-                size = part["full"][part["split"]] // part["shape"][part["split"]]
-                full[m].chunk(size, dim=part["split"])[tp_rank].copy_(shard)
-    return out
 
 
 def _sub_optimizers(optimizer: Any) -> list[Any]:
