@@ -36,3 +36,14 @@ def test_the_wrapper_reads_as_its_text_config() -> None:
 def test_a_wrapper_text_config_that_is_not_an_object_is_refused() -> None:
     with pytest.raises(UserError, match="text_config of a gemma3 config.json must be an object"):
         gemma3.model_args({**GEMMA3_27B_IT, "text_config": [1]})
+
+
+def test_the_replica_sizes_the_wrapper_from_its_filled_decoder_config() -> None:
+    """gemma-3-4b-it's text_config omits the head counts (Gemma3TextConfig's 8 heads, 4 KV heads
+    of 256): the KV cache per token is read from the filled decoder config, not a KeyError."""
+    from art_mega.dev.settings import kv_bytes_per_token
+    from art_mega.trainer.families import decoder_config
+    from tests.unit.backend.test_register_checks import GEMMA3_4B_IT
+
+    assert decoder_config(GEMMA3_27B_TEXT) is GEMMA3_27B_TEXT
+    assert kv_bytes_per_token(decoder_config(GEMMA3_4B_IT), 2) == 2 * 34 * 4 * 256 * 2
