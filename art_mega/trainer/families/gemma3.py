@@ -5,8 +5,10 @@ layer spec, weights and LoRA names (`SPEC`).
 The published gemma-3-4b / 12b / 27b checkpoints are the multimodal wrapper (`WRAPPER`): the
 trainer reads and trains its text decoder only, exactly as a gemma3_text model (`text_config`,
 `_reader`), and exports the adapter under the wrapper's PEFT names (`WRAPPER_LAYER_PREFIX`), which
-PEFT loads on the wrapper and vLLM's gemma3_mm serves; vLLM loads the whole wrapper. Image inputs
-are not trained (a trajectory is token ids: the trainer has no vision tower).
+PEFT loads on the wrapper and vLLM's gemma3_mm serves; vLLM loads the whole wrapper. PEFT's
+`target_modules` (module names) also match the vision tower's q/k/v_proj: PEFT gives those the
+untrained adapter it initialises (B = 0, no effect), vLLM none. Image inputs are not trained
+(trajectories are text: image content parts are refused by `prepare.tokenize`).
 
 A Gemma 3 decoder (transformers `models/gemma3/modeling_gemma3.py`) differs from a Llama decoder in:
 
