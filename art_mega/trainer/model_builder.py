@@ -138,7 +138,10 @@ def _model_args(config: Any, model_dir: str | os.PathLike[str]) -> Any:
         )
     family = family_for(config)  # an unsupported model_type first: its wrapper may omit sizes (gemma3)
     inner = config.get("text_config")
-    sizes = {**config, **inner} if isinstance(inner, dict) else config  # a multimodal wrapper's decoder
+    if family.text_config is not None:  # the decoder's config with the family's defaults (gemma3)
+        sizes = family.text_config(config)
+    else:
+        sizes = {**config, **inner} if isinstance(inner, dict) else config  # a multimodal wrapper's decoder
     for name in (*CONFIG_SIZES, *OPTIONAL_CONFIG_SIZES):
         value = sizes.get(name)
         if value is None and name in OPTIONAL_CONFIG_SIZES:

@@ -117,3 +117,13 @@ def family_for(config: dict[str, Any]) -> FamilySpec[Any]:
             f"supported: {', '.join(sorted(FAMILIES))}."
         )
     return FAMILIES[model_type]
+
+
+def decoder_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config.json dict: its family's `FamilySpec.text_config` where it has one
+    (a multimodal wrapper's sparse text_config with the family's defaults filled, Gemma 3), else
+    `config` itself (also for a model_type no family reads). Raises `UserError` as that function."""
+    spec = FAMILIES.get(config.get("model_type"))
+    if spec is None or spec.text_config is None:
+        return config
+    return spec.text_config(config)

@@ -1,5 +1,14 @@
-"""Gemma 3 text decoders (HF `Gemma3ForCausalLM`, model_type "gemma3_text"): config mapping,
-Megatron layer spec, weights and LoRA names (`SPEC`).
+"""Gemma 3 text decoders (HF `Gemma3ForCausalLM`, model_type "gemma3_text", and the text decoder of
+the multimodal `Gemma3ForConditionalGeneration`, model_type "gemma3"): config mapping, Megatron
+layer spec, weights and LoRA names (`SPEC`).
+
+The published gemma-3-4b / 12b / 27b checkpoints are the multimodal wrapper (`WRAPPER`): the
+trainer reads and trains its text decoder only, exactly as a gemma3_text model (`text_config`,
+`_reader`), and exports the adapter under the wrapper's PEFT names (`WRAPPER_LAYER_PREFIX`), which
+PEFT loads on the wrapper and vLLM's gemma3_mm serves; vLLM loads the whole wrapper. PEFT's
+`target_modules` (module names) also match the vision tower's q/k/v_proj: PEFT gives those the
+untrained adapter it initialises (B = 0, no effect), vLLM none. Image inputs are not trained
+(trajectories are text: image content parts are refused by `prepare.tokenize`).
 
 A Gemma 3 decoder (transformers `models/gemma3/modeling_gemma3.py`) differs from a Llama decoder in:
 
@@ -37,14 +46,46 @@ from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
 from art_mega.trainer.families import llama
-from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
+from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-MODEL_TYPES = ("gemma3_text",)
-"""HF `model_type` values this family reads (the text decoder; the multimodal "gemma3" wrapper is
-not read)."""
+MODEL_TYPES = ("gemma3_text", "gemma3")
+"""HF `model_type` values this family reads: the text decoder (`Gemma3ForCausalLM`, gemma-3-1b /
+270m) and the multimodal wrapper (`Gemma3ForConditionalGeneration`, gemma-3-4b / 12b / 27b), whose
+text decoder only is trained (`text_config`, `_reader`)."""
+
+WRAPPER = "gemma3"
+"""The multimodal wrapper's model_type: its config.json holds the decoder's in `text_config` (sizes
+left to Gemma3TextConfig's defaults omitted), its weights the decoder under `model.language_model.`
+(transformers >= 4.52) or `language_model.model.` (older saves), beside `vision_tower.` and
+`multi_modal_projector.`, which the trainer neither reads nor trains."""
+
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+}
+"""transformers 5.19's Gemma3TextConfig defaults for the sizes a published `text_config` may omit
+(the other fields' defaults are in `model_args`); kept equal to transformers' by
+tests/unit/trainer/test_gemma3_wrapper.py. Written here so that reading a config stays torch-free
+(importing transformers imports torch)."""
+
+_WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.")
+"""Where a wrapper checkpoint keeps HF's text names "model.X" (new, then old naming)."""
+
+_WRAPPER_LM_HEAD = ("lm_head.weight", "language_model.lm_head.weight")
+"""An untied wrapper's output layer (new, then old naming)."""
+
+WRAPPER_LAYER_PREFIX = "base_model.model.model.language_model.layers"
+"""PEFT's key prefix of the decoder layers on `Gemma3ForConditionalGeneration` (PeftModel ->
+LoraModel -> the wrapper's `model.language_model.layers`); vLLM's gemma3_mm maps
+"model.language_model." to its "language_model.model." (`hf_to_vllm_mapper`)."""
 
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 """transformers' Gemma3TextConfig.default_theta (global / local RoPE bases)."""
@@ -101,10 +142,31 @@ def _rope(config: dict[str, Any], layer_type: str) -> tuple[float, float | None]
     )
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config of an HF gemma3 / gemma3_text config dict: a wrapper's
+    `text_config` over `TEXT_DEFAULTS` (`tie_word_embeddings` falling back to the wrapper's, then
+    True), with the wrapper's model_type; a gemma3_text config itself.
+
+    Raises:
+        UserError: a wrapper whose text_config is not an object.
+    """
+    if config.get("model_type") != WRAPPER:
+        return config
+    inner = config.get("text_config", {})
+    if not isinstance(inner, dict):
+        raise UserError(
+            "text_config of a gemma3 config.json must be an object; use the model's own config.json."
+        )
+    tied = config.get("tie_word_embeddings", True)
+    return {**TEXT_DEFAULTS, "tie_word_embeddings": tied, **inner, "model_type": WRAPPER}
+
+
 def model_args(config: dict[str, Any]) -> Gemma3Args:
-    """Parse an HF gemma3_text config dict (transformers 5.19's Gemma3TextConfig defaults for
-    absent fields: head_dim 256, query_pre_attn_scalar 256, sliding_window 4096, pattern 6, tied
-    embeddings, max_position_embeddings 131072).
+    """Parse an HF gemma3_text config dict, or a gemma3 wrapper's decoder (`text_config`), with
+    transformers 5.19's Gemma3TextConfig defaults for absent fields (`TEXT_DEFAULTS`, head_dim
+    256, query_pre_attn_scalar 256, sliding_window 4096, pattern 6, tied embeddings,
+    max_position_embeddings 131072). A wrapper's arguments keep model_type "gemma3" (its weight
+    and PEFT names differ).
 
     Raises:
         UserError: one sentence naming the field, its value and the fix (see the module docstring).
@@ -112,6 +174,7 @@ def model_args(config: dict[str, Any]) -> Gemma3Args:
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(f"model_type={model_type!r} is not a Gemma 3 text model ({', '.join(MODEL_TYPES)}).")
+    config = text_config(config)
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise UserError(f"hidden_activation={act!r} is not supported; Gemma 3 uses 'gelu_pytorch_tanh'.")
@@ -242,6 +305,27 @@ def _gemma_norm(weight: Tensor) -> Tensor:
     return weight.float() + 1.0
 
 
+def _reader(args: Gemma3Args, read: Callable[[str], Tensor]) -> Callable[[str], Tensor]:
+    """`read` by HF's text names ("model.layers.0...", "lm_head.weight"); for a wrapper, by its
+    names in either naming (`_WRAPPER_PREFIXES`, `_WRAPPER_LM_HEAD`; `KeyError` when none exists)."""
+    if args.model_type != WRAPPER:
+        return read
+
+    def get(name: str) -> Tensor:
+        if name == "lm_head.weight":
+            candidates = _WRAPPER_LM_HEAD
+        else:
+            candidates = tuple(prefix + name.removeprefix("model.") for prefix in _WRAPPER_PREFIXES)
+        for candidate in candidates[:-1]:
+            try:
+                return read(candidate)
+            except KeyError:
+                continue
+        return read(candidates[-1])
+
+    return get
+
+
 def megatron_state_dict(
     args: Gemma3Args, read: Callable[[str], Tensor], layout: ParallelLayout
 ) -> dict[str, Tensor]:
@@ -250,7 +334,9 @@ def megatron_state_dict(
     shifted by 1 (`_gemma_norm`) and the layer norms mapped as input_layernorm ->
     input_layernorm, post_attention_layernorm -> self_attention.post_attention_layernorm,
     pre_feedforward_layernorm -> pre_mlp_layernorm, post_feedforward_layernorm ->
-    mlp.post_feedforward_layernorm (norms are replicated over TP)."""
+    mlp.post_feedforward_layernorm (norms are replicated over TP). A wrapper's decoder is read
+    under its prefix (`_reader`); its vision tower and projector are not read."""
+    read = _reader(args, read)
     state = llama.megatron_state_dict(args, read, layout)
     for i in range(args.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -328,6 +414,16 @@ def finish_model(args: Gemma3Args, module: Any) -> None:
     rope.hook(module, local)
 
 
+WRAPPER_LORA_NAMES = dataclasses.replace(llama.SPEC.lora, layer_prefix=WRAPPER_LAYER_PREFIX)
+"""The Llama family's LoRA names under the wrapper's decoder (`WRAPPER_LAYER_PREFIX`)."""
+
+
+def lora_for(args: Gemma3Args) -> LoraNames:
+    """The LoRA <-> PEFT names of a Gemma 3 model: the Llama family's, under
+    `WRAPPER_LAYER_PREFIX` for a wrapper (PEFT on Gemma3ForConditionalGeneration, vLLM's gemma3_mm)."""
+    return WRAPPER_LORA_NAMES if args.model_type == WRAPPER else llama.SPEC.lora
+
+
 SPEC: FamilySpec[Gemma3Args] = dataclasses.replace(
     llama.SPEC,
     name="gemma3",
@@ -339,6 +435,8 @@ SPEC: FamilySpec[Gemma3Args] = dataclasses.replace(
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
     finish_model=finish_model,
+    lora_for=lora_for,
+    text_config=text_config,
 )
 """The Gemma 3 text family: Llama's parallel limits and LoRA names (q/k/v/o_proj, gate/up/down_proj,
 ART's Gemma targets), its own config, layer spec, weights and hooks."""

@@ -279,6 +279,9 @@ class FamilySpec(Generic[ArgsT]):
     are loaded, for what a layer spec cannot express (forward hooks, e.g. Gemma's embedding scale).
     `lora_for(args)`, where set, gives one model's LoRA names when its layers differ in shape
     (Gemma 4's global layers); `lora_names(args)` is the names to use with a model in hand.
+    `text_config(config)`, where set, gives the decoder's config dict of a config.json with the
+    family's defaults filled (a multimodal wrapper's sparse `text_config`, Gemma 3); the register
+    checks read the sizes there.
     """
 
     name: str
@@ -296,6 +299,7 @@ class FamilySpec(Generic[ArgsT]):
     finish_model: Callable[[ArgsT, Any], None] | None = None
     lora_for: Callable[[ArgsT], LoraNames] | None = None
     pipeline_parallel: bool = False
+    text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def lora_names(self, args: ArgsT) -> LoraNames:
         """The LoRA <-> PEFT names of the model with arguments `args` (`lora_for`, else `lora`)."""

@@ -101,15 +101,35 @@ GEMMA3_4B_IT = {
 text_config leaves the head counts and the vocabulary to Gemma3TextConfig's defaults."""
 
 
+def test_the_published_gemma3_wrapper_is_read_with_its_text_defaults(tmp_path):
+    """google/gemma-3-4b-it's config.json (model_type "gemma3", sparse text_config) passes
+    register's checks as its decoder with Gemma3TextConfig's defaults (8 heads, 4 KV heads, 256
+    wide, vocabulary 262208), and a tp those cannot split is refused in one sentence."""
+    from art_mega.trainer.model_builder import read_model_args
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_IT))
+    check_model_fits(tmp_path, 4)
+    family, args = read_model_args(tmp_path)
+    assert (family.name, args.model_type, args.vocab_size, args.num_heads, args.num_query_groups) == (
+        "gemma3",
+        "gemma3",
+        262_208,
+        8,
+        4,
+    )
+    assert (args.hidden_size, args.num_layers, args.head_dim, args.global_rope_factor) == (2560, 34, 256, 8.0)
+    with pytest.raises(ModelSplitError):
+        check_model_fits(tmp_path, 3)
+
+
 def test_an_unsupported_wrapper_is_named_before_its_missing_sizes(tmp_path):
     """The unsupported model_type is the sentence, not "vocab_size is missing ... use the model's own
-    config.json", which the published gemma-3-4b-it config.json got (found by running other
-    published configs of the families through register's checks)."""
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_IT))
+    config.json", which the published gemma-3-4b-it config.json got before the gemma3 wrapper was read."""
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA3_4B_IT, "model_type": "paligemma"}))
     with pytest.raises(UserError) as caught:
         check_model_fits(tmp_path, 1)
     assert str(caught.value).startswith(
-        "model_type='gemma3' is not supported by the Megatron trainer; supported: "
+        "model_type='paligemma' is not supported by the Megatron trainer; supported: "
     )
 
 

@@ -120,6 +120,7 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "qwen3_moe": qwen3_moe.SPEC,
         "mistral": mistral.SPEC,
         "gemma3_text": gemma3.SPEC,
+        "gemma3": gemma3.SPEC,
         "gpt_oss": gpt_oss.SPEC,
         "qwen3_5": qwen3_5.SPEC,
         "qwen3_5_text": qwen3_5.SPEC,
