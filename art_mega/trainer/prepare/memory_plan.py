@@ -253,6 +253,25 @@ class ModelShape(_Plan):
             + self._global_extra(tp)
         )
 
+    def stage_parameters(self, tp: int = 1, ep: int = 1, pp: int = 1, stage: int = 0) -> int:
+        """Parameters the rank of pipeline stage `stage` of `pp` holds: its `stage_layers` share of
+        the layers' (an average over Qwen3.5's mixed layers and Gemma 4's global ones), the
+        embedding on the first stage, the final norm and the LM head on the last; with tied
+        embeddings and pp > 1 the last stage keeps its own copy of the embedding matrix as the
+        output layer (megatron-core `LanguageModule.setup_embeddings_and_output_layer`)."""
+        whole = self.parameters(tp, ep)
+        if pp == 1:
+            return whole
+        vocab = math.ceil(self.vocab_size / tp) * self.hidden_size
+        outside = vocab * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        layers = (whole - outside) * self.stage_layers(pp) // self.num_layers
+        return layers + (vocab if stage == 0 else 0) + (vocab + self.hidden_size if stage == pp - 1 else 0)
+
+    def stage_layers(self, pp: int) -> int:
+        """Layers on each of `pp` stages: megatron-core's even split (`get_num_layers_to_build`;
+        `model_builder.check_pipeline` refuses a count pp does not divide)."""
+        return -(-self.num_layers // pp)
+
     def _global_extra(self, tp: int) -> int:
         """Parameters a rank holds in the global layers beyond what the local shape counts."""
         if not self.global_layers:
@@ -294,33 +313,57 @@ class ModelShape(_Plan):
             total += rank * self.global_layers * sum(extra.get(name, 0) for name in targets)
         return total
 
-    def activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
+    def activation_elements(
+        self, tp: int, lora_rank: int, targets: Sequence[str], recompute_modules: Sequence[str] = ()
+    ) -> int:
         """Elements autograd keeps a token a layer without recomputation (the module docstring's
-        count), averaged over the layers where they differ (Qwen3.5's delta-net layers); divided
-        by hidden it is the plan's `activation_factor`."""
-        return -(-self.layers_activation_elements(tp, lora_rank, targets) // self.num_layers)
+        count; the s x s mask is `activation_bytes`'), averaged over the layers where they differ
+        (Qwen3.5's delta-net layers); divided by hidden it is the plan's `activation_factor`."""
+        total = self.layers_activation_elements(tp, lora_rank, targets, recompute_modules)
+        return -(-total // self.num_layers)
 
-    def layers_activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
-        """Elements autograd keeps a token over all layers without recomputation: per layer the
-        norms' inputs and outputs, the mixer's and the MLP's (module docstring); a gated delta-net
-        mixer keeps its four projections' outputs (conv channels + Vh dv + 2 Vh), the conv's input
-        and output after SiLU (2 x conv channels), the delta rule's output and the gated norm's
-        (2 Vh dv), all split tp ways: an estimate from `qwen3_5.GatedDeltaNetMixer`'s graph."""
-        h, k = self.hidden_size, self.head_dim
+    def layers_activation_elements(
+        self, tp: int, lora_rank: int, targets: Sequence[str], recompute_modules: Sequence[str] = ()
+    ) -> int:
+        """Elements autograd keeps a token over all layers, counted from the graph of this
+        trainer's layer (`torch.autograd.graph.saved_tensors_hooks` census of SmolLM2's layer,
+        benchmarks/RESULTS.md): the two RMSNorms' inputs and reciprocal RMS (h + 1 each) and
+        outputs (h each, the inputs of linear_qkv and linear_fc1), RoPE's cos and sin for q and k
+        (4 k, not split), the SDPA's q, repeated k and v, output and log-sum-exp (4 a k + a, split
+        tp ways), Qwen3's q/k-norm inputs ((a + g) k / tp), the MLP's fc1 output, its two SwiGLU
+        halves and their product (5 f / tp; an MoE layer: top_k x (h + 5 i), the routed copy and
+        the expert's, plus E router logits), and r per LoRA-wrapped linear (its x A^T). The norms'
+        h terms are split tp ways under sequence parallelism (the MoE family at tp > 1).
+
+        `recompute_modules` (selective recomputation, `TrainerSpec.recompute_modules`):
+        "core_attn" keeps the checkpoint's inputs q, k, v (a k + 2 g k) instead of the SDPA's
+        saved q, repeated k and v and log-sum-exp (the output stays: linear_proj keeps it);
+        "mlp" keeps none of the MLP's own (its input is the norm's output, counted already).
+
+        A gated delta-net mixer keeps its four projections' outputs (conv channels + Vh dv +
+        2 Vh), the conv's input and output after SiLU (2 x conv channels), the delta rule's
+        output and the gated norm's (2 Vh dv), all split tp ways: an estimate from
+        `qwen3_5.GatedDeltaNetMixer`'s graph."""
+        h, k, a, g = self.hidden_size, self.head_dim, self.num_heads, self.num_query_groups
         sequence_parallel = self.num_experts > 0 and tp > 1
-        norms = 4 * h // (tp if sequence_parallel else 1)
-        attention = 4 * self.num_heads * k // tp
+        norms = 4 * h // (tp if sequence_parallel else 1) + 2
+        if "core_attn" in recompute_modules:
+            attention = (2 * a * k + 2 * g * k) // tp + 4 * k
+        else:
+            attention = (4 * a * k + a) // tp + 4 * k
         if self.attention_output_gate:  # the gate and the gated output
-            attention += 2 * self.num_heads * k // tp
+            attention += 2 * a * k // tp
         if self.qk_norm:
-            attention += (self.num_heads + self.num_query_groups) * k // tp
+            attention += (a + g) * k // tp
         attention_lora = sum(1 for name in targets if name in ("linear_qkv", "linear_proj"))
         mlp_lora = len(targets) - attention_lora
         if self.num_experts:
-            mlp = self.top_k * (h + 3 * self.expert_ffn_hidden_size) + self.num_experts
+            mlp = self.top_k * (h + 5 * self.expert_ffn_hidden_size) + self.num_experts
             mlp_lora *= self.top_k
         else:
-            mlp = 3 * self.ffn_hidden_size // tp
+            mlp = 5 * self.ffn_hidden_size // tp
+        if "mlp" in recompute_modules:
+            mlp, mlp_lora = 0, 0
         vd = self.delta_value_heads * self.delta_value_dim
         delta = (3 * self.delta_conv_channels + 3 * vd + 2 * self.delta_value_heads) // tp
         full = self.num_layers - self.delta_layers
@@ -330,21 +373,11 @@ class ModelShape(_Plan):
             + self.delta_layers * delta
         )
 
-    def recomputed_activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
-        """Elements kept a token over all layers under full activation recomputation
-        (megatron-core `recompute_granularity="full"`, `recompute_method="uniform"`, one layer a
-        chunk): every layer's input (h, split tp ways under sequence parallelism) plus the widest
-        layer's activations while the backward pass recomputes it (Korthikanti et al. 2022,
-        section 5: full recomputation stores only each layer's input, 2sbh bytes in 16 bits).
-        Selective recomputation (`"selective"`, the attention core) frees the s x s scores, which
-        this trainer's memory-efficient attention never keeps: it is the no-recomputation figure."""
-        sequence_parallel = self.num_experts > 0 and tp > 1
-        inputs = self.num_layers * self.hidden_size // (tp if sequence_parallel else 1)
-        widest = self.activation_elements(tp, lora_rank, targets)
-        if self.delta_layers and self.delta_layers < self.num_layers:
-            dense = ModelShape(**{**self.model_dump(), "delta_layers": 0, "num_layers": 1})
-            widest = max(widest, dense.layers_activation_elements(tp, lora_rank, targets))
-        return inputs + widest
+    def layer_input_elements(self, tp: int) -> int:
+        """Elements a fully recomputed layer keeps a token: its input (h, split tp ways under
+        sequence parallelism), the checkpoint's saved input (Korthikanti et al. 2022, section 5:
+        full recomputation stores only each layer's input, 2sbh bytes in 16 bits)."""
+        return self.hidden_size // (tp if self.num_experts > 0 and tp > 1 else 1)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """vLLM's KV cache a token, over all of a replica's GPUs: 2 x layers x KV heads x
@@ -433,6 +466,7 @@ class MemoryPlan(_Plan):
     logprob_chunk: int | None
     activation_factor: float
     recompute: str = "none"
+    pp: int = 1
     max_model_len: int
     gpu_memory_utilization: float
     ranks: tuple[RankMemory, ...]
@@ -441,7 +475,9 @@ class MemoryPlan(_Plan):
     @property
     def layout(self) -> str:
         """The trainer layout as the sentences name it."""
-        return f"TrainerSpec tp={self.tp}, cp={self.cp}, ep={self.ep} (dp={self.dp})"
+        pp = f", pp={self.pp}" if self.pp > 1 else ""
+        recompute = f", recompute={self.recompute}" if self.recompute != "none" else ""
+        return f"TrainerSpec tp={self.tp}, cp={self.cp}, ep={self.ep}{pp}{recompute} (dp={self.dp})"
 
     def line(self) -> str:
         """The plan in one log line: the largest rank's and replica's needs against the smallest
@@ -452,7 +488,7 @@ class MemoryPlan(_Plan):
             f"{self.micro_batch_rows} x {self.row_tokens}-token rows: trainer rank {rank.rank} needs "
             f"{_gib(rank.needed_bytes)} GiB (weights {_gib(rank.weights_bytes)}, LoRA "
             f"{_gib(rank.lora_bytes + rank.lora_grad_bytes + rank.optimizer_bytes)} with grads and Adam, "
-            f"activations {_gib(rank.activation_bytes)} (factor {self.activation_factor:.1f}, no recomputation), "
+            f"activations {_gib(rank.activation_bytes)} (factor {self.activation_factor:.1f}, recomputation {self.recompute}), "
             f"logits {_gib(rank.logits_bytes)}, reserve {_gib(rank.reserve_bytes)}) of "
             + (
                 f"{_gib(rank.available_bytes)} GiB, rows up to {rank.max_row_tokens} tokens fit"
@@ -486,8 +522,8 @@ class MemoryPlan(_Plan):
                 f"trainer rank {rank.rank} on host {rank.host_id} fits {self.micro_batch_rows} packed row(s) of up to "
                 f"{rank.max_row_tokens} tokens of {self.model} in {_gib(rank.available_bytes)} GiB, but rows may "
                 f"pack up to {self.seq_len} tokens: a step with longer rows runs out of GPU memory; set "
-                "max_seq_length (or MegatronBackend(seq_len=)) at most that, pass logprob_calculation_chunk_size "
-                "to backend.train, or use more TP"
+                "max_seq_length (or MegatronBackend(seq_len=)) at most that, set TrainerSpec.recompute, "
+                "or use more TP"
             )
         return lines
 
@@ -503,6 +539,8 @@ def rank_terms(
     cp: int = 1,
     ep: int = 1,
     dp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
     dtype: str,
     lora_rank: int,
     lora_targets: Sequence[str] = _LORA_TARGETS,
@@ -510,16 +548,23 @@ def rank_terms(
     row_tokens: int,
     micro_batch_rows: int = 1,
     logprob_chunk: int | None = None,
+    recompute: str = "none",
+    recompute_modules: Sequence[str] = ("core_attn",),
+    recompute_layers: int | None = None,
+    microbatches: int | None = None,
 ) -> dict[str, int]:
-    """The byte terms of one trainer rank (the module docstring's formulas): weights, lora,
-    lora_grad, optimizer, activations, logits, reserve. `distributed_optimizer` None: when dp > 1
-    (`OptimizerConfig.distributed`'s default)."""
+    """The byte terms of the rank of pipeline stage `stage` of `pp` (the module docstring's
+    formulas): weights, lora, lora_grad, optimizer, activations, logits, reserve.
+    `distributed_optimizer` None: when dp > 1 (`OptimizerConfig.distributed`'s default);
+    `recompute*` as `TrainerSpec`'s; `microbatches` the step's micro-batches (None: enough to fill
+    the pipeline, the 1F1B worst case)."""
     w = DTYPE_BYTES[dtype]
-    lora = shape.lora_parameters(lora_rank, lora_targets, tp, ep)
+    lora = -(-shape.lora_parameters(lora_rank, lora_targets, tp, ep) * shape.stage_layers(pp) // shape.num_layers)
     distributed = dp > 1 if distributed_optimizer is None else distributed_optimizer
     adam = (8 + (4 if w < 4 else 0)) * lora
+    last = stage == pp - 1
     return {
-        "weights": shape.parameters(tp, ep) * w,
+        "weights": shape.stage_parameters(tp, ep, pp, stage) * w,
         "lora": lora * w,
         "lora_grad": lora * 4,
         "optimizer": math.ceil(adam / dp) if distributed else adam,
@@ -527,11 +572,17 @@ def rank_terms(
             shape,
             tp=tp,
             cp=cp,
+            pp=pp,
+            stage=stage,
             dtype=dtype,
             lora_rank=lora_rank,
             lora_targets=lora_targets,
             row_tokens=row_tokens,
             micro_batch_rows=micro_batch_rows,
+            recompute=recompute,
+            recompute_modules=recompute_modules,
+            recompute_layers=recompute_layers,
+            microbatches=microbatches,
         ),
         "logits": logits_bytes(
             shape,
@@ -541,9 +592,20 @@ def rank_terms(
             row_tokens=row_tokens,
             micro_batch_rows=micro_batch_rows,
             logprob_chunk=logprob_chunk,
-        ),
+        )
+        if last
+        else 0,
         "reserve": TRAINER_RESERVE_BYTES,
     }
+
+
+def in_flight(pp: int, stage: int, microbatches: int | None) -> int:
+    """Micro-batches whose activations stage `stage` of `pp` holds at once under 1F1B: its
+    pp - stage - 1 warm-up forwards and the one in its steady state (Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
+    2.2.1; megatron-core `forward_backward_pipelining_without_interleaving`'s
+    `num_warmup_microbatches`), at most the step's `microbatches`."""
+    return max(1, min(pp - stage, microbatches or pp))
 
 
 def activation_bytes(
@@ -557,16 +619,47 @@ def activation_bytes(
     row_tokens: int,
     micro_batch_rows: int,
     recompute: str = "none",
+    recompute_modules: Sequence[str] = ("core_attn",),
+    recompute_layers: int | None = None,
+    pp: int = 1,
+    stage: int = 0,
+    microbatches: int | None = None,
 ) -> int:
-    """Activations of one micro-batch: tokens (`row_tokens` / cp x rows) x (the layers'
-    elements a token + 3 hidden) x dtype bytes; `recompute` "none" (what the trainer runs:
-    `ModelShape.layers_activation_elements`) or "full" (`recomputed_activation_elements`)."""
+    """Activations a rank keeps at the peak of its step, in bytes: `in_flight` micro-batches of
+    tokens = rows x `row_tokens` / cp, each keeping over the stage's `stage_layers` layers the
+    layers' elements a token (`layers_activation_elements`, scaled to the stage) in dtype bytes,
+    SDPA's additive mask (PyTorch converts the boolean mask to one of the query's dtype and keeps
+    it for the backward: rows x s x s/cp a layer, in dtype bytes) and the packed-row boolean mask
+    (rows x s x s/cp bytes, shared by the layers); the last stage also keeps the final norm's
+    input and reciprocal RMS (h + 1 a token).
+
+    `recompute` "selective": `recompute_modules` drop their terms (`layers_activation_elements`;
+    "core_attn" drops the SDPA mask too) and one layer's "mlp" is rebuilt at a time in the
+    backward (5 f / tp a token). "full": the recomputed layers (`recompute_layers` of the stage,
+    None: all) keep their input only (`layer_input_elements`), plus one layer's whole activations
+    and mask while the backward recomputes it (Korthikanti et al. 2022, section 5)."""
+    w = DTYPE_BYTES[dtype]
     tokens = math.ceil(row_tokens / cp) * micro_batch_rows
+    layers = shape.stage_layers(pp)
+    modules = tuple(recompute_modules) if recompute == "selective" else ()
+    per_layer = shape.layers_activation_elements(tp, lora_rank, lora_targets, modules) / shape.num_layers
+    mask = micro_batch_rows * row_tokens * math.ceil(row_tokens / cp)
+    layer_bytes = per_layer * tokens * w + (0 if "core_attn" in modules else mask * w)
+    kept = layers * layer_bytes
     if recompute == "full":
-        layers = shape.recomputed_activation_elements(tp, lora_rank, lora_targets)
-    else:
-        layers = shape.layers_activation_elements(tp, lora_rank, lora_targets)
-    return tokens * (layers + 3 * shape.hidden_size) * DTYPE_BYTES[dtype]
+        recomputed = layers if recompute_layers is None else min(recompute_layers, layers)
+        kept = (layers - recomputed) * layer_bytes + recomputed * shape.layer_input_elements(tp) * tokens * w
+        kept += layer_bytes if recomputed else 0
+    elif "mlp" in modules:
+        kept += (5 * shape.expert_ffn_hidden_size * shape.top_k if shape.num_experts else 5 * shape.ffn_hidden_size // tp) * tokens * w
+    outside = mask + ((shape.hidden_size + 1) * tokens * w if stage == pp - 1 else 0)
+    return math.ceil(in_flight(pp, stage, microbatches) * (kept + outside))
+
+
+ENTROPY_WORKING_SET_BYTES = 21
+"""Bytes `logprobs.token_entropy` holds an element of the logits at its peak, all float32 but one
+bool: the max-shifted logits, their exp, `exp > 0` (1 byte), `exp * shifted`, `zeros_like(exp)`
+and the `torch.where` result, live together while the where runs (counted from its code)."""
 
 
 def logits_bytes(
@@ -579,12 +672,20 @@ def logits_bytes(
     micro_batch_rows: int,
     logprob_chunk: int | None,
 ) -> int:
-    """The LM head's output and its gradient [rows, row_tokens / cp, V/tp] in dtype bytes, plus
-    the float32 cross-entropy working set [rows, chunk or row_tokens / cp, V/tp]."""
+    """The last stage's logits at the step's peak: the LM head's output [rows, row_tokens / cp,
+    V/tp] in dtype bytes (every position in the worst case: `forward_logits(needed=)` keeps only
+    the trained ones) and the entropy's working set on it, `ENTROPY_WORKING_SET_BYTES` an element
+    plus a float32 copy of non-float32 logits (`logits.float()`). The entropy (no gradient) runs
+    on the whole logits before the cross entropy, whose working set is smaller: float32 logits it
+    works on in place (megatron-core `VocabParallelCrossEntropy`), others it copies to float32
+    ([rows, chunk or row_tokens / cp, V/tp] x 4 with `logprob_chunk`); the gradient it returns
+    is that copy. The peak is therefore the entropy's; `logprob_chunk` does not lower it."""
+    del logprob_chunk  # the cross entropy's chunks stay under the entropy's working set
     positions = math.ceil(row_tokens / cp)
-    chunk = positions if logprob_chunk is None else min(logprob_chunk, positions)
     vocab = math.ceil(shape.vocab_size / tp)
-    return micro_batch_rows * vocab * (positions * 2 * DTYPE_BYTES[dtype] + chunk * 4)
+    w = DTYPE_BYTES[dtype]
+    per_element = w + ENTROPY_WORKING_SET_BYTES + (4 if w != 4 else 0)
+    return micro_batch_rows * positions * vocab * per_element
 
 
 MXFP4_BYTES = 17 / 32
@@ -601,10 +702,24 @@ def replica_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     return (shape.parameters() - experts) * dtype_bytes + math.ceil(experts * MXFP4_BYTES)
 
 
-def _positions_that_fit(room: int, per_position: int) -> int:
-    """Positions a rank (of a CP group) can hold in `room` bytes at `per_position` bytes each:
-    the activations and logits grow linearly with the row."""
-    return max(room, 0) // max(per_position, 1)
+def _row_tokens_that_fit(room: int, seq_len: int, shape: ModelShape, stage: int, common: dict[str, Any]) -> int:
+    """The longest row (at most `seq_len` tokens, a multiple of cp) whose activations and logits
+    fit `room` bytes on stage `stage` (`rank_terms`'s `common` arguments): a bisection, the
+    terms growing with the row (linearly, and quadratically through the attention masks)."""
+
+    def fits(tokens: int) -> bool:
+        terms = rank_terms(shape, row_tokens=tokens, stage=stage, **common)
+        return terms["activations"] + terms["logits"] <= room
+
+    cp = common["cp"]
+    low, high = 0, seq_len // cp
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid * cp):
+            low = mid
+        else:
+            high = mid - 1
+    return low * cp
 
 
 def plan_memory(
@@ -642,16 +757,18 @@ def plan_memory(
         "cp": cp,
         "ep": ep,
         "dp": dp,
+        "pp": trainer.pp,
         "dtype": trainer_dtype,
         "lora_rank": lora_rank,
         "lora_targets": lora_targets,
         "distributed_optimizer": distributed_optimizer,
         "micro_batch_rows": micro_batch_rows,
         "logprob_chunk": logprob_chunk,
+        "recompute": getattr(trainer, "recompute", "none"),
+        "recompute_modules": getattr(trainer, "recompute_modules", ("core_attn",)),
+        "recompute_layers": getattr(trainer, "recompute_layers", None),
     }
-    terms = rank_terms(shape, row_tokens=row_tokens, **common)
-    needed = sum(terms.values())
-    resident = needed - terms["activations"] - terms["logits"]
+    stages = [rank_terms(shape, row_tokens=row_tokens, stage=stage, **common) for stage in range(trainer.pp)]
     util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization
     shared = {
         (host, gpu)
@@ -661,28 +778,12 @@ def plan_memory(
         for gpu in gpus
     }
 
-    # activations and logits of one position per CP rank (whole-row logits): both are linear in it
-    per_position = activation_bytes(
-        shape,
-        tp=tp,
-        cp=cp,
-        dtype=trainer_dtype,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        row_tokens=cp,
-        micro_batch_rows=micro_batch_rows,
-    ) + logits_bytes(
-        shape,
-        tp=tp,
-        cp=cp,
-        dtype=trainer_dtype,
-        row_tokens=cp,
-        micro_batch_rows=micro_batch_rows,
-        logprob_chunk=None,
-    )
-
     ranks = []
     for rank in topology.trainer_ranks:
+        stage = getattr(rank, "pp_rank", 0)
+        terms = stages[stage]
+        needed = sum(terms.values())
+        resident = needed - terms["activations"] - terms["logits"]
         available = gpu_memory.get((rank.host_id, rank.gpu_id)) if rank.gpu_id is not None else None
         ranks.append(
             RankMemory(
@@ -702,7 +803,7 @@ def plan_memory(
                 max_row_tokens=(
                     None
                     if available is None
-                    else min(seq_len, _positions_that_fit(available - resident, per_position) * cp)
+                    else _row_tokens_that_fit(available - resident, seq_len, shape, stage, common)
                 ),
             )
         )
@@ -752,6 +853,8 @@ def plan_memory(
         micro_batch_rows=micro_batch_rows,
         logprob_chunk=logprob_chunk,
         activation_factor=shape.activation_elements(tp, lora_rank, lora_targets) / shape.hidden_size,
+        recompute=common["recompute"],
+        pp=trainer.pp,
         max_model_len=max_model_len,
         gpu_memory_utilization=util,
         ranks=tuple(ranks),
@@ -862,7 +965,7 @@ def _rank_fix(plan: MemoryPlan, shape: ModelShape, rank: RankMemory, valid_tp: S
     if rank.resident_bytes < available and plan.micro_batch_rows > 1:
         return "use micro_batch_rows=1, more TP, or larger GPUs"
     if rank.resident_bytes < available:
-        return "pass logprob_calculation_chunk_size to backend.train and use more TP, or larger GPUs"
+        return 'set TrainerSpec.recompute="full", use more TP, or larger GPUs'
     return (
         f"no tp up to {max(valid_tp, default=plan.tp)} fits it on {_gib(available)} GiB GPUs; use larger GPUs"
     )
@@ -914,6 +1017,7 @@ class _Rank(_Plan):
     rank: int
     host_id: str
     gpu_id: int | str | None
+    pp_rank: int = 0
 
 
 class _Replica(_Plan):
@@ -929,6 +1033,9 @@ class _Trainer(_Plan):
     cp: int
     ep: int
     pp: int = 1
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    recompute_layers: int | None = None
 
 
 class StatedLayout(_Plan):
@@ -954,6 +1061,8 @@ class StatedLayout(_Plan):
         replicas: int,
         replica_tp: int,
         shared_gpus: bool,
+        pp: int = 1,
+        recompute: str = "none",
     ) -> StatedLayout:
         """Raises `UserError` (one sentence) for a layout that cannot be placed: replicas that
         need more GPUs than host0 has, no GPU left for the trainer, or a trainer world that
@@ -979,14 +1088,17 @@ class StatedLayout(_Plan):
                 f"the replicas take all {gpus} GPUs of host0 and --hosts 1 leaves the trainer none; "
                 "pass --shared-gpus, --hosts 2 or fewer --replicas"
             )
-        if world % (tp * cp) or (world // cp) % ep:
+        if world % (tp * cp * pp) or (world // (cp * pp)) % ep:
             less = ", less the replicas' GPUs" if taken else ""
             raise UserError(
-                f"trainer tp={tp} x cp={cp} (ep={ep}) does not divide its {world} ranks "
+                f"trainer tp={tp} x cp={cp} x pp={pp} (ep={ep}) does not divide its {world} ranks "
                 f"({hosts} host(s) x {gpus or 1} slot(s){less}); "
                 "pick sizes that divide it, or --replicas and --inference-tp that leave the trainer a multiple of tp x cp GPUs, or --shared-gpus"
             )
-        ranks = tuple(_Rank(rank=i, host_id=h, gpu_id=g) for i, (h, g) in enumerate(slots))
+        # megatron-core's "tp-cp-ep-dp-pp" order: the pipeline stage is the outermost coordinate
+        ranks = tuple(
+            _Rank(rank=i, host_id=h, gpu_id=g, pp_rank=i // (world // pp)) for i, (h, g) in enumerate(slots)
+        )
         replica_specs = tuple(
             _Replica(
                 index=i,
@@ -996,7 +1108,11 @@ class StatedLayout(_Plan):
             )
             for i in range(replicas)
         )
-        return cls(trainer=_Trainer(tp=tp, cp=cp, ep=ep), trainer_ranks=ranks, replicas=replica_specs)
+        return cls(
+            trainer=_Trainer(tp=tp, cp=cp, ep=ep, pp=pp, recompute=recompute),
+            trainer_ranks=ranks,
+            replicas=replica_specs,
+        )
 
 
 def layouts_that_fit(
@@ -1007,21 +1123,26 @@ def layouts_that_fit(
     gpus_per_host: int,
     gpu_bytes: int,
     **terms: Any,
-) -> list[tuple[int, int, int, int]]:
-    """(tp, ep, dp, needed bytes) of every trainer layout of `world` GPU ranks whose rank fits
-    `gpu_bytes`: tp among the model's `valid_tp` within one host (NVLink), ep dividing the experts
-    and the data-parallel ranks (MoE only), cp 1. `terms`: `rank_terms`'s keyword arguments but
-    tp, ep, dp."""
+) -> list[tuple[int, int, int, int, int]]:
+    """(tp, ep, dp, pp, needed bytes) of every trainer layout of `world` GPU ranks whose ranks
+    fit `gpu_bytes` (the largest pipeline stage's): tp among the model's `valid_tp` within one
+    host (NVLink), pp dividing the layers and the ranks left, ep dividing the experts and the
+    data-parallel ranks (MoE only), cp 1. `terms`: `rank_terms`'s keyword arguments but tp, ep,
+    dp, pp and stage."""
     fits = []
     for tp in sorted(t for t in valid_tp if t <= max(gpus_per_host, 1) and world % t == 0):
-        dp = world // tp
-        eps = (
-            [e for e in range(1, dp + 1) if dp % e == 0 and shape.num_experts % e == 0]
-            if shape.num_experts
-            else [1]
-        )
-        for ep in eps:
-            needed = sum(rank_terms(shape, tp=tp, ep=ep, dp=dp, **terms).values())
-            if needed <= gpu_bytes:
-                fits.append((tp, ep, dp, needed))
+        for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0 and shape.num_layers % p == 0):
+            dp = world // (tp * pp)
+            eps = (
+                [e for e in range(1, dp + 1) if dp % e == 0 and shape.num_experts % e == 0]
+                if shape.num_experts
+                else [1]
+            )
+            for ep in eps:
+                needed = max(
+                    sum(rank_terms(shape, tp=tp, ep=ep, dp=dp, pp=pp, stage=stage, **terms).values())
+                    for stage in range(pp)
+                )
+                if needed <= gpu_bytes:
+                    fits.append((tp, ep, dp, pp, needed))
     return fits

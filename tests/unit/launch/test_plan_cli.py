@@ -74,19 +74,21 @@ def test_llama_33_70b_on_two_h100_nodes_by_hand(configs, capsys):
     # full recomputation keeps far less than none (one layer's input a layer, plus one layer)
     assert figure(out, "activations, full recomputation") < figure(out, "activations, no recomputation") / 4
     fits = re.search(r"that fit: (.*)$", out, re.M)[1]
-    assert "--tp 8 (dp=1)" in fits and "--tp 4 (dp=2)" in fits and "--tp 1 " not in fits
+    # 4096-token rows at tp=4 need two pipeline stages (half the layers' activations and weights)
+    assert "--tp 8 (dp=1)" in fits and "--tp 4 --pp 2 (dp=1)" in fits and "--tp 4 (dp=2)" not in fits
+    assert "--tp 1 " not in fits
 
 
 @pytest.mark.parametrize(
     ("name", "args", "parameters"),
     [
-        ("Qwen3-32B", ["--gpu", "H100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--inference-tp", "2"],
+        ("Qwen3-32B", ["--gpu", "H100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--recompute", "full", "--inference-tp", "2"],
          32_762_123_264),
-        ("Qwen3-30B-A3B", ["--gpu", "H100-80GB", "--gpus", "8", "--ep", "4", "--inference-tp", "4"], 30_532_122_624),
-        ("gpt-oss-120b", ["--gpu", "H100-80GB", "--gpus", "8", "--hosts", "2", "--ep", "8", "--inference-tp", "8"],
+        ("Qwen3-30B-A3B", ["--gpu", "H100-80GB", "--gpus", "8", "--ep", "4", "--recompute", "full", "--inference-tp", "4"], 30_532_122_624),
+        ("gpt-oss-120b", ["--gpu", "H100-80GB", "--gpus", "8", "--hosts", "2", "--ep", "8", "--recompute", "full", "--inference-tp", "8"],
          GPT_OSS_PARAMETERS["gpt-oss-120b"]),
         # megatron-core builds 26,895,998,464 on the meta device (tests/trainer/test_qwen3_5_family.py)
-        ("Qwen3.6-27B", ["--gpu", "A100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--inference-tp", "2"],
+        ("Qwen3.6-27B", ["--gpu", "A100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--recompute", "full", "--inference-tp", "2"],
          26_895_998_464),
     ],
 )  # fmt: skip
@@ -104,7 +106,7 @@ def test_published_configs_print_plans(configs, capsys, name, args, parameters):
 
 def test_gpt_oss_replica_keeps_experts_in_mxfp4(configs, capsys):
     code, out, _ = run_plan(capsys, str(configs / "gpt-oss-120b"), "--gpu-memory-gib", "80", "--gpus", "8",
-                            "--hosts", "2", "--ep", "8", "--inference-tp", "8")  # fmt: skip
+                            "--hosts", "2", "--ep", "8", "--recompute", "full", "--inference-tp", "8")  # fmt: skip
     assert code == 0
     shape = ModelShape.from_args(family_for(GPT_OSS_120B).model_args(GPT_OSS_120B))
     experts = 36 * 128 * (3 * 2880 * 2880 + 2 * 2880 + 2880)  # gate_up, down and their biases
@@ -160,7 +162,7 @@ def test_a_hub_id_reads_an_offline_cache_with_only_config_json(tmp_path):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    command = [sys.executable, "-m", "art_mega", "plan", "Qwen/Qwen3-32B", "--gpu", "H100-80GB", "--tp", "2", "--replicas", "2"]
+    command = [sys.executable, "-m", "art_mega", "plan", "Qwen/Qwen3-32B", "--gpu", "H100-80GB", "--tp", "2", "--replicas", "2", "--recompute", "full"]
     proc = subprocess.run(command, env={**env, "PYTHONPATH": str(Path(__file__).parents[3])},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -176,6 +178,6 @@ def test_without_gpus_the_plan_is_of_cpu_ranks_in_float32(configs, capsys, monke
     monkeypatch.setattr("art_mega.launch.plan.local_gpus", lambda: (0, None, None))
     code, out, err = run_plan(capsys, str(configs / "Qwen3-32B"), "--seq-len", "1024")
     assert code == 0, err
-    assert "on 1 CPU host(s)" in out and "trainer rank (float32," in out
+    assert "on 1 CPU host(s)" in out and "trainer rank 0 (float32," in out
     assert figure(out, "weights") == round(32_762_123_264 * 4 / GIB, 1)
     assert "of CPU memory" in out and "layouts" not in out
