@@ -19,7 +19,6 @@ RECOMPUTE_TOLERANCE = 1e-6
 backward, so the only differences are in the order autograd sums a few gradients."""
 
 SETTINGS = {
-    "selective core_attn": {"recompute": "selective", "recompute_modules": ("core_attn",)},
     "selective core_attn + mlp": {"recompute": "selective", "recompute_modules": ("core_attn", "mlp")},
     "full, every layer": {"recompute": "full"},
     "full, first layer only": {"recompute": "full", "recompute_layers": 1},
@@ -27,7 +26,6 @@ SETTINGS = {
 
 
 RERUN = {
-    "selective core_attn": ("self_attention.core_attention",),
     "selective core_attn + mlp": ("self_attention.core_attention", "mlp"),
     "full, every layer": ("", "self_attention.core_attention", "mlp"),
     "full, first layer only": ("", "self_attention.core_attention", "mlp"),

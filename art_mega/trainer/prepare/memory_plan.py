@@ -7,35 +7,48 @@ Torch-free: parameter counts are analytic from the family's architecture argumen
 published counts (`tests/unit/trainer/test_memory_plan.py` checks them against
 `tests/trainer/test_real_size_mapping.py`'s figures).
 
-A trainer rank (TP size t, CP size c, EP size e, DP size d; parameter bytes w: 2 for bfloat16, 4 for
+A trainer rank (TP size t, CP size c, EP size e, DP size d, PP size pp; parameter bytes w: 2 for bfloat16, 4 for
 float32; one micro-batch of b packed rows of s tokens; L layers, hidden h, heads a of width k, g KV
 heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
 
 - weights: the frozen base model's parameters on the rank x w. Megatron splits attention, the dense
   MLP and the (padded) vocabulary t ways, experts e ways (whole experts), and keeps the norms and the
   router whole (Shoeybi et al. 2019, "Megatron-LM", section 3; megatron-core's layer shapes, as
-  `FamilySpec.megatron_state_dict` maps them).
+  `FamilySpec.megatron_state_dict` maps them). Pipeline stage p of pp holds L/pp layers, the
+  embedding if first, the final norm and LM head if last (with tied embeddings its own copy at
+  pp > 1: `ModelShape.stage_parameters`); LoRA, its gradient and Adam scale with its layers.
 - LoRA: r x (in + out) per wrapped linear, the sharded factor split t ways (`trainer/rank/lora.py`'s
   docstring), times w; its gradient in float32 (DDP's `grad_reduce_in_fp32` buffer, 4 bytes); Adam's
   two float32 moments (8 bytes) plus a float32 master copy where the parameters are bfloat16
   (4 bytes): 18 bytes a parameter in bfloat16, 16 in float32, the optimizer's part divided by d
   under the distributed optimizer (ZeRO stage 1: Rajbhandari et al. 2020, "ZeRO", section 3, K = 12
   for mixed-precision Adam; Megatron's `theoretical_memory_usage.py`: 18 bytes, or 6 + 12/d).
-- activations, no recomputation (the families leave megatron-core's `recompute_granularity` None;
-  `trainer/flops.py`): what autograd keeps per token per layer, in elements of w bytes
-  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  section 4, counted for this trainer's layers; Megatron's own estimate `compute_activation_memory`
-  is sbh(18 + 4f/h) bytes): the two norms' inputs and outputs (4h, split t ways under sequence
-  parallelism, which the MoE family uses at t > 1), the attention's query, repeated keys and values
-  and output (`sdpa_attention`: 4ak/t; memory-efficient attention keeps no s x s scores), Qwen3's
-  q/k-norm inputs ((a + g)k/t), the MLP's fc1 output and activation (3f/t; an MoE layer: top_k x
-  (h + 3i), the routed copy and the expert's fc1 output and activation, plus E router logits) and
-  r per LoRA-wrapped linear (its x A^T). Times s/c x b x L, plus the embedding output, the final
-  norm's input and the LM head's input (3h a token).
-- logits: the LM head's output over the needed positions (every position in the worst case) and
-  its gradient, [b, s/c, V/t] in w bytes each, plus the cross entropy's float32 working set
-  [b, chunk, V/t] x 4 (`logprobs.token_logprobs`: chunk = `logprob_calculation_chunk_size`, or s/c
-  for whole rows; Megatron's estimate counts s b V x 4 for the output layer).
+- activations (`activation_bytes`): what autograd keeps at the step's peak, counted from this
+  trainer's graph (a `saved_tensors_hooks` census of SmolLM2's layer, benchmarks/RESULTS.md) in the
+  manner of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", section 4 (Megatron's own estimate `compute_activation_memory` is sbh(18 + 4f/h)
+  bytes): per token a layer the two norms' inputs, 1/rms and outputs (4h + 2, the h terms split
+  t ways under sequence parallelism, which the MoE family uses at t > 1), RoPE's cos and sin
+  (4k), the SDPA's q, repeated keys and values, output and log-sum-exp ((4ak + a)/t), Qwen3's
+  q/k-norm inputs ((a + g)k/t), the MLP's fc1 output, SwiGLU halves and product (5f/t; an MoE
+  layer: top_k x (h + 5i) plus E router logits) and r per LoRA-wrapped linear (its x A^T); per
+  row a layer the SDPA's additive mask (s x s/c in w bytes: PyTorch turns the boolean packed-row
+  mask into one and keeps it); the final norm's input (h + 1 a token) on the last stage. Times
+  s/c x b x L/pp, times the micro-batches a pipeline stage holds under 1F1B (pp - stage: Narayanan
+  et al. 2021, section 2.2.1). Recomputation (`TrainerSpec.recompute`): "selective" drops its
+  modules' terms ("core_attn" keeps the checkpoint's q, k, v; "mlp" the norm output only), "full"
+  keeps each recomputed layer's input (h) plus one layer rebuilt in the backward (Korthikanti
+  et al., section 5).
+- logits (`logits_bytes`, the last stage): the LM head's output [b, s/c, V/t] in w bytes (every
+  position in the worst case) and the entropy's working set on it (`logprobs.token_entropy`: 21
+  bytes an element, plus a float32 copy of 16-bit logits), which is above the cross entropy's
+  (megatron-core's works in place on float32 logits) and is not chunked by
+  `logprob_calculation_chunk_size`.
+- checked against CPU ranks (`benchmarks/memory_plan.py`): torch's own accounting of the tensors
+  a rank allocates (the profiler's allocator events), which is what `torch.cuda.max_memory_allocated`
+  counts on a GPU; the CPU allocator's slack (glibc keeps freed blocks: resident-set growth is
+  2-3x the tensors on the tiny models) is not planned, as the GPU caching allocator's is in
+  `TRAINER_RESERVE_BYTES`.
 - reserve: `TRAINER_RESERVE_BYTES` for the CUDA context, NCCL buffers and the allocator's slack.
 
 A replica (TP x PP GPUs of one replica, dtype bytes w'): its weights (the whole model x w' across its
