@@ -5,9 +5,15 @@
 Joins the world (`init_parallel`), reads VmRSS (the libraries imported, nothing of the model
 built), builds the engine (`rank.jobs.build_engine`: float32 base weights, LoRA, DDP's gradient
 buffer), reads VmRSS again, then runs one GRPO step (`TrainerEngine.train_step`) on ONE packed
-row of exactly `seq_len` tokens (one document, `micro_batch_rows` 1, whole-row logprobs), the
-first step, so Adam's moments are allocated in it. Writes CONFIG["out"] as JSON, bytes:
-base_rss (before the build), built_rss (after it), peak_rss (VmHWM after the step).
+row of exactly `seq_len` tokens a micro-batch (one document whose every token but the first is
+trained, so the LM head runs on the whole row; `rows` such micro-batches, `micro_batch_rows` 1),
+twice: the second step holds Adam's moments, allocated in the first, through its peak. Writes CONFIG["out"] as JSON, bytes:
+base_rss (before the build), built_rss (after it), peak_rss (VmHWM after the step), and torch's own
+accounting of CPU tensor memory (`tensor_bytes`): built_tensors, the bytes of the tensors the
+build allocated that are live after it (weights, LoRA, DDP's gradient buffer, whatever else the
+model keeps), and step_peak_tensors, the most bytes of tensors allocated in the step live at once
+over the two steps (activations, logits and their temporaries, Adam's moments) -- on a GPU rank these are what
+`torch.cuda.max_memory_allocated` counts above the memory allocated before the step.
 """
 
 from __future__ import annotations
@@ -23,6 +29,27 @@ def status_bytes(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def tensor_bytes(run) -> tuple[object, int, int]:
+    """(run's result, live bytes at its end, the peak live bytes during it) of the CPU tensors
+    `run()` allocates, from torch's profiler (`profile_memory=True`: c10's CPU allocator reports
+    each allocation and free with its running total while the profiler records; tensors that
+    existed before are not counted, nor their frees)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and str(event.extra_fields.device) == "cpu":
+            events.append((event.start_time_ns, event.extra_fields.total_allocated))
+    events.sort()
+    return result, (events[-1][1] if events else 0), max((total for _, total in events), default=0)
 
 
 def main(config_path: str) -> int:
@@ -50,12 +77,14 @@ def main(config_path: str) -> int:
     )
     gc.collect()
     base = status_bytes("VmRSS")
-    engine = build_engine(EngineConfig.model_validate(config["engine"]), state)
+    engine, built_tensors, _ = tensor_bytes(
+        lambda: build_engine(EngineConfig.model_validate(config["engine"]), state)
+    )
     gc.collect()
     built = status_bytes("VmRSS")
     seq_len = int(config["seq_len"])
     rng = np.random.default_rng(0)
-    prompt = seq_len // 4
+    prompt = 1  # every other position trained: the LM head runs on all of them, the plan's worst case
     doc = Document(
         input_ids=rng.integers(3, engine.vocab_size, seq_len).tolist(),
         loss_mask=[0.0] * prompt + [1.0] * (seq_len - prompt),
@@ -63,9 +92,23 @@ def main(config_path: str) -> int:
         advantage=1.0,
         weight=1.0 / (seq_len - prompt),
     )
-    batch = pack([doc] * state.dp, seq_len, dp_size=state.dp)[state.dp_rank]
-    engine.train_step(batch, "grpo")
-    result = {"rank": rank, "base_rss": base, "built_rss": built, "peak_rss": status_bytes("VmHWM")}
+    rows = int(config.get("rows", 1))
+    batch = pack([doc] * (state.dp * rows), seq_len, dp_size=state.dp)[state.dp_rank]
+
+    def two_steps() -> None:
+        for _ in range(2):
+            engine.train_step(batch, "grpo")
+
+    _, _, step_peak = tensor_bytes(two_steps)
+    result = {
+        "rank": rank,
+        "pp_rank": state.pp_rank,
+        "base_rss": base,
+        "built_rss": built,
+        "peak_rss": status_bytes("VmHWM"),
+        "built_tensors": built_tensors,
+        "step_peak_tensors": step_peak,
+    }
     destroy_parallel()
     Path(config["out"]).write_text(json.dumps(result))
     return 0

@@ -641,6 +641,11 @@ def plan(
     tp: Annotated[int, _size("--tp", "Trainer tensor parallel size.")] = 1,
     cp: Annotated[int, _size("--cp", "Trainer context parallel size.")] = 1,
     ep: Annotated[int, _size("--ep", "Trainer expert parallel size (MoE).")] = 1,
+    pp: Annotated[int, _size("--pp", "Trainer pipeline parallel size (stages).")] = 1,
+    recompute: Annotated[
+        str,
+        typer.Option("--recompute", help="Activation recomputation: none, selective or full (TrainerSpec.recompute)."),
+    ] = "none",
     replicas: Annotated[int, _size("--replicas", "vLLM replicas (on host0's first GPUs).")] = 1,
     inference_tp: Annotated[
         int, _size("--inference-tp", "GPUs a vLLM replica (its tensor parallel size).")
@@ -679,6 +684,8 @@ def plan(
                     tp=tp,
                     cp=cp,
                     ep=ep,
+                    pp=pp,
+                    recompute=recompute,
                     replicas=replicas,
                     inference_tp=inference_tp,
                     shared_gpus=shared_gpus,

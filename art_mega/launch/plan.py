@@ -35,6 +35,8 @@ class PlanRequest:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    pp: int = 1
+    recompute: str = "none"
     replicas: int = 1
     inference_tp: int = 1
     shared_gpus: bool = False
@@ -142,6 +144,12 @@ def plan_text(request: PlanRequest) -> str:
         raise UserError(f"--ep {request.ep} does not divide {request.model}'s {shape.num_experts} experts")
     if not shape.num_experts and request.ep != 1:
         raise UserError(f"--ep {request.ep} needs an MoE model; {request.model} is dense, use --ep 1")
+    if shape.num_layers % request.pp:
+        raise UserError(
+            f"--pp {request.pp} does not divide {request.model}'s {shape.num_layers} layers into equal stages"
+        )
+    if request.recompute not in ("none", "selective", "full"):
+        raise UserError(f"--recompute {request.recompute!r} is not one of none, selective, full")
     gpus, gpu_bytes, gpu_name = request.gpus, request.gpu_bytes, request.gpu_name
     if gpu_bytes is None and gpus == 0:
         gpus, gpu_bytes, gpu_name = local_gpus()
@@ -159,6 +167,8 @@ def plan_text(request: PlanRequest) -> str:
         replicas=request.replicas,
         replica_tp=request.inference_tp,
         shared_gpus=request.shared_gpus,
+        pp=request.pp,
+        recompute=request.recompute,
     )
     memory = {
         (host, gpu): gpu_bytes
@@ -180,18 +190,24 @@ def plan_text(request: PlanRequest) -> str:
         max_model_len=max_model_len,
         gpu_memory_utilization=request.gpu_memory_utilization,
     )
-    rank = plan.ranks[0]
-    recomputed = mp.activation_bytes(
-        shape,
-        tp=plan.tp,
-        cp=plan.cp,
-        dtype=dtype,
-        lora_rank=request.lora_rank,
-        lora_targets=mp._LORA_TARGETS,
-        row_tokens=request.seq_len,
-        micro_batch_rows=request.micro_batch_rows,
-        recompute="full",
-    )
+    rank = max(plan.ranks, key=lambda r: r.needed_bytes)
+    stage = layout.trainer_ranks[rank.rank].pp_rank
+    activations = {
+        setting: mp.activation_bytes(
+            shape,
+            tp=plan.tp,
+            cp=plan.cp,
+            pp=request.pp,
+            stage=stage,
+            dtype=dtype,
+            lora_rank=request.lora_rank,
+            lora_targets=mp._LORA_TARGETS,
+            row_tokens=request.seq_len,
+            micro_batch_rows=request.micro_batch_rows,
+            recompute=setting,
+        )
+        for setting in ("none", "selective", "full")
+    }
     where = (
         f"{request.hosts} host(s) x {gpus} {gpu_name or 'GPU'} ({mp._gib(gpu_bytes)} GiB)"
         if on_gpu
@@ -206,14 +222,23 @@ def plan_text(request: PlanRequest) -> str:
         + (f" of {request.inference_tp} GPU(s)" if on_gpu else "")
         + (" sharing the ranks' GPUs" if request.shared_gpus and on_gpu else "")
         + f" on {where}",
-        f"trainer rank ({dtype}, LoRA rank {request.lora_rank}, {request.micro_batch_rows} x "
+        f"trainer rank {rank.rank}"
+        + (f" (pipeline stage {stage} of {request.pp})" if request.pp > 1 else "")
+        + f" ({dtype}, LoRA rank {request.lora_rank}, {request.micro_batch_rows} x "
         f"{request.seq_len}-token rows), GiB:",
         f"  weights                           {g(rank.weights_bytes):>8}",
         f"  LoRA + grads + Adam               {g(rank.lora_bytes + rank.lora_grad_bytes + rank.optimizer_bytes):>8}"
         f"   ({plan.lora_parameters:,} LoRA parameters, optimizer"
         f"{' sharded over dp=' + str(plan.dp) if plan.distributed_optimizer else ' whole'})",
-        f"  activations, no recomputation     {g(rank.activation_bytes):>8}   (what the trainer runs)",
-        f"  activations, full recomputation   {g(recomputed):>8}",
+        *(
+            f"  activations, {label:<20} {g(activations[setting]):>8}"
+            + ("   (what the trainer runs: --recompute)" if setting == plan.recompute else "")
+            for setting, label in (
+                ("none", "no recomputation"),
+                ("selective", "selective recompute"),
+                ("full", "full recomputation"),
+            )
+        ),
         f"  logits                            {g(rank.logits_bytes):>8}",
         f"  reserve                           {g(rank.reserve_bytes):>8}",
         f"  total                             {g(rank.needed_bytes):>8}   of "
@@ -237,7 +262,7 @@ def plan_text(request: PlanRequest) -> str:
                 else "CPU memory"
             ),
         ]
-    fits: list[tuple[int, int, int, int]] = []
+    fits: list[tuple[int, int, int, int, int]] = []
     if on_gpu and gpu_bytes is not None:
         fits = stated_layout.layouts_that_fit(
             shape,
@@ -250,12 +275,13 @@ def plan_text(request: PlanRequest) -> str:
             lora_rank=request.lora_rank,
             row_tokens=request.seq_len,
             micro_batch_rows=request.micro_batch_rows,
+            recompute=request.recompute,
         )
         if request.shared_gpus and plan.replicas:
             fits = _beside_replicas(fits, shape, gpu_bytes, request, dtype)
         lines.append(
             f"trainer layouts of these {len(plan.ranks)} GPU(s) that fit: "
-            + (", ".join(_layout(tp, ep, dp) + f" ({g(n)} GiB)" for tp, ep, dp, n in fits) or "none")
+            + (", ".join(_layout(tp, ep, dp, pp) + f" ({g(n)} GiB)" for tp, ep, dp, pp, n in fits) or "none")
         )
     try:
         mp.check_plan(plan, shape, valid_tp)
@@ -265,7 +291,9 @@ def plan_text(request: PlanRequest) -> str:
                 ", ".join(_replica_tps_that_fit(plan, shape, gpus)) or "no --inference-tp on these GPUs"
             )
         else:
-            alternatives = ", ".join(_layout(tp, ep, dp) for tp, ep, dp, _ in fits) or "none on these GPUs"
+            alternatives = (
+                ", ".join(_layout(tp, ep, dp, pp) for tp, ep, dp, pp, _ in fits) or "none on these GPUs"
+            )
         raise MemoryPlanError(
             f"{request.model}: {exc.process} does not fit: it needs {g(exc.needed_bytes)} GiB and has {g(exc.available_bytes)} GiB "
             f"at {plan.layout}; layouts that fit: {alternatives}",
@@ -279,29 +307,36 @@ def plan_text(request: PlanRequest) -> str:
 
 
 def _beside_replicas(
-    fits: list[tuple[int, int, int, int]], shape: Any, gpu_bytes: int, request: PlanRequest, dtype: str
-) -> list[tuple[int, int, int, int]]:
-    """The layouts of `fits` whose rank also leaves a replica on its GPU (`--shared-gpus`) its
-    gpu_memory_utilization share: what the rank holds between steps (weights, LoRA with its
-    gradient and Adam, reserve: `TrainerRankMemory.resident_bytes`) within gpu_bytes minus that
-    share, as `memory_plan.check_plan` requires of a shared-GPU rank."""
+    fits: list[tuple[int, int, int, int, int]], shape: Any, gpu_bytes: int, request: PlanRequest, dtype: str
+) -> list[tuple[int, int, int, int, int]]:
+    """The layouts of `fits` whose ranks also leave a replica on their GPU (`--shared-gpus`) its
+    gpu_memory_utilization share: what the largest pipeline stage's rank holds between steps
+    (weights, LoRA with its gradient and Adam, reserve: `TrainerRankMemory.resident_bytes`) within
+    gpu_bytes minus that share, as `memory_plan.check_plan` requires of a shared-GPU rank."""
     from art_mega.trainer.prepare import memory_plan as mp
 
     left = gpu_bytes - int(gpu_bytes * request.gpu_memory_utilization)
     kept = []
-    for tp, ep, dp, needed in fits:
-        terms = mp.rank_terms(
-            shape,
-            tp=tp,
-            ep=ep,
-            dp=dp,
-            dtype=dtype,
-            lora_rank=request.lora_rank,
-            row_tokens=request.seq_len,
-            micro_batch_rows=request.micro_batch_rows,
-        )
-        if sum(terms[k] for k in ("weights", "lora", "lora_grad", "optimizer", "reserve")) <= left:
-            kept.append((tp, ep, dp, needed))
+    for tp, ep, dp, pp, needed in fits:
+        resident = 0
+        for stage in range(pp):
+            terms = mp.rank_terms(
+                shape,
+                tp=tp,
+                ep=ep,
+                dp=dp,
+                pp=pp,
+                stage=stage,
+                dtype=dtype,
+                lora_rank=request.lora_rank,
+                row_tokens=request.seq_len,
+                micro_batch_rows=request.micro_batch_rows,
+            )
+            resident = max(
+                resident, sum(terms[k] for k in ("weights", "lora", "lora_grad", "optimizer", "reserve"))
+            )
+        if resident <= left:
+            kept.append((tp, ep, dp, pp, needed))
     return kept
 
 
@@ -322,8 +357,10 @@ def _replica_tps_that_fit(plan: Any, shape: Any, gpus: int) -> list[str]:
     return out
 
 
-def _layout(tp: int, ep: int, dp: int) -> str:
-    return f"--tp {tp}" + (f" --ep {ep}" if ep > 1 else "") + f" (dp={dp})"
+def _layout(tp: int, ep: int, dp: int, pp: int = 1) -> str:
+    return (
+        f"--tp {tp}" + (f" --pp {pp}" if pp > 1 else "") + (f" --ep {ep}" if ep > 1 else "") + f" (dp={dp})"
+    )
 
 
 def request_of(**options: Any) -> PlanRequest:

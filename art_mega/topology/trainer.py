@@ -5,7 +5,9 @@ The data-parallel size is not given: `compile_topology` derives it from the host
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from art_mega.topology.base import GpuId, Integer, ListenPort, SpecModel, unique_gpu_ids, unique_names
 
@@ -42,6 +44,31 @@ class TrainerSpec(SpecModel):
     the cores not busy at the job's start (at least 1; `trainer.rank.main.train_threads`); on a
     GPU rank, torch's default. More than the rank's cores is refused at its start."""
     master_port: ListenPort | None = None
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (megatron-core `TransformerConfig.recompute_granularity`; Korthikanti
+    et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"): "none" keeps
+    every activation for the backward; "selective" re-runs the submodules in `recompute_modules`
+    in the backward (keeping their inputs only); "full" keeps each recomputed layer's input only and
+    re-runs the whole layer in the backward. The step's values do not change, only its memory
+    and time (`art_mega.trainer.prepare.memory_plan` plans each)."""
+    recompute_modules: tuple[Literal["core_attn", "mlp"], ...] = ("core_attn",)
+    """Under "selective": the submodules re-run (megatron-core's `recompute_modules`): "core_attn"
+    the attention core (softmax(QK^T)V), "mlp" a dense layer's MLP (fc1, SwiGLU, fc2)."""
+    recompute_layers: Integer | None = Field(default=None, ge=1)
+    """Under "full": the layers of each pipeline stage recomputed, its first ones
+    (`recompute_method="block"`, `recompute_num_layers`); the rest keep their activations. None:
+    every layer, one at a time (`recompute_method="uniform"`, `recompute_num_layers=1`)."""
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> TrainerSpec:
+        if self.recompute_layers is not None and self.recompute != "full":
+            raise ValueError(
+                f"recompute_layers={self.recompute_layers} counts fully recomputed layers; "
+                f'set recompute="full" with it, or leave it None'
+            )
+        if self.recompute == "selective" and not self.recompute_modules:
+            raise ValueError('recompute="selective" needs recompute_modules, e.g. ("core_attn",)')
+        return self
 
     @field_validator("host_ids")
     @classmethod

@@ -31,7 +31,9 @@ Conventions (one multiply-add = 2 FLOPs; a matmul [m, k] @ [k, n] = 2 m k n):
   trained: their input and weight gradients are both counted (Hu et al. 2021, "LoRA").
 - No activation recomputation: the families' `TransformerConfig` leaves `recompute_granularity`
   None (tests/unit/trainer/test_flops.py pins it), and the only checkpointed piece of the step, the
-  chunked cross entropy (`logprobs.token_logprobs`), recomputes a softmax, not a matmul.
+  chunked cross entropy (`logprobs.token_logprobs`), recomputes a softmax, not a matmul. Under
+  `TrainerSpec.recompute` the re-run forwards are hardware work, not model FLOPs, and are not
+  counted either (model FLOPs utilisation: Chowdhery et al. 2022, "PaLM", appendix B).
 - The step is one forward with gradients and its backward: a loss that reads a KL reference
   (`GRPOLossConfig.needs_reference`) or recomputes the old policy's logprobs (`recomputes_old`)
   runs one more forward without gradients per microbatch, which this count does not include.

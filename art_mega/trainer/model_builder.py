@@ -208,8 +208,13 @@ def build_megatron_model(
     device: str = "cpu",
     dtype: str = "float32",
     use_te: bool | None = None,
+    recompute: Any = None,
 ) -> MegatronModel:
     """This rank's GPTModel with the HF weights of `model_dir` loaded for its TP position.
+
+    `recompute`: anything with `recompute`, `recompute_modules` and `recompute_layers` (a
+    `TrainerSpec`, a rank's `ParallelState`), set on the `TransformerConfig` by `_recompute_config`;
+    None: no recomputation.
 
     Call after `init_parallel` (TP size and rank come from megatron-core's parallel state).
     `device`: "cpu" or "cuda:0"; `dtype`: "float32" or "bfloat16". `use_te` None means the
@@ -242,6 +247,8 @@ def build_megatron_model(
     transformer_config = family.transformer_config(args, layout, dtype=dtype, device=kind)
     if pp > 1:
         transformer_config = _pipeline_config(transformer_config, pp)
+    if recompute is not None and recompute.recompute != "none":
+        transformer_config = _recompute_config(transformer_config, recompute)
     kwargs = family.gpt_model_kwargs(args, tp=layout.tp)
     module = GPTModel(
         transformer_config,
@@ -272,6 +279,8 @@ def build_megatron_model(
         RopeFromPositionIds.install(module)
     if family.finish_model is not None:
         family.finish_model(args, module)
+    if transformer_config.recompute_granularity == "full" and getattr(module, "embedding", None) is not None:
+        _embedding_requires_grad(module)
     return MegatronModel(
         module=module,
         family=family,
@@ -302,6 +311,44 @@ def _pipeline_config(config: Any, pp: int) -> Any:
         # included (its default; a dense model dispatches no tokens)
         moe_token_dispatcher_type="alltoall" if not config.num_moe_experts else config.moe_token_dispatcher_type,
     )
+
+
+def _recompute_config(config: Any, recompute: Any) -> Any:
+    """`config` (a `TransformerConfig`) with `recompute`'s activation recomputation
+    (`TrainerSpec.recompute`): "selective" sets `recompute_granularity="selective"` and its
+    `recompute_modules` (a dense model's "mlp" is megatron-core's "moe" on an MoE layer); "full"
+    sets `recompute_granularity="full"` with `recompute_method="uniform"` and one layer a chunk, or
+    `"block"` and `recompute_layers` layers of each stage. Rebuilt with `dataclasses.replace`, so
+    megatron-core's own checks run. Full recomputation re-enters autograd from each chunk's input
+    (`tensor_parallel.checkpoint`), which must require grad for the LoRA weights inside to get
+    theirs: the first stage's embedding output is marked so (`_embedding_requires_grad`)."""
+    import dataclasses
+
+    if recompute.recompute == "selective":
+        modules = [
+            "moe" if name == "mlp" and config.num_moe_experts else name
+            for name in recompute.recompute_modules
+        ]
+        return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=modules)
+    layers = recompute.recompute_layers
+    return dataclasses.replace(
+        config,
+        recompute_granularity="full",
+        recompute_method="uniform" if layers is None else "block",
+        recompute_num_layers=1 if layers is None else layers,
+    )
+
+
+def _embedding_requires_grad(module: Any) -> None:
+    """Make the embedding's output require grad (a forward hook), so megatron-core's reentrant
+    checkpoint of the first layers (full recomputation) runs its backward through the frozen base
+    model to the LoRA weights: with every base weight frozen, nothing before the first LoRA
+    linear requires grad, and a reentrant checkpoint whose inputs need no grad gets none."""
+
+    def hook(_module: Any, _args: Any, output: Any) -> Any:
+        return output.requires_grad_(True) if not output.requires_grad else output
+
+    module.embedding.register_forward_hook(hook)
 
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -315,3 +315,33 @@ def test_cpu_sequence_parallel_norm(only_patch) -> None:
     assert config.sequence_parallel, "the caller's config is not changed"
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_cpu_checkpoint_rng(only_patch) -> None:
+    """Activation recomputation's checkpoint saves and restores the CUDA generator's state
+    (`tensor_parallel/random.py:444-460`); patched, it keeps the CPU generator's, so a dropout
+    inside a recomputed chunk draws the same mask in the backward as in the forward."""
+    from megatron.core import tensor_parallel
+
+    weight = torch.randn(6, requires_grad=True)
+
+    def chunk(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x * weight, p=0.5)
+
+    def checkpointed() -> torch.Tensor:
+        x = torch.randn(6, requires_grad=True)
+        tensor_parallel.checkpoint(chunk, False, x).sum().backward()
+        return weight.grad
+
+    unpatched_fails(checkpointed)
+    only_patch("cpu_checkpoint_rng")
+    torch.manual_seed(3)
+    x = torch.randn(6, requires_grad=True)
+    tensor_parallel.checkpoint(chunk, False, x).sum().backward()
+    recomputed = weight.grad.clone()
+    weight.grad = None
+    torch.manual_seed(3)
+    x = torch.randn(6, requires_grad=True)
+    chunk(x).sum().backward()
+    assert torch.equal(recomputed, weight.grad), "the recomputed dropout mask is the forward's"
+    assert (recomputed == 0).any() and (recomputed != 0).any()

@@ -7,35 +7,48 @@ Torch-free: parameter counts are analytic from the family's architecture argumen
 published counts (`tests/unit/trainer/test_memory_plan.py` checks them against
 `tests/trainer/test_real_size_mapping.py`'s figures).
 
-A trainer rank (TP size t, CP size c, EP size e, DP size d; parameter bytes w: 2 for bfloat16, 4 for
+A trainer rank (TP size t, CP size c, EP size e, DP size d, PP size pp; parameter bytes w: 2 for bfloat16, 4 for
 float32; one micro-batch of b packed rows of s tokens; L layers, hidden h, heads a of width k, g KV
 heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
 
 - weights: the frozen base model's parameters on the rank x w. Megatron splits attention, the dense
   MLP and the (padded) vocabulary t ways, experts e ways (whole experts), and keeps the norms and the
   router whole (Shoeybi et al. 2019, "Megatron-LM", section 3; megatron-core's layer shapes, as
-  `FamilySpec.megatron_state_dict` maps them).
+  `FamilySpec.megatron_state_dict` maps them). Pipeline stage p of pp holds L/pp layers, the
+  embedding if first, the final norm and LM head if last (with tied embeddings its own copy at
+  pp > 1: `ModelShape.stage_parameters`); LoRA, its gradient and Adam scale with its layers.
 - LoRA: r x (in + out) per wrapped linear, the sharded factor split t ways (`trainer/rank/lora.py`'s
   docstring), times w; its gradient in float32 (DDP's `grad_reduce_in_fp32` buffer, 4 bytes); Adam's
   two float32 moments (8 bytes) plus a float32 master copy where the parameters are bfloat16
   (4 bytes): 18 bytes a parameter in bfloat16, 16 in float32, the optimizer's part divided by d
   under the distributed optimizer (ZeRO stage 1: Rajbhandari et al. 2020, "ZeRO", section 3, K = 12
   for mixed-precision Adam; Megatron's `theoretical_memory_usage.py`: 18 bytes, or 6 + 12/d).
-- activations, no recomputation (the families leave megatron-core's `recompute_granularity` None;
-  `trainer/flops.py`): what autograd keeps per token per layer, in elements of w bytes
-  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  section 4, counted for this trainer's layers; Megatron's own estimate `compute_activation_memory`
-  is sbh(18 + 4f/h) bytes): the two norms' inputs and outputs (4h, split t ways under sequence
-  parallelism, which the MoE family uses at t > 1), the attention's query, repeated keys and values
-  and output (`sdpa_attention`: 4ak/t; memory-efficient attention keeps no s x s scores), Qwen3's
-  q/k-norm inputs ((a + g)k/t), the MLP's fc1 output and activation (3f/t; an MoE layer: top_k x
-  (h + 3i), the routed copy and the expert's fc1 output and activation, plus E router logits) and
-  r per LoRA-wrapped linear (its x A^T). Times s/c x b x L, plus the embedding output, the final
-  norm's input and the LM head's input (3h a token).
-- logits: the LM head's output over the needed positions (every position in the worst case) and
-  its gradient, [b, s/c, V/t] in w bytes each, plus the cross entropy's float32 working set
-  [b, chunk, V/t] x 4 (`logprobs.token_logprobs`: chunk = `logprob_calculation_chunk_size`, or s/c
-  for whole rows; Megatron's estimate counts s b V x 4 for the output layer).
+- activations (`activation_bytes`): what autograd keeps at the step's peak, counted from this
+  trainer's graph (a `saved_tensors_hooks` census of SmolLM2's layer, benchmarks/RESULTS.md) in the
+  manner of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", section 4 (Megatron's own estimate `compute_activation_memory` is sbh(18 + 4f/h)
+  bytes): per token a layer the two norms' inputs, 1/rms and outputs (4h + 2, the h terms split
+  t ways under sequence parallelism, which the MoE family uses at t > 1), RoPE's cos and sin
+  (4k), the SDPA's q, repeated keys and values, output and log-sum-exp ((4ak + a)/t), Qwen3's
+  q/k-norm inputs ((a + g)k/t), the MLP's fc1 output, SwiGLU halves and product (5f/t; an MoE
+  layer: top_k x (h + 5i) plus E router logits) and r per LoRA-wrapped linear (its x A^T); per
+  row a layer the SDPA's additive mask (s x s/c in w bytes: PyTorch turns the boolean packed-row
+  mask into one and keeps it); the final norm's input (h + 1 a token) on the last stage. Times
+  s/c x b x L/pp, times the micro-batches a pipeline stage holds under 1F1B (pp - stage: Narayanan
+  et al. 2021, section 2.2.1). Recomputation (`TrainerSpec.recompute`): "selective" drops its
+  modules' terms ("core_attn" keeps the checkpoint's q, k, v; "mlp" the norm output only), "full"
+  keeps each recomputed layer's input (h) plus one layer rebuilt in the backward (Korthikanti
+  et al., section 5).
+- logits (`logits_bytes`, the last stage): the LM head's output [b, s/c, V/t] in w bytes (every
+  position in the worst case) and the entropy's working set on it (`logprobs.token_entropy`: 21
+  bytes an element, plus a float32 copy of 16-bit logits), which is above the cross entropy's
+  (megatron-core's works in place on float32 logits) and is not chunked by
+  `logprob_calculation_chunk_size`.
+- checked against CPU ranks (`benchmarks/memory_plan.py`): torch's own accounting of the tensors
+  a rank allocates (the profiler's allocator events), which is what `torch.cuda.max_memory_allocated`
+  counts on a GPU; the CPU allocator's slack (glibc keeps freed blocks: resident-set growth is
+  2-3x the tensors on the tiny models) is not planned, as the GPU caching allocator's is in
+  `TRAINER_RESERVE_BYTES`.
 - reserve: `TRAINER_RESERVE_BYTES` for the CUDA context, NCCL buffers and the allocator's slack.
 
 A replica (TP x PP GPUs of one replica, dtype bytes w'): its weights (the whole model x w' across its
@@ -151,6 +164,7 @@ class MemoryPlan(_Plan):
     logprob_chunk: int | None
     activation_factor: float
     recompute: str = "none"
+    pp: int = 1
     max_model_len: int
     gpu_memory_utilization: float
     ranks: tuple[RankMemory, ...]
@@ -159,7 +173,9 @@ class MemoryPlan(_Plan):
     @property
     def layout(self) -> str:
         """The trainer layout as the sentences name it."""
-        return f"TrainerSpec tp={self.tp}, cp={self.cp}, ep={self.ep} (dp={self.dp})"
+        pp = f", pp={self.pp}" if self.pp > 1 else ""
+        recompute = f", recompute={self.recompute}" if self.recompute != "none" else ""
+        return f"TrainerSpec tp={self.tp}, cp={self.cp}, ep={self.ep}{pp}{recompute} (dp={self.dp})"
 
     def line(self) -> str:
         """The plan in one log line: the largest rank's and replica's needs against the smallest
@@ -170,7 +186,7 @@ class MemoryPlan(_Plan):
             f"{self.micro_batch_rows} x {self.row_tokens}-token rows: trainer rank {rank.rank} needs "
             f"{_gib(rank.needed_bytes)} GiB (weights {_gib(rank.weights_bytes)}, LoRA "
             f"{_gib(rank.lora_bytes + rank.lora_grad_bytes + rank.optimizer_bytes)} with grads and Adam, "
-            f"activations {_gib(rank.activation_bytes)} (factor {self.activation_factor:.1f}, no recomputation), "
+            f"activations {_gib(rank.activation_bytes)} (factor {self.activation_factor:.1f}, recomputation {self.recompute}), "
             f"logits {_gib(rank.logits_bytes)}, reserve {_gib(rank.reserve_bytes)}) of "
             + (
                 f"{_gib(rank.available_bytes)} GiB, rows up to {rank.max_row_tokens} tokens fit"
@@ -204,8 +220,8 @@ class MemoryPlan(_Plan):
                 f"trainer rank {rank.rank} on host {rank.host_id} fits {self.micro_batch_rows} packed row(s) of up to "
                 f"{rank.max_row_tokens} tokens of {self.model} in {_gib(rank.available_bytes)} GiB, but rows may "
                 f"pack up to {self.seq_len} tokens: a step with longer rows runs out of GPU memory; set "
-                "max_seq_length (or MegatronBackend(seq_len=)) at most that, pass logprob_calculation_chunk_size "
-                "to backend.train, or use more TP"
+                "max_seq_length (or MegatronBackend(seq_len=)) at most that, set TrainerSpec.recompute, "
+                "or use more TP"
             )
         return lines
 
@@ -221,6 +237,8 @@ def rank_terms(
     cp: int = 1,
     ep: int = 1,
     dp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
     dtype: str,
     lora_rank: int,
     lora_targets: Sequence[str] = _LORA_TARGETS,
@@ -228,16 +246,25 @@ def rank_terms(
     row_tokens: int,
     micro_batch_rows: int = 1,
     logprob_chunk: int | None = None,
+    recompute: str = "none",
+    recompute_modules: Sequence[str] = ("core_attn",),
+    recompute_layers: int | None = None,
+    microbatches: int | None = None,
 ) -> dict[str, int]:
-    """The byte terms of one trainer rank (the module docstring's formulas): weights, lora,
-    lora_grad, optimizer, activations, logits, reserve. `distributed_optimizer` None: when dp > 1
-    (`OptimizerConfig.distributed`'s default)."""
+    """The byte terms of the rank of pipeline stage `stage` of `pp` (the module docstring's
+    formulas): weights, lora, lora_grad, optimizer, activations, logits, reserve.
+    `distributed_optimizer` None: when dp > 1 (`OptimizerConfig.distributed`'s default);
+    `recompute*` as `TrainerSpec`'s; `microbatches` the step's micro-batches (None: enough to fill
+    the pipeline, the 1F1B worst case)."""
     w = DTYPE_BYTES[dtype]
-    lora = shape.lora_parameters(lora_rank, lora_targets, tp, ep)
+    lora = -(
+        -shape.lora_parameters(lora_rank, lora_targets, tp, ep) * shape.stage_layers(pp) // shape.num_layers
+    )
     distributed = dp > 1 if distributed_optimizer is None else distributed_optimizer
     adam = (8 + (4 if w < 4 else 0)) * lora
+    last = stage == pp - 1
     return {
-        "weights": shape.parameters(tp, ep) * w,
+        "weights": shape.stage_parameters(tp, ep, pp, stage) * w,
         "lora": lora * w,
         "lora_grad": lora * 4,
         "optimizer": math.ceil(adam / dp) if distributed else adam,
@@ -245,11 +272,17 @@ def rank_terms(
             shape,
             tp=tp,
             cp=cp,
+            pp=pp,
+            stage=stage,
             dtype=dtype,
             lora_rank=lora_rank,
             lora_targets=lora_targets,
             row_tokens=row_tokens,
             micro_batch_rows=micro_batch_rows,
+            recompute=recompute,
+            recompute_modules=recompute_modules,
+            recompute_layers=recompute_layers,
+            microbatches=microbatches,
         ),
         "logits": logits_bytes(
             shape,
@@ -259,9 +292,20 @@ def rank_terms(
             row_tokens=row_tokens,
             micro_batch_rows=micro_batch_rows,
             logprob_chunk=logprob_chunk,
-        ),
+        )
+        if last
+        else 0,
         "reserve": TRAINER_RESERVE_BYTES,
     }
+
+
+def in_flight(pp: int, stage: int, microbatches: int | None) -> int:
+    """Micro-batches whose activations stage `stage` of `pp` holds at once under 1F1B: its
+    pp - stage - 1 warm-up forwards and the one in its steady state (Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section
+    2.2.1; megatron-core `forward_backward_pipelining_without_interleaving`'s
+    `num_warmup_microbatches`), at most the step's `microbatches`."""
+    return max(1, min(pp - stage, microbatches or pp))
 
 
 def activation_bytes(
@@ -275,16 +319,55 @@ def activation_bytes(
     row_tokens: int,
     micro_batch_rows: int,
     recompute: str = "none",
+    recompute_modules: Sequence[str] = ("core_attn",),
+    recompute_layers: int | None = None,
+    pp: int = 1,
+    stage: int = 0,
+    microbatches: int | None = None,
 ) -> int:
-    """Activations of one micro-batch: tokens (`row_tokens` / cp x rows) x (the layers'
-    elements a token + 3 hidden) x dtype bytes; `recompute` "none" (what the trainer runs:
-    `ModelShape.layers_activation_elements`) or "full" (`recomputed_activation_elements`)."""
+    """Activations a rank keeps at the peak of its step, in bytes: `in_flight` micro-batches of
+    tokens = rows x `row_tokens` / cp, each keeping over the stage's `stage_layers` layers the
+    layers' elements a token (`layers_activation_elements`, scaled to the stage) in dtype bytes,
+    SDPA's additive mask (PyTorch converts the boolean mask to one of the query's dtype and keeps
+    it for the backward: rows x s x s/cp a layer, in dtype bytes) and the packed-row boolean mask
+    (rows x s x s/cp bytes, shared by the layers); the last stage also keeps the final norm's
+    input and reciprocal RMS (h + 1 a token).
+
+    `recompute` "selective": `recompute_modules` drop their terms (`layers_activation_elements`;
+    "core_attn" drops the SDPA mask too) and one layer's "mlp" is rebuilt at a time in the
+    backward (5 f / tp a token). "full": the recomputed layers (`recompute_layers` of the stage,
+    None: all) keep their input only (`layer_input_elements`), plus one layer's whole activations
+    and mask while the backward recomputes it (Korthikanti et al. 2022, section 5)."""
+    w = DTYPE_BYTES[dtype]
     tokens = math.ceil(row_tokens / cp) * micro_batch_rows
+    layers = shape.stage_layers(pp)
+    modules = tuple(recompute_modules) if recompute == "selective" else ()
+    per_layer = shape.layers_activation_elements(tp, lora_rank, lora_targets, modules) / shape.num_layers
+    mask = micro_batch_rows * row_tokens * math.ceil(row_tokens / cp)
+    layer_bytes = per_layer * tokens * w + (0 if "core_attn" in modules else mask * w)
+    kept = layers * layer_bytes
     if recompute == "full":
-        layers = shape.recomputed_activation_elements(tp, lora_rank, lora_targets)
-    else:
-        layers = shape.layers_activation_elements(tp, lora_rank, lora_targets)
-    return tokens * (layers + 3 * shape.hidden_size) * DTYPE_BYTES[dtype]
+        recomputed = layers if recompute_layers is None else min(recompute_layers, layers)
+        kept = (layers - recomputed) * layer_bytes + recomputed * shape.layer_input_elements(tp) * tokens * w
+        kept += layer_bytes if recomputed else 0
+    elif "mlp" in modules:
+        kept += (
+            (
+                5 * shape.expert_ffn_hidden_size * shape.top_k
+                if shape.num_experts
+                else 5 * shape.ffn_hidden_size // tp
+            )
+            * tokens
+            * w
+        )
+    outside = mask + ((shape.hidden_size + 1) * tokens * w if stage == pp - 1 else 0)
+    return math.ceil(in_flight(pp, stage, microbatches) * (kept + outside))
+
+
+ENTROPY_WORKING_SET_BYTES = 21
+"""Bytes `logprobs.token_entropy` holds an element of the logits at its peak, all float32 but one
+bool: the max-shifted logits, their exp, `exp > 0` (1 byte), `exp * shifted`, `zeros_like(exp)`
+and the `torch.where` result, live together while the where runs (counted from its code)."""
 
 
 def logits_bytes(
@@ -297,12 +380,20 @@ def logits_bytes(
     micro_batch_rows: int,
     logprob_chunk: int | None,
 ) -> int:
-    """The LM head's output and its gradient [rows, row_tokens / cp, V/tp] in dtype bytes, plus
-    the float32 cross-entropy working set [rows, chunk or row_tokens / cp, V/tp]."""
+    """The last stage's logits at the step's peak: the LM head's output [rows, row_tokens / cp,
+    V/tp] in dtype bytes (every position in the worst case: `forward_logits(needed=)` keeps only
+    the trained ones) and the entropy's working set on it, `ENTROPY_WORKING_SET_BYTES` an element
+    plus a float32 copy of non-float32 logits (`logits.float()`). The entropy (no gradient) runs
+    on the whole logits before the cross entropy, whose working set is smaller: float32 logits it
+    works on in place (megatron-core `VocabParallelCrossEntropy`), others it copies to float32
+    ([rows, chunk or row_tokens / cp, V/tp] x 4 with `logprob_chunk`); the gradient it returns
+    is that copy. The peak is therefore the entropy's; `logprob_chunk` does not lower it."""
+    del logprob_chunk  # the cross entropy's chunks stay under the entropy's working set
     positions = math.ceil(row_tokens / cp)
-    chunk = positions if logprob_chunk is None else min(logprob_chunk, positions)
     vocab = math.ceil(shape.vocab_size / tp)
-    return micro_batch_rows * vocab * (positions * 2 * DTYPE_BYTES[dtype] + chunk * 4)
+    w = DTYPE_BYTES[dtype]
+    per_element = w + ENTROPY_WORKING_SET_BYTES + (4 if w != 4 else 0)
+    return micro_batch_rows * positions * vocab * per_element
 
 
 MXFP4_BYTES = 17 / 32
@@ -319,10 +410,26 @@ def replica_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     return (shape.parameters() - experts) * dtype_bytes + math.ceil(experts * MXFP4_BYTES)
 
 
-def _positions_that_fit(room: int, per_position: int) -> int:
-    """Positions a rank (of a CP group) can hold in `room` bytes at `per_position` bytes each:
-    the activations and logits grow linearly with the row."""
-    return max(room, 0) // max(per_position, 1)
+def _row_tokens_that_fit(
+    room: int, seq_len: int, shape: ModelShape, stage: int, common: dict[str, Any]
+) -> int:
+    """The longest row (at most `seq_len` tokens, a multiple of cp) whose activations and logits
+    fit `room` bytes on stage `stage` (`rank_terms`'s `common` arguments): a bisection, the
+    terms growing with the row (linearly, and quadratically through the attention masks)."""
+
+    def fits(tokens: int) -> bool:
+        terms = rank_terms(shape, row_tokens=tokens, stage=stage, **common)
+        return terms["activations"] + terms["logits"] <= room
+
+    cp = common["cp"]
+    low, high = 0, seq_len // cp
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid * cp):
+            low = mid
+        else:
+            high = mid - 1
+    return low * cp
 
 
 def plan_memory(
@@ -360,25 +467,20 @@ def plan_memory(
         "cp": cp,
         "ep": ep,
         "dp": dp,
+        "pp": trainer.pp,
         "dtype": trainer_dtype,
         "lora_rank": lora_rank,
         "lora_targets": lora_targets,
         "distributed_optimizer": distributed_optimizer,
         "micro_batch_rows": micro_batch_rows,
         "logprob_chunk": logprob_chunk,
+        "recompute": getattr(trainer, "recompute", "none"),
+        "recompute_modules": getattr(trainer, "recompute_modules", ("core_attn",)),
+        "recompute_layers": getattr(trainer, "recompute_layers", None),
     }
-    terms = rank_terms(shape, row_tokens=row_tokens, **common)
+    stages = [rank_terms(shape, row_tokens=row_tokens, stage=stage, **common) for stage in range(trainer.pp)]
     util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization
-    per_position = _per_position_bytes(
-        shape,
-        tp=tp,
-        cp=cp,
-        dtype=trainer_dtype,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        micro_batch_rows=micro_batch_rows,
-    )
-    ranks = _rank_memories(topology, gpu_memory, terms, per_position=per_position, seq_len=seq_len, cp=cp)
+    ranks = _rank_memories(shape, topology, gpu_memory, stages, seq_len=seq_len, common=common)
     replicas = _replica_memories(
         shape,
         topology,
@@ -405,6 +507,8 @@ def plan_memory(
         micro_batch_rows=micro_batch_rows,
         logprob_chunk=logprob_chunk,
         activation_factor=shape.activation_elements(tp, lora_rank, lora_targets) / shape.hidden_size,
+        recompute=common["recompute"],
+        pp=trainer.pp,
         max_model_len=max_model_len,
         gpu_memory_utilization=util,
         ranks=tuple(ranks),
@@ -412,53 +516,20 @@ def plan_memory(
     )
 
 
-def _per_position_bytes(
-    shape: ModelShape,
-    *,
-    tp: int,
-    cp: int,
-    dtype: str,
-    lora_rank: int,
-    lora_targets: Sequence[str],
-    micro_batch_rows: int,
-) -> int:
-    """Activations and logits (whole-row logits) of one position per CP rank, in bytes: both are
-    linear in the positions, so a rank's room divided by this is the positions that fit it."""
-    return activation_bytes(
-        shape,
-        tp=tp,
-        cp=cp,
-        dtype=dtype,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        row_tokens=cp,
-        micro_batch_rows=micro_batch_rows,
-    ) + logits_bytes(
-        shape,
-        tp=tp,
-        cp=cp,
-        dtype=dtype,
-        row_tokens=cp,
-        micro_batch_rows=micro_batch_rows,
-        logprob_chunk=None,
-    )
-
-
 def _rank_memories(
+    shape: ModelShape,
     topology: Any,
     gpu_memory: Mapping[tuple[str, int | str], int],
-    terms: dict[str, int],
+    stages: Sequence[dict[str, int]],
     *,
-    per_position: int,
     seq_len: int,
-    cp: int,
+    common: dict[str, Any],
 ) -> list[RankMemory]:
-    """Every trainer rank of `topology`: the same `terms` (`rank_terms`, bytes) on each, its GPU's
-    bytes from `gpu_memory` (None on CPU), whether a shared-GPU replica sits on that GPU, and the
-    longest row (tokens, at most `seq_len`) whose activations and logits (`per_position` bytes a
-    position per CP rank) fit beside what the rank holds between steps."""
-    needed = sum(terms.values())
-    resident = needed - terms["activations"] - terms["logits"]
+    """Every trainer rank of `topology`: the terms of its pipeline stage (`stages[pp_rank]`,
+    `rank_terms`, bytes), its GPU's bytes from `gpu_memory` (None on CPU), whether a shared-GPU
+    replica sits on that GPU, and the longest row (tokens, at most `seq_len`) whose activations and
+    logits fit beside what the rank holds between steps (`_row_tokens_that_fit` with `common`,
+    `rank_terms`'s arguments)."""
     shared = {
         (host, gpu)
         for replica in topology.replicas
@@ -468,6 +539,10 @@ def _rank_memories(
     }
     ranks = []
     for rank in topology.trainer_ranks:
+        stage = getattr(rank, "pp_rank", 0)
+        terms = stages[stage]
+        needed = sum(terms.values())
+        resident = needed - terms["activations"] - terms["logits"]
         available = gpu_memory.get((rank.host_id, rank.gpu_id)) if rank.gpu_id is not None else None
         ranks.append(
             RankMemory(
@@ -487,7 +562,7 @@ def _rank_memories(
                 max_row_tokens=(
                     None
                     if available is None
-                    else min(seq_len, _positions_that_fit(available - resident, per_position) * cp)
+                    else _row_tokens_that_fit(available - resident, seq_len, shape, stage, common)
                 ),
             )
         )
@@ -644,7 +719,7 @@ def _rank_fix(plan: MemoryPlan, shape: ModelShape, rank: RankMemory, valid_tp: S
     if rank.resident_bytes < available and plan.micro_batch_rows > 1:
         return "use micro_batch_rows=1, more TP, or larger GPUs"
     if rank.resident_bytes < available:
-        return "pass logprob_calculation_chunk_size to backend.train and use more TP, or larger GPUs"
+        return 'set TrainerSpec.recompute="full", use more TP, or larger GPUs'
     return (
         f"no tp up to {max(valid_tp, default=plan.tp)} fits it on {_gib(available)} GiB GPUs; use larger GPUs"
     )

@@ -240,6 +240,25 @@ class ModelShape(_Plan):
             + self._global_extra(tp)
         )
 
+    def stage_parameters(self, tp: int = 1, ep: int = 1, pp: int = 1, stage: int = 0) -> int:
+        """Parameters the rank of pipeline stage `stage` of `pp` holds: its `stage_layers` share of
+        the layers' (an average over Qwen3.5's mixed layers and Gemma 4's global ones), the
+        embedding on the first stage, the final norm and the LM head on the last; with tied
+        embeddings and pp > 1 the last stage keeps its own copy of the embedding matrix as the
+        output layer (megatron-core `LanguageModule.setup_embeddings_and_output_layer`)."""
+        whole = self.parameters(tp, ep)
+        if pp == 1:
+            return whole
+        vocab = math.ceil(self.vocab_size / tp) * self.hidden_size
+        outside = vocab * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        layers = (whole - outside) * self.stage_layers(pp) // self.num_layers
+        return layers + (vocab if stage == 0 else 0) + (vocab + self.hidden_size if stage == pp - 1 else 0)
+
+    def stage_layers(self, pp: int) -> int:
+        """Layers on each of `pp` stages: megatron-core's even split (`get_num_layers_to_build`;
+        `model_builder.check_pipeline` refuses a count pp does not divide)."""
+        return -(-self.num_layers // pp)
+
     def _global_extra(self, tp: int) -> int:
         """Parameters a rank holds in the global layers beyond what the local shape counts."""
         if not self.global_layers:
@@ -281,33 +300,57 @@ class ModelShape(_Plan):
             total += rank * self.global_layers * sum(extra.get(name, 0) for name in targets)
         return total
 
-    def activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
+    def activation_elements(
+        self, tp: int, lora_rank: int, targets: Sequence[str], recompute_modules: Sequence[str] = ()
+    ) -> int:
         """Elements autograd keeps a token a layer without recomputation (the module docstring's
-        count), averaged over the layers where they differ (Qwen3.5's delta-net layers); divided
-        by hidden it is the plan's `activation_factor`."""
-        return -(-self.layers_activation_elements(tp, lora_rank, targets) // self.num_layers)
+        count; the s x s mask is `activation_bytes`'), averaged over the layers where they differ
+        (Qwen3.5's delta-net layers); divided by hidden it is the plan's `activation_factor`."""
+        total = self.layers_activation_elements(tp, lora_rank, targets, recompute_modules)
+        return -(-total // self.num_layers)
 
-    def layers_activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
-        """Elements autograd keeps a token over all layers without recomputation: per layer the
-        norms' inputs and outputs, the mixer's and the MLP's (module docstring); a gated delta-net
-        mixer keeps its four projections' outputs (conv channels + Vh dv + 2 Vh), the conv's input
-        and output after SiLU (2 x conv channels), the delta rule's output and the gated norm's
-        (2 Vh dv), all split tp ways: an estimate from `qwen3_5.GatedDeltaNetMixer`'s graph."""
-        h, k = self.hidden_size, self.head_dim
+    def layers_activation_elements(
+        self, tp: int, lora_rank: int, targets: Sequence[str], recompute_modules: Sequence[str] = ()
+    ) -> int:
+        """Elements autograd keeps a token over all layers, counted from the graph of this
+        trainer's layer (`torch.autograd.graph.saved_tensors_hooks` census of SmolLM2's layer,
+        benchmarks/RESULTS.md): the two RMSNorms' inputs and reciprocal RMS (h + 1 each) and
+        outputs (h each, the inputs of linear_qkv and linear_fc1), RoPE's cos and sin for q and k
+        (4 k, not split), the SDPA's q, repeated k and v, output and log-sum-exp (4 a k + a, split
+        tp ways), Qwen3's q/k-norm inputs ((a + g) k / tp), the MLP's fc1 output, its two SwiGLU
+        halves and their product (5 f / tp; an MoE layer: top_k x (h + 5 i), the routed copy and
+        the expert's, plus E router logits), and r per LoRA-wrapped linear (its x A^T). The norms'
+        h terms are split tp ways under sequence parallelism (the MoE family at tp > 1).
+
+        `recompute_modules` (selective recomputation, `TrainerSpec.recompute_modules`):
+        "core_attn" keeps the checkpoint's inputs q, k, v (a k + 2 g k) instead of the SDPA's
+        saved q, repeated k and v and log-sum-exp (the output stays: linear_proj keeps it);
+        "mlp" keeps none of the MLP's own (its input is the norm's output, counted already).
+
+        A gated delta-net mixer keeps its four projections' outputs (conv channels + Vh dv +
+        2 Vh), the conv's input and output after SiLU (2 x conv channels), the delta rule's
+        output and the gated norm's (2 Vh dv), all split tp ways: an estimate from
+        `qwen3_5.GatedDeltaNetMixer`'s graph."""
+        h, k, a, g = self.hidden_size, self.head_dim, self.num_heads, self.num_query_groups
         sequence_parallel = self.num_experts > 0 and tp > 1
-        norms = 4 * h // (tp if sequence_parallel else 1)
-        attention = 4 * self.num_heads * k // tp
+        norms = 4 * h // (tp if sequence_parallel else 1) + 2
+        if "core_attn" in recompute_modules:
+            attention = (2 * a * k + 2 * g * k) // tp + 4 * k
+        else:
+            attention = (4 * a * k + a) // tp + 4 * k
         if self.attention_output_gate:  # the gate and the gated output
-            attention += 2 * self.num_heads * k // tp
+            attention += 2 * a * k // tp
         if self.qk_norm:
-            attention += (self.num_heads + self.num_query_groups) * k // tp
+            attention += (a + g) * k // tp
         attention_lora = sum(1 for name in targets if name in ("linear_qkv", "linear_proj"))
         mlp_lora = len(targets) - attention_lora
         if self.num_experts:
-            mlp = self.top_k * (h + 3 * self.expert_ffn_hidden_size) + self.num_experts
+            mlp = self.top_k * (h + 5 * self.expert_ffn_hidden_size) + self.num_experts
             mlp_lora *= self.top_k
         else:
-            mlp = 3 * self.ffn_hidden_size // tp
+            mlp = 5 * self.ffn_hidden_size // tp
+        if "mlp" in recompute_modules:
+            mlp, mlp_lora = 0, 0
         vd = self.delta_value_heads * self.delta_value_dim
         delta = (3 * self.delta_conv_channels + 3 * vd + 2 * self.delta_value_heads) // tp
         full = self.num_layers - self.delta_layers
@@ -317,21 +360,11 @@ class ModelShape(_Plan):
             + self.delta_layers * delta
         )
 
-    def recomputed_activation_elements(self, tp: int, lora_rank: int, targets: Sequence[str]) -> int:
-        """Elements kept a token over all layers under full activation recomputation
-        (megatron-core `recompute_granularity="full"`, `recompute_method="uniform"`, one layer a
-        chunk): every layer's input (h, split tp ways under sequence parallelism) plus the widest
-        layer's activations while the backward pass recomputes it (Korthikanti et al. 2022,
-        section 5: full recomputation stores only each layer's input, 2sbh bytes in 16 bits).
-        Selective recomputation (`"selective"`, the attention core) frees the s x s scores, which
-        this trainer's memory-efficient attention never keeps: it is the no-recomputation figure."""
-        sequence_parallel = self.num_experts > 0 and tp > 1
-        inputs = self.num_layers * self.hidden_size // (tp if sequence_parallel else 1)
-        widest = self.activation_elements(tp, lora_rank, targets)
-        if self.delta_layers and self.delta_layers < self.num_layers:
-            dense = ModelShape(**{**self.model_dump(), "delta_layers": 0, "num_layers": 1})
-            widest = max(widest, dense.layers_activation_elements(tp, lora_rank, targets))
-        return inputs + widest
+    def layer_input_elements(self, tp: int) -> int:
+        """Elements a fully recomputed layer keeps a token: its input (h, split tp ways under
+        sequence parallelism), the checkpoint's saved input (Korthikanti et al. 2022, section 5:
+        full recomputation stores only each layer's input, 2sbh bytes in 16 bits)."""
+        return self.hidden_size // (tp if self.num_experts > 0 and tp > 1 else 1)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """vLLM's KV cache a token, over all of a replica's GPUs: 2 x layers x KV heads x

@@ -32,6 +32,7 @@ class _Rank(_Plan):
     rank: int
     host_id: str
     gpu_id: int | str | None
+    pp_rank: int = 0
 
 
 class _Replica(_Plan):
@@ -47,6 +48,9 @@ class _Trainer(_Plan):
     cp: int
     ep: int
     pp: int = 1
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    recompute_layers: int | None = None
 
 
 class StatedLayout(_Plan):
@@ -72,6 +76,8 @@ class StatedLayout(_Plan):
         replicas: int,
         replica_tp: int,
         shared_gpus: bool,
+        pp: int = 1,
+        recompute: str = "none",
     ) -> StatedLayout:
         """Raises `UserError` (one sentence) for a layout that cannot be placed: replicas that
         need more GPUs than host0 has, no GPU left for the trainer, or a trainer world that
@@ -97,14 +103,17 @@ class StatedLayout(_Plan):
                 f"the replicas take all {gpus} GPUs of host0 and --hosts 1 leaves the trainer none; "
                 "pass --shared-gpus, --hosts 2 or fewer --replicas"
             )
-        if world % (tp * cp) or (world // cp) % ep:
+        if world % (tp * cp * pp) or (world // (cp * pp)) % ep:
             less = ", less the replicas' GPUs" if taken else ""
             raise UserError(
-                f"trainer tp={tp} x cp={cp} (ep={ep}) does not divide its {world} ranks "
+                f"trainer tp={tp} x cp={cp} x pp={pp} (ep={ep}) does not divide its {world} ranks "
                 f"({hosts} host(s) x {gpus or 1} slot(s){less}); "
                 "pick sizes that divide it, or --replicas and --inference-tp that leave the trainer a multiple of tp x cp GPUs, or --shared-gpus"
             )
-        ranks = tuple(_Rank(rank=i, host_id=h, gpu_id=g) for i, (h, g) in enumerate(slots))
+        # megatron-core's "tp-cp-ep-dp-pp" order: the pipeline stage is the outermost coordinate
+        ranks = tuple(
+            _Rank(rank=i, host_id=h, gpu_id=g, pp_rank=i // (world // pp)) for i, (h, g) in enumerate(slots)
+        )
         replica_specs = tuple(
             _Replica(
                 index=i,
@@ -114,7 +123,11 @@ class StatedLayout(_Plan):
             )
             for i in range(replicas)
         )
-        return cls(trainer=_Trainer(tp=tp, cp=cp, ep=ep), trainer_ranks=ranks, replicas=replica_specs)
+        return cls(
+            trainer=_Trainer(tp=tp, cp=cp, ep=ep, pp=pp, recompute=recompute),
+            trainer_ranks=ranks,
+            replicas=replica_specs,
+        )
 
 
 def layouts_that_fit(
@@ -125,21 +138,28 @@ def layouts_that_fit(
     gpus_per_host: int,
     gpu_bytes: int,
     **terms: Any,
-) -> list[tuple[int, int, int, int]]:
-    """(tp, ep, dp, needed bytes) of every trainer layout of `world` GPU ranks whose rank fits
-    `gpu_bytes`: tp among the model's `valid_tp` within one host (NVLink), ep dividing the experts
-    and the data-parallel ranks (MoE only), cp 1. `terms`: `rank_terms`'s keyword arguments but
-    tp, ep, dp."""
+) -> list[tuple[int, int, int, int, int]]:
+    """(tp, ep, dp, pp, needed bytes) of every trainer layout of `world` GPU ranks whose ranks
+    fit `gpu_bytes` (the largest pipeline stage's): tp among the model's `valid_tp` within one
+    host (NVLink), pp dividing the layers and the ranks left, ep dividing the experts and the
+    data-parallel ranks (MoE only), cp 1. `terms`: `rank_terms`'s keyword arguments but tp, ep,
+    dp, pp and stage."""
     fits = []
     for tp in sorted(t for t in valid_tp if t <= max(gpus_per_host, 1) and world % t == 0):
-        dp = world // tp
-        eps = (
-            [e for e in range(1, dp + 1) if dp % e == 0 and shape.num_experts % e == 0]
-            if shape.num_experts
-            else [1]
-        )
-        for ep in eps:
-            needed = sum(rank_terms(shape, tp=tp, ep=ep, dp=dp, **terms).values())
-            if needed <= gpu_bytes:
-                fits.append((tp, ep, dp, needed))
+        for pp in (
+            p for p in range(1, world // tp + 1) if (world // tp) % p == 0 and shape.num_layers % p == 0
+        ):
+            dp = world // (tp * pp)
+            eps = (
+                [e for e in range(1, dp + 1) if dp % e == 0 and shape.num_experts % e == 0]
+                if shape.num_experts
+                else [1]
+            )
+            for ep in eps:
+                needed = max(
+                    sum(rank_terms(shape, tp=tp, ep=ep, dp=dp, pp=pp, stage=stage, **terms).values())
+                    for stage in range(pp)
+                )
+                if needed <= gpu_bytes:
+                    fits.append((tp, ep, dp, pp, needed))
     return fits

@@ -43,6 +43,10 @@ changed megatron-core fails loudly here rather than silently later.
   point-to-point sends themselves are plain `isend` / `irecv`, which gloo runs (the engine sets
   `batch_p2p_comm=False`, so the other `synchronize` at `:398` is never reached).
 
+- `cpu_checkpoint_rng`: activation recomputation's checkpoint saves and restores the CUDA
+  generator's state around each recomputed chunk (`tensor_parallel/random.py:444-460`,
+  `_get_all_rng_states` / `_set_all_rng_states`, called by `CheckpointFunction`).
+
 Not patched, because nothing in art-mega runs it on CPU: the interleaved (virtual-stage)
 pipeline schedule (`pipeline_parallel/schedules.py:983`).
 """
@@ -430,6 +434,36 @@ def cpu_sequence_parallel_norm(log: _UndoLog) -> None:
     cls.__new__ = staticmethod(new)
 
 
+def _cpu_rng_states() -> tuple[Any, None, Any]:
+    import torch
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    return torch.get_rng_state(), None, mcore_random.get_cuda_rng_tracker().get_states()
+
+
+def _set_cpu_rng_states(cpu_rng_state: Any, _cuda_rng_state: Any, tracker_states: Any) -> None:
+    import torch
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.set_rng_state(cpu_rng_state)
+    mcore_random.get_cuda_rng_tracker().set_states(tracker_states)
+
+
+def cpu_checkpoint_rng(log: _UndoLog) -> None:
+    """Let activation recomputation's checkpoint run on the CPU.
+
+    `CheckpointFunction` (full recomputation, selective `core_attn` / `mlp`) saves every RNG
+    state before the forward and restores it around the recomputation, the CUDA generator's
+    included (`tensor_parallel/random.py:444-460`: `torch.cuda.random.get_rng_state`). The two
+    helpers are replaced where `CheckpointFunction` and `_fork_rng` look them up with versions
+    that keep the CPU generator's state and the tracker's (CPU states, `cpu_rng_tracker`).
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    _replace(log, mcore_random, "_get_all_rng_states", _cpu_rng_states)
+    _replace(log, mcore_random, "_set_all_rng_states", _set_cpu_rng_states)
+
+
 def cpu_rope_cp_slice(log: _UndoLog) -> None:
     """Select this CP rank's RoPE angles with an index on the angles' own device.
 
@@ -460,6 +494,7 @@ PATCHES: dict[str, Callable[[_UndoLog], None]] = {
     "cpu_alltoall_dispatcher": cpu_alltoall_dispatcher,
     "cpu_sequence_parallel_norm": cpu_sequence_parallel_norm,
     "cpu_rope_cp_slice": cpu_rope_cp_slice,
+    "cpu_checkpoint_rng": cpu_checkpoint_rng,
 }
 """Every patch by name, in the order `apply_cpu_compat` applies them."""
 

@@ -98,7 +98,9 @@ class TrainerEngine(SavedState, StepLoss):
         self.compute_entropy = compute_entropy
         # The local layer spec on every device for now: LoRA cannot wrap TransformerEngine's
         # fused-norm linears yet, and TE's causal attention ignores the packed-row mask.
-        self.model = build_megatron_model(model_dir, device=parallel_state.device, dtype=dtype, use_te=False)
+        self.model = build_megatron_model(
+            model_dir, device=parallel_state.device, dtype=dtype, use_te=False, recompute=parallel_state
+        )
         module = self.model.module
         self.lora_layers = apply_lora(module, lora)
         config = module.config

@@ -41,6 +41,10 @@ class ParallelState:
     ep_rank: int
     etp_rank: int
     expert_dp_rank: int
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    recompute_layers: int | None = None
+    """The trainer's activation recomputation (`TrainerSpec.recompute*`), for the model build."""
 
 
 def _check_supported(trainer: TrainerSpec) -> None:
@@ -140,6 +144,9 @@ def init_parallel(
         pp=trainer.pp,
         dp=mpu.get_data_parallel_world_size(),
         **coordinates,
+        recompute=trainer.recompute,
+        recompute_modules=trainer.recompute_modules,
+        recompute_layers=trainer.recompute_layers,
     )
 
 

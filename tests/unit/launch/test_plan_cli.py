@@ -77,19 +77,21 @@ def test_llama_33_70b_on_two_h100_nodes_by_hand(configs, capsys):
     # full recomputation keeps far less than none (one layer's input a layer, plus one layer)
     assert figure(out, "activations, full recomputation") < figure(out, "activations, no recomputation") / 4
     fits = re.search(r"that fit: (.*)$", out, re.M)[1]
-    assert "--tp 8 (dp=1)" in fits and "--tp 4 (dp=2)" in fits and "--tp 1 " not in fits
+    # 4096-token rows at tp=4 need two pipeline stages (half the layers' activations and weights)
+    assert "--tp 8 (dp=1)" in fits and "--tp 4 --pp 2 (dp=1)" in fits and "--tp 4 (dp=2)" not in fits
+    assert "--tp 1 " not in fits
 
 
 @pytest.mark.parametrize(
     ("name", "args", "parameters"),
     [
-        ("Qwen3-32B", ["--gpu", "H100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--inference-tp", "2"],
+        ("Qwen3-32B", ["--gpu", "H100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--recompute", "full", "--inference-tp", "2"],
          32_762_123_264),
-        ("Qwen3-30B-A3B", ["--gpu", "H100-80GB", "--gpus", "8", "--ep", "4", "--inference-tp", "4"], 30_532_122_624),
-        ("gpt-oss-120b", ["--gpu", "H100-80GB", "--gpus", "8", "--hosts", "2", "--ep", "8", "--inference-tp", "8"],
+        ("Qwen3-30B-A3B", ["--gpu", "H100-80GB", "--gpus", "8", "--ep", "4", "--recompute", "full", "--inference-tp", "4"], 30_532_122_624),
+        ("gpt-oss-120b", ["--gpu", "H100-80GB", "--gpus", "8", "--hosts", "2", "--ep", "8", "--recompute", "full", "--inference-tp", "8"],
          GPT_OSS_PARAMETERS["gpt-oss-120b"]),
         # megatron-core builds 26,895,998,464 on the meta device (tests/trainer/test_qwen3_5_family.py)
-        ("Qwen3.6-27B", ["--gpu", "A100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--inference-tp", "2"],
+        ("Qwen3.6-27B", ["--gpu", "A100-80GB", "--gpus", "8", "--tp", "4", "--replicas", "2", "--recompute", "full", "--inference-tp", "2"],
          26_895_998_464),
     ],
 )  # fmt: skip
@@ -107,7 +109,7 @@ def test_published_configs_print_plans(configs, capsys, name, args, parameters):
 
 def test_gpt_oss_replica_keeps_experts_in_mxfp4(configs, capsys):
     code, out, _ = run_plan(capsys, str(configs / "gpt-oss-120b"), "--gpu-memory-gib", "80", "--gpus", "8",
-                            "--hosts", "2", "--ep", "8", "--inference-tp", "8")  # fmt: skip
+                            "--hosts", "2", "--ep", "8", "--recompute", "full", "--inference-tp", "8")  # fmt: skip
     assert code == 0
     shape = ModelShape.from_args(family_for(GPT_OSS_120B).model_args(GPT_OSS_120B))
     experts = 36 * 128 * (3 * 2880 * 2880 + 2 * 2880 + 2880)  # gate_up, down and their biases
@@ -175,6 +177,8 @@ def test_a_hub_id_reads_an_offline_cache_with_only_config_json(tmp_path):
         "2",
         "--replicas",
         "2",
+        "--recompute",
+        "full",
     ]
     proc = subprocess.run(command, env={**env, "PYTHONPATH": str(Path(__file__).parents[3])},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -191,7 +195,7 @@ def test_without_gpus_the_plan_is_of_cpu_ranks_in_float32(configs, capsys, monke
     monkeypatch.setattr("art_mega.launch.plan.local_gpus", lambda: (0, None, None))
     code, out, err = run_plan(capsys, str(configs / "Qwen3-32B"), "--seq-len", "1024")
     assert code == 0, err
-    assert "on 1 CPU host(s)" in out and "trainer rank (float32," in out
+    assert "on 1 CPU host(s)" in out and "trainer rank 0 (float32," in out
     assert figure(out, "weights") == round(32_762_123_264 * 4 / GIB, 1)
     assert "of CPU memory" in out and "layouts" not in out
 
@@ -207,10 +211,12 @@ def test_shared_gpus_list_only_layouts_that_leave_the_replica_its_share(configs,
     (line,) = err.strip().splitlines()
     assert re.search(r"it needs [0-9.]+ GiB and has 8\.0 GiB", line), line
     assert line.endswith("layouts that fit: none on these GPUs"), line
-    # at 0.7 a rank keeps 23.9 GiB: tp=2's 30.5 GiB of weights no longer fit beside the replica
+    # at 0.7 a rank keeps 23.9 GiB: tp=2's 30.5 GiB of weights no longer fit beside the replica,
+    # but half or a quarter of them on a pipeline stage do
     code, out, err = run_plan(capsys, str(configs / "Qwen3-32B"), "--gpu", "H100-80GB", "--gpus", "8", "--tp", "8",
                               "--shared-gpus", "--inference-tp", "2", "--gpu-memory-utilization", "0.7")  # fmt: skip
     assert code == 0, err
     assert out.strip().splitlines()[-1] == (
-        "trainer layouts of these 8 GPU(s) that fit: --tp 4 (dp=2) (42.3 GiB), --tp 8 (dp=1) (26.9 GiB)"
+        "trainer layouts of these 8 GPU(s) that fit: --tp 2 --pp 2 (dp=2) (70.3 GiB), --tp 2 --pp 4 (dp=1) "
+        "(63.0 GiB), --tp 4 (dp=2) (53.5 GiB), --tp 4 --pp 2 (dp=1) (41.9 GiB), --tp 8 (dp=1) (33.6 GiB)"
     )

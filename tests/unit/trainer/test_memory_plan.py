@@ -106,13 +106,18 @@ def test_llama_31_8b_rank_terms_by_hand() -> None:
     # fc2 7168 + 4096
     lora = 32 * 16 * ((4096 + 3072) + (2048 + 4096) + (4096 + 14336) + (7168 + 4096))
     assert lora == 22_020_096
-    # a token a layer: 4 x 4096 (norms' inputs and outputs), 4 x 32*128/2 (q, repeated k and v,
-    # output), 3 x 14336/2 (fc1's gate and up, SwiGLU), 4 x 16 (LoRA); + 3 x 4096 outside layers
-    activations = (32 * (4 * 4096 + 4 * 32 * 128 // 2 + 3 * 14336 // 2 + 4 * 16) + 3 * 4096) * 4096 * 2
-    assert activations == 12_197_036_032
-    # LM head output and gradient [4096, 128256/2] in 2 bytes each, float32 cross entropy [4096, 64128]
-    logits = 64128 * 4096 * (2 + 2 + 4)
-    assert logits == 2_101_346_304
+    # a token a layer (the census of benchmarks/RESULTS.md): norms' inputs, outputs and 1/rms
+    # 4 x 4096 + 2, RoPE's cos and sin for q and k 4 x 128, SDPA's q, repeated k and v, output and
+    # log-sum-exp (4 x 32*128 + 32)/2, fc1's output, its two SwiGLU halves and their product
+    # 5 x 14336/2, 4 x 16 (LoRA); the final norm's input and 1/rms outside the layers
+    per_token = 32 * (4 * 4096 + 2 + 4 * 128 + (4 * 32 * 128 + 32) // 2 + 5 * 14336 // 2 + 4 * 16) + 4096 + 1
+    # SDPA's additive mask [4096, 4096] a layer in 2 bytes, and the packed rows' bool mask
+    activations = per_token * 4096 * 2 + 32 * 4096 * 4096 * 2 + 4096 * 4096
+    assert activations == 17_117_487_104
+    # the LM head's output [4096, 128256/2] in 2 bytes, the entropy's float32 copy (4) and its
+    # working set (21 bytes an element)
+    logits = 64128 * 4096 * (2 + 4 + 21)
+    assert logits == 7_092_043_776
     assert terms == {
         "weights": weights,
         "lora": lora * 2,
@@ -131,7 +136,7 @@ def test_llama_31_8b_rank_terms_by_hand() -> None:
         row_tokens=4096,
         logprob_chunk=512,
     )
-    assert chunked["logits"] == 64128 * (4096 * (2 + 2) + 512 * 4)  # the float32 part is one chunk
+    assert chunked["logits"] == logits  # the entropy's working set, not the cross entropy's, is the peak
 
 
 def test_qwen3_8b_terms_and_activation_factor_by_hand() -> None:
@@ -143,13 +148,13 @@ def test_qwen3_8b_terms_and_activation_factor_by_hand() -> None:
     assert lora == 18_284_544
     assert terms["lora"] + terms["lora_grad"] + terms["optimizer"] == lora * (2 + 4 + 12)  # 18 bytes
     # q/k-norm inputs (32 + 8) x 128 besides Llama's terms
-    per_layer = 4 * 4096 + 4 * 32 * 128 + (32 + 8) * 128 + 3 * 12288 + 4 * 8
-    assert per_layer == 74_784
+    per_layer = 4 * 4096 + 2 + 4 * 128 + 4 * 32 * 128 + 32 + (32 + 8) * 128 + 5 * 12288 + 4 * 8
+    assert per_layer == 99_906
     assert (
         qwen.activation_elements(1, 8, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) == per_layer
     )
-    assert terms["activations"] == (36 * per_layer + 3 * 4096) * 1024 * 2
-    assert terms["logits"] == 151936 * 1024 * 8
+    assert terms["activations"] == (36 * per_layer + 4096 + 1) * 1024 * 2 + 36 * 1024 * 1024 * 2 + 1024 * 1024
+    assert terms["logits"] == 151936 * 1024 * (2 + 4 + 21)
     float32 = rank_terms(qwen, tp=1, dtype="float32", lora_rank=8, row_tokens=1024)
     assert float32["optimizer"] == lora * 8  # no master copy of float32 parameters
 
@@ -161,10 +166,11 @@ def test_moe_experts_split_by_ep_and_route_top_k() -> None:
         2 * 151936 * 2048 + 48 * (2048 * (32 + 8) * 128 + 32 * 128 * 2048 + 2 * 128 + 2 * 2048) + 2048
     )
     assert moe.parameters(1, 8) == dense_part + 48 * (128 * 2048 + 16 * 3 * 2048 * 768)
-    # a token's MoE layer keeps 8 routed copies, their fc1 output and activation, and 128 router logits
+    # a token's MoE layer keeps 8 routed copies, their fc1 output, SwiGLU halves and product, and
+    # 128 router logits
     assert (
         moe.activation_elements(1, 0, ())
-        == 4 * 2048 + 4 * 32 * 128 + (32 + 4) * 128 + 8 * (2048 + 3 * 768) + 128
+        == 4 * 2048 + 2 + 4 * 128 + 4 * 32 * 128 + 32 + (32 + 4) * 128 + 8 * (2048 + 5 * 768) + 128
     )
 
 
@@ -223,22 +229,24 @@ def test_qwen3_32b_with_lora_on_one_24_gb_gpu_is_refused_with_the_tp_that_fits(t
     with pytest.raises(MemoryPlanError) as caught, caplog.at_level(logging.INFO):
         plan_at_register(tmp_path, "Qwen3-32B", host(gpu(0, 24)))
     # by hand: weights 32,762,123,264 x 2; LoRA 59,244,544 x 18 bytes; activations
-    # (64 x (4 x 5120 + 4 x 64*128 + (64 + 8) x 128 + 3 x 25600 + 4 x 8) + 3 x 5120) x 1024 tokens x 2;
-    # logits 151936 x 1024 x 8; reserve 1 GiB
-    needed = 32_762_123_264 * 2 + 59_244_544 * 18 + 18_289_262_592 + 1_244_659_712 + GIB
-    assert needed == 87_198_312_448  # 81.2 GiB
+    # (64 x (4 x 5120 + 2 + 4 x 128 + 4 x 64*128 + 64 + (64 + 8) x 128 + 5 x 25600 + 4 x 8) + 5121)
+    # x 1024 tokens x 2, 64 SDPA masks [1024, 1024] x 2 and the bool mask; logits 151936 x 1024 x 27;
+    # reserve 1 GiB
+    activations = (64 * 191_074 + 5121) * 1024 * 2 + 64 * 1024 * 1024 * 2 + 1024 * 1024
+    needed = 32_762_123_264 * 2 + 59_244_544 * 18 + activations + 151936 * 1024 * 27 + GIB
+    assert needed == 97_055_322_112  # 90.4 GiB
     assert str(caught.value) == (
         "Qwen/Qwen3-32B does not fit trainer rank 0 on host local (GPU 0, 24.0 GiB) at TrainerSpec tp=1, cp=1, "
-        "ep=1 (dp=1): it needs 81.2 GiB (bfloat16 weights 61.0, LoRA with grads and Adam 1.0, activations of "
-        "1 x 1024-token rows 17.0, logits 1.2, reserve 1.0); use TrainerSpec.tp=4 (4 such GPUs a model copy; "
-        "23.1 GiB a rank), or larger GPUs"
+        "ep=1 (dp=1): it needs 90.4 GiB (bfloat16 weights 61.0, LoRA with grads and Adam 1.0, activations of "
+        "1 x 1024-token rows 23.5, logits 3.9, reserve 1.0); use TrainerSpec.tp=8 (8 such GPUs a model copy; "
+        "14.7 GiB a rank), or larger GPUs"
     )
     error = caught.value
     assert (error.model, error.process, error.host_id) == ("Qwen/Qwen3-32B", "trainer rank 0", "local")
     assert (error.needed_bytes, error.available_bytes, error.exit_code) == (needed, 24 * GIB, 2)
     # the plan was logged in one line before the refusal
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan for")]
-    assert "trainer rank 0 needs 81.2 GiB (weights 61.0," in line
+    assert "trainer rank 0 needs 90.4 GiB (weights 61.0," in line
     assert not (tmp_path / "art").exists()  # no run folder
 
 
@@ -282,15 +290,18 @@ def test_dedicated_gpus_that_fit_plan_the_kv_cache_and_the_longest_row(tmp_path)
     # the KV cache is what vLLM's budget leaves: 72 GiB less weights, 2 LoRA slots of rank 8, 1 GiB
     slots = 2 * 18_284_544 * 2
     assert replica.kv_cache_bytes == int(0.9 * 80 * GIB) - 8_190_735_360 * 2 - slots - GIB
-    # rows that fit: (80 GiB - resident) / (activations + whole-row logits a token)
-    per_token = (36 * 74_784 + 3 * 4096) * 2 + 151936 * 8
+    # rows that fit: the longest row n whose activations (linear in n, and 36 SDPA masks n x n) and
+    # whole-row logits fit 80 GiB less the resident bytes
+    def row(n: int) -> int:
+        return (36 * 99_906 + 4097) * n * 2 + (36 * 2 + 1) * n * n + 151936 * n * 27
+
     resident = 8_190_735_360 * 2 + 18_284_544 * 18 + GIB
-    assert rank.max_row_tokens == (80 * GIB - resident) // per_token == 10_282
+    assert row(5808) <= 80 * GIB - resident < row(5809)
+    assert rank.max_row_tokens == 5808
     assert plan.warnings() == [
-        "trainer rank 0 on host local fits 1 packed row(s) of up to 10282 tokens of Qwen/Qwen3-8B in 80.0 GiB, "
+        "trainer rank 0 on host local fits 1 packed row(s) of up to 5808 tokens of Qwen/Qwen3-8B in 80.0 GiB, "
         "but rows may pack up to 32768 tokens: a step with longer rows runs out of GPU memory; set "
-        "max_seq_length (or MegatronBackend(seq_len=)) at most that, pass logprob_calculation_chunk_size to "
-        "backend.train, or use more TP"
+        "max_seq_length (or MegatronBackend(seq_len=)) at most that, set TrainerSpec.recompute, or use more TP"
     ]
 
 
@@ -330,4 +341,4 @@ def test_plan_memory_counts_the_dp_of_the_topology(tmp_path) -> None:
     )
     assert (plan.dp, plan.distributed_optimizer, len(plan.ranks)) == (4, True, 8)
     assert plan.ranks[7].optimizer_bytes == 22_020_096 * 12 // 4
-    assert plan.ranks[7].needed_bytes == 8_030_527_488 + 22_020_096 * 9 + 12_197_036_032 + 2_101_346_304 + GIB
+    assert plan.ranks[7].needed_bytes == 8_030_527_488 + 22_020_096 * 9 + 17_117_487_104 + 7_092_043_776 + GIB
