@@ -2,18 +2,21 @@
 
 For each case (model, layout, row length) it starts the rank processes of
 `benchmarks/_memory_plan_rank.py` (gloo, float32, LoRA rank 8 on all four linears, one packed row
-of exactly `seq_len` tokens, whole-row logprobs, the first GRPO step) and compares, per rank:
+of exactly `seq_len` tokens, whole-row logprobs, two GRPO steps) and compares, per rank:
 
-- built: VmRSS after the engine build less VmRSS before it (the libraries imported) against the
-  plan's weights + LoRA + its float32 gradient buffer;
-- step: VmHWM after the step less VmRSS before the build against the plan's total less its
-  reserve (`TRAINER_RESERVE_BYTES`, the CUDA context and allocator slack a GPU rank has, which a
-  CPU rank has not): weights, LoRA, gradient, Adam, activations, logits.
+- built: the bytes of CPU tensors the engine build leaves live (torch's profiler with
+  `profile_memory=True`: c10's CPU allocator reports every allocation and free) against the plan's
+  weights + LoRA + its float32 gradient buffer;
+- step: the most bytes of tensors allocated in the first two GRPO steps live at once (the second
+  holds Adam's state) against the plan's optimizer + activations + logits;
+- total: built + step against the plan's total less its reserve (`TRAINER_RESERVE_BYTES`, the CUDA
+  context and allocator slack a GPU rank has, which a CPU rank has not). This is the CPU
+  counterpart of `torch.cuda.max_memory_allocated`, the figure the plan is for.
 
-Ratios are measured / planned (1.00: exact; the issue's bar is within 15%). Resident-set growth
-is what the process took from the OS: glibc's allocator keeps freed blocks, so a peak in it can
-exceed the live tensors; the tiny models' tensors are a few MB, where that slack dominates, so
-their rows say more about the allocator than the formulas (the notes under the table say so).
+Ratios are measured / planned (1.00: exact; the issue's bar is within 15%). The resident-set growth
+(VmHWM after the steps less VmRSS before the build) is recorded beside it for information only:
+glibc keeps freed blocks and gloo its buffers, 2.3-3.1x the tensors on the tiny models, which the
+plan does not model (a GPU's caching allocator is what the reserve stands for there).
 
 Usage: python benchmarks/memory_plan.py [--quick] [--record]   (--quick: SmolLM2 cases skipped)
 """
