@@ -546,11 +546,15 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         self, trajectory_groups: Any, config: Any = None, _config: Any = None, **kwargs: Any
     ) -> Any:
         """ART's `model.train(groups, config=TrainConfig(...), _config=dev.TrainConfig(...))`:
-        one GRPO step through the backend, then the groups and the step's metrics logged as
-        `model.log(groups, metrics=result.metrics, step=result.step, split="train")` (ART's
-        `model.train`, which ART 0.5.x replaced by that pair, logged the train batch and the trainer's
-        metrics the same way, so ART's example programs get their train reward curve). Returns
-        `backend.train`'s `TrainResult`.
+        one GRPO step through the backend, then the groups and the step's metrics logged in one
+        `model.log(groups, metrics=result.metrics, split="train")` row at the step that sampled
+        them (the step before this one), as ART's `model.train` did (`LocalBackend._train_model`
+        logged the train batch and, after the step, the trainer's metrics at that same step), so
+        ART's example programs, which log only their val groups, get their train reward curve; a
+        program that also logs the train groups itself gets two rows for the step, as in ART.
+        (ART 0.5.x replaced `model.train` by `backend.train` and `model.log(groups,
+        metrics=result.metrics, step=result.step, split="train")`.) Returns `backend.train`'s
+        `TrainResult`.
 
         `config`'s learning rate, `kl_penalty_coef` and `beta` (as `kl_beta`) apply; a
         `learning_rate`, `kl_penalty_coef` or `kl_beta` in `kwargs` must agree with them (see
@@ -578,9 +582,10 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             kwargs.update(dev_train_options(_config, kwargs))
         if isinstance(trajectory_groups, Iterator):  # a generator is read twice: to train, to log
             trajectory_groups = list(trajectory_groups)
+        sampled_at = await self.get_step()
         result = await self._require_backend().train(self, trajectory_groups, **kwargs)
         if isinstance(result, TrainResult):
-            await self.log(trajectory_groups, split="train", metrics=result.metrics, step=result.step)
+            await self.log(trajectory_groups, split="train", metrics=result.metrics, step=sampled_at)
         return result
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:

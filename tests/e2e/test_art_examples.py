@@ -30,7 +30,10 @@ async def test_rl_example_trains_two_steps(workdir):
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (run / "checkpoints" / "0002" / name).is_file()
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [0, 1]
+    # the example logs its train groups, then model.train logs them again with the step's metrics
+    # at the step that sampled them, as ART's model.train did (LocalBackend._train_model)
+    assert [h["step"] for h in history] == [0, 0, 1, 1]
+    assert [("loss/train" in h) for h in history] == [False, True, False, True]
     assert all("train/reward" in h and "train/length" in h for h in history)
 
 

@@ -85,3 +85,25 @@ def test_backend_train_and_dev_train_config_pass_it_to_the_step(tiny_llama_dir) 
     loss = asyncio.run(model.train(groups, _config={"logprob_calculation_chunk_size": 3, **options}))
     assert loss["logprob_calculation_chunk_size"] == 3
     assert "logprob_calculation_chunk_size" not in asyncio.run(backend.train(model, groups, **options))
+
+
+def test_model_train_logs_its_groups_and_metrics_at_the_sampling_step(tiny_llama_dir, tmp_path) -> None:  # noqa: ANN001
+    """ART's `model.train` logged the train batch and the trainer's metrics (LocalBackend._train_model):
+    one history row at the step that sampled the groups, with their rewards and the step's loss."""
+    import json
+
+    from art_mega.types import TrainResult
+
+    backend = MegatronBackend()
+    model = art.TrainableModel(name="m", project="p", base_model="tiny", base_path=str(tmp_path))
+    backend._model, backend._model_dir, model._backend = model, tiny_llama_dir, backend
+
+    async def step_with(steps, metrics, kind, learning_rate, loss, started, **packing):  # noqa: ANN001
+        return TrainResult(step=1, metrics={"loss/train": 0.25})
+
+    backend._step_with = step_with  # type: ignore[method-assign]
+    groups = (g for g in [art.TrajectoryGroup([plain(1.0), plain(0.0)])])  # a generator, read twice
+    result = asyncio.run(model.train(groups, allow_training_without_logprobs=True))
+    assert result.step == 1
+    (row,) = [json.loads(line) for line in (model.output_dir / "history.jsonl").read_text().splitlines()]
+    assert row["step"] == 0 and row["loss/train"] == 0.25 and row["train/reward"] == 0.5
