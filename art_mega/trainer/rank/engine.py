@@ -485,16 +485,7 @@ class TrainerEngine(SavedState, StepLoss):
         own = {name: p.detach().clone() for name, p in params.items()}
         try:  # a failed read leaves the trained LoRA as it was, too
             if self._reference_adapter is None or self._reference_adapter[0] != adapter_dir:
-                from art_mega.trainer.peft_io import import_adapter
-
-                import_adapter(
-                    self.ddp.module,
-                    self.lora_config,
-                    adapter_dir,
-                    num_heads=self.model.args.num_heads,
-                    num_query_groups=self.model.args.num_query_groups,
-                    names=self.model.family.lora_names(self.model.args),
-                )
+                self._import_lora(adapter_dir)
                 self._reference_adapter = (adapter_dir, {n: p.detach().clone() for n, p in params.items()})
             with torch.no_grad():
                 for name, p in params.items():

@@ -49,6 +49,12 @@ class SavedState:
         The optimizer's state is kept; its main parameters are refreshed from the model.
         Raises `UserError` for an adapter of another rank, alpha or target set.
         """
+        self._import_lora(adapter_dir)
+        self.optimizer.reload_model_params()
+
+    def _import_lora(self, adapter_dir: str | os.PathLike[str]) -> None:
+        """Copy a PEFT adapter's LoRA weights into this rank's shards (`peft_io.import_adapter`),
+        leaving the optimizer alone. Raises `UserError` as `load_adapter` says."""
         from art_mega.trainer.peft_io import import_adapter
 
         import_adapter(
@@ -59,7 +65,6 @@ class SavedState:
             num_query_groups=self.model.args.num_query_groups,
             names=self.model.family.lora_names(self.model.args),
         )
-        self.optimizer.reload_model_params()
 
     def _layout(self) -> dict[str, int]:
         s = self.state
