@@ -34,8 +34,12 @@ def status_bytes(field: str) -> int:
 def tensor_bytes(run) -> tuple[object, int, int]:
     """(run's result, live bytes at its end, the peak live bytes during it) of the CPU tensors
     `run()` allocates, from torch's profiler (`profile_memory=True`: c10's CPU allocator reports
-    each allocation and free with its running total while the profiler records; tensors that
-    existed before are not counted, nor their frees)."""
+    each allocation and free with its running total while the profiler records).
+
+    The running total is the process's, not the recording's: it still holds the tensors an
+    earlier recording allocated that are live (the build's weights, when the step is measured),
+    so the total before the first event (its total less its own size) is subtracted. Tensors
+    allocated while nothing recorded are in neither figure, nor their frees."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -47,9 +51,13 @@ def tensor_bytes(run) -> tuple[object, int, int]:
         event = stack.pop()
         stack.extend(event.children)
         if event.tag == _EventType.Allocation and str(event.extra_fields.device) == "cpu":
-            events.append((event.start_time_ns, event.extra_fields.total_allocated))
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
     events.sort()
-    return result, (events[-1][1] if events else 0), max((total for _, total in events), default=0)
+    if not events:
+        return result, 0, 0
+    before = events[0][1] - events[0][2]
+    return result, events[-1][1] - before, max(total for _, total, _ in events) - before
 
 
 def main(config_path: str) -> int:

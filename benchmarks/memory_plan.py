@@ -24,6 +24,7 @@ Usage: python benchmarks/memory_plan.py [--quick] [--record]   (--quick: SmolLM2
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -47,7 +48,7 @@ MB = 1e6
 
 @dataclass(frozen=True)
 class Case:
-    """One measured case: `model` ("tiny-llama", "tiny-moe" or "SmolLM2-135M-Instruct"), the
+    """One measured case: `model` (a tiny model of `model_dir` or "SmolLM2-135M-Instruct"), the
     trainer sizes, its rank count and the row length in tokens."""
 
     model: str
@@ -70,12 +71,38 @@ class Case:
         return f"{self.model} {sizes}, {self.seq_len}-token row"
 
 
+TINY_ARCHS = {
+    "tiny-qwen3": "qwen3",
+    "tiny-qwen3_5": "qwen3_5",
+    "tiny-gemma3": "gemma3_text",
+    "tiny-gemma4": "gemma4_text",
+}
+"""The tiny models of `basemodels.tiny.build_tiny_model` measured, by case name: its `arch`."""
+TINY_BUILDERS = {
+    "tiny-qwen3_5_moe": ("art_mega.basemodels.tiny_qwen3_5_moe", "build_tiny_qwen3_5_moe"),
+    "tiny-gpt_oss": ("art_mega.basemodels.tiny_gpt_oss", "build_tiny_gpt_oss"),
+    "tiny-deepseek_v3": ("art_mega.basemodels.tiny_deepseek_v3", "build_tiny_deepseek_v3"),
+}
+"""The other families' tiny models, by case name: (module, builder function of the out dir)."""
+
 CASES = (
     Case("tiny-llama", 1, 1024),
     Case("tiny-llama", 2, 1024, tp=2),
     Case("tiny-llama", 2, 1024, pp=2),
     Case("tiny-moe", 1, 1024),
     Case("tiny-moe", 2, 1024, ep=2),
+    Case("tiny-qwen3", 1, 1024),
+    Case("tiny-qwen3_5", 1, 1024),
+    Case("tiny-qwen3_5", 2, 1024, tp=2),
+    Case("tiny-qwen3_5_moe", 1, 1024),
+    Case("tiny-qwen3_5_moe", 2, 1024, ep=2),
+    Case("tiny-gpt_oss", 1, 1024),
+    Case("tiny-gpt_oss", 2, 1024, ep=2),
+    Case("tiny-gemma3", 1, 1024),
+    Case("tiny-gemma3", 2, 1024, tp=2),
+    Case("tiny-gemma4", 1, 1024),
+    Case("tiny-deepseek_v3", 1, 1024),
+    Case("tiny-deepseek_v3", 2, 1024, ep=2),
     Case("SmolLM2-135M-Instruct", 1, 1024),
     Case("SmolLM2-135M-Instruct", 1, 2048),
     Case("SmolLM2-135M-Instruct", 1, 2048, recompute="full"),
@@ -95,6 +122,11 @@ def model_dir(name: str, work: Path) -> Path | None:
         return build_tiny_model(work / "tiny-llama", "llama")
     if name == "tiny-moe":
         return build_tiny_moe(work / "tiny-moe")
+    if name in TINY_ARCHS:
+        return build_tiny_model(work / name, TINY_ARCHS[name])
+    if name in TINY_BUILDERS:
+        module, function = TINY_BUILDERS[name]
+        return getattr(importlib.import_module(module), function)(work / name)
     for root in (Path(default_cache_root()), Path.home() / ".cache" / "art-mega" / "test-models"):
         path = root / "models" / name
         if (path / "config.json").is_file():
