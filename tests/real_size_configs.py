@@ -356,3 +356,79 @@ counts the 14B MTP layer too): embeddings 2 x 129280 x 7168, 3 dense and 58 MoE 
 (187,107,328 each) + norms, dense MLP 3 x 7168 x 18432, MoE 256 + 1 shared experts of 3 x 7168 x
 2048 and a 256 x 7168 router, final norm. The routers' e_score_correction_bias are buffers, not
 parameters, in both transformers and megatron-core."""
+
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 131072,
+    "model_type": "kimi_k2",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0,
+    "pretraining_tp": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.48.3",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+"""moonshotai/Kimi-K2-Instruct's config.json on the Hugging Face Hub: model_type "kimi_k2" with
+DeepSeek-V3's architecture and remote code (`auto_map`), 384 routed experts of which 8 per token
+without group limits (n_group = topk_group = 1), one dense layer, 64 MLA heads, YaRN factor 32
+with beta_fast 1, FP8 128x128 block scales and no MTP layer. The deepseek_v3 family reads it
+(`families/deepseek_v3.py`); kept out of `CONFIGS` like `DEEPSEEK_V3`."""
+
+KIMI_K2_PARAMETERS = 1_026_408_209_408
+"""Kimi-K2's parameters (the "1T" of its model card; transformers' DeepseekV3ForCausalLM on the
+meta device from `KIMI_K2`): embeddings 2 x 163840 x 7168, 61 layers of MLA (101,124,096 each
+with 64 heads) + 2 norms, 1 dense MLP 3 x 7168 x 18432, 60 MoE layers of 384 + 1 shared experts
+of 3 x 7168 x 2048 and a 384 x 7168 router, final norm."""

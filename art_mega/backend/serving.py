@@ -291,7 +291,8 @@ class ServingMixin:
 
     def _lora_settings(self, model_dir: Any) -> dict[str, Any]:
         """The backend's LoRA as `check_adapter_config` compares an adapter with it: rank, alpha
-        and the HF target modules of the model at `model_dir` (its family's names).
+        and the targets of the model at `model_dir` as its family writes them
+        (`LoraNames.peft_targets`: HF target modules, and GPT-OSS's target parameters).
 
         Raises:
             UserError: an unsupported model family or an unknown LoRA target.
@@ -304,7 +305,7 @@ class ServingMixin:
         return {
             "rank": self.lora["rank"],
             "alpha": self.lora["alpha"],
-            "target_modules": names.hf_target_modules(targets),
+            **names.peft_targets(targets),
         }
 
     def _engine_for(self, topology: Any, model_dir: Path) -> dict[str, Any]:

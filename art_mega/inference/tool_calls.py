@@ -38,6 +38,8 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "qwen3_5_moe_text": ("qwen3_xml", None),
     # DeepSeek-V3's native <｜tool▁calls▁begin｜> blocks (vLLM's deepseek_v3 parser); hermes without it
     "deepseek_v3": ("deepseek_v3", "<｜tool▁calls▁begin｜>"),
+    # Kimi-K2's <|tool_calls_section_begin|> blocks (vLLM's kimi_k2 parser, `vllm/parser/kimi_k2.py`)
+    "kimi_k2": ("kimi_k2", "<|tool_calls_section_begin|>"),
 }
 """HF `model_type` -> (vLLM `--tool-call-parser` name, the token it needs in the tokenizer)."""
 

@@ -437,13 +437,26 @@ def _safetensors_tensors(path: Path) -> tuple[dict[str, _Tensor] | None, str | N
 def _lora_rank_problem(shapes: dict[str, list[int]], config: dict[str, object]) -> str | None:
     """How the tensors' LoRA ranks and modules disagree with `config` (adapter_config.json), or
     None: PEFT's `<prefix>.<module>.lora_A.weight` is [r, in] and `...lora_B.weight` [out, r],
-    of a `<module>` in `target_modules` (when a list; a PEFT regex string is not checked)."""
+    of a `<module>` in `target_modules` (when a list; a PEFT regex string is not checked). A LoRA
+    on a 3-D parameter of `target_parameters` (`mlp.experts.gate_up_proj`: keys under
+    `mlp.experts[.base_layer]`) is [E r, in] and [out, r E]: r divides its rank dimension."""
     rank, targets = config.get("r"), config.get("target_modules")
+    parameters = config.get("target_parameters")
+    wrapped = (
+        {"base_layer"} | {str(p).rsplit(".", 2)[-2] for p in parameters if "." in str(p)}
+        if (isinstance(parameters, list) and parameters)
+        else set()
+    )
     for key, shape in shapes.items():
         parts = key.split(".")
         if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B"):
             continue
         module = parts[-3]
+        if module in wrapped:
+            found = shape[0] if parts[-2] == "lora_A" else shape[-1]
+            if isinstance(rank, int) and rank > 0 and (len(shape) != 2 or found % rank):
+                return f"tensor {key} of shape {shape} is not a LoRA of rank {rank} on a parameter of experts"
+            continue
         if isinstance(rank, int) and len(shape) == 2:
             found = shape[0] if parts[-2] == "lora_A" else shape[1]
             if found != rank:
@@ -476,7 +489,10 @@ def _model_fit_problem(
             f"its config's r={rank!r} and target_modules={targets!r} are not a LoRA rank and a list "
             "of HF module names, so its tensors cannot be checked against the model"
         ), ()
-    layout = adapter_layout(read_hf_config(model_dir), rank, targets)
+    parameters = config.get("target_parameters") or []
+    if not (isinstance(parameters, list) and all(isinstance(p, str) for p in parameters)):
+        return f"its config's target_parameters={parameters!r} is not a list of parameter names", ()
+    layout = adapter_layout(read_hf_config(model_dir), rank, targets, parameters)
     for key, tensor in tensors.items():
         expected = layout.shapes.get(key)
         if expected is None:

@@ -60,11 +60,13 @@ def check_adapter_config(
     rank: int,
     alpha: float,
     target_modules: Sequence[str],
+    target_parameters: Sequence[str] = (),
     what: str = "the warm-start adapter",
     otherwise: str = "or warm-start from an adapter trained with the backend's settings",
 ) -> None:
     """Refuse an adapter config (`found`, from `read_adapter_config`) that the trainer's LoRA
-    (`rank`, `alpha`, HF `target_modules`) cannot load exactly.
+    (`rank`, `alpha`, HF `target_modules` and, in this order, `target_parameters`: the fields of
+    `LoraNames.peft_targets`) cannot load exactly.
 
     `what` names the adapter in the sentence; `otherwise` is the second fix offered (the first
     is the `MegatronBackend(...)` arguments that match the adapter).
@@ -112,6 +114,13 @@ def check_adapter_config(
         mismatches["target_modules"] = (found_targets, wanted)
         parts.append(f"target_modules={found_targets!r} where the backend's LoRA covers {wanted}")
         fixes.append(_targets_argument(found_targets))
+    found_parameters = found.get("target_parameters") or []
+    if found_parameters != list(target_parameters):  # PEFT nests the wrappers in this order
+        mismatches["target_parameters"] = (found_parameters, list(target_parameters))
+        parts.append(
+            f"target_parameters={found_parameters!r} where the backend's LoRA covers {list(target_parameters)}"
+        )
+        fixes.append(None)
     if parts:
         if all(fixes):
             fix = f"pass MegatronBackend({', '.join(f for f in fixes if f)}) to train it, {otherwise}"

@@ -11,7 +11,9 @@ MoE experts are written in the per-expert module names of the Hub checkpoints
 transformers 5's fused 3-D expert parameters (`peft/utils/transformers_weight_conversion.py`:
 gate_proj + up_proj -> a `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with
 A concatenated and B block-diagonal, down_proj -> `mlp.experts.down_proj`), and the per-expert
-layout vLLM reads.
+layout vLLM reads. A family whose experts neither converts (GPT-OSS: gate/up interleaved, vLLM
+reading 3-D tensors only) owns its on-disk format through `LoraNames.pack` / `unpack` /
+`peft_targets` (`families/gpt_oss.py` GptOssLoraNames: PEFT's `target_parameters` layout).
 
 `adapter_layout` is the same mapping without tensors: every PEFT key the trainer loads for a
 model, with its shape, and which lora_A matrices one fused layer shares. The controller checks a
@@ -144,10 +146,15 @@ def _pp_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for part in gathered for key, value in part.items()}
 
 
-def adapter_config(config: LoraConfig, base_model_name_or_path: str) -> dict[str, Any]:
-    """The `adapter_config.json` dict PEFT (and vLLM's PEFT helper) read for this LoRA
-    (`target_modules` in the names every family shares, `families.LORA_NAMES`)."""
+def adapter_config(
+    config: LoraConfig, base_model_name_or_path: str, names: LoraNames | None = None
+) -> dict[str, Any]:
+    """The `adapter_config.json` dict PEFT (and vLLM's PEFT helper) read for this LoRA: its
+    targets as the family's `names` write them (`LoraNames.peft_targets`: `target_modules`, and
+    `target_parameters` where the family has them), else in the names every family shares
+    (`families.LORA_NAMES`)."""
     alpha = int(config.alpha) if float(config.alpha).is_integer() else config.alpha
+    targets = names.peft_targets(config.targets) if names else {"target_modules": config.hf_target_modules()}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -155,7 +162,7 @@ def adapter_config(config: LoraConfig, base_model_name_or_path: str) -> dict[str
         "r": config.rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": config.hf_target_modules(),
+        **targets,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -191,7 +198,7 @@ def export_adapter(
     global rank 0 writes
     `adapter_config.json` and `adapter_model.safetensors` (keys
     `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`, ..., tensors in the
-    parameters' dtype), each through `checkpoint.atomic_write` (temp file, fsync, rename);
+    parameters' dtype, in the family's on-disk format, `LoraNames.pack`), each through `checkpoint.atomic_write` (temp file, fsync, rename);
     `out_dir` is created if needed. DP replicas hold the same adapter, so only one writes. All ranks return after the
     files exist (a barrier). Returns `AdapterFiles` on rank 0 and None elsewhere. Making a
     whole checkpoint directory appear atomically is the caller's job (`checkpoint.place_folder`).
@@ -212,12 +219,13 @@ def export_adapter(
     if torch.distributed.get_rank() == 0:
         from safetensors.torch import save
 
+        tensors = names.pack(tensors)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         weights = save({key: tensors[key] for key in sorted(tensors)}, metadata={"format": "pt"})
         with atomic_write(out / ADAPTER_WEIGHTS) as handle:
             handle.write(weights)
-        text = json.dumps(adapter_config(config, base_model_name_or_path), indent=2) + "\n"
+        text = json.dumps(adapter_config(config, base_model_name_or_path, names), indent=2) + "\n"
         with atomic_write(out / ADAPTER_CONFIG) as handle:
             handle.write(text.encode())
         result = AdapterFiles(
@@ -253,8 +261,8 @@ def import_adapter(
 
     `names`, `num_heads`, `num_query_groups`: the model family's, as for `export_adapter`.
 
-    Every rank reads the files itself (no communication). The adapter must have the trainer's
-    rank, alpha and target modules (`AdapterMismatchError` naming each difference otherwise), and equal
+    Every rank reads the files itself (no communication) and turns them into per-module tensors
+    (`LoraNames.unpack`). The adapter must have the trainer's rank, alpha and targets (`AdapterMismatchError` naming each difference otherwise), and equal
     lora_A for the HF modules of a fused layer (see `LoraNames.from_peft`). Call the optimizer's
     `reload_model_params` afterwards where it keeps separate main parameters.
     """
@@ -269,8 +277,9 @@ def import_adapter(
         directory,
         rank=config.rank,
         alpha=config.alpha,
-        target_modules=names.hf_target_modules(config.targets),
+        **names.peft_targets(config.targets),
     )
+    tensors = names.unpack(tensors, found)
     with torch.no_grad():
         for name, layer in lora_layers(module).items():
             a, b = names.from_peft(
@@ -307,9 +316,12 @@ class AdapterLayout:
     num_layers: int
 
 
-def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequence[str]) -> AdapterLayout:
-    """The `AdapterLayout` of a LoRA of rank `rank` on the HF modules `target_modules` of the
-    model whose config.json is `hf_config`, in its family's PEFT names (`FamilySpec.lora`).
+def adapter_layout(
+    hf_config: dict[str, Any], rank: int, target_modules: Sequence[str], target_parameters: Sequence[str] = ()
+) -> AdapterLayout:
+    """The `AdapterLayout` of a LoRA of rank `rank` on the HF modules `target_modules` (and
+    parameters `target_parameters`, adapter_config.json's fields) of the model whose config.json
+    is `hf_config`, in its family's on-disk PEFT names (`FamilySpec.lora`, `LoraNames.pack_shapes`).
 
     Features per Megatron layer, h = hidden size, d = head width: linear_qkv h -> q_proj
     heads*d, k_proj / v_proj kv_heads*d; linear_proj (o_proj) heads*d -> h; linear_fc1 h ->
@@ -319,12 +331,14 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     value width, out_proj back to h). In an MoE family every layer's expert targets are per
     expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), plus the shared expert's
     where the family has one (`...mlp.shared_expert.gate_proj`, ffn = its width), as
-    `export_adapter` writes them. Torch-free.
+    `LoraNames.to_peft` names them, then packed as `export_adapter` writes them (GPT-OSS: the
+    experts as PEFT's `target_parameters` tensors). Torch-free.
 
     Raises:
         UserError: the model's family is not supported or its config is refused
             (`family_for`, the family's `model_args`), or `target_modules` names an unknown
-            module or part of a fused layer (`LoraNames.normalise`).
+            module or part of a fused layer (`LoraNames.normalise`), or `target_parameters` a
+            parameter the family does not adapt (`LoraNames.config_modules`).
     """
     from art_mega.trainer.families import family_for
 
@@ -357,7 +371,7 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
     shapes: dict[str, tuple[int, int]] = {}
     shared: list[tuple[str, ...]] = []
     for layer in range(args.num_layers):
-        for target in names.normalise(list(target_modules)):
+        for target in names.normalise(names.config_modules(target_modules, target_parameters)):
             mixer = names.parents[target] in ("self_attn", "linear_attn")
             if mixer and bool(no_attention and no_attention[layer]) != (
                 names.parents[target] == "linear_attn"
@@ -380,6 +394,7 @@ def adapter_layout(hf_config: dict[str, Any], rank: int, target_modules: Sequenc
                     shapes[names.peft_key(where, module, "lora_B")] = (fan_out, rank)
                 if len(a_keys) > 1:
                     shared.append(tuple(a_keys))
+    shapes, shared = names.pack_shapes(shapes, shared, rank)
     return AdapterLayout(shapes, tuple(shared), args.num_layers)
 
 

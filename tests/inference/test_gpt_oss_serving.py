@@ -11,9 +11,10 @@ its MoE backend oracle picks the Triton experts whatever the LoRA target modules
 backend"), and the first forward fails with "module 'triton.language' has no attribute 'float32'"
 (measured here with `--lora-target-modules qkv_proj o_proj` too). So this replica runs with
 `--no-enable-lora`; serving the trained adapter is a GPU check (the device check's `gpt_oss_lora`
-step, its q/k/v/o adapter). vLLM also reads GPT-OSS expert LoRA
-as 3-D packed tensors (`GptOssForCausalLM.is_3d_moe_weight`, gate/up interleaved), which the
-trainer's per-expert export does not write (see tests/trainer/test_gpt_oss_family.py)."""
+step, the whole adapter). vLLM reads GPT-OSS expert LoRA as 3-D packed tensors
+(`GptOssForCausalLM.is_3d_moe_weight`, gate/up interleaved): PEFT's `target_parameters` layout,
+which the trainer writes (`families/gpt_oss.py` GptOssLoraNames; tests/trainer/test_gpt_oss_family.py
+loads it in PEFT)."""
 
 from __future__ import annotations
 

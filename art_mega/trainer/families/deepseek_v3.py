@@ -1,5 +1,14 @@
-"""DeepSeek-V3 decoders (HF `DeepseekV3ForCausalLM`, model_type "deepseek_v3"): config mapping,
-Megatron layer specs, weights and LoRA names (`SPEC`).
+"""DeepSeek-V3 decoders (HF `DeepseekV3ForCausalLM`, model_type "deepseek_v3", and Kimi-K2's
+"kimi_k2"): config mapping, Megatron layer specs, weights and LoRA names (`SPEC`).
+
+Kimi-K2 (moonshotai/Kimi-K2-Instruct) publishes config.json with model_type "kimi_k2",
+architectures ["DeepseekV3ForCausalLM"] and DeepSeek-V3's remote modeling code
+(`auto_map` -> modeling_deepseek.DeepseekV3ForCausalLM): its fields are DeepSeek-V3's and mean the
+same (384 experts, n_group = topk_group = 1, 64 heads, no MTP layer), as vLLM 0.32 reads it
+(`vllm/transformers_utils/config.py`: kimi_k2 -> DeepseekV3Config, "Kimi K2 uses same
+architecture as DeepSeek V3"); transformers 5 has no kimi_k2 config class, so an HF model of it
+is a DeepseekV3ForCausalLM built from the same dict (`TRANSFORMERS_MODEL_TYPES`). Its tokenizer
+(tiktoken, remote code) is not the trainer's business.
 
 A DeepSeek-V3 decoder (transformers 5.19 `models/deepseek_v3/modeling_deepseek_v3.py`) is a
 pre-norm RMSNorm decoder with:
@@ -69,8 +78,11 @@ from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 if TYPE_CHECKING:
     from torch import Tensor
 
-MODEL_TYPES = ("deepseek_v3",)
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 """HF `model_type` values this family reads."""
+
+TRANSFORMERS_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
+"""model_type -> the transformers config type that builds its HF model (module docstring)."""
 
 
 @dataclass(frozen=True)

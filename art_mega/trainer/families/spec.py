@@ -154,6 +154,37 @@ class LoraNames:
         """PEFT's tensor key of `matrix` ("lora_A" / "lora_B") of `hf_module` under `parent`."""
         return f"{self.layer_prefix}.{parent}.{hf_module}.{matrix}.weight"
 
+    # The adapter's on-disk format. `to_peft` / `from_peft` speak per-module PEFT names (one
+    # lora_A / lora_B per HF module, per expert); a family whose HF experts are fused 3-D
+    # parameters (GPT-OSS) writes them as PEFT `target_parameters` instead, and overrides these
+    # five hooks, which are the identity here.
+
+    def peft_targets(self, targets: Sequence[str]) -> dict[str, list[str]]:
+        """adapter_config.json's target fields for normalised Megatron `targets`:
+        {"target_modules": `hf_target_modules(targets)`}."""
+        return {"target_modules": self.hf_target_modules(targets)}
+
+    def config_modules(self, target_modules: Sequence[str], target_parameters: Sequence[str]) -> list[str]:
+        """The per-module HF names an adapter_config.json's `target_modules` and
+        `target_parameters` cover (`normalise` reads them): `target_modules` here."""
+        return list(target_modules)
+
+    def pack(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The on-disk tensors of a whole adapter from its per-module PEFT tensors (export)."""
+        return tensors
+
+    def unpack(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> Mapping[str, Tensor]:
+        """The per-module PEFT tensors of a whole adapter from its on-disk tensors and its
+        adapter_config.json dict `config` (import; inverse of `pack`)."""
+        return tensors
+
+    def pack_shapes(
+        self, shapes: dict[str, tuple[int, int]], shared: list[tuple[str, ...]], rank: int
+    ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, ...]]]:
+        """`pack` on shapes: the on-disk (key -> shape, shared lora_A groups) of the per-module
+        ones (`peft_io.adapter_layout`). Torch-free."""
+        return shapes, shared
+
     def to_peft(
         self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
     ) -> dict[str, Tensor]:

@@ -117,6 +117,8 @@ def test_a_tokenizer_without_the_formats_marker_gets_arts_hermes():
     assert tool_call_parser("mistral", {"<s>"}) == "hermes"
     assert tool_call_parser("gemma4_text", {"<|tool_call>"}) == "gemma4"
     assert tool_call_parser("gemma4_text", {"<eos>"}) == "hermes"
+    assert tool_call_parser("kimi_k2", {"<|tool_calls_section_begin|>"}) == "kimi_k2"
+    assert tool_call_parser("kimi_k2", {"[EOS]"}) == "hermes"
 
 
 def test_added_tokens_are_read_from_both_tokenizer_files(tmp_path):

@@ -29,7 +29,15 @@ from art_mega.trainer.prepare.memory_plan import (
     read_plan,
     write_plan,
 )
-from tests.real_size_configs import CONFIGS, DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS, GEMMA4_31B_TEXT, PUBLISHED
+from tests.real_size_configs import (
+    CONFIGS,
+    DEEPSEEK_V3,
+    DEEPSEEK_V3_PARAMETERS,
+    GEMMA4_31B_TEXT,
+    KIMI_K2,
+    KIMI_K2_PARAMETERS,
+    PUBLISHED,
+)
 from tests.trainer.gemma3_configs import GEMMA3_27B_TEXT
 from tests.trainer.gpt_oss_configs import GPT_OSS_20B, GPT_OSS_120B, GPT_OSS_PARAMETERS
 from tests.trainer.qwen3_5_configs import QWEN3_5_35B_A3B, QWEN3_6_27B
@@ -54,6 +62,7 @@ OTHER_PUBLISHED = {
     "gpt-oss-120b": (GPT_OSS_120B, GPT_OSS_PARAMETERS["gpt-oss-120b"]),
     "gemma-4-31B": (GEMMA4_31B_TEXT, 30_697_345_280),
     "DeepSeek-V3": (DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS),
+    "Kimi-K2": (KIMI_K2, KIMI_K2_PARAMETERS),  # model_type kimi_k2, read by the deepseek_v3 family
 }
 """The other families' published configs and the counts their meta-device tests assert (HF's =
 Megatron's). The plan once missed Qwen3.5 MoE's shared experts (-0.4%) and counted DeepSeek-V3's
@@ -290,6 +299,7 @@ def test_dedicated_gpus_that_fit_plan_the_kv_cache_and_the_longest_row(tmp_path)
     # the KV cache is what vLLM's budget leaves: 72 GiB less weights, 2 LoRA slots of rank 8, 1 GiB
     slots = 2 * 18_284_544 * 2
     assert replica.kv_cache_bytes == int(0.9 * 80 * GIB) - 8_190_735_360 * 2 - slots - GIB
+
     # rows that fit: the longest row n whose activations (linear in n, and 36 SDPA masks n x n) and
     # whole-row logits fit 80 GiB less the resident bytes
     def row(n: int) -> int:
