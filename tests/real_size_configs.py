@@ -287,6 +287,51 @@ GEMMA4_31B_TEXT = {
 """google/gemma-4-31B's config.json `text_config` (60 layers, every 6th global: head 512, 4 KV
 heads whose values are their keys; local layers head 256, 16 KV heads, window 1024). Not in
 `CONFIGS`: the memory plan's `ModelShape` has one head shape for every layer."""
+GEMMA4_26B_A4B_TEXT = {
+    "model_type": "gemma4_text",
+    "attention_bias": False,
+    "attention_k_eq_v": True,
+    "enable_moe_block": True,
+    "final_logit_softcapping": 30.0,
+    "global_head_dim": 512,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2816,
+    "hidden_size_per_layer_input": 0,
+    "intermediate_size": 2112,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 704,
+    "num_attention_heads": 16,
+    "num_experts": 128,
+    "num_global_key_value_heads": 2,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 8,
+    "num_kv_shared_layers": 0,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    "sliding_window": 1024,
+    "tie_word_embeddings": True,
+    "top_k_experts": 8,
+    "use_double_wide_mlp": False,
+    "vocab_size": 262144,
+}
+"""google/gemma-4-26B-A4B's config.json `text_config` (30 layers, every 6th global: head 512, 2 KV
+heads whose values are their keys; local layers head 256, 8 KV heads, window 1024; on every layer
+a dense GeGLU MLP of 2112 beside 128 experts of 704, top 8). The Hub was not reachable from here:
+the values are those quoted, identically, by several public repositories' tests of the published
+config (a Go `TestParseTextConfig26B`, a Rust Gemma4Config `SAMPLE` with all these keys, a Rust
+`test_gemma4_config_parse`, found with the library's code search), and agree with the model card's
+30 layers, 128 experts, top 8, window 1024 and 256K context; fields they do not quote are left to
+transformers' Gemma4TextConfig defaults."""
+
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,

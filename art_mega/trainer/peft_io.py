@@ -377,15 +377,14 @@ def adapter_layout(
                 names.parents[target] == "linear_attn"
             ):
                 continue  # self_attn on full-attention layers only, linear_attn on delta-net layers only
-            parent = f"{layer}.{names.parents[target]}"
-            per_expert = experts and target in names.expert_targets
-            parents = [f"{parent}.experts.{e}" for e in range(experts)] if per_expert else [parent]
-            dims = (expert if per_expert else dense)[target]
+            widths = {"dense": dense, "expert": expert, "shared": shared_dims}
+            placed = [
+                (where, widths[kind][target])
+                for where, kind in names.hf_parents(layer, target, experts)
+                if kind != "shared" or shared_ffn  # a shared expert's adapters where it has a width
+            ]
             if hasattr(args, "attention") and names.parents[target] == "self_attn":
-                dims = _layer_attention(args, layer, target)  # Gemma 4: per-layer head shapes
-            placed = [(where, dims) for where in parents]
-            if per_expert and names.shared_expert and shared_ffn:
-                placed.append((f"{parent}.{names.shared_expert}", shared_dims[target]))
+                placed = [(placed[0][0], _layer_attention(args, layer, target))]  # Gemma 4: per-layer heads
             for where, dims in placed:
                 a_keys = []
                 for module, (fan_in, fan_out) in zip(names.modules[target], dims, strict=True):

@@ -27,15 +27,20 @@ embeddings) and differs in:
   the published models), a forward hook on the output layer (elementwise, so TP's vocabulary
   shards cap independently).
 
+The MoE block (`enable_moe_block`, gemma-4-26B-A4B: a dense MLP and routed experts side by side
+with three more norms and a scaled router) is `gemma4_moe.py`'s; its experts split over EP / ETP.
+
 Refused (one sentence each): per-layer input embeddings (`hidden_size_per_layer_input` > 0, the
-E2B/E4B models), KV sharing across layers (`num_kv_shared_layers` > 0), the MoE block
-(`enable_moe_block`, gemma-4-26B-A4B), bidirectional attention ("all"), attention biases,
+E2B/E4B models), KV sharing across layers (`num_kv_shared_layers` > 0), bidirectional attention ("all"), attention biases,
 another activation, RoPE types other than default / proportional, context parallelism (the
 sliding window has no CP path). The layer spec is megatron-core's local one on every device, as
 Gemma 3's.
 
-LoRA: ART 0.5.23 adapts q/k/v/o and gate/up/down on Gemma 4 dense
-(`art/megatron/model_support/registry.py` GEMMA4_DENSE_SPEC); a global layer's linear_qkv
+LoRA: ART 0.5.23 adapts q/k/v/o and gate/up/down on Gemma 4 dense, and the experts too on the
+MoE model (`art/megatron/model_support/registry.py` GEMMA4_DENSE_SPEC, GEMMA4_MOE_SPEC); an MoE
+layer's dense MLP keeps HF's `mlp.gate_proj` names and each expert's adapter is written per
+expert under the decoder layer (`layers.{i}.experts.{e}.gate_proj`, `gemma4_moe.parse_lora`);
+a global layer's linear_qkv
 exports to q_proj, k_proj and v_proj with the global head width and KV heads; with
 `attention_k_eq_v` its v_proj adapter is a copy of k_proj's, which PEFT does not use (HF has no
 v_proj there) and vLLM needs (`Gemma4LoraNames.to_peft`).
@@ -50,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.families import gemma3, llama
+from art_mega.trainer.families import gemma3, gemma4_moe, llama
 from art_mega.trainer.families.layout import fc1_shard, fuse_qkv, pad_rows, shard, split_qkv
 from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
@@ -74,7 +79,9 @@ class Gemma4Args(llama.DenseArgs):
     width `head_dim`, KV heads `num_query_groups`, RoPE base `rope_theta`, the local layers in
     `window_layers`, `qk_norm` True) plus the global layers' head width, KV heads, whether their
     values are their keys, their proportional RoPE (base, rotated fraction, factor) and the final
-    logit cap (None: none)."""
+    logit cap (None: none); with the MoE block (`gemma4_moe`) `num_experts` routed experts of
+    width `expert_ffn_hidden_size`, `top_k` per token, beside the dense MLP of `ffn_hidden_size`
+    (0 experts: dense)."""
 
     global_head_dim: int = 512
     global_query_groups: int = 1
@@ -83,6 +90,9 @@ class Gemma4Args(llama.DenseArgs):
     global_rope_partial: float = 0.25
     global_rope_factor: float = 1.0
     final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn_hidden_size: int = 0
 
     def attention(self, layer: int) -> tuple[int, int, bool]:
         """(head width, KV heads, values are keys) of decoder layer `layer` (0-based)."""
@@ -166,11 +176,6 @@ def model_args(config: dict[str, Any]) -> Gemma4Args:
             f"num_kv_shared_layers={shared} (layers reusing earlier layers' keys and values) is not "
             "implemented by the Megatron trainer; use a Gemma 4 model without KV sharing (31B, 0)."
         )
-    if config.get("enable_moe_block"):
-        raise UserError(
-            "enable_moe_block=true (Gemma 4's MLP-plus-experts block, 26B-A4B) is not implemented by the "
-            "Megatron trainer yet; use the dense Gemma 4 (31B)."
-        )
     if config.get("use_bidirectional_attention") == "all":
         raise UserError(
             "use_bidirectional_attention='all' is not supported; the trainer's attention is causal."
@@ -216,6 +221,7 @@ def model_args(config: dict[str, Any]) -> Gemma4Args:
         global_rope_partial=float(global_rope.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
         global_rope_factor=float(global_rope.get("factor", 1.0)) if proportional else 1.0,
         final_logit_softcapping=float(cap) if cap is not None else None,
+        **gemma4_moe.moe_fields(config),
     )
 
 
@@ -231,6 +237,7 @@ def valid_tp_sizes(args: Gemma4Args) -> list[int]:
 
 def _check_layout(args: Gemma4Args, layout: ParallelLayout) -> None:
     """`UserError` (one sentence naming the valid sizes) when `layout.tp` cannot split `args`."""
+    gemma4_moe.check_experts(args, layout.ep, layout.etp)
     if layout.tp not in valid_tp_sizes(args):
         valid = ", ".join(str(size) for size in valid_tp_sizes(args))
         raise UserError(
@@ -244,12 +251,14 @@ def transformer_config(
     args: Gemma4Args, layout: ParallelLayout, *, dtype: str = "float32", device: str = "cpu"
 ):
     """The Llama family's `TransformerConfig` (RMSNorm, QK norm, the sliding window; `UserError`
-    under CP) with GELU (tanh approximation) in the gated MLP, as Gemma 3's, and softmax scale 1."""
+    under CP) with GELU (tanh approximation) in the gated MLP, as Gemma 3's, and softmax scale 1;
+    with experts, the MoE block's fields (`gemma4_moe.config_fields`)."""
     import torch.nn.functional as F
 
     config = llama.transformer_config(args, layout, dtype=dtype, device=device)
     activation = functools.partial(F.gelu, approximate="tanh")
-    return dataclasses.replace(config, activation_func=activation, softmax_scale=1.0)
+    moe = gemma4_moe.config_fields(args, layout.ep, layout.etp, layout.tp)
+    return dataclasses.replace(config, activation_func=activation, softmax_scale=1.0, **moe)
 
 
 def _value_norm(value: Tensor, eps: float) -> Tensor:
@@ -358,7 +367,8 @@ def _layer_class() -> type:
 def layer_spec(args: Gemma4Args, *, use_te: bool):
     """The decoder block's spec, one layer spec per layer: Gemma 3's local layer (post-norm
     attention and MLP) as `_layer_class`, with `_attention_class` given each layer's head width,
-    KV heads and `k_eq_v`; the local spec also when `use_te` (module docstring)."""
+    KV heads and `k_eq_v`, and with experts `gemma4_moe.layer_spec`'s block as its MLP; the
+    local spec also when `use_te` (module docstring)."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -373,7 +383,8 @@ def layer_spec(args: Gemma4Args, *, use_te: bool):
             submodules=base.submodules.self_attention.submodules,
         )
         submodules = dataclasses.replace(base.submodules, self_attention=attention)
-        specs.append(dataclasses.replace(base, module=_layer_class(), submodules=submodules))
+        layer_spec = dataclasses.replace(base, module=_layer_class(), submodules=submodules)
+        specs.append(gemma4_moe.layer_spec(layer_spec, args) if args.num_experts else layer_spec)
     return transformer_block.TransformerBlockSubmodules(
         layer_specs=specs, layer_norm=transformer_block.LayerNormImpl
     )
@@ -398,7 +409,8 @@ def megatron_state_dict(
     pre_feedforward_layernorm -> pre_mlp_layernorm, gate/up_proj -> mlp.linear_fc1
     (`fc1_shard`), down_proj -> mlp.linear_fc2 (column shard), post_feedforward_layernorm ->
     mlp.post_feedforward_layernorm, layer_scalar -> layer_scalar [1]. Norms are replicated and
-    loaded as they are (x * w). lm_head only when untied.
+    loaded as they are (x * w). lm_head only when untied. With experts every layer's MLP is the
+    block of `gemma4_moe.block_state` instead.
     """
     tp, rank = layout.tp, layout.tp_rank
     vocab = llama.padded_vocab_size(args, tp)
@@ -439,6 +451,10 @@ def megatron_state_dict(
                 mc + "layer_scalar": read(hf + "layer_scalar"),
             }
         )
+        if args.num_experts:
+            for key in (*gemma4_moe.DENSE_MLP_KEYS, "mlp.post_feedforward_layernorm.weight"):
+                del state[mc + key]
+            state.update(gemma4_moe.block_state(args, read, layout, i))
     return state
 
 
@@ -468,11 +484,25 @@ def split_qk(fused: Tensor, num_heads: int, num_query_groups: int) -> tuple[Tens
 class Gemma4LoraNames(LoraNames):
     """The Llama LoRA names with a global layer's linear_qkv split by its own KV heads, and, for
     k_eq_v, into q_proj and k_proj only. `global_layers`: the decoder layers (indices) that are
-    global; `global_query_groups`; `k_eq_v`. Empty: every layer as Llama's."""
+    global; `global_query_groups`; `k_eq_v`; `num_experts` (> 0: every layer has the MoE block,
+    whose linear_fc1 / linear_fc2 names are `gemma4_moe.parse_lora`'s). Empty: every layer as
+    Llama's."""
 
     global_layers: frozenset[int] = frozenset()
     global_query_groups: int = 1
     k_eq_v: bool = False
+    num_experts: int = 0
+
+    def parse(self, name: str) -> tuple[str, str]:
+        """As `LoraNames.parse`; an MoE block's linears as `gemma4_moe.parse_lora`."""
+        found = gemma4_moe.parse_lora(name) if self.num_experts else None
+        return found if found is not None else super().parse(name)
+
+    def hf_parents(self, layer: int, target: str, num_experts: int) -> list[tuple[str, str]]:
+        """As `LoraNames.hf_parents`; an MoE layer's MLP targets as `gemma4_moe.hf_parents`."""
+        if self.num_experts and target in self.expert_targets:
+            return gemma4_moe.hf_parents(layer, num_experts)
+        return super().hf_parents(layer, target, num_experts)
 
     def _global(self, name: str) -> bool:
         parent, target = self.parse(name)
@@ -569,6 +599,8 @@ def lora_names(args: Gemma4Args) -> Gemma4LoraNames:
         global_layers=frozenset(i for i, local in enumerate(args.window_layers) if not local),
         global_query_groups=args.global_query_groups,
         k_eq_v=args.k_eq_v,
+        expert_targets=("linear_fc1", "linear_fc2") if args.num_experts else (),
+        num_experts=args.num_experts,
     )
 
 
@@ -613,6 +645,7 @@ SPEC: FamilySpec[Gemma4Args] = dataclasses.replace(
     gpt_model_kwargs=gpt_model_kwargs,
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
+    expert_parallel=True,
     finish_model=finish_model,
     lora_for=lora_names,
 )

@@ -146,6 +146,20 @@ class LoraNames:
             parent += f".{self.shared_expert}"
         return parent, target
 
+    def hf_parents(self, layer: int, target: str, num_experts: int) -> list[tuple[str, str]]:
+        """(HF parent under the decoder layers, width kind) of each adapter `target` has on decoder
+        layer `layer` of a model with `num_experts` experts (0: dense): ("{layer}.{parent}",
+        "dense"); an expert target of an MoE model: ("{layer}.{parent}.experts.{e}", "expert")
+        per expert, and ("{layer}.{parent}.{shared_expert}", "shared") where there is one.
+        `peft_io.adapter_layout` sizes each kind's adapters."""
+        parent = f"{layer}.{self.parents[target]}"
+        if not (num_experts and target in self.expert_targets):
+            return [(parent, "dense")]
+        placed = [(f"{parent}.experts.{e}", "expert") for e in range(num_experts)]
+        if self.shared_expert:
+            placed.append((f"{parent}.{self.shared_expert}", "shared"))
+        return placed
+
     def hf_modules(self, name: str) -> tuple[str, ...]:
         """The HF modules (under `parse(name)`'s parent) the LoRA layer `name` exports to."""
         return self.modules[self.parse(name)[1]]

@@ -56,8 +56,11 @@ def test_transformers_serialised_per_layer_config_reads_the_same() -> None:
         ),
         (
             {"enable_moe_block": True},
-            "enable_moe_block=true (Gemma 4's MLP-plus-experts block, 26B-A4B) is not implemented by the Megatron "
-            "trainer yet; use the dense Gemma 4 (31B).",
+            "enable_moe_block=true needs num_experts; use the model's own config.json.",
+        ),
+        (
+            {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8},
+            "top_k_experts=5 must be between 1 and num_experts=4.",
         ),
         (
             {"use_bidirectional_attention": "all"},
