@@ -62,6 +62,21 @@ def megatron_logits(built, ids):
     return full[..., : built.vocab_size].float()
 
 
+def shard_of(name: str, full, got, size: int, rank: int):
+    """The piece of the one-process tensor `full` that a TP / expert-TP rank holds as `got`:
+    linear_fc1's B as `fc1_shard` splits the fused gate/up rows, else a chunk along the one
+    dimension that differs (B's rows of a column layer, A's columns of a row layer)."""
+    from art_mega.trainer.families.layout import fc1_shard
+
+    if got.shape == full.shape:
+        return full
+    if name.endswith("linear_fc1.lora_B"):
+        gate, up = full.chunk(2, dim=0)
+        return fc1_shard(gate, up, size, rank)
+    dim = next(d for d in range(full.dim()) if got.shape[d] != full.shape[d])
+    return full.chunk(size, dim=dim)[rank]
+
+
 class RankProcesses:
     """A gloo world of `world` processes running `python -m MODULE RANK WORLD OUT PORT_A PORT_B NAME=DIR...`.
 

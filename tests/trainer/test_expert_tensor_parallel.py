@@ -6,7 +6,14 @@ imported and exported again it is the same bytes, at ETP=2 and in one process.
 The smallest world that splits experts over expert TP: 2 ranks, dense TP=2 (megatron-core's MoE
 layers need sequence parallelism with TP, and TP=1 would make the dense part DP=2 over the same
 ranks). ETP may differ from TP in megatron-core (`expert_tensor_parallel_size`, its own grid
-etp-ep-dp-pp); etp * ep * pp must divide the world (`compile_topology`).
+etp-ep-dp-pp); etp * ep * pp must divide the world (`compile_topology`). Behind `BASELINE_ENV`,
+ETP with DP > 1 and EP > 1 (`etp_worker.LAYOUTS`): dense DP=2 with experts over ETP=2 on the same
+2 ranks, and TP=2 x DP=2 with experts over ETP=2 x EP=2 on 4.
+
+ETP=2 cannot be byte-equal to ETP=1 at the same TP, EP and DP: it splits fc2's contraction over
+the expert's FFN features (and fc1's input gradient's) into one partial sum per expert-TP rank,
+which the dispatcher's reduce-scatter adds, a different float32 order than one rank's matmul; so
+the comparison with the ETP=1 twin is within tolerance, as with one process.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.common import RankProcesses, require_trainer_deps
+from tests.trainer.common import RankProcesses, require_trainer_deps, shard_of
 from tests.trainer.engine_scenarios import assert_steps_match
+from tests.trainer.etp_worker import LAYOUTS, WORLDS
 from tests.trainer.test_lora_engine import LAYOUT_TOLERANCE
 
 require_trainer_deps()
@@ -26,15 +34,22 @@ pytestmark = pytest.mark.timeout(900)
 
 LOGITS_TOLERANCE = 1e-5
 BASELINE_ENV = "ART_MEGA_TEST_ETP_BASELINE"
-"""Set to 1 to also run the ETP=1 twin at TP=2 (`etp_worker.LAYOUTS["tp2"]`, 2 more gloo
-processes, ~1 min on 2 cores) and compare the ETP=2 run with it; by default the ETP=2 run is
-compared with one process (TP = ETP = 1) only."""
-RUN = ("tp2etp2", "tp2") if os.environ.get(BASELINE_ENV) == "1" else ("tp2etp2",)
+"""Set to 1 to also run the ETP=1 twin at TP=2 (`etp_worker.LAYOUTS["tp2"]`) and compare the
+ETP=2 run with it, and to run ETP with DP=2 and with EP=2 (8 more gloo processes, ~3 min on 2
+cores); by default the TP=2 x ETP=2 run is compared with one process (TP = ETP = 1) only."""
+RUN = tuple(LAYOUTS) if os.environ.get(BASELINE_ENV) == "1" else ("tp2etp2",)
 COORDINATES = {
-    "tp2etp2": [(2, 2, 1, 1, 0, 0), (2, 2, 1, 1, 1, 1)],
-    "tp2": [(2, 1, 1, 1, 0, 0), (2, 1, 1, 1, 1, 0)],
+    "tp2etp2": [(2, 2, 1, 1, 0, 0, 0), (2, 2, 1, 1, 1, 1, 0)],
+    "tp2": [(2, 1, 1, 1, 0, 0, 0), (2, 1, 1, 1, 1, 0, 0)],
+    "dp2etp2": [(1, 2, 1, 2, 0, 0, 0), (1, 2, 1, 2, 0, 1, 0)],
+    "tp2ep2etp2": [
+        (2, 2, 2, 2, 0, 0, 0),
+        (2, 2, 2, 2, 1, 1, 0),
+        (2, 2, 2, 2, 0, 0, 1),
+        (2, 2, 2, 2, 1, 1, 1),
+    ],
 }
-"""Each rank's (tp, etp, ep, dp, tp_rank, etp_rank)."""
+"""Each rank's (tp, etp, ep, dp, tp_rank, etp_rank, ep_rank)."""
 ADAM_DRIFT = 8 * LAYOUT_TOLERANCE
 """The bound for what follows two or more Adam steps (the third step's gradients, the exported
 adapter): layouts that sum in another order reach weights that differ in their last bits, which
@@ -55,12 +70,13 @@ def etp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def etp_worlds(
     etp_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, RankProcesses]]:
-    """The 2-rank worlds of `RUN`, started (not awaited): the one-process reference runs meanwhile."""
+    """The worlds of `RUN`, started (not awaited): the one-process reference runs meanwhile."""
     worlds = {
         name: RankProcesses(
             "tests.trainer.etp_worker",
             tmp_path_factory.mktemp(name),
             {"moe": etp_model, "layout": Path(name)},
+            WORLDS.get(name, 2),
         )
         for name in RUN
     }
@@ -96,7 +112,7 @@ def etp_results(etp_all: dict[str, list[dict]]) -> list[dict]:
 
 @pytest.mark.parametrize("layout", RUN)
 def test_etp_steps_match_one_process(layout: str, etp_all, etp_reference) -> None:
-    keys = ("tp", "etp", "ep", "dp", "tp_rank", "etp_rank")
+    keys = ("tp", "etp", "ep", "dp", "tp_rank", "etp_rank", "ep_rank")
     assert [tuple(r["state"][k] for k in keys) for r in etp_all[layout]] == COORDINATES[layout]
     for rank, results in enumerate(etp_all[layout]):
         assert_steps_match(
@@ -108,45 +124,59 @@ def test_etp_steps_match_one_process(layout: str, etp_all, etp_reference) -> Non
     assert etp_reference["metrics"][0]["loss/grad_norm"] > 0 and etp_reference["metrics"][1]["loss/kl"] > 0
 
 
-def _shard_of(name: str, full, got, size: int, rank: int):
-    """The piece of the one-process tensor `full` that a TP / expert-TP rank holds as `got`:
-    linear_fc1's B as `fc1_shard` splits the fused gate/up rows, else a chunk along the one
-    dimension that differs (B's rows of a column layer, A's columns of a row layer)."""
-    from art_mega.trainer.families.layout import fc1_shard
-
-    if got.shape == full.shape:
-        return full
-    if name.endswith("linear_fc1.lora_B"):
-        gate, up = full.chunk(2, dim=0)
-        return fc1_shard(gate, up, size, rank)
-    dim = next(d for d in range(full.dim()) if got.shape[d] != full.shape[d])
-    return full.chunk(size, dim=dim)[rank]
+def _compared(results: dict) -> str:
+    """What a rank's run is compared by: its LoRA "grads" after each step, or with DP > 1 its
+    LoRA "weights" (the distributed optimizer's buffer holds the DP-reduced gradient only in the
+    rank's own shard; the weights after each step follow from exactly that gradient)."""
+    return "weights" if results["state"]["dp"] > 1 else "grads"
 
 
-def _grad_gaps(ranks: list[dict], reference: list[dict]) -> list[float]:
-    """Per step, the largest |gradient - reference's matching piece| over every rank and LoRA
-    parameter; asserts each rank holds every parameter and some expert gradient is nonzero."""
-    gaps = [0.0] * len(reference)
-    experts = 0
+def _gaps(ranks: list[dict], reference: dict) -> list[float]:
+    """Per step, the largest |rank's tensor - reference's matching piece| over every rank and LoRA
+    parameter (`_compared`: gradients or weights; an expert's split over expert TP, the rest over
+    TP); asserts the ranks together hold every parameter and some expert tensor is nonzero."""
+    gaps = [0.0] * len(reference["grads"])
+    experts, names = 0, set()
     for results in ranks:
-        tp, rank = results["state"]["tp"], results["state"]["tp_rank"]
-        for step, (got, expected) in enumerate(zip(results["training"]["grads"], reference, strict=True)):
-            assert set(got) == set(expected)
-            for name, grad in got.items():
-                full = _shard_of(name, expected[name], grad, tp, rank)
-                gaps[step] = max(gaps[step], (grad - full).abs().max().item())
+        state, what = results["state"], _compared(results)
+        for step, (got, expected) in enumerate(zip(results["training"][what], reference[what], strict=True)):
+            names |= set(got)
+            for name, value in got.items():
+                size, rank = (
+                    (state["etp"], state["etp_rank"])
+                    if ".experts." in name
+                    else (state["tp"], state["tp_rank"])
+                )
+                full = shard_of(name, expected[name], value, size, rank)
+                gaps[step] = max(gaps[step], (value - full).abs().max().item())
                 experts += ".experts." in name and full.abs().max().item() > 0
-    assert experts > 0, "some expert LoRA gradients are nonzero"
+    assert names == set(reference["grads"][0]), "the ranks together hold every LoRA parameter"
+    assert experts > 0, "some expert LoRA tensors are nonzero"
     return gaps
 
 
 @pytest.mark.parametrize("layout", RUN)
 def test_etp_lora_gradients_match_one_process(layout: str, etp_all, etp_reference) -> None:
     """After each of the 3 steps, every LoRA gradient (expert and attention) is the matching piece
-    of one process's; the replicated expert factors (fc1's A, fc2's B) hold the whole sum."""
-    gaps = _grad_gaps(etp_all[layout], etp_reference["grads"])
-    print(f"{layout}: max |LoRA gradient - one process| per step: " + ", ".join(f"{g:.1e}" for g in gaps))
-    assert max(gaps[:2]) <= LAYOUT_TOLERANCE and gaps[2] <= ADAM_DRIFT
+    of one process's; the replicated expert factors (fc1's A, fc2's B) hold the whole sum. With
+    DP > 1, the LoRA weights after each step instead (`_compared`). The exported adapter is
+    within `ADAM_DRIFT` of one process's."""
+    from safetensors.torch import load_file
+
+    gaps = _gaps(etp_all[layout], etp_reference)
+    what = _compared(etp_all[layout][0])
+    ours, theirs = (
+        load_file(Path(adapter) / "adapter_model.safetensors")
+        for adapter in (etp_all[layout][0]["training"]["adapter"], etp_reference["adapter"])
+    )
+    assert set(ours) == set(theirs)
+    drift = max((ours[key] - theirs[key]).abs().max().item() for key in ours)
+    print(
+        f"{layout}: max |LoRA {what} - one process| per step: "
+        + ", ".join(f"{g:.1e}" for g in gaps)
+        + f", adapter {drift:.1e}"
+    )
+    assert max(gaps[:2]) <= LAYOUT_TOLERANCE and gaps[2] <= ADAM_DRIFT and drift <= ADAM_DRIFT
 
 
 @pytest.mark.skipif("tp2" not in RUN, reason=f"the ETP=1 twin runs with {BASELINE_ENV}=1")
@@ -167,7 +197,7 @@ def test_etp_matches_its_etp1_twin(etp_all) -> None:
             zip(ours["training"]["grads"], theirs["training"]["grads"], strict=True)
         ):
             for name, grad in got.items():
-                full = _shard_of(name, expected[name], grad, 2, rank)
+                full = shard_of(name, expected[name], grad, 2, rank)
                 gaps[step] = max(gaps[step], (grad - full).abs().max().item())
     adapters = [
         load_file(Path(r[0]["training"]["adapter"]) / "adapter_model.safetensors")
@@ -180,7 +210,9 @@ def test_etp_matches_its_etp1_twin(etp_all) -> None:
     assert max(gaps[:2]) <= LAYOUT_TOLERANCE and gaps[2] <= ADAM_DRIFT and drift <= ADAM_DRIFT
 
 
-def test_etp_peft_export_is_exact(megatron_world, etp_model, etp_results, etp_reference, tmp_path) -> None:
+def test_etp_peft_export_is_exact(
+    megatron_world, etp_model, etp_all, etp_results, etp_reference, tmp_path
+) -> None:
     """The ETP=2 export is within the step tolerance of one process's (3 Adam steps apart), and
     exact through import and export: at ETP=2 (each rank's shards back in place) and in one
     process (the same file from the other layout), byte for byte; both imports give the same
@@ -204,6 +236,9 @@ def test_etp_peft_export_is_exact(megatron_world, etp_model, etp_results, etp_re
     assert diff <= ADAM_DRIFT
     for file in (weights, config):
         assert (Path(etp_results[0]["roundtrip"]) / file).read_bytes() == (got / file).read_bytes()
+        for layout in RUN:  # each layout's own export, imported and exported again
+            own = Path(etp_all[layout][0]["training"]["adapter"]) / file
+            assert (Path(etp_all[layout][0]["roundtrip"]) / file).read_bytes() == own.read_bytes()
     engine = TrainerEngine(str(etp_model), megatron_world, lora=LORA, optimizer=PP_OPTIMIZER)
     engine.load_adapter(got)
     engine.export_adapter(tmp_path / "one-process")
