@@ -1,5 +1,6 @@
-"""ART's logprob_calculation_chunk_size in `token_logprobs`: the cross entropy over chunks of
-positions gives the unchunked values and gradients (one-rank Megatron world, tiny model)."""
+"""ART's logprob_calculation_chunk_size in `token_logprobs` and `token_entropy`: the cross entropy
+and the entropy over chunks of positions give the unchunked values and gradients (one-rank
+Megatron world, tiny model)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,36 @@ def test_chunked_logprobs_and_gradients_equal_unchunked(
     assert any(w.abs().max().item() > 1e-4 for w in want_grads), "the gradients compared are not all zero"
 
 
+@pytest.mark.parametrize("chunk_size", [4, 1000])
+def test_chunked_entropy_equals_unchunked_and_holds_no_graph(
+    megatron_world, tiny_dirs: dict[str, Path], chunk_size: int
+) -> None:
+    import torch
+
+    from art_mega.trainer.model_builder import build_megatron_model
+    from art_mega.trainer.rank.logprobs import forward_logits, token_entropy
+
+    built = build_megatron_model(tiny_dirs["llama"])
+    ids = input_ids(built.vocab_size)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    segments = torch.ones_like(ids)
+    segments[:, 7:] = 2
+    needed = torch.ones_like(ids, dtype=torch.bool)
+    needed[:, :3] = False
+    logits = forward_logits(built.module, ids, positions, segments, needed=needed)
+    assert logits.requires_grad
+    common = dict(vocab_size=built.vocab_size, segment_ids=segments, needed=needed)
+    want = token_entropy(logits, **common)
+    got = token_entropy(logits, **common, chunk_size=chunk_size)
+    assert not got.requires_grad and got.grad_fn is None, "the reported entropy keeps no graph alive"
+    assert torch.equal(got, want)
+    # the tiny model's entropy is about log V; a masked / document-start token holds 0.0
+    assert 0.5 * torch.log(torch.tensor(float(built.vocab_size))) < want.max() <= torch.log(
+        torch.tensor(float(built.vocab_size))
+    ) + 1e-4
+    assert (want[:, :3] == 0).all() and (want[:, 7] == 0).all() and (want[:, 3] > 0).all()
+
+
 def test_an_engine_step_with_chunks_equals_the_unchunked_step(megatron_world, tiny_llama_dir: Path) -> None:
     """The engine reads GRPOLossConfig.logprob_calculation_chunk_size in the step's forward and in
     the reference / old-policy recomputations: the same loss, KL and gradient norm."""
@@ -77,7 +108,7 @@ def test_an_engine_step_with_chunks_equals_the_unchunked_step(megatron_world, ti
         config = GRPOLossConfig(**options, logprob_calculation_chunk_size=chunk_size)
         results.append((engine.train_step(batch, "grpo", config), engine.logprobs(batch)))
     (want, want_after), (got, got_after) = results
-    for name in ("loss/policy", "loss/kl_policy_ref", "loss/grad_norm"):
+    for name in ("loss/policy", "loss/kl_policy_ref", "loss/grad_norm", "loss/entropy"):
         assert got[name] == pytest.approx(want[name], abs=1e-6), name
     assert want["loss/grad_norm"] > 0
     # the updated policy agrees only to Adam's drift: it divides each gradient element by its own

@@ -42,8 +42,8 @@ heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
 - logits (`logits_bytes`, the last stage): the LM head's output [b, s/c, V/t] in w bytes (every
   position in the worst case) and the entropy's working set on it (`logprobs.token_entropy`: 21
   bytes an element, plus a float32 copy of 16-bit logits), which is above the cross entropy's
-  (megatron-core's works in place on float32 logits) and is not chunked by
-  `logprob_calculation_chunk_size`.
+  (megatron-core's works in place on float32 logits), planned unchunked: with
+  `logprob_calculation_chunk_size` both run over chunks of positions and the plan is an upper bound.
 - checked against CPU ranks (`benchmarks/memory_plan.py`): torch's own accounting of the tensors
   a rank allocates (the profiler's allocator events), which is what `torch.cuda.max_memory_allocated`
   counts on a GPU; the CPU allocator's slack (glibc keeps freed blocks: resident-set growth is
@@ -387,8 +387,9 @@ def logits_bytes(
     on the whole logits before the cross entropy, whose working set is smaller: float32 logits it
     works on in place (megatron-core `VocabParallelCrossEntropy`), others it copies to float32
     ([rows, chunk or row_tokens / cp, V/tp] x 4 with `logprob_chunk`); the gradient it returns
-    is that copy. The peak is therefore the entropy's; `logprob_chunk` does not lower it."""
-    del logprob_chunk  # the cross entropy's chunks stay under the entropy's working set
+    is that copy. The peak is therefore the entropy's. With `logprob_chunk` both run over chunks
+    of positions (`token_entropy(chunk_size=)`); this stays the unchunked bound, an upper one."""
+    del logprob_chunk  # planned unchunked: an upper bound when the logprobs run in chunks
     positions = math.ceil(row_tokens / cp)
     vocab = math.ceil(shape.vocab_size / tp)
     w = DTYPE_BYTES[dtype]

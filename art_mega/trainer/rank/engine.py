@@ -522,7 +522,11 @@ class TrainerEngine(SavedState, StepLoss):
         entropy = None
         if self.compute_entropy:
             entropy = token_entropy(
-                logits, vocab_size=self.vocab_size, segment_ids=t["segment_ids"], needed=needed
+                logits,
+                vocab_size=self.vocab_size,
+                segment_ids=t["segment_ids"],
+                needed=needed,
+                chunk_size=objective.logprob_calculation_chunk_size,
             )
         logprobs = token_logprobs(
             logits,

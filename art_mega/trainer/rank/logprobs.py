@@ -354,17 +354,42 @@ def token_entropy(
     vocab_size: int,
     segment_ids: torch.Tensor | None = None,
     needed: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Entropy (nats) of the distribution each token was drawn from, float32 [B, S], no gradient.
 
     H = log Z - sum_v p_v l_v with l the logits shifted by their max and Z = sum_v exp(l_v); two
-    all-reduces over the TP group of [B, S] numbers each. Aligned and zeroed like
-    `token_logprobs`. `logits` is read, not modified: call this before `token_logprobs`.
-    With CP > 1 `logits` are this CP rank's positions and `segment_ids` (required then) the
-    whole rows; the result is whole rows [B, S], gathered over the CP group. With `needed`
-    (bool [B, S], as given to `forward_logits`) `logits` are [1, K, V_padded / tp] at the needed
-    positions and every other token holds 0.0.
+    all-reduces over the TP group of [B, S] numbers each (a chunk's [B, chunk] with
+    `chunk_size`). Aligned and zeroed like `token_logprobs`. `logits` is read, not modified:
+    call this before `token_logprobs`. With CP > 1 `logits` are this CP rank's positions and
+    `segment_ids` (required then) the whole rows; the result is whole rows [B, S], gathered over
+    the CP group. With `needed` (bool [B, S], as given to `forward_logits`) `logits` are
+    [1, K, V_padded / tp] at the needed positions and every other token holds 0.0.
+    `chunk_size` (ART's `logprob_calculation_chunk_size`, as in `token_logprobs`): the working
+    set (`_entropy`, about 25 bytes an element) is held for that many positions at a time
+    instead of all of them; every position's entropy is computed alone, so the values are the
+    same.
     """
+    with torch.no_grad():
+        step = logits.shape[1] if chunk_size is None else chunk_size
+        entropy = torch.cat(
+            [_entropy(logits[:, start : start + step], vocab_size) for start in range(0, logits.shape[1], step)]
+            or [logits.new_zeros(logits.shape[0], 0, dtype=torch.float32)],
+            dim=1,
+        )
+    length = segment_ids.shape[1] if segment_ids is not None else None
+    if needed is None:
+        return _shift_to_token(_whole_rows(entropy, length), segment_ids)
+    keep = _kept_positions(needed, segment_ids)
+    _check_positions(logits, int(keep.sum()), "needed positions of this rank")
+    return _shift_to_token(_whole_rows(_scatter(entropy, keep), needed.shape[1]), segment_ids)
+
+
+def _entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Entropy (nats) float32 [B, C] of this TP rank's vocabulary shard [B, C, V_padded / tp] of
+    the logits, all-reduced over the TP group (`token_entropy`). Its working set, float32 [B, C,
+    V/tp] each: the shifted logits, their exp, `exp > 0` (bool), `exp * shifted`, the zeros and
+    the `torch.where` result (plus a float32 copy of 16-bit logits)."""
     from megatron.core import parallel_state as mpu
 
     group = mpu.get_tensor_model_parallel_group()
@@ -377,13 +402,7 @@ def token_entropy(
     weighted = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp))
     sums = torch.stack([exp.sum(dim=-1), weighted.sum(dim=-1)])
     torch.distributed.all_reduce(sums, group=group)
-    entropy = sums[0].log() - sums[1] / sums[0]
-    length = segment_ids.shape[1] if segment_ids is not None else None
-    if needed is None:
-        return _shift_to_token(_whole_rows(entropy, length), segment_ids)
-    keep = _kept_positions(needed, segment_ids)
-    _check_positions(logits, int(keep.sum()), "needed positions of this rank")
-    return _shift_to_token(_whole_rows(_scatter(entropy, keep), needed.shape[1]), segment_ids)
+    return sums[0].log() - sums[1] / sums[0]
 
 
 def forward_logits(
