@@ -80,6 +80,13 @@ def test_chunked_entropy_equals_unchunked_and_holds_no_graph(
         torch.tensor(float(built.vocab_size))
     ) + 1e-4
     assert (want[:, :3] == 0).all() and (want[:, 7] == 0).all() and (want[:, 3] > 0).all()
+    # a microbatch with no trained token on this rank: no positions reach the LM head
+    nothing = torch.zeros_like(needed)
+    empty = forward_logits(built.module, ids, positions, segments, needed=nothing)
+    assert empty.shape[1] == 0
+    for size in (None, chunk_size):
+        none = token_entropy(empty, vocab_size=built.vocab_size, segment_ids=segments, needed=nothing, chunk_size=size)
+        assert none.shape == ids.shape and not none.any()
 
 
 def test_an_engine_step_with_chunks_equals_the_unchunked_step(megatron_world, tiny_llama_dir: Path) -> None:

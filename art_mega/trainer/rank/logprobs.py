@@ -280,7 +280,7 @@ def token_logprobs(
         _check_positions(logits, targets.shape[1], "needed positions of this rank")
     positions = None if sampling is None else sampling.at_positions(keep)
     tau = None if positions is None else _kept_threshold(logits.detach(), targets, positions)
-    if chunk_size is None:
+    if chunk_size is None or logits.shape[1] == 0:
         if positions is not None:
             logits = _sampled_logits(logits, positions, tau)
         nll = vocab_parallel_cross_entropy(logits, targets)
@@ -371,12 +371,11 @@ def token_entropy(
     same.
     """
     with torch.no_grad():
-        step = logits.shape[1] if chunk_size is None else chunk_size
-        entropy = torch.cat(
-            [_entropy(logits[:, start : start + step], vocab_size) for start in range(0, logits.shape[1], step)]
-            or [logits.new_zeros(logits.shape[0], 0, dtype=torch.float32)],
-            dim=1,
-        )
+        positions = logits.shape[1]
+        step = chunk_size or positions
+        # one call on no positions too: every TP rank makes the same all-reduces
+        starts = range(0, positions, step) if positions else [0]
+        entropy = torch.cat([_entropy(logits[:, start : start + step], vocab_size) for start in starts], dim=1)
     length = segment_ids.shape[1] if segment_ids is not None else None
     if needed is None:
         return _shift_to_token(_whole_rows(entropy, length), segment_ids)
