@@ -16,7 +16,7 @@ Models. The Temporal Clue and prisoner's dilemma programs name ./tiny-format-pri
 folder the `tiny_workdir` fixture links in: a tiny Llama (2 layers, hidden 64) with
 SmolLM2-135M-Instruct's tokenizer and chat template, trained on the programs' prompts to answer in
 each one's format (upstream/primed_tiny.py; built once per machine into the test model cache:
-858 s wall, 405 CPU-s on 2 cores shared with other runs).
+100 s wall, 74 CPU-s on 2 cores shared with 3 other engineers' runs; it trains on one thread).
 These two run in CI. The 2048 notebook names ./2048-format-primed and runs with
 ART_MEGA_LONG_PROGRAMS=1 (~8 min a run and ~10 min to build its model once: more than `.ci/run`'s
 45 minutes leave): `tiny_2048_workdir` links the same tiny architecture primed on whole 2048 games, its logits sharpened
@@ -174,7 +174,7 @@ async def test_2048_notebook(primed_workdir, monkeypatch):
 async def test_temporal_clue_notebook(tiny_workdir, monkeypatch):
     """4 puzzles x 50 rollouts a step (and 64 x 2 for validation), one completion each, through a
     plain `AsyncOpenAI(base_url=model.inference_base_url, ...)` client. Measured on 2 shared cores
-    (model built): train accuracy 0.10 and 0.11, trained tokens 3,229 and 2,976, 106 s in all."""
+    (model built): train accuracy 0.10 and 0.10, trained tokens 3,028 and 3,015, 169 s in all."""
     import torch
 
     # The notebook sizes vLLM for GPUs older than Ampere (`get_device_properties(0).major < 8`);

