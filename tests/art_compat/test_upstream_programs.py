@@ -148,7 +148,7 @@ async def test_2048_notebook_tiny(tiny_2048_workdir, monkeypatch):
     WINNING_VALUE = 64 in its own text; nothing outside it shortens a game). Its reward is -1 for a
     game that makes an invalid move, else a value that grows with the tiles on the full board. On
     the tiny model primed on whole left/right games (primed_tiny.py `RECIPE_2048`)
-    a game fills the board in ~30 moves (8 tokens each). Measured on 2 cores shared with other
+    a game fills the board in ~30 moves (8 tokens each). Measured (recipe version 1) on 2 cores shared with other
     runs (load average ~10): mean reward 0.43 and 0.46, 2 of 18 games invalid (-1) in step 1,
     finished games of 29.8 and 27.4 moves, gathers of 143 s and 121 s, trained tokens 4,232 and
     3,940, 389 s in the program and 463 s for the test. The cost is the notebook's own: ~520
