@@ -36,9 +36,10 @@ class ModelShape(_Plan):
     multi-head latent attention (DeepSeek-V3: `q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`,
     `v_head_dim`, head_dim = nope + rope), counted by `_mla_parameters`; its LoRA has no
     linear_qkv and a linear_proj of heads x v_head_dim, its activation estimate the GQA shape
-    (with `scores_bytes`' CPU math kernel and `mla_frozen_first_layer`). Gemma 4's MoE block (`router_scales`): the dense MLP beside
-    the experts is its shared expert of `ffn_hidden_size` (`gemma4_moe`), the router has an input
-    scale [h] and a per-expert scale [E], and the block adds 3 norms a layer (7 in all).
+    (with `scores_bytes`' CPU math kernel and `mla_frozen_first_layer`). Gemma 4's MoE block
+    (`router_scales`): the dense MLP beside the experts is its shared expert of `ffn_hidden_size`
+    (`gemma4_moe`), the router has an input scale [h] and a per-expert scale [E], and the block
+    adds 3 norms a layer (7 in all).
 
     Activation-only facts: `attention_sinks` (GPT-OSS: the scores are computed explicitly,
     `sdpa_attention._attention_with_sinks`), `first_layer_delta` (layer 0 is a gated delta-net
