@@ -82,6 +82,7 @@ TINY_BUILDERS = {
     "tiny-qwen3_5_moe": ("art_mega.basemodels.tiny_qwen3_5_moe", "build_tiny_qwen3_5_moe"),
     "tiny-gpt_oss": ("art_mega.basemodels.tiny_gpt_oss", "build_tiny_gpt_oss"),
     "tiny-deepseek_v3": ("art_mega.basemodels.tiny_deepseek_v3", "build_tiny_deepseek_v3"),
+    "tiny-gemma4_moe": ("art_mega.basemodels.tiny_gemma4_moe", "build_tiny_gemma4_moe"),
 }
 """The other families' tiny models, by case name: (module, builder function of the out dir)."""
 
@@ -101,6 +102,7 @@ CASES = (
     Case("tiny-gemma3", 1, 1024),
     Case("tiny-gemma3", 2, 1024, tp=2),
     Case("tiny-gemma4", 1, 1024),
+    Case("tiny-gemma4_moe", 1, 1024),
     Case("tiny-deepseek_v3", 1, 1024),
     Case("tiny-deepseek_v3", 2, 1024, ep=2),
     Case("SmolLM2-135M-Instruct", 1, 1024),
@@ -136,7 +138,7 @@ def model_dir(name: str, work: Path) -> Path | None:
 
 def planned(case: Case, directory: Path) -> list[dict[str, int]]:
     """The plan's byte terms of each pipeline stage's rank of `case` (`memory_plan.rank_terms`,
-    float32)."""
+    float32, CPU ranks)."""
     from art_mega.trainer.prepare.memory_plan import ModelShape, rank_terms
 
     shape, _ = ModelShape.from_model_dir(directory)
@@ -154,6 +156,7 @@ def planned(case: Case, directory: Path) -> list[dict[str, int]]:
             row_tokens=case.seq_len,
             recompute=case.recompute,
             microbatches=case.pp,
+            cpu=True,
         )
         for stage in range(case.pp)
     ]

@@ -31,9 +31,13 @@ heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
   t ways under sequence parallelism, which the MoE family uses at t > 1), RoPE's cos and sin
   (4k), the SDPA's q, repeated keys and values, output and log-sum-exp ((4ak + a)/t), Qwen3's
   q/k-norm inputs ((a + g)k/t), the MLP's fc1 output, SwiGLU halves and product (5f/t; an MoE
-  layer: top_k x (h + 5i) plus E router logits) and r per LoRA-wrapped linear (its x A^T); per
-  row a layer the SDPA's additive mask (s x s/c in w bytes: PyTorch turns the boolean packed-row
-  mask into one and keeps it); the final norm's input (h + 1 a token) on the last stage. Times
+  layer: top_k x (h + 5i) plus E router logits, and a shared expert's 5 x its width) and r per
+  LoRA-wrapped linear (its x A^T); per row a softmax-attention layer the SDPA's additive mask
+  (s x s/c in w bytes: PyTorch turns the boolean packed-row mask into one and keeps it), or the
+  scores explicit attention keeps (GPT-OSS's sinks; MLA on CPU: `ModelShape.scores_bytes`, whose
+  transient joins the peak where the logits' does not cover it); the final norm's input (h + 1 a
+  token) on the last stage, less what the first layer, whose input needs no gradient, does not
+  keep (`ModelShape.first_layer_unkept_elements`: the census of benchmarks/RESULTS.md). Times
   s/c x b x L/pp, times the micro-batches a pipeline stage holds under 1F1B (pp - stage: Narayanan
   et al. 2021, section 2.2.1). Recomputation (`TrainerSpec.recompute`): "selective" drops its
   modules' terms ("core_attn" keeps the checkpoint's q, k, v; "mlp" the norm output only), "full"
@@ -41,7 +45,8 @@ heads, FFN f, E experts of FFN i with top_k routed per token, LoRA rank r):
   et al., section 5).
 - logits (`logits_bytes`, the last stage): the LM head's output [b, s/c, V/t] in w bytes (every
   position in the worst case) and the entropy's working set on it (`logprobs.token_entropy`: 21
-  bytes an element, plus a float32 copy of 16-bit logits), which is above the cross entropy's
+  bytes an element, plus a float32 copy of 16-bit logits; Gemma 4's logit cap keeps its tanh, w
+  bytes more), which is above the cross entropy's
   (megatron-core's works in place on float32 logits), planned unchunked: with
   `logprob_calculation_chunk_size` both run over chunks of positions and the plan is an upper bound.
 - checked against CPU ranks (`benchmarks/memory_plan.py`): torch's own accounting of the tensors
@@ -250,9 +255,11 @@ def rank_terms(
     recompute_modules: Sequence[str] = ("core_attn",),
     recompute_layers: int | None = None,
     microbatches: int | None = None,
+    cpu: bool = False,
 ) -> dict[str, int]:
     """The byte terms of the rank of pipeline stage `stage` of `pp` (the module docstring's
-    formulas): weights, lora, lora_grad, optimizer, activations, logits, reserve.
+    formulas): weights, lora, lora_grad, optimizer, activations, logits, reserve. `cpu`: the
+    rank runs on CPU, whose SDPA kernels differ (`ModelShape.scores_bytes`).
     `distributed_optimizer` None: when dp > 1 (`OptimizerConfig.distributed`'s default);
     `recompute*` as `TrainerSpec`'s; `microbatches` the step's micro-batches (None: enough to fill
     the pipeline, the 1F1B worst case)."""
@@ -263,6 +270,21 @@ def rank_terms(
     distributed = dp > 1 if distributed_optimizer is None else distributed_optimizer
     adam = (8 + (4 if w < 4 else 0)) * lora
     last = stage == pp - 1
+    logits = (
+        logits_bytes(
+            shape,
+            tp=tp,
+            cp=cp,
+            dtype=dtype,
+            row_tokens=row_tokens,
+            micro_batch_rows=micro_batch_rows,
+            logprob_chunk=logprob_chunk,
+        )
+        if last
+        else 0
+    )
+    tokens = math.ceil(row_tokens / cp)
+    transient = shape.scores_transient(tp, w, micro_batch_rows, tokens, lora_rank, lora_targets, cpu)
     return {
         "weights": shape.stage_parameters(tp, ep, pp, stage) * w,
         "lora": lora * w,
@@ -283,18 +305,10 @@ def rank_terms(
             recompute_modules=recompute_modules,
             recompute_layers=recompute_layers,
             microbatches=microbatches,
-        ),
-        "logits": logits_bytes(
-            shape,
-            tp=tp,
-            cp=cp,
-            dtype=dtype,
-            row_tokens=row_tokens,
-            micro_batch_rows=micro_batch_rows,
-            logprob_chunk=logprob_chunk,
+            cpu=cpu,
         )
-        if last
-        else 0,
+        + max(transient - logits, 0),
+        "logits": logits,
         "reserve": TRAINER_RESERVE_BYTES,
     }
 
@@ -324,14 +338,18 @@ def activation_bytes(
     pp: int = 1,
     stage: int = 0,
     microbatches: int | None = None,
+    cpu: bool = False,
 ) -> int:
     """Activations a rank keeps at the peak of its step, in bytes: `in_flight` micro-batches of
     tokens = rows x `row_tokens` / cp, each keeping over the stage's `stage_layers` layers the
     layers' elements a token (`layers_activation_elements`, scaled to the stage) in dtype bytes,
     SDPA's additive mask (PyTorch converts the boolean mask to one of the query's dtype and keeps
-    it for the backward: rows x s x s/cp a layer, in dtype bytes) and the packed-row boolean mask
+    it for the backward: rows x s x s/cp a softmax-attention layer, in dtype bytes; a layer with
+    sinks keeps its scores instead, `ModelShape.scores_bytes`) and the packed-row boolean mask
     (rows x s x s/cp bytes, shared by the layers); the last stage also keeps the final norm's
-    input and reciprocal RMS (h + 1 a token).
+    input and reciprocal RMS (h + 1 a token); the first stage's first layer keeps less
+    (`ModelShape.first_layer_unkept_elements`, without recomputation). `rank_terms` adds the
+    scores' transient beyond the logits (they peak at different times).
 
     `recompute` "selective": `recompute_modules` drop their terms (`layers_activation_elements`;
     "core_attn" drops the SDPA mask too) and one layer's "mlp" is rebuilt at a time in the
@@ -344,13 +362,19 @@ def activation_bytes(
     modules = tuple(recompute_modules) if recompute == "selective" else ()
     per_layer = shape.layers_activation_elements(tp, lora_rank, lora_targets, modules) / shape.num_layers
     mask = micro_batch_rows * row_tokens * math.ceil(row_tokens / cp)
-    layer_bytes = per_layer * tokens * w + (0 if "core_attn" in modules else mask * w)
+    softmax_share = (shape.num_layers - shape.delta_layers) / shape.num_layers
+    scores = shape.scores_bytes(tp, w, micro_batch_rows, math.ceil(row_tokens / cp), cpu)[0]
+    attention_bytes = scores if scores else (0 if "core_attn" in modules else mask * w)
+    layer_bytes = per_layer * tokens * w + softmax_share * attention_bytes
     kept = layers * layer_bytes
     if recompute == "full":
         recomputed = layers if recompute_layers is None else min(recompute_layers, layers)
         kept = (layers - recomputed) * layer_bytes + recomputed * shape.layer_input_elements(tp) * tokens * w
         kept += layer_bytes if recomputed else 0
-    elif "mlp" in modules:
+    elif recompute == "none" and stage == 0:
+        kept -= shape.first_layer_unkept_elements(tp, lora_targets) * tokens * w
+        kept -= attention_bytes if shape.mla_frozen_first_layer(lora_targets) else 0
+    if "mlp" in modules:
         kept += (
             (
                 5 * shape.expert_ffn_hidden_size * shape.top_k
@@ -388,12 +412,14 @@ def logits_bytes(
     works on in place (megatron-core `VocabParallelCrossEntropy`), others it copies to float32
     ([rows, chunk or row_tokens / cp, V/tp] x 4 with `logprob_chunk`); the gradient it returns
     is that copy. The peak is therefore the entropy's. With `logprob_chunk` both run over chunks
-    of positions (`token_entropy(chunk_size=)`); this stays the unchunked bound, an upper one."""
+    of positions (`token_entropy(chunk_size=)`); this stays the unchunked bound, an upper one.
+    A final logit cap (Gemma 4, `logit_softcapping`: cap x tanh(logits / cap)) keeps the tanh's
+    output for its backward beside the capped logits: w more bytes an element."""
     del logprob_chunk  # planned unchunked: an upper bound when the logprobs run in chunks
     positions = math.ceil(row_tokens / cp)
     vocab = math.ceil(shape.vocab_size / tp)
     w = DTYPE_BYTES[dtype]
-    per_element = w + ENTROPY_WORKING_SET_BYTES + (4 if w != 4 else 0)
+    per_element = w * (2 if shape.logit_softcapping else 1) + ENTROPY_WORKING_SET_BYTES + (4 if w != 4 else 0)
     return micro_batch_rows * positions * vocab * per_element
 
 
@@ -478,6 +504,7 @@ def plan_memory(
         "recompute": getattr(trainer, "recompute", "none"),
         "recompute_modules": getattr(trainer, "recompute_modules", ("core_attn",)),
         "recompute_layers": getattr(trainer, "recompute_layers", None),
+        "cpu": all(rank.gpu_id is None for rank in topology.trainer_ranks),
     }
     stages = [rank_terms(shape, row_tokens=row_tokens, stage=stage, **common) for stage in range(trainer.pp)]
     util = 0.9 if gpu_memory_utilization is None else gpu_memory_utilization

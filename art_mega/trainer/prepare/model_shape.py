@@ -34,8 +34,17 @@ class ModelShape(_Plan):
     `shared_expert_ffn_hidden_size` (0: none; DeepSeek-V3's n_shared_experts x its expert width)
     and, with `shared_expert_gate`, its [1, hidden] gate (Qwen3.5 MoE). `kv_lora_rank` > 0:
     multi-head latent attention (DeepSeek-V3: `q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`,
-    `v_head_dim`, head_dim = nope + rope), counted by `_mla_parameters`; the LoRA and activation
-    estimates use the GQA shape for it.
+    `v_head_dim`, head_dim = nope + rope), counted by `_mla_parameters`; its LoRA has no
+    linear_qkv and a linear_proj of heads x v_head_dim, its activation estimate the GQA shape
+    (with `scores_bytes`' CPU math kernel and `mla_frozen_first_layer`). Gemma 4's MoE block
+    (`router_scales`): the dense MLP beside the experts is its shared expert of `ffn_hidden_size`
+    (`gemma4_moe`), the router has an input scale [h] and a per-expert scale [E], and the block
+    adds 3 norms a layer (7 in all).
+
+    Activation-only facts: `attention_sinks` (GPT-OSS: the scores are computed explicitly,
+    `sdpa_attention._attention_with_sinks`), `first_layer_delta` (layer 0 is a gated delta-net
+    layer: with the embedding frozen and its projections not LoRA-wrapped it keeps nothing) and
+    `logit_softcapping` (Gemma 4's final cap keeps the tanh of the logits for its backward).
     """
 
     model_type: str
@@ -72,6 +81,10 @@ class ModelShape(_Plan):
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    router_scales: bool = False
+    attention_sinks: bool = False
+    first_layer_delta: bool = False
+    logit_softcapping: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> ModelShape:
@@ -91,9 +104,10 @@ class ModelShape(_Plan):
                 "delta_key_dim": args.linear_key_head_dim,
                 "delta_value_dim": args.linear_value_head_dim,
                 "delta_conv_kernel": args.linear_conv_kernel_dim,
+                "first_layer_delta": bool(args.linear_layers and args.linear_layers[0]),
             }
         if isinstance(args, GptOssArgs):
-            hybrid = {"gpt_oss_biases": True, "mxfp4_experts": bool(args.mxfp4)}
+            hybrid = {"gpt_oss_biases": True, "mxfp4_experts": bool(args.mxfp4), "attention_sinks": True}
         from art_mega.trainer.families.deepseek_v3 import DeepseekV3Args
         from art_mega.trainer.families.qwen3_5_moe import Qwen35MoeArgs
 
@@ -112,7 +126,12 @@ class ModelShape(_Plan):
         from art_mega.trainer.families.gemma4 import Gemma4Args
 
         global_layers = global_head_dim = global_qkv_rows = 0
+        norms = 4 if isinstance(args, (Gemma3Args, Gemma4Args)) else 2
         if isinstance(args, Gemma4Args):
+            hybrid["logit_softcapping"] = args.final_logit_softcapping is not None
+            if args.num_experts:  # the dense MLP is the MoE block's shared expert (gemma4_moe)
+                hybrid.update(shared_expert_ffn_hidden_size=args.ffn_hidden_size, router_scales=True)
+                norms += 3
             global_layers = sum(not local for local in args.window_layers)
             global_head_dim = args.global_head_dim
             kv_heads = args.global_query_groups * (1 if args.k_eq_v else 2)
@@ -130,7 +149,7 @@ class ModelShape(_Plan):
             tie_word_embeddings=args.tie_word_embeddings,
             qkv_bias=args.qkv_bias,
             qk_norm=args.qk_norm,
-            norms_per_layer=4 if isinstance(args, (Gemma3Args, Gemma4Args)) else 2,
+            norms_per_layer=norms,
             num_experts=getattr(args, "num_experts", 0),
             top_k=getattr(args, "top_k", 0),
             expert_ffn_hidden_size=getattr(args, "expert_ffn_hidden_size", 0),
@@ -229,6 +248,7 @@ class ModelShape(_Plan):
         if self.num_experts:
             moe = self.num_experts * h + (self.num_experts if self.gpt_oss_biases else 0)
             moe += 3 * h * self.shared_expert_ffn_hidden_size // tp + (h if self.shared_expert_gate else 0)
+            moe += h + self.num_experts if self.router_scales else 0
             mlps = self.dense_layers * dense + (layers - self.dense_layers) * moe
         return (
             vocab * (1 if self.tie_word_embeddings else 2)
@@ -276,16 +296,20 @@ class ModelShape(_Plan):
     ) -> int:
         """LoRA parameters one rank holds: r x (in + out) of every wrapped linear (Megatron names
         in `targets`), the TP-split factor split `tp` ways (column-parallel B, row-parallel A),
-        an MoE layer's fc1/fc2 once per local expert (`num_experts / ep`, not split by TP)."""
-        h, q = self.hidden_size, self.num_heads * self.head_dim
+        an MoE layer's fc1/fc2 once per local expert (`num_experts / ep`, not split by TP) and once
+        for its shared expert (split `tp` ways as a dense MLP's). An MLA layer has no linear_qkv
+        (its down / up projections are other targets) and its linear_proj reads heads x v_head_dim."""
+        h, q = self.hidden_size, self.num_heads * (self.v_head_dim if self.kv_lora_rank else self.head_dim)
         if self.num_experts:
-            i = self.expert_ffn_hidden_size
+            i, shared = self.expert_ffn_hidden_size, self.shared_expert_ffn_hidden_size
             fc1, fc2 = (h + 2 * i) * self.num_experts // ep, (i + h) * self.num_experts // ep
+            if shared:
+                fc1, fc2 = fc1 + h + 2 * shared // tp, fc2 + shared // tp + h
         else:
             f = self.ffn_hidden_size
             fc1, fc2 = h + 2 * f // tp, f // tp + h
         widths = {
-            "linear_qkv": h + self.qkv_rows // tp,
+            "linear_qkv": 0 if self.kv_lora_rank else h + self.qkv_rows // tp,
             "linear_proj": q // tp + h,
             "linear_fc1": fc1,
             "linear_fc2": fc2,
@@ -344,21 +368,113 @@ class ModelShape(_Plan):
             attention += (a + g) * k // tp
         attention_lora = sum(1 for name in targets if name in ("linear_qkv", "linear_proj"))
         mlp_lora = len(targets) - attention_lora
+        dense_mlp = 5 * self.ffn_hidden_size // tp
         if self.num_experts:
-            mlp = self.top_k * (h + 5 * self.expert_ffn_hidden_size) + self.num_experts
-            mlp_lora *= self.top_k
+            shared = self.shared_expert_ffn_hidden_size
+            mlp = self.top_k * (h + 5 * self.expert_ffn_hidden_size) + self.num_experts + 5 * shared // tp
+            mlp_lora *= self.top_k + (1 if shared else 0)
         else:
-            mlp = 5 * self.ffn_hidden_size // tp
+            mlp = dense_mlp
+        if self.router_scales:  # Gemma 4's MoE block: 3 more norms' inputs, 1/rms and outputs
+            norms += 3 * (2 * h // (tp if sequence_parallel else 1) + 1)
         if "mlp" in recompute_modules:
-            mlp, mlp_lora = 0, 0
+            mlp, mlp_lora, dense_mlp = 0, 0, 0
         vd = self.delta_value_heads * self.delta_value_dim
         delta = (3 * self.delta_conv_channels + 3 * vd + 2 * self.delta_value_heads) // tp
         full = self.num_layers - self.delta_layers
+        dense_lora = lora_rank * (len(targets) - attention_lora) if dense_mlp else 0
+        moe_layers = self.num_layers - self.dense_layers
         return (
-            self.num_layers * (norms + mlp + lora_rank * mlp_lora)
+            self.num_layers * norms
+            + moe_layers * (mlp + lora_rank * mlp_lora)
+            + self.dense_layers * (dense_mlp + dense_lora)
             + full * (attention + lora_rank * attention_lora)
             + self.delta_layers * delta
         )
+
+    def first_layer_unkept_elements(self, tp: int, targets: Sequence[str] = _LORA_TARGETS) -> int:
+        """Elements a token that the first layer does not keep although `layers_activation_elements`
+        counts them: its input is the frozen embedding's output, which needs no gradient, so its
+        input norm keeps neither input nor 1/rms (h + 1; autograd saves for a backward only what
+        a gradient needs), and a first gated delta-net mixer (`first_layer_delta`: frozen
+        projections, not LoRA-wrapped) keeps nothing: not its norm's output (h), its own
+        elements, nor the pre-MLP norm's input and 1/rms (h + 1), whose input is still gradient-free
+        (the census of benchmarks/RESULTS.md, tiny Qwen3.5: no tensor of layer 0's mixer is live);
+        a first MLA layer whose projections `targets` leave frozen (`mla_frozen_first_layer`)
+        keeps neither its norm's output nor the attention's q, k, v and log-sum-exp ((3 a k + a) /
+        tp) and RoPE's cos and sin (4 k): only linear_proj's LoRA keeps its input."""
+        h = self.hidden_size // (tp if self.num_experts > 0 and tp > 1 else 1)
+        if self.mla_frozen_first_layer(targets):
+            k, a = self.head_dim, self.num_heads
+            return 2 * h + 1 + (3 * a * k + a) // tp + 4 * k
+        if not self.first_layer_delta:
+            return h + 1
+        vd = self.delta_value_heads * self.delta_value_dim
+        delta = (3 * self.delta_conv_channels + 3 * vd + 2 * self.delta_value_heads) // tp
+        return 3 * h + 2 + delta
+
+    def scores_bytes(
+        self, tp: int, dtype_bytes: int, rows: int, tokens: int, cpu: bool = False
+    ) -> tuple[int, int]:
+        """(kept, transient) bytes a softmax-attention layer of `rows` rows of `tokens` tokens
+        (one rank, `num_heads / tp` heads) holds for explicitly computed scores, (0, 0) where a
+        fused SDPA kernel runs (it keeps no scores):
+
+        - GPT-OSS's sinks (`attention_sinks`, `sdpa_attention._attention_with_sinks`) compute
+          [heads, s, s + 1] float32 scores, keep the softmax's output for its backward (plus a
+          dtype copy of the probabilities [heads, s, s] and float32 copies of q and the repeated
+          k for the matmuls when the dtype is not float32) and hold two more score tensors, the
+          masked scores and their concatenation with the sink column, while the softmax runs
+          (the census of benchmarks/RESULTS.md, tiny GPT-OSS: the step's peak is the last
+          layer's softmax in the forward);
+        - MLA on CPU (`cpu`, `kv_lora_rank`): PyTorch's CPU SDPA has a fused (flash) kernel only
+          for equal q/k and v head widths (`sdp_utils_cpp.cpp` check_head_dim_size_cpp), so MLA's
+          nope + rope queries against v_head_dim values run the math path, which keeps the
+          probabilities [heads, s, s] in dtype bytes; its backward holds their gradient and the
+          softmax's (census, tiny DeepSeek-V3: the step's peak is there). On a GPU the
+          memory-efficient kernel takes unequal widths.
+
+        `transient` is held once at a time, by the layer being computed."""
+        heads = self.num_heads // tp
+        if self.attention_sinks:
+            scores = rows * heads * tokens * (tokens + 1) * 4
+            kept = scores
+            if dtype_bytes != 4:
+                kept += rows * heads * tokens * (tokens * dtype_bytes + 2 * self.head_dim * 4)
+            return kept, 2 * scores
+        if cpu and self.kv_lora_rank:
+            probabilities = rows * heads * tokens * tokens * dtype_bytes
+            return probabilities, 2 * probabilities
+        return 0, 0
+
+    def scores_transient(
+        self,
+        tp: int,
+        dtype_bytes: int,
+        rows: int,
+        tokens: int,
+        lora_rank: int,
+        targets: Sequence[str],
+        cpu: bool = False,
+    ) -> int:
+        """Bytes explicit attention scores (`scores_bytes`) hold beyond the kept activations while
+        the last layer's attention runs (forward) or is differentiated (backward): their
+        transient less one layer's MLP activations (average elements, not yet allocated in the
+        forward, freed before the attention's backward). `memory_plan.rank_terms` adds what of it
+        the logits' working set, the step's other peak, does not cover."""
+        transient = self.scores_bytes(tp, dtype_bytes, rows, tokens, cpu)[1]
+        if not transient:
+            return 0
+        mlp = self.layers_activation_elements(tp, lora_rank, targets)
+        mlp -= self.layers_activation_elements(tp, lora_rank, targets, ("mlp",))
+        return max(transient - mlp // self.num_layers * rows * tokens * dtype_bytes, 0)
+
+    def mla_frozen_first_layer(self, targets: Sequence[str]) -> bool:
+        """Whether the first layer's MLA keeps nothing but linear_proj's input: `targets` wrap
+        none of its down / up projections, so its q, k and v need no gradient (the embedding
+        is frozen) and neither the latent path nor the attention keeps a tensor."""
+        mla = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+        return bool(self.kv_lora_rank) and not any(name in mla for name in targets)
 
     def layer_input_elements(self, tp: int) -> int:
         """Elements a fully recomputed layer keeps a token: its input (h, split tp ways under

@@ -217,6 +217,6 @@ def test_shared_gpus_list_only_layouts_that_leave_the_replica_its_share(configs,
                               "--shared-gpus", "--inference-tp", "2", "--gpu-memory-utilization", "0.7")  # fmt: skip
     assert code == 0, err
     assert out.strip().splitlines()[-1] == (
-        "trainer layouts of these 8 GPU(s) that fit: --tp 2 --pp 2 (dp=2) (70.3 GiB), --tp 2 --pp 4 (dp=1) "
-        "(63.0 GiB), --tp 4 (dp=2) (53.5 GiB), --tp 4 --pp 2 (dp=1) (41.9 GiB), --tp 8 (dp=1) (33.6 GiB)"
+        "trainer layouts of these 8 GPU(s) that fit: --tp 2 --pp 2 (dp=2) (70.2 GiB), --tp 2 --pp 4 (dp=1) "
+        "(62.8 GiB), --tp 4 (dp=2) (53.5 GiB), --tp 4 --pp 2 (dp=1) (41.8 GiB), --tp 8 (dp=1) (33.5 GiB)"
     )

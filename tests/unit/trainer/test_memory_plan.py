@@ -118,11 +118,14 @@ def test_llama_31_8b_rank_terms_by_hand() -> None:
     # a token a layer (the census of benchmarks/RESULTS.md): norms' inputs, outputs and 1/rms
     # 4 x 4096 + 2, RoPE's cos and sin for q and k 4 x 128, SDPA's q, repeated k and v, output and
     # log-sum-exp (4 x 32*128 + 32)/2, fc1's output, its two SwiGLU halves and their product
-    # 5 x 14336/2, 4 x 16 (LoRA); the final norm's input and 1/rms outside the layers
-    per_token = 32 * (4 * 4096 + 2 + 4 * 128 + (4 * 32 * 128 + 32) // 2 + 5 * 14336 // 2 + 4 * 16) + 4096 + 1
+    # 5 x 14336/2, 4 x 16 (LoRA); the final norm's input and 1/rms outside the layers, less the
+    # first layer's input norm's input and 1/rms (the frozen embedding's output needs no gradient)
+    per_token = (
+        32 * (4 * 4096 + 2 + 4 * 128 + (4 * 32 * 128 + 32) // 2 + 5 * 14336 // 2 + 4 * 16) + 4097 - 4097
+    )
     # SDPA's additive mask [4096, 4096] a layer in 2 bytes, and the packed rows' bool mask
     activations = per_token * 4096 * 2 + 32 * 4096 * 4096 * 2 + 4096 * 4096
-    assert activations == 17_117_487_104
+    assert activations == 17_083_924_480
     # the LM head's output [4096, 128256/2] in 2 bytes, the entropy's float32 copy (4) and its
     # working set (21 bytes an element)
     logits = 64128 * 4096 * (2 + 4 + 21)
@@ -162,7 +165,8 @@ def test_qwen3_8b_terms_and_activation_factor_by_hand() -> None:
     assert (
         qwen.activation_elements(1, 8, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) == per_layer
     )
-    assert terms["activations"] == (36 * per_layer + 4096 + 1) * 1024 * 2 + 36 * 1024 * 1024 * 2 + 1024 * 1024
+    # the final norm's input and 1/rms (4096 + 1) less the first layer's input norm's (4096 + 1)
+    assert terms["activations"] == 36 * per_layer * 1024 * 2 + 36 * 1024 * 1024 * 2 + 1024 * 1024
     assert terms["logits"] == 151936 * 1024 * (2 + 4 + 21)
     float32 = rank_terms(qwen, tp=1, dtype="float32", lora_rank=8, row_tokens=1024)
     assert float32["optimizer"] == lora * 8  # no master copy of float32 parameters
@@ -238,12 +242,12 @@ def test_qwen3_32b_with_lora_on_one_24_gb_gpu_is_refused_with_the_tp_that_fits(t
     with pytest.raises(MemoryPlanError) as caught, caplog.at_level(logging.INFO):
         plan_at_register(tmp_path, "Qwen3-32B", host(gpu(0, 24)))
     # by hand: weights 32,762,123,264 x 2; LoRA 59,244,544 x 18 bytes; activations
-    # (64 x (4 x 5120 + 2 + 4 x 128 + 4 x 64*128 + 64 + (64 + 8) x 128 + 5 x 25600 + 4 x 8) + 5121)
-    # x 1024 tokens x 2, 64 SDPA masks [1024, 1024] x 2 and the bool mask; logits 151936 x 1024 x 27;
-    # reserve 1 GiB
-    activations = (64 * 191_074 + 5121) * 1024 * 2 + 64 * 1024 * 1024 * 2 + 1024 * 1024
+    # (64 x (4 x 5120 + 2 + 4 x 128 + 4 x 64*128 + 64 + (64 + 8) x 128 + 5 x 25600 + 4 x 8) + 5121
+    # - 5121: the final norm's, less the first layer's input norm's) x 1024 tokens x 2, 64 SDPA masks
+    # [1024, 1024] x 2 and the bool mask; logits 151936 x 1024 x 27; reserve 1 GiB
+    activations = 64 * 191_074 * 1024 * 2 + 64 * 1024 * 1024 * 2 + 1024 * 1024
     needed = 32_762_123_264 * 2 + 59_244_544 * 18 + activations + 151936 * 1024 * 27 + GIB
-    assert needed == 97_055_322_112  # 90.4 GiB
+    assert needed == 97_044_834_304  # 90.4 GiB
     assert str(caught.value) == (
         "Qwen/Qwen3-32B does not fit trainer rank 0 on host local (GPU 0, 24.0 GiB) at TrainerSpec tp=1, cp=1, "
         "ep=1 (dp=1): it needs 90.4 GiB (bfloat16 weights 61.0, LoRA with grads and Adam 1.0, activations of "
@@ -303,13 +307,13 @@ def test_dedicated_gpus_that_fit_plan_the_kv_cache_and_the_longest_row(tmp_path)
     # rows that fit: the longest row n whose activations (linear in n, and 36 SDPA masks n x n) and
     # whole-row logits fit 80 GiB less the resident bytes
     def row(n: int) -> int:
-        return (36 * 99_906 + 4097) * n * 2 + (36 * 2 + 1) * n * n + 151936 * n * 27
+        return 36 * 99_906 * n * 2 + (36 * 2 + 1) * n * n + 151936 * n * 27
 
     resident = 8_190_735_360 * 2 + 18_284_544 * 18 + GIB
-    assert row(5808) <= 80 * GIB - resident < row(5809)
-    assert rank.max_row_tokens == 5808
+    assert row(5811) <= 80 * GIB - resident < row(5812)
+    assert rank.max_row_tokens == 5811
     assert plan.warnings() == [
-        "trainer rank 0 on host local fits 1 packed row(s) of up to 5808 tokens of Qwen/Qwen3-8B in 80.0 GiB, "
+        "trainer rank 0 on host local fits 1 packed row(s) of up to 5811 tokens of Qwen/Qwen3-8B in 80.0 GiB, "
         "but rows may pack up to 32768 tokens: a step with longer rows runs out of GPU memory; set "
         "max_seq_length (or MegatronBackend(seq_len=)) at most that, set TrainerSpec.recompute, or use more TP"
     ]
@@ -351,4 +355,4 @@ def test_plan_memory_counts_the_dp_of_the_topology(tmp_path) -> None:
     )
     assert (plan.dp, plan.distributed_optimizer, len(plan.ranks)) == (4, True, 8)
     assert plan.ranks[7].optimizer_bytes == 22_020_096 * 12 // 4
-    assert plan.ranks[7].needed_bytes == 8_030_527_488 + 22_020_096 * 9 + 17_117_487_104 + 7_092_043_776 + GIB
+    assert plan.ranks[7].needed_bytes == 8_030_527_488 + 22_020_096 * 9 + 17_083_924_480 + 7_092_043_776 + GIB
