@@ -78,7 +78,8 @@ def shard_of(name: str, full, got, size: int, rank: int):
 
 
 class RankProcesses:
-    """A gloo world of `world` processes running `python -m MODULE RANK WORLD OUT PORT_A PORT_B NAME=DIR...`.
+    """A gloo world of `world` processes running `python -m MODULE RANK WORLD OUT PORT_A PORT_B NAME=DIR...`
+    (through `tests.trainer.launch`: without the imports a rank blocks).
 
     Started on construction (one thread each, output captured); `results()` waits for them and
     returns each rank's `OUT/rankR.pt`; `kill()` ends those still running.
@@ -94,7 +95,17 @@ class RankProcesses:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", module, str(rank), str(world), str(out), *ports, *pairs],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.trainer.launch",
+                    module,
+                    str(rank),
+                    str(world),
+                    str(out),
+                    *ports,
+                    *pairs,
+                ],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,

@@ -63,7 +63,7 @@ def meta_mapping(config: dict, tp: int, ep: int, tmp_path: Path) -> dict:
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.trainer.meta_mapping_worker", str(spec), str(out)],
+        [sys.executable, "-m", "tests.trainer.launch", "tests.trainer.meta_mapping_worker", str(spec), str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
