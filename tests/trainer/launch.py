@@ -1,7 +1,7 @@
 """`python -m tests.trainer.launch MODULE ARGS...`: run MODULE as `__main__` (argv MODULE ARGS...)
 in a process that starts as a trainer rank does, `block_unused_imports()` first.
 
-The test workers (`RankProcesses`, `meta_mapping`) import megatron-core after torch and
+The test workers (`RankProcesses`, `MetaMapper`) import megatron-core after torch and
 transformers; its `try: import wandb` then took 24 s of a meta-mapping worker's 85 s on this 2-core
 machine (pydantic's attribute docstrings walk every loaded module per class), and 8 s even when
 imported first. A production rank never imports it (`art_mega.trainer.rank.main.NOT_IMPORTED`).
