@@ -78,7 +78,8 @@ def shard_of(name: str, full, got, size: int, rank: int):
 
 
 class RankProcesses:
-    """A gloo world of `world` processes running `python -m MODULE RANK WORLD OUT PORT_A PORT_B NAME=DIR...`.
+    """A gloo world of `world` processes running `python -m MODULE RANK WORLD OUT PORT_A PORT_B NAME=DIR...`
+    (through `tests.trainer.launch`: without the imports a rank blocks).
 
     Started on construction (one thread each, output captured); `results()` waits for them and
     returns each rank's `OUT/rankR.pt`; `kill()` ends those still running.
@@ -94,7 +95,17 @@ class RankProcesses:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", module, str(rank), str(world), str(out), *ports, *pairs],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.trainer.launch",
+                    module,
+                    str(rank),
+                    str(world),
+                    str(out),
+                    *ports,
+                    *pairs,
+                ],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -123,3 +134,52 @@ class RankProcesses:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+class MetaMapper:
+    """One `tests.trainer.meta_mapping_worker` process serving every meta-device mapping of a test
+    session (`map`), its files under `root`; `close()` ends it."""
+
+    def __init__(self, root: Path) -> None:
+        from tests.conftest import REPO
+
+        self.root = root
+        self.count = 0
+        self.stderr = open(root / "stderr.txt", "w")  # a file: a full pipe would stall the worker
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.trainer.launch", "tests.trainer.meta_mapping_worker"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+
+    def map(self, config: dict, tp: int, ep: int) -> dict:
+        """The worker's result dict for an HF config dict at these TP / EP sizes; AssertionError
+        with the worker's traceback when the mapping raised, or its stderr when it died."""
+        import json
+
+        self.count += 1
+        out = self.root / f"map{self.count}.json"
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"config": config, "tp": tp, "ep": ep, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        while (line := self.proc.stdout.readline()) and line.strip() != f"MAPPED {out}":
+            pass  # anything else the libraries print
+        assert line, f"the meta-mapping worker died:\n{(self.root / 'stderr.txt').read_text()[-3000:]}"
+        reply = json.loads(out.read_text())
+        assert "error" not in reply, reply.get("error")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()

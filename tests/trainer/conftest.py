@@ -15,6 +15,7 @@ from art_mega.basemodels.tiny import build_tiny_model
 from tests.trainer.common import (
     EQUIVALENCE_MODELS,
     TINY_MODELS,
+    MetaMapper,
     RankProcesses,
     free_port,
     input_ids,
@@ -27,6 +28,14 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Test model name (see `TINY_MODELS`) -> its HF directory."""
     root = tmp_path_factory.mktemp("tiny-models")
     return {name: build_tiny_model(root / name, arch, **sizes) for name, (arch, sizes) in TINY_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
+def meta_mapper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetaMapper]:
+    """The session's meta-device mapping worker (`MetaMapper`), started at its first use."""
+    mapper = MetaMapper(tmp_path_factory.mktemp("meta-maps"))
+    yield mapper
+    mapper.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,14 @@
 """A full-size HF config's HF -> Megatron weight mapping checked on the `meta` device (no memory).
 
-Run as `python -m tests.trainer.meta_mapping_worker IN.json OUT.json`; IN holds `config` (an HF
-config.json dict), `tp` and `ep`. One process in a fake world of 8 ranks (torch's "fake"
+Run as `python -m tests.trainer.launch tests.trainer.meta_mapping_worker`, it serves requests: one
+JSON line on stdin each, {"config": an HF config.json dict, "tp", "ep", "out": a path}, answered by
+writing the result (or {"error": traceback}) to `out`, then the line `MAPPED <out>` on stdout; it
+exits at the end of stdin. One process maps every config of a test session (its imports took 11 of
+the 12 s a map took alone). With `IN.json OUT.json` arguments it maps one (IN holds config, tp, ep).
+The process is in a fake world of 8 ranks (torch's "fake"
 process-group backend: collectives are no-ops, which building a model never needs), so
-megatron-core's parallel state is that of rank 0 of a real 8-rank TP x EP job (expert-TP 1).
+megatron-core's parallel state is that of rank 0 of a real 8-rank TP x EP job (expert-TP 1),
+initialized again for each request.
 
 It builds transformers' model and megatron-core's `GPTModel` (the family's `transformer_config`,
 `layer_spec` and `gpt_model_kwargs`) under `torch.device("meta")`, runs the family's
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import traceback
 from typing import Any
 
 import torch
@@ -65,17 +71,37 @@ def _expert_module_exists(hf_params: dict[str, Any], parent: str, hf_module: str
     return tensor is not None and int(expert) < tensor.shape[0]
 
 
-def main(in_path: str, out_path: str) -> None:
+def _lora_layers(model: Any, family: Any, args: Any, hf_model: Any, hf_params: dict) -> tuple[int, list[str]]:
+    """(layers `apply_lora` wraps in `model` for every target of the family, the HF module paths
+    of those layers that `hf_model` lacks)."""
+    from art_mega.trainer.protocol import LoraConfig
+    from art_mega.trainer.rank.lora import apply_lora
+
+    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0, targets=family.lora.targets))
+    hf_modules = dict(hf_model.named_modules())
+    unmatched = []
+    names = family.lora_names(args)
+    for name in wrapped:
+        parent, _ = names.parse(name)
+        for hf_module in names.hf_modules(name):
+            path = f"model.layers.{parent}.{hf_module}"
+            ok = path in hf_modules or (
+                ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
+            )
+            if not ok:
+                unmatched.append(path)
+    return len(wrapped), sorted(set(unmatched))
+
+
+def map_config(config: dict, tp: int, ep: int) -> dict:
+    """The mapping checks of HF config dict `config` at these TP / EP sizes (the module docstring),
+    as the JSON-ready dict the tests read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from art_mega.trainer.families import family_for
     from art_mega.trainer.families.spec import ParallelLayout
-    from art_mega.trainer.protocol import LoraConfig
     from art_mega.trainer.rank.cpu_compat import apply_cpu_compat
-    from art_mega.trainer.rank.lora import apply_lora
 
-    spec = json.load(open(in_path))
-    config, tp, ep = spec["config"], int(spec["tp"]), int(spec["ep"])
     family = family_for(config)
     args = family.model_args(config)
     # a model_type transformers has no config for is built by the class its family names
@@ -127,25 +153,12 @@ def main(in_path: str, out_path: str) -> None:
         if ".layers.0." in key or ".layers.5." in key or ".layers." not in key
     }
 
-    wrapped = apply_lora(model, LoraConfig(rank=1, alpha=1.0, targets=family.lora.targets))
-    hf_modules = dict(hf_model.named_modules())
-    lora_unmatched = []
-    names = family.lora_names(args)
-    for name in wrapped:
-        parent, _ = names.parse(name)
-        for hf_module in names.hf_modules(name):
-            path = f"model.layers.{parent}.{hf_module}"
-            ok = path in hf_modules or (
-                ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
-            )
-            if not ok:
-                lora_unmatched.append(path)
-    lora_layers = len(wrapped)
-    del model, wrapped
+    lora_layers, lora_unmatched = _lora_layers(model, family, args, hf_model, hf_params)
+    del model
 
     _init(1, 1)
     full = _megatron_model(family, args, ParallelLayout())
-    result = {
+    return {
         "family": family.name,
         "hf_class": type(hf_model).__name__,
         "hf_params": sum(p.numel() for p in hf_model.parameters()),
@@ -159,11 +172,29 @@ def main(in_path: str, out_path: str) -> None:
         "mismatched": mismatched[:20],
         "megatron_keys": len(expected),
         "lora_layers": lora_layers,
-        "lora_unmatched": sorted(set(lora_unmatched)),
+        "lora_unmatched": lora_unmatched,
         "rank0_shapes": shapes,
     }
-    json.dump(result, open(out_path, "w"), indent=1)
+
+
+def serve() -> None:
+    """Answer each stdin request (the module docstring) until stdin ends."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply = map_config(request["config"], int(request["tp"]), int(request["ep"]))
+        except Exception:  # the test that asked fails with it; the next request still runs
+            reply = {"error": traceback.format_exc()}
+        with open(request["out"], "w") as out:
+            json.dump(reply, out, indent=1)
+        print(f"MAPPED {request['out']}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) == 3:
+        spec = json.load(open(sys.argv[1]))
+        json.dump(
+            map_config(spec["config"], int(spec["tp"]), int(spec["ep"])), open(sys.argv[2], "w"), indent=1
+        )
+    else:
+        serve()

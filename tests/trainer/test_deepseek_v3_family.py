@@ -24,8 +24,7 @@ import pytest
 
 from art_mega.basemodels.tiny_deepseek_v3 import DEEPSEEK_V3_TINY, build_tiny_deepseek_v3
 from tests.real_size_configs import DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS, KIMI_K2, KIMI_K2_PARAMETERS
-from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
-from tests.trainer.test_real_size_mapping import meta_mapping
+from tests.trainer.common import MetaMapper, RankProcesses, input_ids, megatron_logits, require_trainer_deps
 
 require_trainer_deps()
 
@@ -307,11 +306,11 @@ def test_peft_drops_the_dense_and_shared_mlp_lora(deepseek_tp1, deepseek_dir: Pa
     reason="DeepSeek-V3's 61 layers x 256 experts on the meta device take ~8 min on 2 cores: ART_MEGA_SLOW_META=1",
 )
 @pytest.mark.timeout(900)
-def test_published_config_maps_every_tensor_on_meta(tmp_path: Path) -> None:
+def test_published_config_maps_every_tensor_on_meta(meta_mapper: MetaMapper) -> None:
     """`tests.trainer.meta_mapping_worker` (see tests/trainer/test_real_size_mapping.py) at TP=8, EP=8
     on DeepSeek-V3's published config (its fp8 quantization_config is read by the family; on the
     meta device transformers builds the unquantized layout)."""
-    got = meta_mapping(DEEPSEEK_V3, 8, 8, tmp_path)
+    got = meta_mapper.map(DEEPSEEK_V3, 8, 8)
     print(
         f"DeepSeek-V3: {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron tensors per rank, "
         f"{got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"
@@ -354,13 +353,13 @@ kv_b 512x(64x256), o 8192x7168) and the layer's two norms."""
         ),
     ],
 )
-def test_kimi_k2_config_maps_every_tensor_on_meta(layers: int, tmp_path: Path) -> None:
+def test_kimi_k2_config_maps_every_tensor_on_meta(layers: int, meta_mapper: MetaMapper) -> None:
     """Kimi-K2's published config.json (`KIMI_K2`: model_type kimi_k2, architectures
     DeepseekV3ForCausalLM) goes through the deepseek_v3 family: at TP=8 / EP=8 every tensor of
     transformers' DeepseekV3ForCausalLM built from it maps with Megatron's shapes and parameter
     count. `layers` 2: its dense first layer and one MoE layer (the default suite); 61: the model."""
     config = {**KIMI_K2, "num_hidden_layers": layers}
-    got = meta_mapping(config, 8, 8, tmp_path)
+    got = meta_mapper.map(config, 8, 8)
     print(
         f"Kimi-K2 ({layers} layers): {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron "
         f"tensors per rank, {got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"

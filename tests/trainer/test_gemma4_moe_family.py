@@ -41,8 +41,7 @@ import pytest
 from art_mega.basemodels.tiny_gemma4_moe import PER_EXPERT_SCALE, build_tiny_gemma4_moe
 from art_mega.errors import UserError
 from tests.real_size_configs import GEMMA4_26B_A4B_TEXT
-from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
-from tests.trainer.test_real_size_mapping import meta_mapping
+from tests.trainer.common import MetaMapper, RankProcesses, input_ids, megatron_logits, require_trainer_deps
 
 require_trainer_deps()
 pytest.importorskip("peft", reason="peft is not installed (the test extra)")
@@ -300,9 +299,9 @@ def _param_count(config: dict) -> int:
 @pytest.mark.skipif(
     not os.environ.get("ART_MEGA_SLOW_META"), reason="ART_MEGA_SLOW_META=1 runs the real size"
 )
-def test_gemma4_26b_a4b_maps_on_meta(tmp_path: Path) -> None:
+def test_gemma4_26b_a4b_maps_on_meta(meta_mapper: MetaMapper) -> None:
     """`tests.trainer.meta_mapping_worker` at TP=8, EP=8 (LoRA on every target of the family)."""
-    got = meta_mapping(GEMMA4_26B_A4B_TEXT, 8, 8, tmp_path)
+    got = meta_mapper.map(GEMMA4_26B_A4B_TEXT, 8, 8)
     print(
         f"gemma-4-26B-A4B text: {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron tensors per "
         f"rank, {got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"

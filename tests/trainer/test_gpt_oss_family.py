@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 
 from art_mega.basemodels.tiny_gpt_oss import build_tiny_gpt_oss
-from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
+from tests.trainer.common import MetaMapper, RankProcesses, input_ids, megatron_logits, require_trainer_deps
 from tests.trainer.gpt_oss_configs import GPT_OSS_20B, GPT_OSS_120B, GPT_OSS_PARAMETERS
-from tests.trainer.test_real_size_mapping import meta_mapping
 
 require_trainer_deps()
 
@@ -208,10 +207,10 @@ def test_adapter_loads_in_peft_with_megatron_logits(
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
-def test_published_config_maps_every_tensor_on_meta(name: str, tmp_path: Path) -> None:
+def test_published_config_maps_every_tensor_on_meta(name: str, meta_mapper: MetaMapper) -> None:
     """`tests.trainer.meta_mapping_worker` (see tests/trainer/test_real_size_mapping.py) at TP=8, EP=8."""
     config = {"gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}[name]
-    got = meta_mapping(config, 8, 8, tmp_path)
+    got = meta_mapper.map(config, 8, 8)
     print(
         f"{name}: {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron tensors per rank, "
         f"{got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"

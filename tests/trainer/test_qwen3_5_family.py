@@ -21,7 +21,7 @@ import pytest
 
 from art_mega.basemodels.tiny import build_tiny_model
 from art_mega.errors import UserError
-from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
+from tests.trainer.common import MetaMapper, RankProcesses, input_ids, megatron_logits, require_trainer_deps
 from tests.trainer.qwen3_5_configs import QWEN3_6_27B
 
 require_trainer_deps()
@@ -139,10 +139,10 @@ def _hf_param_count(text: dict) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_qwen3_6_27b_maps_on_meta(tmp_path: Path) -> None:
+def test_qwen3_6_27b_maps_on_meta(meta_mapper: MetaMapper) -> None:
     from tests.trainer.test_real_size_mapping import _check
 
-    got = _check("Qwen3.6-27B", tmp_path, config=QWEN3_6_27B)
+    got = _check("Qwen3.6-27B", meta_mapper, config=QWEN3_6_27B)
     print(f"Qwen3.6-27B: {got['hf_names']} HF tensors, {got['megatron_params']:,} parameters")
     assert (got["family"], got["hf_class"], got["hf_names"]) == ("qwen3_5", "Qwen3_5ForCausalLM", 851)
     assert got["unread"] == [] and got["unknown_reads"] == []

@@ -32,10 +32,9 @@ import pytest
 
 from art_mega.basemodels.tiny_qwen3_5_moe import build_tiny_qwen3_5_moe
 from art_mega.errors import UserError
-from tests.trainer.common import RankProcesses, input_ids, megatron_logits, require_trainer_deps
+from tests.trainer.common import MetaMapper, RankProcesses, input_ids, megatron_logits, require_trainer_deps
 from tests.trainer.qwen3_5_configs import QWEN3_5_35B_A3B, QWEN3_6_35B_A3B
 from tests.trainer.test_qwen3_5_family import _hf_param_count
-from tests.trainer.test_real_size_mapping import meta_mapping
 
 require_trainer_deps()
 pytest.importorskip("peft", reason="peft is not installed (the test extra)")
@@ -377,9 +376,9 @@ def _moe_param_count(text: dict) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_qwen3_5_35b_a3b_maps_on_meta(tmp_path: Path) -> None:
+def test_qwen3_5_35b_a3b_maps_on_meta(meta_mapper: MetaMapper) -> None:
     """`tests.trainer.meta_mapping_worker` at TP=8, EP=8 (LoRA on every target of the family)."""
-    got = meta_mapping(QWEN3_5_35B_A3B, 8, 8, tmp_path)
+    got = meta_mapper.map(QWEN3_5_35B_A3B, 8, 8)
     print(
         f"Qwen3.5-35B-A3B: {got['hf_names']} HF tensors -> {got['megatron_keys']} Megatron tensors per rank, "
         f"{got['megatron_params']:,} parameters, {got['lora_layers']} LoRA layers on rank 0"

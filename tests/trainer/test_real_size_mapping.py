@@ -1,6 +1,6 @@
 """Real sizes without memory: published full-size config.json values of the existing families, built
 on torch's `meta` device by transformers and by megatron-core (`tests.trainer.meta_mapping_worker`,
-one process each, a fake 8-rank world).
+the session's one `meta_mapper` process, a fake 8-rank world).
 
 For each: the family's own HF -> Megatron mapping (`FamilySpec.megatron_state_dict`), run for every
 TP (and EP) rank, reads every HF tensor name and nothing else, and gives each rank exactly the
@@ -12,20 +12,14 @@ MoE layer's experts fused: expert e is row e of `mlp.experts.gate_up_proj` / `do
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.real_size_configs import CONFIGS, GEMMA4_31B_TEXT, PUBLISHED
-from tests.trainer.common import require_trainer_deps
+from tests.trainer.common import MetaMapper, require_trainer_deps
 
 require_trainer_deps()
-
-REPO = Path(__file__).resolve().parents[2]
 
 PARALLEL = {"Qwen3-30B-A3B": (8, 8), "Qwen3-235B-A22B": (8, 8), "Qwen2.5-7B": (4, 1)}
 PARALLEL["Qwen2.5-7B-Instruct-YaRN"] = PARALLEL["Qwen2.5-7B"]
@@ -49,35 +43,17 @@ RANK0_SHAPES = {
 """A few rank-0 Megatron shapes written out from the architecture (the rest are compared with the model)."""
 
 
-def _check(name: str, tmp_path: Path, config: dict | None = None) -> dict:
-    """The worker's result for `CONFIGS[name]` (or `config`) at `PARALLEL`'s sizes."""
+def _check(name: str, meta_mapper: MetaMapper, config: dict | None = None) -> dict:
+    """The meta-mapping worker's result for `CONFIGS[name]` (or `config`) at `PARALLEL`'s sizes."""
     tp, ep = PARALLEL.get(name, (8, 1))
-    return meta_mapping(config or CONFIGS[name], tp, ep, tmp_path)
-
-
-def meta_mapping(config: dict, tp: int, ep: int, tmp_path: Path) -> dict:
-    """`tests.trainer.meta_mapping_worker`'s result for an HF config dict at these TP / EP sizes
-    (one subprocess; its files in `tmp_path`)."""
-    spec = tmp_path / "in.json"
-    spec.write_text(json.dumps({"config": config, "tp": tp, "ep": ep}))
-    out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.trainer.meta_mapping_worker", str(spec), str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+    return meta_mapper.map(config or CONFIGS[name], tp, ep)
 
 
 IN_CI = ("Qwen3-8B", "Qwen3-235B-A22B", "Llama-3.1-8B", "Qwen2.5-7B", "Qwen3-8B-YaRN")
 """One config per mapping path (dense with the written-out shapes, MoE at EP=8 with fewer KV heads than
-ranks, llama, qwen2's biases at TP=4, YaRN) runs in `.ci/run`; the other sizes of the same paths
-(~30 s each on 2 cores) run with ART_MEGA_SLOW_META=1."""
+ranks, llama, qwen2's biases at TP=4, YaRN) runs in `.ci/run`; the other sizes of the same paths run
+with ART_MEGA_SLOW_META=1. In the session's one mapping worker a dense map takes under 1 s and
+Qwen3-235B-A22B's 12 s (2 loaded cores; 30-45 s each when every map started its own process)."""
 
 
 def _ci_or_slow(name: str):  # noqa: ANN202
@@ -90,8 +66,8 @@ def _ci_or_slow(name: str):  # noqa: ANN202
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", [_ci_or_slow(name) for name in CONFIGS])
-def test_full_size_mapping_on_meta(name: str, tmp_path: Path) -> None:
-    got = _check(name, tmp_path)
+def test_full_size_mapping_on_meta(name: str, meta_mapper: MetaMapper) -> None:
+    got = _check(name, meta_mapper)
     print(
         f"{name} ({got['hf_class']}, family {got['family']}): {got['hf_names']} HF tensors -> "
         f"{got['megatron_keys']} Megatron tensors per rank, {got['megatron_params']:,} parameters, "
@@ -122,11 +98,11 @@ def test_tp8_refusal_names_the_valid_sizes() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_gemma4_31b_maps_every_tensor_at_tp8(tmp_path: Path) -> None:
+def test_gemma4_31b_maps_every_tensor_at_tp8(meta_mapper: MetaMapper) -> None:
     """google/gemma-4-31B's text config at TP=8: the 10 global layers' 4 KV heads (fewer than the
     ranks: each rank holds a copy of its group's key) and 512-wide heads, the k_eq_v projection
     without v rows, and the 60 layer scalars (buffers) all map; parameter counts equal."""
-    got = meta_mapping(GEMMA4_31B_TEXT, 8, 1, tmp_path)
+    got = meta_mapper.map(GEMMA4_31B_TEXT, 8, 1)
     print(f"gemma-4-31B text: {got['hf_names']} HF tensors, {got['megatron_params']:,} parameters")
     assert got["family"] == "gemma4" and got["hf_class"] == "Gemma4ForCausalLM"
     assert got["unread"] == [] and got["unknown_reads"] == [] and got["hf_buffers"] == 60
