@@ -111,7 +111,8 @@ def megatron_logprobs(setup: Setup, cases: list[dict[str, Any]], tmp_path: Path)
     out = tmp_path / "megatron-out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.inference.megatron_logprobs", str(spec), str(out)],
+        # through tests.trainer.launch: without the wandb import megatron-core makes (as a rank)
+        [sys.executable, "-m", "tests.trainer.launch", "tests.inference.megatron_logprobs", str(spec), str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -12,8 +12,6 @@ MoE layer's experts fused: expert e is row e of `mlp.experts.gate_up_proj` / `do
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.real_size_configs import CONFIGS, GEMMA4_31B_TEXT, PUBLISHED
@@ -49,23 +47,13 @@ def _check(name: str, meta_mapper: MetaMapper, config: dict | None = None) -> di
     return meta_mapper.map(config or CONFIGS[name], tp, ep)
 
 
-IN_CI = ("Qwen3-8B", "Qwen3-235B-A22B", "Llama-3.1-8B", "Qwen2.5-7B", "Qwen3-8B-YaRN")
-"""One config per mapping path (dense with the written-out shapes, MoE at EP=8 with fewer KV heads than
-ranks, llama, qwen2's biases at TP=4, YaRN) runs in `.ci/run`; the other sizes of the same paths run
-with ART_MEGA_SLOW_META=1. In the session's one mapping worker a dense map takes under 1 s and
-Qwen3-235B-A22B's 12 s (2 loaded cores; 30-45 s each when every map started its own process)."""
-
-
-def _ci_or_slow(name: str):  # noqa: ANN202
-    slow = pytest.mark.skipif(
-        name not in IN_CI and not os.environ.get("ART_MEGA_SLOW_META"),
-        reason=f"{name} maps like {', '.join(IN_CI)}: ART_MEGA_SLOW_META=1 runs it too",
-    )
-    return pytest.param(name, marks=slow)
+# Every published config maps in `.ci/run`: in the session's one mapping worker (`meta_mapper`)
+# a dense map takes under 1 s and Qwen3-235B-A22B's 9-12 s on 2 loaded cores, all 13 tests 51 s
+# (30-45 s a map when each started its own process, when 6 of them were gated).
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [_ci_or_slow(name) for name in CONFIGS])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_full_size_mapping_on_meta(name: str, meta_mapper: MetaMapper) -> None:
     got = _check(name, meta_mapper)
     print(
