@@ -7,13 +7,16 @@ fused-layer splits are the model family's (`FamilySpec.lora`, `families/spec.py`
 
 MoE experts are written in the per-expert module names of the Hub checkpoints
 (`...mlp.experts.{e}.gate_proj.lora_A.weight`, with gate_proj/up_proj/down_proj in
-`target_modules`). That is the format PEFT 0.21 converts when it loads an adapter onto
-transformers 5's fused 3-D expert parameters (`peft/utils/transformers_weight_conversion.py`:
-gate_proj + up_proj -> a `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with
-A concatenated and B block-diagonal, down_proj -> `mlp.experts.down_proj`), and the per-expert
-layout vLLM reads. A family whose experts neither converts (GPT-OSS: gate/up interleaved, vLLM
-reading 3-D tensors only) owns its on-disk format through `LoraNames.pack` / `unpack` /
-`peft_targets` (`families/gpt_oss.py` GptOssLoraNames: PEFT's `target_parameters` layout).
+`target_modules`), the layout vLLM 0.32 reads for its 2-D MoE LoRA models (Qwen3-MoE, DeepSeek-V3,
+text-only Qwen3.5 MoE, Gemma 4). PEFT 0.21 converts it onto transformers 5's fused 3-D expert
+parameters (`peft/utils/transformers_weight_conversion.py`: gate_proj + up_proj -> a
+`target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with A concatenated and B
+block-diagonal, down_proj -> `mlp.experts.down_proj`) only for the model types it maps (qwen3_moe,
+deepseek_v3, ...); for Qwen3.5 MoE and Gemma 4 `write_for_peft` writes the experts as PEFT's
+`target_parameters` tensors (`LoraNames.for_peft`, `families/fused_experts.py`). A family whose
+experts vLLM reads only as 3-D tensors (GPT-OSS: gate/up interleaved) writes that layout on disk
+through `LoraNames.pack` / `unpack` / `peft_targets` (`families/gpt_oss.py` GptOssLoraNames),
+which PEFT loads as it is.
 
 `adapter_layout` is the same mapping without tensors: every PEFT key the trainer loads for a
 model, with its shape, and which lora_A matrices one fused layer shares. The controller checks a
@@ -298,6 +301,37 @@ def import_adapter(
                         f"{tuple(param.shape)} (another base model?)."
                     )
                 param.copy_(value.to(param.dtype))
+
+
+def write_for_peft(
+    adapter_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], hf_config: dict[str, Any]
+) -> Path:
+    """Write the adapter in `adapter_dir` (as `export_adapter` wrote it for the model whose
+    config.json is `hf_config`) to `out_dir` (created) as PEFT 0.21's `PeftModel.from_pretrained`
+    loads it onto transformers' model: the same factors, in the family's PEFT form
+    (`LoraNames.for_peft`: Qwen3.5 MoE's and Gemma 4's experts as `target_parameters` tensors;
+    other families' adapters as they are). Returns `out_dir`.
+
+    Raises:
+        UserError: `adapter_dir` is not a readable adapter, or the model's family is not
+            supported or its config refused (one sentence each).
+    """
+    from safetensors.torch import save
+
+    from art_mega.trainer.families import family_for
+
+    spec = family_for(hf_config)
+    names = spec.lora_names(spec.model_args(hf_config))
+    config, tensors = read_adapter(adapter_dir)
+    tensors, config = names.for_peft(tensors, config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = save({key: tensors[key].contiguous() for key in sorted(tensors)}, metadata={"format": "pt"})
+    with atomic_write(out / ADAPTER_WEIGHTS) as handle:
+        handle.write(weights)
+    with atomic_write(out / ADAPTER_CONFIG) as handle:
+        handle.write((json.dumps(config, indent=2) + "\n").encode())
+    return out
 
 
 @dataclass(frozen=True)

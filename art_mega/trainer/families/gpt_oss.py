@@ -45,14 +45,13 @@ one adapter both load, with q/k/v/o_proj as per-module `target_modules`.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
 from art_mega.trainer import rope_scaling as scaled_rope
-from art_mega.trainer.families import llama, qwen3_moe
+from art_mega.trainer.families import fused_experts, llama, qwen3_moe
 from art_mega.trainer.families.layout import fc1_shard, shard
 from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
@@ -291,60 +290,9 @@ def check_parallel(args: GptOssArgs, layout: ParallelLayout) -> None:
         )
 
 
-EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
+EXPERT_PARAMETERS = dict(zip(("linear_fc1", "linear_fc2"), fused_experts.parameters("mlp.experts")))
 """Megatron expert target -> the HF experts' 3-D parameter PEFT adapts (under a decoder layer), in
 the order the adapter's `target_parameters` lists them."""
-
-_PER_EXPERT = re.compile(
-    r"^(?P<layer>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<module>gate_proj|up_proj|down_proj)"
-    r"\.(?P<matrix>lora_[AB])\.weight$"
-)
-"""A per-expert PEFT key of `LoraNames.to_peft`, `{layers prefix}.{i}.mlp.experts.{e}.{module}...`."""
-
-_PACKED = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?:base_layer\.)*lora_[AB]\.weight$")
-"""A key of PEFT's LoRA on the fused experts' parameters (`_wrappers`)."""
-
-
-def _wrappers(parameters: Sequence[str]) -> dict[str, str]:
-    """Parameter -> the module path (under a decoder layer) of its LoRA tensors in PEFT's keys.
-
-    PEFT wraps a module in one `ParamWrapper` per targeted parameter, in `target_parameters`
-    order, each around the previous one (`peft/tuners/lora/layer.py` ParamWrapper: "the wrappers
-    are nested"), so the last parameter's tensors are the module's own and each earlier one's sit
-    one `base_layer` deeper: [gate_up_proj, down_proj] -> mlp.experts.base_layer (gate_up_proj),
-    mlp.experts (down_proj), as PEFT 0.21 saves them and vLLM 0.32 reads them."""
-    n = len(parameters)
-    return {p: p.rsplit(".", 1)[0] + ".base_layer" * (n - 1 - i) for i, p in enumerate(parameters)}
-
-
-def _present(slots: Mapping[tuple[str, str], Any]) -> list[str]:
-    """The `EXPERT_PARAMETERS` (in order) whose per-expert lora_A is among one expert's `slots`
-    ((module, matrix) -> tensor or shape): gate_up_proj for gate_proj, down_proj for down_proj."""
-    first = {"mlp.experts.gate_up_proj": "gate_proj", "mlp.experts.down_proj": "down_proj"}
-    return [p for p in EXPERT_PARAMETERS.values() if (first[p], "lora_A") in slots]
-
-
-def interleave_gate_up(gate: Tensor, up: Tensor) -> Tensor:
-    """[2I, ...] rows gate 0, up 0, gate 1, up 1, ... of `gate` and `up` [I, ...]: HF's
-    gate_up_proj column order (gate = [..., ::2], up = [..., 1::2], module docstring)."""
-    import torch
-
-    return torch.stack((gate, up), dim=1).flatten(0, 1)
-
-
-def pack_lora_b(blocks: Sequence[Tensor]) -> Tensor:
-    """PEFT's lora_B [out, r * E] of a 3-D parameter from the experts' B blocks (E of [out, r]):
-    column k * E + e is expert e's column k (ParamWrapper.get_delta_weight reshapes B to
-    (out, r, E); vLLM's 3-D MoE LoRA reads it the same way)."""
-    import torch
-
-    stacked = torch.stack(list(blocks))  # [E, out, r]
-    return stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1).contiguous()
-
-
-def unpack_lora_b(packed: Tensor, num_experts: int) -> Tensor:
-    """The experts' B blocks [E, out, r] of PEFT's packed lora_B [out, r * E] (`pack_lora_b`)."""
-    return packed.reshape(packed.shape[0], -1, num_experts).permute(2, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -352,10 +300,10 @@ class GptOssLoraNames(LoraNames):
     """Qwen3-MoE's LoRA names (per-module `to_peft` / `from_peft`) with the experts stored as PEFT's
     LoRA on transformers' fused parameters (`GptOssExperts.gate_up_proj` [E, h, 2I] and
     `down_proj` [E, I, h], both x @ W): per layer, for `EXPERT_PARAMETERS` p wrapped at path w
-    (`_wrappers`), `{w}.lora_A.weight` [E * r, in] (expert e's A in rows e*r .. e*r + r - 1) and
-    `{w}.lora_B.weight` [out, r * E] (`pack_lora_b`), with W_e += (alpha / r) (B_e A_e)^T; the
-    gate_up_proj B_e rows interleave gate_proj's and up_proj's (`interleave_gate_up`), its A_e is
-    the A they share."""
+    (`fused_experts.wrappers`), `{w}.lora_A.weight` [E * r, in] (expert e's A in rows
+    e*r .. e*r + r - 1) and `{w}.lora_B.weight` [out, r * E] (`fused_experts.pack_lora_b`), with
+    W_e += (alpha / r) (B_e A_e)^T; the gate_up_proj B_e rows interleave gate_proj's and
+    up_proj's (`fused_experts.interleave_gate_up`), its A_e is the A they share."""
 
     def normalise(self, targets: Sequence[str]) -> tuple[str, ...]:
         """`LoraNames.normalise`, and the experts' linear_fc1 and linear_fc2 both or neither:
@@ -396,58 +344,13 @@ class GptOssLoraNames(LoraNames):
     def pack(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The per-expert gate_proj / up_proj / down_proj tensors of each layer (experts 0 .. E-1,
         all of them) as PEFT's fused-parameter tensors (class docstring); others as they are."""
-        import torch
-
-        out: dict[str, Tensor] = {}
-        layers: dict[str, dict[int, dict[tuple[str, str], Tensor]]] = {}
-        for key, value in tensors.items():
-            match = _PER_EXPERT.match(key)
-            if match is None:
-                out[key] = value
-                continue
-            slot = (match["module"], match["matrix"])
-            layers.setdefault(match["layer"], {}).setdefault(int(match["expert"]), {})[slot] = value
-        for layer, by_expert in layers.items():
-            experts = [by_expert[e] for e in range(len(by_expert))]
-            for parameter, path in _wrappers(_present(experts[0])).items():
-                first = "gate_proj" if parameter.endswith("gate_up_proj") else "down_proj"
-                a = torch.cat([expert[(first, "lora_A")] for expert in experts]).contiguous()
-                if first == "gate_proj":
-                    blocks = [
-                        interleave_gate_up(x["gate_proj", "lora_B"], x["up_proj", "lora_B"]) for x in experts
-                    ]
-                else:
-                    blocks = [expert["down_proj", "lora_B"] for expert in experts]
-                out[f"{layer}.{path}.lora_A.weight"] = a
-                out[f"{layer}.{path}.lora_B.weight"] = pack_lora_b(blocks)
-        return out
+        return fused_experts.pack(tensors, "mlp.experts", interleave=True)
 
     def unpack(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> Mapping[str, Tensor]:
         """The per-expert tensors `to_peft` writes from PEFT's fused-parameter tensors (inverse of
         `pack`; rank and parameters from the adapter's `config`, adapter_config.json); a missing
         tensor is left for `LoraNames.from_peft` to name."""
-        rank, paths = int(config["r"]), _wrappers(list(config.get("target_parameters") or ()))
-        out = {key: value for key, value in tensors.items() if _PACKED.match(key) is None}
-        for layer in sorted({m["layer"] for m in map(_PACKED.match, tensors) if m is not None}):
-            for parameter, path in paths.items():
-                a, b = (tensors.get(f"{layer}.{path}.{matrix}.weight") for matrix in ("lora_A", "lora_B"))
-                if a is None or b is None:
-                    continue
-                num_experts = a.shape[0] // rank
-                blocks = unpack_lora_b(b, num_experts)
-                gate_up = parameter.endswith("gate_up_proj")
-                for e in range(num_experts):
-                    expert = f"{layer}.mlp.experts.{e}."
-                    a_e = a[e * rank : (e + 1) * rank].contiguous()
-                    parts = (
-                        {"gate_proj": blocks[e][0::2], "up_proj": blocks[e][1::2]}
-                        if gate_up
-                        else {"down_proj": blocks[e]}
-                    )
-                    for module, b_e in parts.items():
-                        out[f"{expert}{module}.lora_A.weight"] = a_e
-                        out[f"{expert}{module}.lora_B.weight"] = b_e.contiguous()
-        return out
+        return fused_experts.unpack(tensors, config, "mlp.experts", interleave=True)
 
     def pack_shapes(
         self, shapes: dict[str, tuple[int, int]], shared: list[tuple[str, ...]], rank: int
@@ -455,26 +358,7 @@ class GptOssLoraNames(LoraNames):
         """`pack` on shapes: each layer's E experts' gate_proj A (r, h) and B (I, r) -> its
         gate_up_proj A (E r, h) and B (2I, E r); down_proj A (r, I), B (h, r) -> (E r, I),
         (h, E r); the experts' shared-A groups go (the packed A is one tensor)."""
-        out: dict[str, tuple[int, int]] = {}
-        layers: dict[str, dict[tuple[str, str], tuple[int, int]]] = {}
-        counts: dict[str, set[int]] = {}
-        for key, shape in shapes.items():
-            match = _PER_EXPERT.match(key)
-            if match is None:
-                out[key] = shape
-                continue
-            layers.setdefault(match["layer"], {})[(match["module"], match["matrix"])] = shape
-            counts.setdefault(match["layer"], set()).add(int(match["expert"]))
-        for layer, slots in layers.items():
-            n = len(counts[layer])
-            for parameter, path in _wrappers(_present(slots)).items():
-                first = "gate_proj" if parameter.endswith("gate_up_proj") else "down_proj"
-                (_, fan_in), (fan_out, _) = slots[(first, "lora_A")], slots[(first, "lora_B")]
-                width = 2 * fan_out if first == "gate_proj" else fan_out
-                out[f"{layer}.{path}.lora_A.weight"] = (n * rank, fan_in)
-                out[f"{layer}.{path}.lora_B.weight"] = (width, n * rank)
-        kept = [group for group in shared if not any(_PER_EXPERT.match(key) for key in group)]
-        return out, kept
+        return fused_experts.pack_shapes(shapes, shared, rank, "mlp.experts")
 
 
 SPEC: FamilySpec[GptOssArgs] = dataclasses.replace(

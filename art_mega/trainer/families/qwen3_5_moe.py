@@ -27,6 +27,14 @@ Checkpoints: the Hub's `Qwen3_5MoeForConditionalGeneration` (weights under
 (`mlp.experts.gate_up_proj` [E, 2I, h], `down_proj` [E, h, I]); all four are read. HF's
 `router_aux_loss_coef` is not used (no load-balancing loss in the RL loss), as in `qwen3_moe.py`.
 
+LoRA adapter: the routed experts per expert (`mlp.experts.{e}.gate_proj`), the names vLLM 0.32's
+`Qwen3_5MoeForCausalLM` reads (a 2-D MoE LoRA model). PEFT 0.21 drops those names on
+transformers' fused experts (qwen3_5_moe_text converts as qwen3_5_text, which its
+`_MOE_TARGET_MODULE_MAPPING` lacks) and loads them as `target_parameters` tensors on
+`mlp.experts.gate_up_proj` / `down_proj` (`LoraNames.for_peft`, `fused_experts` = "mlp.experts"),
+which is also the only expert layout vLLM's `Qwen3_5MoeForConditionalGeneration` (the Hub
+checkpoints' class, a 3-D MoE LoRA model) reads without `--enable-mixed-moe-lora-format`.
+
 Refused besides the dense family's refusals: top-k outside 1..num_experts. Context parallelism
 is refused as for the dense family (the delta rule's state spans the sequence).
 """
@@ -222,7 +230,10 @@ SPEC: FamilySpec[Qwen35MoeArgs] = FamilySpec(
     te_name_map={},
     # the dense family's names; linear_fc1 / linear_fc2 are per routed expert and on the shared expert
     lora=dataclasses.replace(
-        qwen3_5.LORA_NAMES, expert_targets=("linear_fc1", "linear_fc2"), shared_expert="shared_expert"
+        qwen3_5.LORA_NAMES,
+        expert_targets=("linear_fc1", "linear_fc2"),
+        shared_expert="shared_expert",
+        fused_experts="mlp.experts",
     ),
 )
 """The Qwen3.5 / Qwen3.6 MoE family."""

@@ -66,7 +66,10 @@ class LoraNames:
     the HF name of an MoE layer's shared expert under its parent ("shared_expert" in Qwen's MoE
     models; "" = none): Megatron's `mlp.shared_experts.linear_fc1` / `linear_fc2` are its
     gate_proj + up_proj / down_proj. `optional`: targets left out of the default LoRA (the
-    Qwen3.5 gated delta-net projections, which most families lack).
+    Qwen3.5 gated delta-net projections, which most families lack). `fused_experts`: the path
+    under a decoder layer of the module where transformers fuses the experts' weights into 3-D
+    parameters that PEFT cannot adapt from per-expert names ("mlp.experts": Qwen3.5 MoE;
+    "experts": Gemma 4's MoE block; "" = none such, `for_peft`).
 
     Torch-free except `to_peft` / `from_peft`.
     """
@@ -78,6 +81,7 @@ class LoraNames:
     output_gate: bool = False
     shared_expert: str = ""
     optional: tuple[str, ...] = ()
+    fused_experts: str = ""
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -198,6 +202,21 @@ class LoraNames:
         """`pack` on shapes: the on-disk (key -> shape, shared lora_A groups) of the per-module
         ones (`peft_io.adapter_layout`). Torch-free."""
         return shapes, shared
+
+    def for_peft(
+        self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """An on-disk adapter (tensors, adapter_config.json dict) as PEFT 0.21 loads it onto
+        transformers 5's model: as it is, but where `fused_experts` is set, the per-expert tensors
+        there as PEFT's LoRA on the fused 3-D parameters (`fused_experts.peft_form`). PEFT turns
+        per-expert names into that form itself only for the model types its
+        `_MOE_TARGET_MODULE_MAPPING` knows (`peft/utils/transformers_weight_conversion.py`: Mixtral
+        and those transformers converts like Qwen2-MoE, e.g. qwen3_moe); for others it drops them."""
+        if not self.fused_experts:
+            return dict(tensors), dict(config)
+        from art_mega.trainer.families.fused_experts import peft_form
+
+        return peft_form(tensors, config, self.fused_experts)
 
     def to_peft(
         self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
