@@ -5,7 +5,9 @@ models (a 1-layer vision tower of width 32, unused on text) are read by Megatron
 written under the wrapper's PEFT names (`base_model.model.model.language_model.layers`; the MoE's
 routed experts packed as PEFT's `target_parameters` tensors, gate rows first), and
 `PeftModel.from_pretrained` on the wrapper class loads every tensor of it as written, with
-Megatron's logits. Importing it and exporting again gives the same bytes.
+Megatron's logits; its keys and shapes are `peft_io.adapter_layout`'s (the torch-free names
+`tests/unit/trainer/test_qwen3_5_wrapper_names.py` checks). Importing it and exporting again gives
+the same bytes.
 
 One TP=1 engine per family in this process, no training step (the LoRA B factors are seeded
 random, so the adapter moves the logits); about 15 s on 2 CPU cores for both.
@@ -116,7 +118,7 @@ def test_the_wrapper_adapter_loads_in_peft_with_megatron_logits(
     from safetensors.torch import load_file
 
     from art_mega.trainer.hf_checkpoint import read_hf_config
-    from art_mega.trainer.peft_io import write_for_peft
+    from art_mega.trainer.peft_io import adapter_layout, write_for_peft
     from art_mega.trainer.rank.engine import TrainerEngine
     from tests.trainer.engine_scenarios import OPTIMIZER
     from tests.trainer.qwen3_5_worker import QWEN3_5_LORA
@@ -131,6 +133,13 @@ def test_the_wrapper_adapter_loads_in_peft_with_megatron_logits(
     tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     _check_layout(kind, tensors, config)
+    layout = adapter_layout(
+        read_hf_config(model_dir),
+        config["r"],
+        config["target_modules"],
+        config.get("target_parameters") or (),
+    )
+    assert {key: tuple(value.shape) for key, value in tensors.items()} == layout.shapes
     peft_dir = write_for_peft(tmp_path / "adapter", tmp_path / "peft", read_hf_config(model_dir))
     for file in ("adapter_model.safetensors", "adapter_config.json"):
         assert (peft_dir / file).read_bytes() == (tmp_path / "adapter" / file).read_bytes()
