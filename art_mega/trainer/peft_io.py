@@ -12,11 +12,13 @@ text-only Qwen3.5 MoE, Gemma 4). PEFT 0.21 converts it onto transformers 5's fus
 parameters (`peft/utils/transformers_weight_conversion.py`: gate_proj + up_proj -> a
 `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with A concatenated and B
 block-diagonal, down_proj -> `mlp.experts.down_proj`) only for the model types it maps (qwen3_moe,
-deepseek_v3, ...); for Qwen3.5 MoE and Gemma 4 `write_for_peft` writes the experts as PEFT's
-`target_parameters` tensors (`LoraNames.for_peft`, `families/fused_experts.py`). A family whose
-experts vLLM reads only as 3-D tensors (GPT-OSS: gate/up interleaved) writes that layout on disk
-through `LoraNames.pack` / `unpack` / `peft_targets` (`families/gpt_oss.py` GptOssLoraNames),
-which PEFT loads as it is.
+deepseek_v3, ...); for text-only Qwen3.5 MoE and Gemma 4 `write_for_peft` writes the experts as
+PEFT's `target_parameters` tensors (`LoraNames.for_peft`, `families/fused_experts.py`). A model
+whose experts vLLM reads only as 3-D tensors (GPT-OSS: gate/up interleaved; the Hub's Qwen3.5 MoE
+wrapper, Qwen3_5MoeForConditionalGeneration: gate rows first) writes that layout on disk through
+`LoraNames.pack` / `unpack` / `peft_targets` (`families/gpt_oss.py` GptOssLoraNames), which PEFT
+loads as it is. Multimodal wrappers (Gemma 3, Qwen3.5) name the decoder layers
+`base_model.model.model.language_model.layers` (`FamilySpec.lora_names`).
 
 `adapter_layout` is the same mapping without tensors: every PEFT key the trainer loads for a
 model, with its shape, and which lora_A matrices one fused layer shares. The controller checks a

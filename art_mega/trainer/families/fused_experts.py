@@ -15,7 +15,9 @@ interleaved row by row where transformers interleaves them: GPT-OSS) over the A 
 vLLM 0.32 reads the same tensors for its "3-D MoE" model classes (`is_3d_moe_weight`:
 GptOssForCausalLM, Qwen3_5MoeForConditionalGeneration; `vllm/lora/model_manager.py`
 _stack_moe_lora_weights, "experts.base_layer is the gate_up_proj"), and for any MoE model when
-started with `--enable-mixed-moe-lora-format` and the adapter loaded with `is_3d_lora_weight`.
+started with `--enable-mixed-moe-lora-format` and the adapter loaded with `is_3d_lora_weight`;
+art-mega writes this layout on disk for those two (`gpt_oss.GptOssLoraNames`,
+`qwen3_5_moe.WRAPPER_LORA_NAMES`).
 Its other MoE classes (Qwen3_5MoeForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration,
 Qwen3MoeForCausalLM) read only per-expert names (`{experts}.{e}.gate_proj`, what
 `LoraNames.to_peft` writes).

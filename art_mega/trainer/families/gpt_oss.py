@@ -303,7 +303,15 @@ class GptOssLoraNames(LoraNames):
     (`fused_experts.wrappers`), `{w}.lora_A.weight` [E * r, in] (expert e's A in rows
     e*r .. e*r + r - 1) and `{w}.lora_B.weight` [out, r * E] (`fused_experts.pack_lora_b`), with
     W_e += (alpha / r) (B_e A_e)^T; the gate_up_proj B_e rows interleave gate_proj's and
-    up_proj's (`fused_experts.interleave_gate_up`), its A_e is the A they share."""
+    up_proj's (`fused_experts.interleave_gate_up`), its A_e is the A they share.
+
+    Also the packed names of another family whose HF experts are fused at `mlp.experts`:
+    `interleave` False stacks gate rows before up rows (Qwen3.5 MoE's gate_up_proj), `label`
+    names the family in refusals, and a `shared_expert`'s gate/up/down_proj stay per-module
+    `target_modules` (`qwen3_5_moe.WRAPPER_LORA_NAMES`)."""
+
+    interleave: bool = True
+    label: str = "GPT-OSS"
 
     def normalise(self, targets: Sequence[str]) -> tuple[str, ...]:
         """`LoraNames.normalise`, and the experts' linear_fc1 and linear_fc2 both or neither:
@@ -313,16 +321,18 @@ class GptOssLoraNames(LoraNames):
         experts = [target for target in self.expert_targets if target in found]
         if len(experts) == 1:
             raise UserError(
-                f"LoRA target {experts[0]} needs linear_fc1 and linear_fc2 together on GPT-OSS "
+                f"LoRA target {experts[0]} needs linear_fc1 and linear_fc2 together on {self.label} "
                 "(vLLM serves its experts' adapter only as the gate_up_proj / down_proj pair); "
                 "name both or neither."
             )
         return found
 
     def peft_targets(self, targets: Sequence[str]) -> dict[str, list[str]]:
-        """q/k/v/o_proj as `target_modules`; the expert targets as `target_parameters`."""
+        """q/k/v/o_proj (and a `shared_expert`'s gate/up/down_proj) as `target_modules`; the
+        expert targets as `target_parameters`."""
         experts = [target for target in self.expert_targets if target in targets]
-        fields = {"target_modules": self.hf_target_modules([t for t in targets if t not in experts])}
+        modules = targets if self.shared_expert else [t for t in targets if t not in experts]
+        fields = {"target_modules": self.hf_target_modules(modules)}
         if experts:
             fields["target_parameters"] = [EXPERT_PARAMETERS[target] for target in experts]
         return fields
@@ -335,7 +345,7 @@ class GptOssLoraNames(LoraNames):
         for parameter in target_parameters:
             if parameter not in by_parameter:
                 raise UserError(
-                    f"target_parameters entry {parameter!r} is not a GPT-OSS expert parameter; "
+                    f"target_parameters entry {parameter!r} is not a {self.label} expert parameter; "
                     f"art-mega adapts {list(by_parameter)}."
                 )
             modules += self.modules[by_parameter[parameter]]
@@ -343,14 +353,15 @@ class GptOssLoraNames(LoraNames):
 
     def pack(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """The per-expert gate_proj / up_proj / down_proj tensors of each layer (experts 0 .. E-1,
-        all of them) as PEFT's fused-parameter tensors (class docstring); others as they are."""
-        return fused_experts.pack(tensors, "mlp.experts", interleave=True)
+        all of them) as PEFT's fused-parameter tensors (class docstring; gate and up rows
+        interleaved when `interleave`); others, a shared expert's included, as they are."""
+        return fused_experts.pack(tensors, "mlp.experts", interleave=self.interleave)
 
     def unpack(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> Mapping[str, Tensor]:
         """The per-expert tensors `to_peft` writes from PEFT's fused-parameter tensors (inverse of
         `pack`; rank and parameters from the adapter's `config`, adapter_config.json); a missing
         tensor is left for `LoraNames.from_peft` to name."""
-        return fused_experts.unpack(tensors, config, "mlp.experts", interleave=True)
+        return fused_experts.unpack(tensors, config, "mlp.experts", interleave=self.interleave)
 
     def pack_shapes(
         self, shapes: dict[str, tuple[int, int]], shared: list[tuple[str, ...]], rank: int

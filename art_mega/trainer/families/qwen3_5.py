@@ -27,7 +27,10 @@ say.
 The published checkpoints are `Qwen3_5ForConditionalGeneration` (config.json with a
 `text_config`, weights under `model.language_model.`, plus `model.visual.` and `mtp.` that the
 trainer does not read); a text-only `Qwen3_5ForCausalLM` save has the text config at the top and
-weights under `model.`. Both are read (`_reader`). The MoE variant ("qwen3_5_moe") is
+weights under `model.`. Both are read (`_reader`). The LoRA adapter is exported (and imported)
+under the class's PEFT names: `base_model.model.model.language_model.layers.` for the wrapper
+(`WRAPPER_LORA_NAMES`; PEFT on Qwen3_5ForConditionalGeneration, vLLM 0.32's class of that name),
+`base_model.model.model.layers.` for a text-only model (`lora_for`). The MoE variant ("qwen3_5_moe") is
 `families/qwen3_5_moe.py`, which reuses this file's mixer, layer spec and weights. Refused (one
 sentence each): attention biases, attention without the output gate, another activation, RoPE types other than default,
 layer types other than linear_attention / full_attention, and linear-attention value heads that
@@ -46,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from art_mega.errors import UserError
 from art_mega.trainer.families import llama
 from art_mega.trainer.families.layout import fc1_shard, fuse_qkv_gate, pad_rows, shard
-from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
+from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -54,6 +57,16 @@ if TYPE_CHECKING:
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 """HF `model_type` values this family reads: the published multimodal wrapper (its text decoder)
 and transformers' text-only config."""
+
+WRAPPER = "qwen3_5"
+"""The multimodal wrapper's model_type (`Qwen3_5ForConditionalGeneration`, the Hub checkpoints)."""
+
+WRAPPER_LAYER_PREFIX = "base_model.model.model.language_model.layers"
+"""PEFT's key prefix of the wrapper's decoder layers (PeftModel -> LoraModel ->
+Qwen3_5ForConditionalGeneration.model (Qwen3_5Model).language_model.layers), which vLLM 0.32's
+Qwen3_5ForConditionalGeneration maps to its own (`hf_to_vllm_mapper`: model.language_model. ->
+language_model.model.), and ART 0.5.23 publishes (`model.language_model.layers`,
+`art/megatron/model_support/handlers/qwen3_5.py` _VLLM_LAYER_PREFIX)."""
 
 _LAYER_TYPES = {"linear_attention": True, "full_attention": False}
 """HF `layer_types` entries: is the layer a gated delta-net (linear attention) layer?"""
@@ -540,6 +553,16 @@ for Qwen3.5 (`art/megatron/model_support/registry.py` _QWEN3_5_DENSE_TARGET_MODU
 in_proj_b / in_proj_a alone, as here)."""
 
 
+WRAPPER_LORA_NAMES = dataclasses.replace(LORA_NAMES, layer_prefix=WRAPPER_LAYER_PREFIX)
+"""`LORA_NAMES` under the wrapper's decoder (`WRAPPER_LAYER_PREFIX`)."""
+
+
+def lora_for(args: Qwen35Args) -> LoraNames:
+    """The LoRA <-> PEFT names of a Qwen3.5 model: `LORA_NAMES` (PEFT on Qwen3_5ForCausalLM, vLLM's
+    Qwen3_5ForCausalLM), under `WRAPPER_LAYER_PREFIX` for the wrapper (model_type "qwen3_5")."""
+    return WRAPPER_LORA_NAMES if args.model_type == WRAPPER else LORA_NAMES
+
+
 SPEC: FamilySpec[Qwen35Args] = FamilySpec(
     name="qwen3_5",
     model_types=MODEL_TYPES,
@@ -553,5 +576,6 @@ SPEC: FamilySpec[Qwen35Args] = FamilySpec(
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
     lora=LORA_NAMES,
+    lora_for=lora_for,
 )
 """The Qwen3.5 / Qwen3.6 dense family."""

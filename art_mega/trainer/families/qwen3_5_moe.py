@@ -27,13 +27,23 @@ Checkpoints: the Hub's `Qwen3_5MoeForConditionalGeneration` (weights under
 (`mlp.experts.gate_up_proj` [E, 2I, h], `down_proj` [E, h, I]); all four are read. HF's
 `router_aux_loss_coef` is not used (no load-balancing loss in the RL loss), as in `qwen3_moe.py`.
 
-LoRA adapter: the routed experts per expert (`mlp.experts.{e}.gate_proj`), the names vLLM 0.32's
-`Qwen3_5MoeForCausalLM` reads (a 2-D MoE LoRA model). PEFT 0.21 drops those names on
-transformers' fused experts (qwen3_5_moe_text converts as qwen3_5_text, which its
-`_MOE_TARGET_MODULE_MAPPING` lacks) and loads them as `target_parameters` tensors on
-`mlp.experts.gate_up_proj` / `down_proj` (`LoraNames.for_peft`, `fused_experts` = "mlp.experts"),
-which is also the only expert layout vLLM's `Qwen3_5MoeForConditionalGeneration` (the Hub
-checkpoints' class, a 3-D MoE LoRA model) reads without `--enable-mixed-moe-lora-format`.
+LoRA adapter (`lora_for`), by the checkpoint's class:
+
+- the wrapper (model_type "qwen3_5_moe", the Hub checkpoints; `WRAPPER_LORA_NAMES`): under
+  `base_model.model.model.language_model.layers` (`qwen3_5.WRAPPER_LAYER_PREFIX`), the routed
+  experts packed as PEFT's LoRA on the fused 3-D parameters (`target_parameters`
+  `mlp.experts.gate_up_proj`, gate rows first, and `mlp.experts.down_proj`;
+  `gpt_oss.GptOssLoraNames` with `interleave` False), the shared expert per module. That is the
+  only expert layout vLLM 0.32's `Qwen3_5MoeForConditionalGeneration` reads (a 3-D MoE LoRA model,
+  `is_3d_moe_weight`) without `--enable-mixed-moe-lora-format`, and what PEFT 0.21 loads on the
+  wrapper, so one adapter serves both (`for_peft` leaves it as it is). ART 0.5.23 publishes the
+  same (`art/megatron/model_support/handlers/qwen3_5.py` _to_vllm_lora_tensors).
+- a text-only model (model_type "qwen3_5_moe_text"; `TEXT_LORA_NAMES`): under
+  `base_model.model.model.layers`, the routed experts per expert (`mlp.experts.{e}.gate_proj`), the
+  names vLLM 0.32's `Qwen3_5MoeForCausalLM` reads (a 2-D MoE LoRA model). PEFT 0.21 drops those
+  names on transformers' fused experts (qwen3_5_moe_text converts as qwen3_5_text, which its
+  `_MOE_TARGET_MODULE_MAPPING` lacks); `LoraNames.for_peft` (`fused_experts` = "mlp.experts")
+  writes them as the `target_parameters` tensors it loads.
 
 Refused besides the dense family's refusals: top-k outside 1..num_experts. Context parallelism
 is refused as for the dense family (the delta rule's state spans the sequence).
@@ -47,9 +57,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_mega.errors import UserError
-from art_mega.trainer.families import qwen3_5, qwen3_moe
+from art_mega.trainer.families import gpt_oss, qwen3_5, qwen3_moe
 from art_mega.trainer.families.layout import fc1_shard, shard
-from art_mega.trainer.families.spec import FamilySpec, ParallelLayout
+from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -216,6 +226,39 @@ def megatron_state_dict(
     return state
 
 
+WRAPPER = "qwen3_5_moe"
+"""The multimodal wrapper's model_type (`Qwen3_5MoeForConditionalGeneration`, the Hub checkpoints)."""
+
+TEXT_LORA_NAMES = dataclasses.replace(
+    qwen3_5.LORA_NAMES,
+    expert_targets=("linear_fc1", "linear_fc2"),
+    shared_expert="shared_expert",
+    fused_experts="mlp.experts",
+)
+"""A text-only model's names: the dense family's, with linear_fc1 / linear_fc2 per routed expert
+(per-module on disk, packed by `for_peft` for PEFT) and on the shared expert."""
+
+WRAPPER_LORA_NAMES = gpt_oss.GptOssLoraNames(
+    **{
+        field.name: getattr(TEXT_LORA_NAMES, field.name)
+        for field in dataclasses.fields(LoraNames)
+        if field.name not in ("layer_prefix", "fused_experts")
+    },
+    layer_prefix=qwen3_5.WRAPPER_LAYER_PREFIX,
+    interleave=False,
+    label="Qwen3.5 MoE",
+)
+"""The wrapper's names: `TEXT_LORA_NAMES` under `qwen3_5.WRAPPER_LAYER_PREFIX` with the routed
+experts packed on disk (gate rows first; module docstring); no `fused_experts`, as the adapter on
+disk is already PEFT's form."""
+
+
+def lora_for(args: Qwen35MoeArgs) -> LoraNames:
+    """The LoRA <-> PEFT names of a Qwen3.5 MoE model: `WRAPPER_LORA_NAMES` for the wrapper
+    (model_type "qwen3_5_moe"), `TEXT_LORA_NAMES` for a text-only model (module docstring)."""
+    return WRAPPER_LORA_NAMES if args.model_type == WRAPPER else TEXT_LORA_NAMES
+
+
 SPEC: FamilySpec[Qwen35MoeArgs] = FamilySpec(
     name="qwen3_5_moe",
     model_types=MODEL_TYPES,
@@ -228,12 +271,7 @@ SPEC: FamilySpec[Qwen35MoeArgs] = FamilySpec(
     gpt_model_kwargs=gpt_model_kwargs,
     megatron_state_dict=megatron_state_dict,
     te_name_map={},
-    # the dense family's names; linear_fc1 / linear_fc2 are per routed expert and on the shared expert
-    lora=dataclasses.replace(
-        qwen3_5.LORA_NAMES,
-        expert_targets=("linear_fc1", "linear_fc2"),
-        shared_expert="shared_expert",
-        fused_experts="mlp.experts",
-    ),
+    lora=TEXT_LORA_NAMES,
+    lora_for=lora_for,
 )
 """The Qwen3.5 / Qwen3.6 MoE family."""

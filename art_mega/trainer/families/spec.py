@@ -61,14 +61,15 @@ class LoraNames:
     ("self_attn", "mlp"). `expert_targets`: the targets an MoE layer also has per expert, whose HF
     modules sit under `{parent}.experts.{e}` (the per-expert names of the Hub checkpoints).
     `layer_prefix`: PEFT's key prefix of the decoder layers (PeftModel -> LoraModel ->
-    *ForCausalLM.model.layers). `output_gate`: linear_qkv also holds the attention output gate
+    *ForCausalLM.model.layers; a multimodal wrapper's `...model.language_model.layers`, Gemma 3,
+    Qwen3.5). `output_gate`: linear_qkv also holds the attention output gate
     (HF's q_proj is per head [query; gate]; `layout.fuse_qkv_gate`, Qwen3.5). `shared_expert`:
     the HF name of an MoE layer's shared expert under its parent ("shared_expert" in Qwen's MoE
     models; "" = none): Megatron's `mlp.shared_experts.linear_fc1` / `linear_fc2` are its
     gate_proj + up_proj / down_proj. `optional`: targets left out of the default LoRA (the
     Qwen3.5 gated delta-net projections, which most families lack). `fused_experts`: the path
     under a decoder layer of the module where transformers fuses the experts' weights into 3-D
-    parameters that PEFT cannot adapt from per-expert names ("mlp.experts": Qwen3.5 MoE;
+    parameters that PEFT cannot adapt from per-expert names ("mlp.experts": text-only Qwen3.5 MoE;
     "experts": Gemma 4's MoE block; "" = none such, `for_peft`).
 
     Torch-free except `to_peft` / `from_peft`.
