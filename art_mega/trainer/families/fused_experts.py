@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+V = TypeVar("V")
 
 _FIRST = {"gate_up_proj": "gate_proj", "down_proj": "down_proj"}
 """A fused parameter's name -> the per-expert module whose lora_A it packs (gate_up_proj's A is
@@ -49,6 +51,24 @@ def _per_expert(experts: str) -> re.Pattern[str]:
         rf"^(?P<layer>.+)\.{re.escape(experts)}\.(?P<expert>\d+)\.(?P<module>gate_proj|up_proj|down_proj)"
         r"\.(?P<matrix>lora_[AB])\.weight$"
     )
+
+
+def _split(
+    values: Mapping[str, V], experts: str
+) -> tuple[dict[str, V], dict[str, dict[int, dict[tuple[str, str], V]]]]:
+    """`values` (tensors or shapes by PEFT key) split into those not per expert under `experts`
+    and the per-expert ones as layer -> expert -> (module, matrix) -> value."""
+    out: dict[str, V] = {}
+    layers: dict[str, dict[int, dict[tuple[str, str], V]]] = {}
+    pattern = _per_expert(experts)
+    for key, value in values.items():
+        match = pattern.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        slot = (match["module"], match["matrix"])
+        layers.setdefault(match["layer"], {}).setdefault(int(match["expert"]), {})[slot] = value
+    return out, layers
 
 
 def _packed(experts: str) -> re.Pattern[str]:
@@ -99,16 +119,7 @@ def pack(tensors: dict[str, Tensor], experts: str, *, interleave: bool) -> dict[
     up rows interleaved when `interleave`, else gate rows first); other tensors as they are."""
     import torch
 
-    out: dict[str, Tensor] = {}
-    layers: dict[str, dict[int, dict[tuple[str, str], Tensor]]] = {}
-    pattern = _per_expert(experts)
-    for key, value in tensors.items():
-        match = pattern.match(key)
-        if match is None:
-            out[key] = value
-            continue
-        slot = (match["module"], match["matrix"])
-        layers.setdefault(match["layer"], {}).setdefault(int(match["expert"]), {})[slot] = value
+    out, layers = _split(tensors, experts)
     for layer, by_expert in layers.items():
         found = [by_expert[e] for e in range(len(by_expert))]
         for parameter, path in wrappers(present(found[0], experts)).items():
@@ -160,19 +171,10 @@ def pack_shapes(
     """`pack` on shapes: each layer's E experts' gate_proj A (r, h) and B (I, r) -> its
     gate_up_proj A (E r, h) and B (2I, E r); down_proj A (r, I), B (h, r) -> (E r, I),
     (h, E r); the experts' shared-A groups go (the packed A is one tensor). Torch-free."""
-    out: dict[str, tuple[int, int]] = {}
-    layers: dict[str, dict[tuple[str, str], tuple[int, int]]] = {}
-    counts: dict[str, set[int]] = {}
+    out, layers = _split(shapes, experts)
     pattern = _per_expert(experts)
-    for key, shape in shapes.items():
-        match = pattern.match(key)
-        if match is None:
-            out[key] = shape
-            continue
-        layers.setdefault(match["layer"], {})[(match["module"], match["matrix"])] = shape
-        counts.setdefault(match["layer"], set()).add(int(match["expert"]))
-    for layer, slots in layers.items():
-        n = len(counts[layer])
+    for layer, by_expert in layers.items():
+        n, slots = len(by_expert), next(iter(by_expert.values()))
         for parameter, path in wrappers(present(slots, experts)).items():
             first = _FIRST[parameter.rsplit(".", 1)[1]]
             (_, fan_in), (fan_out, _) = slots[(first, "lora_A")], slots[(first, "lora_B")]
