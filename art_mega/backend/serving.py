@@ -289,19 +289,32 @@ class ServingMixin:
         elif resolved.warm_start is not None:
             check_adapter_config(read_adapter_config(resolved.warm_start), resolved.warm_start, **lora)
 
-    def _lora_settings(self, model_dir: Any) -> dict[str, Any]:
-        """The backend's LoRA as `check_adapter_config` compares an adapter with it: rank, alpha
-        and the targets of the model at `model_dir` as its family writes them
-        (`LoraNames.peft_targets`: HF target modules, and GPT-OSS's target parameters).
+    def _lora_targets(self, model_dir: Any) -> tuple[tuple[str, ...], Any]:
+        """(the Megatron LoRA targets the ranks train on the model at `model_dir`, its family's
+        `LoraNames`): the backend's `lora_targets`, else the family's default (ART 0.5.23's
+        default for that model: q/k/v/o and gate/up/down_proj; Qwen3.5 also its gated delta-net
+        projections; DeepSeek-V3 its MLA projections; `LoraNames.default_targets`).
 
         Raises:
-            UserError: an unsupported model family or an unknown LoRA target.
+            UserError: an unsupported model family, or a target this family does not have (e.g.
+                q_proj on DeepSeek-V3's multi-head latent attention; `LoraNames.normalise`).
         """
         from art_mega.trainer.families import family_for
         from art_mega.trainer.hf_checkpoint import read_hf_config
 
-        names = family_for(read_hf_config(model_dir)).lora  # the model's LoRA <-> PEFT names
-        targets = names.normalise(tuple(self.lora["targets"]) or names.default_targets)
+        spec = family_for(read_hf_config(model_dir))
+        names = spec.lora_names(spec.model_args(read_hf_config(model_dir)))
+        return names.normalise(tuple(self.lora["targets"]) or names.default_targets), names
+
+    def _lora_settings(self, model_dir: Any) -> dict[str, Any]:
+        """The backend's LoRA as `check_adapter_config` compares an adapter with it: rank, alpha
+        and the targets of the model at `model_dir` (`_lora_targets`) as its family writes them
+        (`LoraNames.peft_targets`: HF target modules, and GPT-OSS's target parameters).
+
+        Raises:
+            UserError: as `_lora_targets`.
+        """
+        targets, names = self._lora_targets(model_dir)
         return {
             "rank": self.lora["rank"],
             "alpha": self.lora["alpha"],
@@ -405,10 +418,7 @@ class ServingMixin:
             replica_dtype = (
                 "float16" if read_hf_config(model_dir).get("torch_dtype") == "float16" else "bfloat16"
             )
-        lora = LoraConfig(
-            rank=self.lora["rank"],
-            **({"targets": tuple(self.lora["targets"])} if self.lora["targets"] else {}),
-        )
+        lora = LoraConfig(rank=self.lora["rank"], targets=self._lora_targets(model_dir)[0])
         seq_len = int(self.seq_len)
         plan = memory_plan.plan_memory(
             shape,
@@ -446,7 +456,7 @@ class ServingMixin:
             lora=LoraConfig(
                 rank=self.lora["rank"],
                 alpha=self.lora["alpha"],
-                **({"targets": tuple(self.lora["targets"])} if self.lora["targets"] else {}),
+                targets=self._lora_targets(resolved.model_dir)[0],
             ),
             dtype=self._trainer_dtype(topology),
             micro_batch_rows=self.micro_batch_rows,

@@ -78,7 +78,10 @@ class LoraConfig(_Body):
     """Megatron layer names (linear_qkv, linear_proj, linear_fc1, linear_fc2, and Qwen3.5's
     gated delta-net in_proj_qkv, in_proj_z, out_proj) or HF module names (q_proj, ..., down_proj;
     a fused layer needs all of its HF names), as every family names them (`families.LORA_NAMES`);
-    normalised to Megatron names in that order. Default: the first four (`default_targets`)."""
+    normalised to Megatron names in that order. Default: the first four (`default_targets`),
+    which the trainer engine replaces with the model family's default when `targets` is not set
+    (as ART 0.5.23 picks per model: Qwen3.5 adds its delta-net projections, DeepSeek-V3 has its
+    MLA projections); the backend always sends the model's targets."""
     seed: int = Field(default=0, ge=0, strict=True)
     """Seeds A's initialisation (per layer, independent of the TP layout)."""
 

@@ -70,8 +70,10 @@ FAMILIES: dict[str, FamilySpec[Any]] = _by_model_type(_SPECS)
 
 def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
     """The LoRA names of every family: the union of their targets, with the union of their expert
-    targets; a target is optional (named explicitly, not a default) when it is in every family that
-    has it.
+    targets; the defaults are the llama family's (ART's default for dense models: q/k/v/o_proj and
+    gate/up/down_proj), every other target is optional. A model's own default is its family's
+    (`LoraNames.default_targets`: Qwen3.5 adds its gated delta-net projections, DeepSeek-V3 has MLA
+    projections and no q/k/v_proj), which the backend resolves once the model is known.
 
     A LoRA config names its targets before the model is known (`trainer.protocol.LoraConfig`,
     `MegatronBackend(lora_targets=...)`), so those names must mean the same in every family; two
@@ -81,7 +83,7 @@ def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
     modules: dict[str, tuple[str, ...]] = {}
     parents: dict[str, str] = {}
     hf_owner: dict[str, str] = {}
-    for spec in specs:
+    for spec in sorted(specs, key=lambda spec: spec.name != "llama"):  # llama's targets first
         for target, hf_names in spec.lora.modules.items():
             parent = spec.lora.parents[target]
             if (
@@ -95,7 +97,8 @@ def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
                         f"family {spec.name} maps {hf} to {target}, another family to {hf_owner[hf]}"
                     )
     experts = {target for spec in specs for target in spec.lora.expert_targets}
-    default = {target for spec in specs for target in spec.lora.default_targets}
+    (llama,) = (spec for spec in specs if spec.name == "llama")
+    default = set(llama.lora.default_targets)
     return LoraNames(
         modules=modules,
         parents=parents,

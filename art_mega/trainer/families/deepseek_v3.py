@@ -56,9 +56,8 @@ LoRA: ART 0.5.23 adapts q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj, the dens
 MLPs and the experts on its MLA models (GLM-5, `art/megatron/model_support/registry.py`
 _GLM52_TARGET_MODULES); kv_b_proj is not adapted there, nor by vLLM (its MLA absorbs kv_b_proj into
 the query and output). Here the Megatron targets linear_q_down_proj, linear_q_up_proj,
-linear_kv_down_proj (named by LoRA configs explicitly, `LoraNames.optional`), linear_proj and
-linear_fc1 / linear_fc2 of the dense MLPs, the shared experts (`mlp.shared_experts.*`) and each
-routed expert.
+linear_kv_down_proj, linear_proj and linear_fc1 / linear_fc2 of the dense MLPs, the shared experts
+(`mlp.shared_experts.*`) and each routed expert; all of them are the default LoRA, as ART's.
 """
 
 from __future__ import annotations
@@ -641,22 +640,23 @@ def megatron_state_dict(
 
 LORA_NAMES = LoraNames(
     modules={
-        **llama.LORA_NAMES.modules,
         "linear_q_down_proj": ("q_a_proj",),
         "linear_q_up_proj": ("q_b_proj",),
         "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+        **{target: hf for target, hf in llama.LORA_NAMES.modules.items() if target != "linear_qkv"},
     },
     parents={
-        **llama.LORA_NAMES.parents,
         "linear_q_down_proj": "self_attn",
         "linear_q_up_proj": "self_attn",
         "linear_kv_down_proj": "self_attn",
+        **{target: parent for target, parent in llama.LORA_NAMES.parents.items() if target != "linear_qkv"},
     },
     expert_targets=("linear_fc1", "linear_fc2"),
-    optional=("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj"),
     shared_expert="shared_experts",
 )
-"""Megatron's MLA and MLP linears <-> DeepSeek-V3's HF modules (module docstring)."""
+"""Megatron's MLA and MLP linears <-> DeepSeek-V3's HF modules (module docstring); all of them
+are the default LoRA, as ART 0.5.23's on its MLA models. No q_proj / k_proj / v_proj: MLA has
+none, so naming them is refused at register (`LoraNames.normalise`), not trained as nothing."""
 
 SPEC: FamilySpec[DeepseekV3Args] = FamilySpec(
     name="deepseek_v3",

@@ -544,13 +544,12 @@ LORA_NAMES = dataclasses.replace(
         "out_proj": "linear_attn",
     },
     output_gate=True,
-    optional=("in_proj_qkv", "in_proj_z", "out_proj"),
 )
-"""The Llama family's LoRA targets (q_proj's adapter also covers the output gate's rows) and,
-optional, the gated delta-net's in_proj_qkv and in_proj_z (column-parallel; in_proj_qkv's TP
-shards hold q, k, v parts, `tp_parts`) and out_proj (row-parallel): the modules ART 0.5.23 adapts
-for Qwen3.5 (`art/megatron/model_support/registry.py` _QWEN3_5_DENSE_TARGET_MODULES; it leaves
-in_proj_b / in_proj_a alone, as here)."""
+"""The Llama family's LoRA targets (q_proj's adapter also covers the output gate's rows) and the
+gated delta-net's in_proj_qkv and in_proj_z (column-parallel; in_proj_qkv's TP shards hold q, k, v
+parts, `tp_parts`) and out_proj (row-parallel), all of them the default: the modules ART 0.5.23
+adapts for Qwen3.5 by default (`art/megatron/model_support/registry.py`
+_QWEN3_5_DENSE_TARGET_MODULES; it leaves in_proj_b / in_proj_a alone, as here)."""
 
 
 WRAPPER_LORA_NAMES = dataclasses.replace(LORA_NAMES, layer_prefix=WRAPPER_LAYER_PREFIX)

@@ -66,8 +66,9 @@ class LoraNames:
     (HF's q_proj is per head [query; gate]; `layout.fuse_qkv_gate`, Qwen3.5). `shared_expert`:
     the HF name of an MoE layer's shared expert under its parent ("shared_expert" in Qwen's MoE
     models; "" = none): Megatron's `mlp.shared_experts.linear_fc1` / `linear_fc2` are its
-    gate_proj + up_proj / down_proj. `optional`: targets left out of the default LoRA (the
-    Qwen3.5 gated delta-net projections, which most families lack). `fused_experts`: the path
+    gate_proj + up_proj / down_proj. `optional`: targets left out of the default LoRA (a family
+    adapts every target by default, as ART 0.5.23 does per model; the shared names of every
+    family, `families.LORA_NAMES`, default to the llama family's). `fused_experts`: the path
     under a decoder layer of the module where transformers fuses the experts' weights into 3-D
     parameters that PEFT cannot adapt from per-expert names ("mlp.experts": text-only Qwen3.5 MoE;
     "experts": Gemma 4's MoE block; "" = none such, `for_peft`).

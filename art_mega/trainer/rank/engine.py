@@ -64,7 +64,8 @@ class TrainerEngine(SavedState, StepLoss):
     Args:
         model_dir: HF model directory (config.json, safetensors), readable by every rank.
         parallel_state: this rank's `init_parallel` result.
-        lora: LoRA hyper-parameters.
+        lora: LoRA hyper-parameters; its targets, when not set, the model family's default
+            (`LoraNames.default_targets`). Raises `UserError` for a target the family lacks.
         optimizer: optimizer hyper-parameters.
         dtype: "float32" or "bfloat16" parameters.
         micro_batch_rows: packed rows per microbatch (the batch's rows are split in order).
@@ -92,7 +93,6 @@ class TrainerEngine(SavedState, StepLoss):
             raise ValueError(f"micro_batch_rows={micro_batch_rows} must be at least 1")
         self.model_dir = str(model_dir)
         self.state = parallel_state
-        self.lora_config = lora
         self.optimizer_settings = optimizer
         self.micro_batch_rows = micro_batch_rows
         self.compute_entropy = compute_entropy
@@ -102,6 +102,12 @@ class TrainerEngine(SavedState, StepLoss):
             model_dir, device=parallel_state.device, dtype=dtype, use_te=False, recompute=parallel_state
         )
         module = self.model.module
+        names = self.model.family.lora_names(self.model.args)
+        if "targets" in lora.model_fields_set:
+            names.normalise(lora.targets)  # a target this family lacks (q_proj on MLA): one sentence
+        else:  # the model's own default, as ART's (`LoraNames.default_targets`)
+            lora = lora.model_copy(update={"targets": names.default_targets})
+        self.lora_config = lora
         self.lora_layers = apply_lora(module, lora)
         config = module.config
         # Read by DDP's constructor (gradient scaling) and by the schedule (loss scaling).
