@@ -7,7 +7,8 @@ layout (multimodal wrapper config, `model.language_model.` names, fused 3-D expe
 sequence parallelism, which Megatron's MoE layer needs under TP) and EP=2 equal TP=1. 3 GRPO steps
 train at each layout, resume exactly, and export a PEFT adapter that imports back bit-exactly: at
 TP=1 and TP=2 with LoRA on q/k/v/o, the delta-net's in_proj_qkv / in_proj_z / out_proj, every
-routed expert and the shared expert; at EP=2 with the default targets (experts split over EP).
+routed expert and the shared expert; at EP=2 with the default targets (experts split over EP),
+which are the same modules (ART 0.5.23's default for Qwen3.5).
 
 PEFT: the adapter's attention, delta-net and shared-expert modules load in `peft` 0.21 as
 exported; its per-expert tensors (`mlp.experts.{e}.gate_proj`, the names vLLM's
@@ -212,12 +213,13 @@ def _runs(moe35_tp1: dict, moe35_parallel) -> dict[str, dict]:
     }
 
 
-def _expected_modules(delta_net: bool) -> set[str]:
-    """PEFT module paths (under the decoder layers) of the tiny model's adapter."""
+def _expected_modules() -> set[str]:
+    """PEFT module paths (under the decoder layers) of the tiny model's adapter: the explicit
+    targets at TP=1 / TP=2 and the default at EP=2 are the same (ART's default for Qwen3.5 MoE)."""
     mlp = [f"mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
     mlp += [f"mlp.experts.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj", "down_proj")]
     attention = [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    delta = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")] if delta_net else []
+    delta = [f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
     return {f"0.{m}" for m in mlp + delta} | {f"1.{m}" for m in mlp + attention}
 
 
@@ -245,7 +247,7 @@ def test_grpo_steps_train_and_the_adapter_round_trips(
     assert torch.equal(run["imported_logits"], run["logits"])
     tensors = load_file(Path(run["adapter"]) / "adapter_model.safetensors")
     prefix = "base_model.model.model.layers"
-    modules = _expected_modules(delta_net=layout != "ep2")
+    modules = _expected_modules()
     assert set(tensors) == {f"{prefix}.{module}.lora_{m}.weight" for module in modules for m in "AB"}
     targets = json.loads((Path(run["adapter"]) / "adapter_config.json").read_text())["target_modules"]
     layout_shapes = adapter_layout(read_hf_config(moe35_dirs["tiny"]), 4, targets).shapes

@@ -104,6 +104,7 @@ def _shared_lora_names(specs: tuple[FamilySpec[Any], ...]) -> LoraNames:
         parents=parents,
         expert_targets=tuple(target for target in modules if target in experts),
         optional=tuple(target for target in modules if target not in default),
+        mlp_is_experts=True,  # ART's "experts" before the model is known; its family decides at register
     )
 
 

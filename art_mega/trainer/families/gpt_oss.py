@@ -386,6 +386,7 @@ SPEC: FamilySpec[GptOssArgs] = dataclasses.replace(
         modules=qwen3_moe.SPEC.lora.modules,
         parents=qwen3_moe.SPEC.lora.parents,
         expert_targets=qwen3_moe.SPEC.lora.expert_targets,
+        mlp_is_experts=True,
     ),
 )
 """The GPT-OSS family: Qwen3-MoE's parallel limits (TP over heads, EP over experts; etp = 1,

@@ -250,6 +250,7 @@ SPEC: FamilySpec[MoeArgs] = FamilySpec(
         modules=llama.LORA_NAMES.modules,
         parents=llama.LORA_NAMES.parents,
         expert_targets=("linear_fc1", "linear_fc2"),
+        mlp_is_experts=True,
     ),
     pipeline_parallel=True,
 )

@@ -51,6 +51,11 @@ _LAYER_NAME = re.compile(
 decoder.layers.{i}[.mlp.experts.{e} | .mlp.shared_experts].{target}."""
 
 
+ART_EXPERTS = "experts"
+"""ART 0.5.23's LoRA target name for an MoE layer's experts (`art/megatron/model_support/registry.py`
+`_QWEN3_MOE_TARGET_MODULES` and the other MoE lists; `LoraNames.normalise`)."""
+
+
 @dataclass(frozen=True)
 class LoraNames:
     """A family's LoRA target names: Megatron's linear layers <-> the HF (PEFT) modules.
@@ -71,7 +76,9 @@ class LoraNames:
     family, `families.LORA_NAMES`, default to the llama family's). `fused_experts`: the path
     under a decoder layer of the module where transformers fuses the experts' weights into 3-D
     parameters that PEFT cannot adapt from per-expert names ("mlp.experts": text-only Qwen3.5 MoE;
-    "experts": Gemma 4's MoE block; "" = none such, `for_peft`).
+    "experts": Gemma 4's MoE block; "" = none such, `for_peft`). `mlp_is_experts`: every linear
+    the targets linear_fc1 / linear_fc2 name is an expert's (no dense layer, no shared expert:
+    GPT-OSS, Qwen3-MoE), so ART's target "experts" alone means them (`normalise`).
 
     Torch-free except `to_peft` / `from_peft`.
     """
@@ -84,6 +91,7 @@ class LoraNames:
     shared_expert: str = ""
     optional: tuple[str, ...] = ()
     fused_experts: str = ""
+    mlp_is_experts: bool = False
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -101,9 +109,28 @@ class LoraNames:
         A fused Megatron layer needs all of its HF modules: q_proj without k_proj and v_proj cannot
         be expressed with one adapter on linear_qkv, so it is refused.
 
+        ART's "experts" (its MoE models' default `target_modules` name the experts so, beside
+        gate_proj / up_proj / down_proj, which adapt the experts too in ART 0.5.23 and here:
+        linear_fc1 / linear_fc2 cover dense MLPs, shared experts and experts alike) means
+        linear_fc1 + linear_fc2 where every MLP linear is an expert's (`mlp_is_experts`); else it
+        is taken with those three and adds nothing, and without them refused (an experts-only
+        LoRA, which Megatron's targets cannot express apart from the dense or shared MLP).
+
         Raises:
-            UserError: an unknown name, or part of a fused layer's HF modules (one sentence each).
+            UserError: an unknown name, part of a fused layer's HF modules, or "experts" without
+                the MLP's modules (one sentence each).
         """
+        if ART_EXPERTS in targets:
+            others = [name for name in targets if name != ART_EXPERTS]
+            if self.mlp_is_experts:
+                return self.normalise([*others, "linear_fc1", "linear_fc2"])
+            rest = self.normalise(others) if others else ()
+            if not {"linear_fc1", "linear_fc2"} <= set(rest):
+                raise UserError(
+                    f"LoRA target {ART_EXPERTS!r} needs gate_proj, up_proj and down_proj beside it: art-mega "
+                    "adapts an MoE model's experts with its MLP modules, as ART does when they are named."
+                )
+            return rest
         hf_to_megatron = {hf: mc for mc, names in self.modules.items() for hf in names}
         wanted: set[str] = set()
         hf_seen: set[str] = set()
