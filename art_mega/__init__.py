@@ -69,6 +69,7 @@ _SUBMODULES = (
     "dev",
     "distributed",
     "local",
+    "megatron",
     "utils",
     "types",
     "pipeline_trainer",

@@ -197,3 +197,42 @@ async def test_prisoners_dilemma_notebook(tiny_workdir, monkeypatch):
     run = await run_program(UPSTREAM / "prisoners_dilemma.py", monkeypatch)
     print(f"prisoner's dilemma: steps {run.steps}, trained tokens {run.trained_tokens}, {run.wall_s:.0f} s")
     _assert_steps(run, [16, 8])
+
+
+@pytest.mark.timeout(1200)
+async def test_yes_no_maybe_megatron_program(workdir, smollm2_dir, monkeypatch, capsys):
+    """ART's program for its Megatron backend (`from art.megatron import MegatronBackend`, the one
+    ART launches for Qwen3.5-35B-A3B), sized through its own environment variables: 4 prompts x 4
+    rollouts of up to 3 tokens a step, 2 steps, on SmolLM2-135M-Instruct. It trains with ART's
+    Megatron LoRA (a dense model: rank 8, alpha 32, `art_mega.megatron`), its engine_args
+    (gpu_memory_utilization, max_model_len, max_num_seqs, tensor_parallel_size, enforce_eager=None)
+    honoured, and `backend.train(model, groups, learning_rate=)` and `backend.close()` as written."""
+    import importlib.util
+    import json
+
+    for name, value in {
+        "BASE_MODEL": str(smollm2_dir),
+        "MODEL_NAME": "ynm",
+        "NUM_STEPS": "2",
+        "ROLLOUTS_PER_PROMPT": "4",
+        "PROMPTS_LIMIT": "4",
+        "EVAL_PROMPTS": "2",
+        "MAX_TOKENS": "3",
+    }.items():
+        monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("yes_no_maybe_megatron", UPSTREAM / "yes_no_maybe_megatron.py")
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    await program.main()
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"event"')]
+    steps = [e for e in events if e["event"] == "train_step"]
+    print(f"yes-no-maybe (megatron): {[(e['step'], e['avg_reward'], e['backend_metrics'].get('data/step_trainer_tokens')) for e in steps]}")
+    assert [e["step"] for e in steps] == [1, 2]
+    assert [e["num_rollouts"] for e in steps] == [16.0, 16.0]
+    assert sum(e["backend_metrics"]["data/step_trainer_tokens"] for e in steps) > 0
+    checkpoint = workdir / ".art" / "yes-no-maybe-megatron" / "models" / "ynm" / "checkpoints" / "0002"
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 32)
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )

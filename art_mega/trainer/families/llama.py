@@ -5,6 +5,7 @@ HF weights -> this rank's Megatron tensor-parallel shard, and the LoRA <-> PEFT 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -288,9 +289,10 @@ def transformer_config(
 
 
 def _context_parallel_size() -> int:
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_context_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+    """This rank's context-parallel size: megatron-core's, 1 where its parallel state is not set
+    up, or not even imported (register's checks, which import no torch: `check_model_fits`)."""
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    return mpu.get_context_parallel_world_size() if mpu and mpu.model_parallel_is_initialized() else 1
 
 
 def layer_spec(args: DenseArgs, *, use_te: bool):

@@ -134,13 +134,24 @@ def test_an_unsupported_wrapper_is_named_before_its_missing_sizes(tmp_path):
 
 
 def test_the_checks_import_no_torch(tmp_path):
-    model = _config(tmp_path)
+    """Every family's checks and LoRA names (the context-parallel check of the families that
+    refuse CP imported megatron-core, 20 s at each register of a Qwen3.5, GPT-OSS or DeepSeek-V3)."""
+    from tests.real_size_configs import DEEPSEEK_V3
+    from tests.trainer.gpt_oss_configs import GPT_OSS_20B
+    from tests.trainer.qwen3_5_configs import QWEN3_5_35B_A3B, QWEN3_6_27B
+
+    models = [_config(tmp_path)]
+    for name, config in (("q", QWEN3_6_27B), ("qm", QWEN3_5_35B_A3B), ("g", GPT_OSS_20B), ("d", DEEPSEEK_V3)):
+        (tmp_path / name).mkdir()
+        models.append(_config(tmp_path / name, **config))
     code = (
         "import sys\n"
         "from art_mega.trainer.model_builder import check_model_fits\n"
         "from art_mega.trainer.peft_config import check_adapter_config\n"
-        "import art_mega.backend\n"
-        f"check_model_fits({str(model)!r}, 2)\n"
+        "from art_mega.backend import MegatronBackend\n"
+        f"for model in {[str(m) for m in models]!r}:\n"
+        "    check_model_fits(model, 2)\n"
+        "    MegatronBackend()._lora_settings(model)\n"
         "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, 'torch imported'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
