@@ -143,6 +143,12 @@ class DeepseekV3Args:
     qk_norm = False
 
     @property
+    def shared_expert_ffn_hidden_size(self) -> int:
+        """The shared experts' one SwiGLU MLP width, num_shared_experts * expert_ffn_hidden_size
+        (0: none; `peft_io.adapter_layout` sizes its LoRA by it)."""
+        return self.num_shared_experts * self.expert_ffn_hidden_size
+
+    @property
     def moe_layers(self) -> tuple[bool, ...]:
         """Per layer, whether its MLP is the MoE (layers >= first_k_dense)."""
         return tuple(i >= self.first_k_dense for i in range(self.num_layers))
