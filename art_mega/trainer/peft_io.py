@@ -12,8 +12,12 @@ text-only Qwen3.5 MoE, Gemma 4). PEFT 0.21 converts it onto transformers 5's fus
 parameters (`peft/utils/transformers_weight_conversion.py`: gate_proj + up_proj -> a
 `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with A concatenated and B
 block-diagonal, down_proj -> `mlp.experts.down_proj`) only for the model types it maps (qwen3_moe,
-deepseek_v3, ...); for text-only Qwen3.5 MoE and Gemma 4 `write_for_peft` writes the experts as
-PEFT's `target_parameters` tensors (`LoraNames.for_peft`, `families/fused_experts.py`). A model
+deepseek_v3, ...), and there it takes every gate_proj / up_proj / down_proj in `target_modules`
+for the experts', so a dense or shared-expert MLP beside them gets no LoRA (DeepSeek-V3's first
+layers and shared experts). `write_for_peft` writes what PEFT loads whole (`LoraNames.for_peft`):
+for text-only Qwen3.5 MoE, Gemma 4 and DeepSeek-V3 the experts as PEFT's `target_parameters`
+tensors (`families/fused_experts.py`), and for DeepSeek-V3 its dense and shared MLPs as 2-D
+`target_parameters` (`LoraNames.mlp_parameters`). A model
 whose experts vLLM reads only as 3-D tensors (GPT-OSS: gate/up interleaved; the Hub's Qwen3.5 MoE
 wrapper, Qwen3_5MoeForConditionalGeneration: gate rows first) writes that layout on disk through
 `LoraNames.pack` / `unpack` / `peft_targets` (`families/gpt_oss.py` GptOssLoraNames), which PEFT
@@ -311,7 +315,8 @@ def write_for_peft(
     """Write the adapter in `adapter_dir` (as `export_adapter` wrote it for the model whose
     config.json is `hf_config`) to `out_dir` (created) as PEFT 0.21's `PeftModel.from_pretrained`
     loads it onto transformers' model: the same factors, in the family's PEFT form
-    (`LoraNames.for_peft`: Qwen3.5 MoE's and Gemma 4's experts as `target_parameters` tensors;
+    (`LoraNames.for_peft`: text-only Qwen3.5 MoE's, Gemma 4's and DeepSeek-V3's experts as
+    `target_parameters` tensors, DeepSeek-V3's dense and shared MLPs as 2-D `target_parameters`;
     other families' adapters as they are). Returns `out_dir`.
 
     Raises:
