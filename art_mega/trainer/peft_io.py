@@ -12,8 +12,12 @@ text-only Qwen3.5 MoE, Gemma 4). PEFT 0.21 converts it onto transformers 5's fus
 parameters (`peft/utils/transformers_weight_conversion.py`: gate_proj + up_proj -> a
 `target_parameters` LoRA on `mlp.experts.gate_up_proj` of rank 2r with A concatenated and B
 block-diagonal, down_proj -> `mlp.experts.down_proj`) only for the model types it maps (qwen3_moe,
-deepseek_v3, ...); for text-only Qwen3.5 MoE and Gemma 4 `write_for_peft` writes the experts as
-PEFT's `target_parameters` tensors (`LoraNames.for_peft`, `families/fused_experts.py`). A model
+deepseek_v3, ...), and there it takes every gate_proj / up_proj / down_proj in `target_modules`
+for the experts', so a dense or shared-expert MLP beside them gets no LoRA (DeepSeek-V3's first
+layers and shared experts). `write_for_peft` writes what PEFT loads whole (`LoraNames.for_peft`):
+for text-only Qwen3.5 MoE, Gemma 4 and DeepSeek-V3 the experts as PEFT's `target_parameters`
+tensors (`families/fused_experts.py`), and for DeepSeek-V3 its dense and shared MLPs as 2-D
+`target_parameters` (`LoraNames.mlp_parameters`). A model
 whose experts vLLM reads only as 3-D tensors (GPT-OSS: gate/up interleaved; the Hub's Qwen3.5 MoE
 wrapper, Qwen3_5MoeForConditionalGeneration: gate rows first) writes that layout on disk through
 `LoraNames.pack` / `unpack` / `peft_targets` (`families/gpt_oss.py` GptOssLoraNames), which PEFT
@@ -311,7 +315,8 @@ def write_for_peft(
     """Write the adapter in `adapter_dir` (as `export_adapter` wrote it for the model whose
     config.json is `hf_config`) to `out_dir` (created) as PEFT 0.21's `PeftModel.from_pretrained`
     loads it onto transformers' model: the same factors, in the family's PEFT form
-    (`LoraNames.for_peft`: Qwen3.5 MoE's and Gemma 4's experts as `target_parameters` tensors;
+    (`LoraNames.for_peft`: text-only Qwen3.5 MoE's, Gemma 4's and DeepSeek-V3's experts as
+    `target_parameters` tensors, DeepSeek-V3's dense and shared MLPs as 2-D `target_parameters`;
     other families' adapters as they are). Returns `out_dir`.
 
     Raises:
@@ -359,16 +364,14 @@ def adapter_layout(
     parameters `target_parameters`, adapter_config.json's fields) of the model whose config.json
     is `hf_config`, in its family's on-disk PEFT names (`FamilySpec.lora`, `LoraNames.pack_shapes`).
 
-    Features per Megatron layer, h = hidden size, d = head width: linear_qkv h -> q_proj
-    heads*d, k_proj / v_proj kv_heads*d; linear_proj (o_proj) heads*d -> h; linear_fc1 h ->
-    gate_proj / up_proj ffn; linear_fc2 (down_proj) ffn -> h (Qwen3.5: q_proj 2*heads*d with
-    its output gate, and no self_attn on its delta-net layers; on those, linear_attn's in_proj_qkv
-    h -> 2 * key heads * key width + value heads * value width, in_proj_z h -> value heads *
-    value width, out_proj back to h). In an MoE family every layer's expert targets are per
-    expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), plus the shared expert's
-    where the family has one (`...mlp.shared_expert.gate_proj`, ffn = its width), as
-    `LoraNames.to_peft` names them, then packed as `export_adapter` writes them (GPT-OSS: the
-    experts as PEFT's `target_parameters` tensors). Torch-free.
+    Each HF module's (in, out) features are `_features`'. In an MoE family every MoE layer's
+    expert targets are per expert (`...mlp.experts.{e}.gate_proj`, ffn = the expert width), plus
+    the shared expert's where the family has one (`...mlp.shared_expert.gate_proj`, ffn = its
+    width), as `LoraNames.to_peft` names them, then packed as `export_adapter` writes them
+    (GPT-OSS: the experts as PEFT's `target_parameters` tensors); a dense layer of an MoE model
+    (DeepSeek-V3's first `first_k_dense_replace`, its arguments' `moe_layers`) has the dense
+    MLP's (`...mlp.gate_proj`, ffn = the dense width). Torch-free;
+    `tests/unit/trainer/test_adapter_layout_hf.py` checks it against transformers' modules.
 
     Raises:
         UserError: the model's family is not supported or its config is refused
@@ -381,29 +384,15 @@ def adapter_layout(
     spec = family_for(hf_config)
     args = spec.model_args(hf_config)
     names = spec.lora_names(args)
-    hidden, q_in = args.hidden_size, args.num_heads * args.head_dim
-    q_out = q_in * (2 if names.output_gate else 1)  # q_proj with its output gate (Qwen3.5)
-    kv_out = args.num_query_groups * args.head_dim
     no_attention = getattr(args, "linear_layers", ())  # Qwen3.5's delta-net layers: no self_attn
     experts = int(getattr(args, "num_experts", 0))  # a dense family's arguments have no experts
+    moe_layers = getattr(args, "moe_layers", (True,) * args.num_layers)  # DeepSeek-V3: dense first layers
     shared_ffn = int(getattr(args, "shared_expert_ffn_hidden_size", 0))
-    key = getattr(args, "linear_num_key_heads", 0) * getattr(args, "linear_key_head_dim", 0)
-    value = getattr(args, "linear_num_value_heads", 0) * getattr(args, "linear_value_head_dim", 0)
-
-    def features(ffn: int) -> dict[str, tuple[tuple[int, int], ...]]:
-        # (in, out) of each HF module of a Megatron target, in `names.modules` order
-        return {
-            "linear_qkv": ((hidden, q_out), (hidden, kv_out), (hidden, kv_out)),
-            "linear_proj": ((q_in, hidden),),
-            "linear_fc1": ((hidden, ffn), (hidden, ffn)),
-            "linear_fc2": ((ffn, hidden),),
-            "in_proj_qkv": ((hidden, 2 * key + value),),
-            "in_proj_z": ((hidden, value),),
-            "out_proj": ((value, hidden),),
-        }
-
-    dense, expert = features(args.ffn_hidden_size), features(getattr(args, "expert_ffn_hidden_size", 0))
-    shared_dims = features(shared_ffn)
+    widths = {
+        "dense": _features(args, names.output_gate, args.ffn_hidden_size),
+        "expert": _features(args, names.output_gate, getattr(args, "expert_ffn_hidden_size", 0)),
+        "shared": _features(args, names.output_gate, shared_ffn),
+    }
     shapes: dict[str, tuple[int, int]] = {}
     shared: list[tuple[str, ...]] = []
     for layer in range(args.num_layers):
@@ -413,10 +402,9 @@ def adapter_layout(
                 names.parents[target] == "linear_attn"
             ):
                 continue  # self_attn on full-attention layers only, linear_attn on delta-net layers only
-            widths = {"dense": dense, "expert": expert, "shared": shared_dims}
             placed = [
                 (where, widths[kind][target])
-                for where, kind in names.hf_parents(layer, target, experts)
+                for where, kind in names.hf_parents(layer, target, experts if moe_layers[layer] else 0)
                 if kind != "shared" or shared_ffn  # a shared expert's adapters where it has a width
             ]
             if hasattr(args, "attention") and names.parents[target] == "self_attn":
@@ -431,6 +419,42 @@ def adapter_layout(
                     shared.append(tuple(a_keys))
     shapes, shared = names.pack_shapes(shapes, shared, rank)
     return AdapterLayout(shapes, tuple(shared), args.num_layers)
+
+
+def _features(args: Any, output_gate: bool, ffn: int) -> dict[str, tuple[tuple[int, int], ...]]:
+    """(in, out) of the HF modules of each Megatron target (in `LoraNames.modules` order) of the
+    model with arguments `args`, its MLP (dense, expert or shared) of width `ffn`. h = hidden
+    size, d = head width: linear_qkv h -> q_proj heads*d (2*heads*d with the output gate,
+    `output_gate`, Qwen3.5), k_proj / v_proj kv_heads*d; linear_proj (o_proj) heads*d -> h
+    (heads * v_head_dim where the arguments have one, MLA); linear_fc1 h -> gate_proj / up_proj
+    ffn; linear_fc2 (down_proj) ffn -> h. Qwen3.5's delta-net linear_attn: in_proj_qkv
+    h -> 2 * key heads * key width + value heads * value width, in_proj_z h -> value heads *
+    value width, out_proj back to h. DeepSeek-V3's MLA (`deepseek_v3.megatron_state_dict`):
+    q_a_proj h -> q_lora_rank, q_b_proj q_lora_rank -> heads * (qk_nope + qk_rope) (= heads*d),
+    kv_a_proj_with_mqa h -> kv_lora_rank + qk_rope_head_dim. A target the family lacks gets
+    sizes from absent arguments (0) and is never asked for."""
+    hidden, heads, head_dim = args.hidden_size, args.num_heads, args.head_dim
+    kv_out = args.num_query_groups * head_dim
+    key = getattr(args, "linear_num_key_heads", 0) * getattr(args, "linear_key_head_dim", 0)
+    value = getattr(args, "linear_num_value_heads", 0) * getattr(args, "linear_value_head_dim", 0)
+    q_lora = getattr(args, "q_lora_rank", 0)
+    kv_latent = getattr(args, "kv_lora_rank", 0) + getattr(args, "qk_rope_head_dim", 0)
+    return {
+        "linear_qkv": (
+            (hidden, heads * head_dim * (2 if output_gate else 1)),
+            (hidden, kv_out),
+            (hidden, kv_out),
+        ),
+        "linear_proj": ((heads * getattr(args, "v_head_dim", head_dim), hidden),),
+        "linear_fc1": ((hidden, ffn), (hidden, ffn)),
+        "linear_fc2": ((ffn, hidden),),
+        "in_proj_qkv": ((hidden, 2 * key + value),),
+        "in_proj_z": ((hidden, value),),
+        "out_proj": ((value, hidden),),
+        "linear_q_down_proj": ((hidden, q_lora),),
+        "linear_q_up_proj": ((q_lora, heads * head_dim),),
+        "linear_kv_down_proj": ((hidden, kv_latent),),
+    }
 
 
 def _layer_attention(args: Any, layer: int, target: str) -> tuple[tuple[int, int], ...]:

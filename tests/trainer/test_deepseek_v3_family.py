@@ -5,9 +5,13 @@ experts chosen top 4 in 2 of 4 groups by a sigmoid router with a live correction
 and 2 shared experts): Megatron's logits equal transformers' (eager attention) at TP=1, and TP=2
 and EP=2 equal TP=1; 3 GRPO steps train at each layout with LoRA on q_a_proj, q_b_proj,
 kv_a_proj_with_mqa, o_proj, the dense and shared MLPs and every expert, resume exactly, and the
-adapter imports back bit-exactly and, merged into transformers' weights, gives Megatron's logits;
-PEFT loads an attention adapter with Megatron's logits (the full adapter's dense and shared MLP LoRA
-PEFT 0.21 drops, `test_peft_drops_the_dense_and_shared_mlp_lora`); the published DeepSeek-V3
+adapter imports back bit-exactly and, merged into transformers' weights, gives Megatron's logits,
+and passes register's warm-start check (`checkpoint.check_warm_start`); PEFT loads an attention
+adapter with Megatron's logits, and the whole adapter as `peft_io.write_for_peft` writes it (the
+routed experts packed as PEFT's `target_parameters` tensors, the dense and shared MLPs as 2-D
+`target_parameters`) with Megatron's logits: the adapter as exported (per-module names, what vLLM
+reads) PEFT 0.21 loads without the dense and shared MLP LoRA, its MoE conversion taking every
+gate/up/down_proj for the experts' (`test_peft_drops_the_dense_and_shared_mlp_lora`); the published DeepSeek-V3
 config, built on the meta device, maps every HF tensor at TP=8 / EP=8 with Megatron's shapes and
 its 671B parameters, and so does Kimi-K2's (model_type kimi_k2, DeepSeek-V3's architecture; its
 first two layers, then all 61; 18 s and 16 s in the session's mapping worker); and the config refusals.
@@ -277,12 +281,68 @@ def test_peft_loads_the_attention_adapter_with_megatron_logits(deepseek_tp1, dee
     assert effect > 0.01
 
 
+def test_peft_loads_the_whole_adapter_written_for_peft(
+    deepseek_tp1, deepseek_dir: Path, tmp_path: Path
+) -> None:
+    """`write_for_peft` on the 3-step TP=1 adapter (every target): the routed experts as PEFT's
+    LoRA on `mlp.experts.gate_up_proj` / `down_proj`, the dense layer's and the shared experts'
+    gate/up/down_proj as 2-D `target_parameters` (`LoraNames.mlp_parameters`), only the MLA
+    projections in `target_modules`, so PEFT's MoE conversion leaves it as it is: PEFT's logits
+    are Megatron's, and the dense and shared MLP LoRA is in them."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from art_mega.trainer.hf_checkpoint import read_hf_config
+    from art_mega.trainer.peft_io import write_for_peft
+
+    run = deepseek_tp1["training"]
+    peft_dir = write_for_peft(run["adapter"], tmp_path / "peft", read_hf_config(deepseek_dir))
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"])
+    assert config["target_parameters"] == [
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+        *(
+            f"{path}.{m}.weight"
+            for path in ("mlp", "mlp.shared_experts")
+            for m in ("gate_proj", "up_proj", "down_proj")
+        ),
+    ]
+    base = AutoModelForCausalLM.from_pretrained(
+        deepseek_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, peft_dir)(input_ids(base.config.vocab_size)).logits
+    without = _merged_logits(deepseek_dir, run["adapter"], skip=("layers.0.mlp.", ".shared_experts."))
+    diff = (peft_logits - run["logits"]).abs().max().item()
+    mlp = (peft_logits - without).abs().max().item()
+    print(
+        f"deepseek_v3 adapter written for PEFT: max |peft - megatron| = {diff:.2e}; its dense and shared "
+        f"MLP LoRA moves logits by up to {mlp:.2f}"
+    )
+    assert diff <= HF_TOLERANCE
+    assert mlp > 0.05
+
+
+def test_the_trained_adapters_pass_the_warm_start_check(deepseek_tp1, deepseek_dir: Path) -> None:
+    """register's check of a warm-start adapter (`checkpoint.check_warm_start`, against
+    `peft_io.adapter_layout`) accepts what the trainer exported: every target, and the MLA
+    projections alone."""
+    from art_mega.trainer import checkpoint
+
+    for adapter in (deepseek_tp1["training"]["adapter"], deepseek_tp1["attention"]["adapter"]):
+        checkpoint.check_warm_start(adapter, deepseek_dir, adapter)
+
+
 def test_peft_drops_the_dense_and_shared_mlp_lora(deepseek_tp1, deepseek_dir: Path) -> None:
-    """PEFT 0.21 loads the full adapter's experts into transformers 5's fused DeepSeek-V3 experts
-    (transformers maps deepseek_v3 to the qwen2_moe weight conversion) but its conversion rewrites
-    target_modules gate_proj / up_proj / down_proj to the fused experts, so the dense layer's MLP and
-    the shared experts get no LoRA, silently: PEFT's logits equal the hand-merged adapter without
-    those modules. A PEFT that fixes this fails here; then compare PEFT with Megatron directly."""
+    """PEFT 0.21 on the adapter as exported (per-module names, what vLLM reads) loads its experts
+    into transformers 5's fused DeepSeek-V3 experts (transformers maps deepseek_v3 to the qwen2_moe
+    weight conversion), but its conversion rewrites target_modules gate_proj / up_proj / down_proj
+    to the fused experts, so the dense layer's MLP and the shared experts get no LoRA, silently:
+    PEFT's logits equal the hand-merged adapter without those modules. `write_for_peft` writes
+    the form PEFT loads whole (test above). A PEFT that fixes this fails here; then
+    `LoraNames.mlp_parameters` may go."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

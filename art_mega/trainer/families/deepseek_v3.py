@@ -58,6 +58,11 @@ _GLM52_TARGET_MODULES); kv_b_proj is not adapted there, nor by vLLM (its MLA abs
 the query and output). Here the Megatron targets linear_q_down_proj, linear_q_up_proj,
 linear_kv_down_proj, linear_proj and linear_fc1 / linear_fc2 of the dense MLPs, the shared experts
 (`mlp.shared_experts.*`) and each routed expert; all of them are the default LoRA, as ART's.
+The adapter on disk names every module (each expert's too, `...mlp.experts.{e}.gate_proj`: what
+vLLM 0.32 reads); PEFT 0.21 loads that without the dense and shared MLPs' LoRA (its MoE
+conversion for deepseek_v3 takes every gate/up/down_proj in `target_modules` for the experts'), so
+`peft_io.write_for_peft` writes the experts as PEFT's `target_parameters` tensors and the dense
+and shared MLPs as 2-D `target_parameters` (`LORA_NAMES`' `fused_experts`, `mlp_parameters`).
 """
 
 from __future__ import annotations
@@ -141,6 +146,12 @@ class DeepseekV3Args:
 
     qkv_bias = False
     qk_norm = False
+
+    @property
+    def shared_expert_ffn_hidden_size(self) -> int:
+        """The shared experts' one SwiGLU MLP width, num_shared_experts * expert_ffn_hidden_size
+        (0: none; `peft_io.adapter_layout` sizes its LoRA by it)."""
+        return self.num_shared_experts * self.expert_ffn_hidden_size
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -653,10 +664,14 @@ LORA_NAMES = LoraNames(
     },
     expert_targets=("linear_fc1", "linear_fc2"),
     shared_expert="shared_experts",
+    fused_experts="mlp.experts",
+    mlp_parameters=("mlp", "mlp.shared_experts"),
 )
 """Megatron's MLA and MLP linears <-> DeepSeek-V3's HF modules (module docstring); all of them
 are the default LoRA, as ART 0.5.23's on its MLA models. No q_proj / k_proj / v_proj: MLA has
-none, so naming them is refused at register (`LoraNames.normalise`), not trained as nothing."""
+none, so naming them is refused at register (`LoraNames.normalise`), not trained as nothing.
+PEFT's form (`LoraNames.for_peft`): the routed experts packed on `mlp.experts`, the dense and
+shared MLPs' modules as 2-D `target_parameters` (module docstring)."""
 
 SPEC: FamilySpec[DeepseekV3Args] = FamilySpec(
     name="deepseek_v3",

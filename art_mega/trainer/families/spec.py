@@ -78,7 +78,16 @@ class LoraNames:
     parameters that PEFT cannot adapt from per-expert names ("mlp.experts": text-only Qwen3.5 MoE;
     "experts": Gemma 4's MoE block; "" = none such, `for_peft`). `mlp_is_experts`: every linear
     the targets linear_fc1 / linear_fc2 name is an expert's (no dense layer, no shared expert:
-    GPT-OSS, Qwen3-MoE), so ART's target "experts" alone means them (`normalise`).
+    GPT-OSS, Qwen3-MoE), so ART's target "experts" alone means them (`normalise`). `mlp_parameters`: the paths
+    under a decoder layer of the MLPs whose gate_proj / up_proj / down_proj `for_peft` names as
+    2-D PEFT `target_parameters` (`mlp.gate_proj.weight`; the same tensors and keys) instead of
+    `target_modules`: PEFT 0.21 rewrites every `target_modules` entry ending in gate_proj /
+    up_proj / down_proj into the fused experts' `gate_up_proj` / `down_proj` parameters for the
+    model types transformers converts like qwen2_moe (`peft/utils/transformers_weight_conversion.py`
+    `_convert_peft_config_moe`; transformers' `_MODEL_TO_CONVERSION_PATTERN`: deepseek_v3,
+    qwen3_moe, glm4_moe, ...), so a dense or shared-expert MLP beside the experts would get no
+    LoRA ("mlp", "mlp.shared_experts": DeepSeek-V3's first dense layers and shared experts;
+    () = none).
 
     Torch-free except `to_peft` / `from_peft`.
     """
@@ -92,6 +101,7 @@ class LoraNames:
     optional: tuple[str, ...] = ()
     fused_experts: str = ""
     mlp_is_experts: bool = False
+    mlp_parameters: tuple[str, ...] = ()
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -237,15 +247,19 @@ class LoraNames:
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """An on-disk adapter (tensors, adapter_config.json dict) as PEFT 0.21 loads it onto
         transformers 5's model: as it is, but where `fused_experts` is set, the per-expert tensors
-        there as PEFT's LoRA on the fused 3-D parameters (`fused_experts.peft_form`). PEFT turns
-        per-expert names into that form itself only for the model types its
+        there as PEFT's LoRA on the fused 3-D parameters (`fused_experts.peft_form`), and where
+        `mlp_parameters` is set, those MLPs' modules as 2-D `target_parameters` (`_mlp_parameters`).
+        PEFT turns per-expert names into the fused form itself only for the model types its
         `_MOE_TARGET_MODULE_MAPPING` knows (`peft/utils/transformers_weight_conversion.py`: Mixtral
         and those transformers converts like Qwen2-MoE, e.g. qwen3_moe); for others it drops them."""
-        if not self.fused_experts:
-            return dict(tensors), dict(config)
-        from art_mega.trainer.families.fused_experts import peft_form
+        out, fields = dict(tensors), dict(config)
+        if self.fused_experts:
+            from art_mega.trainer.families.fused_experts import peft_form
 
-        return peft_form(tensors, config, self.fused_experts)
+            out, fields = peft_form(out, fields, self.fused_experts)
+        if self.mlp_parameters:
+            fields = _mlp_parameters(out, fields, self.mlp_parameters, self.layer_prefix)
+        return out, fields
 
     def to_peft(
         self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
@@ -336,6 +350,34 @@ class LoraNames:
             a = shard(a, 1, tp_size, tp_rank)
             b = b_list[0]
         return a, b
+
+
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+"""The HF modules of a SwiGLU MLP, the names PEFT's MoE conversion takes for the experts'."""
+
+
+def _mlp_parameters(
+    tensors: Mapping[str, Any], config: Mapping[str, Any], paths: Sequence[str], layer_prefix: str
+) -> dict[str, Any]:
+    """adapter_config.json dict `config` with the MLPs at `paths` (under a decoder layer) adapted
+    as 2-D `target_parameters`: "{path}.{module}.weight" for each gate_proj / up_proj / down_proj
+    that `tensors` (PEFT keys `{layer_prefix}.{i}.{path}.{module}.lora_A.weight`) has one on, and
+    gate_proj / up_proj / down_proj out of `target_modules` (the experts' are parameters already,
+    `fused_experts.peft_form`). PEFT's ParamWrapper on a 2-D weight [out, in] has lora_A [r, in]
+    and lora_B [out, r] under the module's own keys, so the tensors stay as they are."""
+    pattern = re.compile(
+        rf"^{re.escape(layer_prefix)}\.\d+\.(?P<path>.+)\.(?P<module>{'|'.join(_MLP_MODULES)})\.lora_A\.weight$"
+    )
+    found = {(m["path"], m["module"]) for m in map(pattern.match, tensors) if m is not None}
+    wanted = [
+        f"{path}.{module}.weight" for path in paths for module in _MLP_MODULES if (path, module) in found
+    ]
+    modules = [name for name in config.get("target_modules") or () if name not in _MLP_MODULES]
+    return {
+        **config,
+        "target_modules": modules,
+        "target_parameters": [*(config.get("target_parameters") or ()), *wanted],
+    }
 
 
 @dataclass(frozen=True)

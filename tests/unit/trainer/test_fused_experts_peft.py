@@ -1,8 +1,9 @@
-"""The PEFT form of the Qwen3.5 MoE and Gemma 4 MoE adapters (`LoraNames.for_peft`,
+"""The PEFT form of the Qwen3.5 MoE, Gemma 4 MoE and DeepSeek-V3 adapters (`LoraNames.for_peft`,
 `families/fused_experts.py`): art-mega writes their experts per expert (the names vLLM 0.32's
 Qwen3_5MoeForCausalLM and Gemma 4 read), which PEFT 0.21 drops on transformers' fused experts;
 `for_peft` packs them into PEFT's `target_parameters` tensors on `{experts}.gate_up_proj` (gate
-rows first) and `{experts}.down_proj`, value by value, and back bit-exactly. Families whose
+rows first) and `{experts}.down_proj`, value by value, and back bit-exactly; DeepSeek-V3's
+dense and shared MLPs become 2-D `target_parameters` (`LoraNames.mlp_parameters`). Families whose
 adapters PEFT loads as written are left as they are. tests/trainer/test_qwen3_5_moe_family.py and
 test_gemma4_moe_family.py load trained adapters this way in PEFT against Megatron's logits.
 """
@@ -106,3 +107,35 @@ def test_adapters_peft_loads_as_written_stay(spec) -> None:
     assert spec.lora.fused_experts == "" and config == CONFIG
     assert tensors.keys() == per_expert.keys()
     assert all(tensors[key] is value for key, value in per_expert.items())
+
+
+def test_deepseek_v3_adapter_names_its_dense_and_shared_mlps_as_parameters() -> None:
+    """DeepSeek-V3 (`LoraNames.mlp_parameters`): the routed experts packed as above, and the dense
+    layer's and the shared experts' gate/up/down_proj as 2-D `target_parameters` with their
+    tensors as they are, so that no gate/up/down_proj is left in `target_modules` for PEFT's MoE
+    conversion to take for the experts'."""
+    from art_mega.trainer.families.deepseek_v3 import SPEC as DEEPSEEK_V3
+
+    tensors = per_expert_tensors("mlp.experts", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_experts")
+    dense = f"{PREFIX}.0.mlp.shared_experts."  # layer 0 dense, as DeepSeek-V3's first layers
+    tensors = {key.replace(dense, f"{PREFIX}.0.mlp."): value for key, value in tensors.items()}
+    tensors = {key: value for key, value in tensors.items() if f"{PREFIX}.0.mlp.experts." not in key}
+    out, config = DEEPSEEK_V3.lora.for_peft(tensors, CONFIG)
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    assert config == {
+        **CONFIG,
+        "target_modules": ["q_proj"],
+        "target_parameters": [
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+            *(f"{path}.{m}.weight" for path in ("mlp", "mlp.shared_experts") for m in mlp),
+        ],
+    }
+    kept = {key for key in tensors if ".mlp.experts." not in key}
+    assert {key for key in kept if f"{PREFIX}.0.mlp." in key} == {
+        f"{PREFIX}.0.mlp.{m}.lora_{x}.weight" for m in mlp for x in "AB"
+    }
+    assert all(out[key] is tensors[key] for key in kept)
+    assert set(out) - kept == {
+        f"{PREFIX}.1.mlp.experts.{p}lora_{x}.weight" for p in ("base_layer.", "") for x in "AB"
+    }
