@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+_ATTENTION_TARGETS = ("linear_qkv", "linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj")
+"""The LoRA targets of a self-attention (or MLA) mixer, Megatron names."""
 _LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
@@ -297,27 +299,43 @@ class ModelShape(_Plan):
         """LoRA parameters one rank holds: r x (in + out) of every wrapped linear (Megatron names
         in `targets`), the TP-split factor split `tp` ways (column-parallel B, row-parallel A),
         an MoE layer's fc1/fc2 once per local expert (`num_experts / ep`, not split by TP) and once
-        for its shared expert (split `tp` ways as a dense MLP's). An MLA layer has no linear_qkv
-        (its down / up projections are other targets) and its linear_proj reads heads x v_head_dim."""
+        for its shared expert (split `tp` ways as a dense MLP's); the first `dense_layers` layers'
+        dense MLP as a dense model's. An MLA layer has no linear_qkv
+        (its down / up projections are other targets: linear_q_down_proj h -> q_lora,
+        linear_q_up_proj q_lora -> heads (nope + rope), linear_kv_down_proj h -> kv_lora + rope, all
+        column-parallel) and its linear_proj reads heads x v_head_dim. A gated delta-net layer has
+        in_proj_qkv h -> conv channels and in_proj_z h -> Vh dv (column-parallel) and out_proj
+        Vh dv -> h (row-parallel) instead of self-attention."""
         h, q = self.hidden_size, self.num_heads * (self.v_head_dim if self.kv_lora_rank else self.head_dim)
+        f = self.ffn_hidden_size
+        dense_fc1, dense_fc2 = h + 2 * f // tp, f // tp + h  # a dense MLP's (the first `dense_layers`)
         if self.num_experts:
             i, shared = self.expert_ffn_hidden_size, self.shared_expert_ffn_hidden_size
             fc1, fc2 = (h + 2 * i) * self.num_experts // ep, (i + h) * self.num_experts // ep
             if shared:
                 fc1, fc2 = fc1 + h + 2 * shared // tp, fc2 + shared // tp + h
         else:
-            f = self.ffn_hidden_size
-            fc1, fc2 = h + 2 * f // tp, f // tp + h
+            fc1, fc2 = dense_fc1, dense_fc2
+        vd = self.delta_value_heads * self.delta_value_dim
         widths = {
             "linear_qkv": 0 if self.kv_lora_rank else h + self.qkv_rows // tp,
             "linear_proj": q // tp + h,
+            "linear_q_down_proj": h + self.q_lora_rank // tp,
+            "linear_q_up_proj": self.q_lora_rank + self.num_heads * self.head_dim // tp,
+            "linear_kv_down_proj": h + (self.kv_lora_rank + self.qk_rope_head_dim) // tp,
             "linear_fc1": fc1,
             "linear_fc2": fc2,
+            "in_proj_qkv": h + self.delta_conv_channels // tp,
+            "in_proj_z": h + vd // tp,
+            "out_proj": vd // tp + h,
         }
-        attention = sum(widths[name] for name in targets if name in ("linear_qkv", "linear_proj"))
+        attention = sum(widths[name] for name in targets if name in _ATTENTION_TARGETS)
+        delta = sum(widths[name] for name in targets if name in ("in_proj_qkv", "in_proj_z", "out_proj"))
         mlp = sum(widths[name] for name in targets if name in ("linear_fc1", "linear_fc2"))
-        # a gated delta-net layer's projections are not LoRA-wrapped (`trainer/rank/lora.py`), its MLP is
-        total = rank * ((self.num_layers - self.delta_layers) * attention + self.num_layers * mlp)
+        dense = sum({"linear_fc1": dense_fc1, "linear_fc2": dense_fc2}.get(name, 0) for name in targets)
+        mixers = (self.num_layers - self.delta_layers) * attention + self.delta_layers * delta
+        mlps = (self.num_layers - self.dense_layers) * mlp + self.dense_layers * dense
+        total = rank * (mixers + mlps)
         if self.global_layers:
             q_extra = self.num_heads * (self.global_head_dim - self.head_dim) // tp
             extra = {"linear_qkv": (self.global_qkv_rows - self.qkv_rows) // tp, "linear_proj": q_extra}

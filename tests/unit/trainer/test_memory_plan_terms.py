@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from art_mega.trainer.families import family_for
 from art_mega.trainer.prepare.memory_plan import ModelShape, logits_bytes, rank_terms
-from tests.real_size_configs import DEEPSEEK_V3, GEMMA4_26B_A4B_TEXT, GEMMA4_31B_TEXT
+from tests.real_size_configs import CONFIGS, DEEPSEEK_V3, GEMMA4_26B_A4B_TEXT, GEMMA4_31B_TEXT
 from tests.trainer.gpt_oss_configs import GPT_OSS_20B
 from tests.trainer.qwen3_5_configs import QWEN3_5_35B_A3B, QWEN3_6_27B
 
@@ -139,3 +139,28 @@ def test_mla_on_cpu_keeps_the_math_kernels_probabilities_and_a_frozen_first_laye
     # 60 of 61 layers keep probabilities instead of the additive mask; the transient is under the
     # logits' working set (129280/8 x 1024 x 27 bytes)
     assert cpu["activations"] - gpu["activations"] == 60 * (16 * 1024 * 1024 * 2 - 1024 * 1024 * 2)
+
+
+def _adapter_elements(config: dict, rank: int) -> int:
+    """The trainer's LoRA parameters on one rank at TP=1, counted from the other side: the PEFT
+    adapter's tensors (`peft_io.adapter_layout`, every target of the family) less the copies of
+    each fused layer's one lora_A (q/k/v_proj, gate/up_proj share it)."""
+    from art_mega.trainer.peft_io import adapter_layout
+
+    spec = family_for(config)
+    names = spec.lora_names(spec.model_args(config))
+    layout = adapter_layout(config, rank, names.hf_target_modules(names.targets))
+    total = sum(a * b for a, b in layout.shapes.values())
+    return total - sum((len(group) - 1) * rank * layout.shapes[group[0]][1] for group in layout.shared_a)
+
+
+def test_lora_parameters_count_every_target_the_families_train() -> None:
+    """Qwen3.5's delta-net projections and DeepSeek-V3's MLA projections are in their default
+    LoRA (ART's): the plan counted neither (Qwen3.6-27B: 14.5M parameters at r=8, 233 MB with
+    their gradient and Adam moments; DeepSeek-V3: 20.8M), nor DeepSeek-V3's first 3 dense layers'
+    MLP LoRA as dense (it counted experts there: 124.6M more). (Gemma 4's adapter also holds a copy
+    of k_proj's B as v_proj on its k_eq_v layers, for vLLM, which the trainer does not.)"""
+    for config in (QWEN3_6_27B, QWEN3_5_35B_A3B, DEEPSEEK_V3, GPT_OSS_20B, CONFIGS["Llama-3.1-8B"]):
+        spec = family_for(config)
+        targets = spec.lora_names(spec.model_args(config)).targets
+        assert shape_of(config).lora_parameters(8, targets) == _adapter_elements(config, 8), config["model_type"]
