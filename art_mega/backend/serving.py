@@ -299,11 +299,10 @@ class ServingMixin:
             UserError: an unsupported model family, or a target this family does not have (e.g.
                 q_proj on DeepSeek-V3's multi-head latent attention; `LoraNames.normalise`).
         """
-        from art_mega.trainer.families import family_for
+        from art_mega.trainer.families import lora_names_of
         from art_mega.trainer.hf_checkpoint import read_hf_config
 
-        spec = family_for(read_hf_config(model_dir))
-        names = spec.lora_names(spec.model_args(read_hf_config(model_dir)))
+        names = lora_names_of(read_hf_config(model_dir))
         return names.normalise(tuple(self.lora["targets"]) or names.default_targets), names
 
     def _lora_settings(self, model_dir: Any) -> dict[str, Any]:

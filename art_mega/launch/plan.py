@@ -122,6 +122,15 @@ def model_config_dir(model: str) -> Path:
     return Path(resolve_base_model(model, default_cache_root()).model_dir)
 
 
+def default_lora_targets(model_dir: Path) -> tuple[str, ...]:
+    """The Megatron LoRA targets a backend without `lora_targets` trains on the model at
+    `model_dir` (its family's default, ART's for that model: `LoraNames.default_targets`)."""
+    from art_mega.trainer.families import lora_names_of
+    from art_mega.trainer.hf_checkpoint import read_hf_config
+
+    return lora_names_of(read_hf_config(model_dir)).default_targets
+
+
 def plan_text(request: PlanRequest) -> str:
     """The plan `art-mega plan` prints for `request`.
 
@@ -135,6 +144,7 @@ def plan_text(request: PlanRequest) -> str:
 
     model_dir = model_config_dir(request.model)
     shape, valid_tp = mp.ModelShape.from_model_dir(model_dir)
+    targets = default_lora_targets(model_dir)
     if request.tp not in valid_tp:
         raise UserError(
             f"--tp {request.tp} does not divide {request.model}'s heads evenly; the model allows tp "
@@ -184,6 +194,7 @@ def plan_text(request: PlanRequest) -> str:
         trainer_dtype=dtype,
         replica_dtype=dtype,
         lora_rank=request.lora_rank,
+        lora_targets=targets,
         row_tokens=request.seq_len,
         seq_len=request.seq_len,
         micro_batch_rows=request.micro_batch_rows,
@@ -201,7 +212,7 @@ def plan_text(request: PlanRequest) -> str:
             stage=stage,
             dtype=dtype,
             lora_rank=request.lora_rank,
-            lora_targets=mp._LORA_TARGETS,
+            lora_targets=targets,
             row_tokens=request.seq_len,
             micro_batch_rows=request.micro_batch_rows,
             recompute=setting,
@@ -273,12 +284,13 @@ def plan_text(request: PlanRequest) -> str:
             cp=1,
             dtype=dtype,
             lora_rank=request.lora_rank,
+            lora_targets=targets,
             row_tokens=request.seq_len,
             micro_batch_rows=request.micro_batch_rows,
             recompute=request.recompute,
         )
         if request.shared_gpus and plan.replicas:
-            fits = _beside_replicas(fits, shape, gpu_bytes, request, dtype)
+            fits = _beside_replicas(fits, shape, gpu_bytes, request, dtype, targets)
         lines.append(
             f"trainer layouts of these {len(plan.ranks)} GPU(s) that fit: "
             + (", ".join(_layout(tp, ep, dp, pp) + f" ({g(n)} GiB)" for tp, ep, dp, pp, n in fits) or "none")
@@ -307,7 +319,12 @@ def plan_text(request: PlanRequest) -> str:
 
 
 def _beside_replicas(
-    fits: list[tuple[int, int, int, int, int]], shape: Any, gpu_bytes: int, request: PlanRequest, dtype: str
+    fits: list[tuple[int, int, int, int, int]],
+    shape: Any,
+    gpu_bytes: int,
+    request: PlanRequest,
+    dtype: str,
+    targets: tuple[str, ...],
 ) -> list[tuple[int, int, int, int, int]]:
     """The layouts of `fits` whose ranks also leave a replica on their GPU (`--shared-gpus`) its
     gpu_memory_utilization share: what the largest pipeline stage's rank holds between steps
@@ -329,6 +346,7 @@ def _beside_replicas(
                 stage=stage,
                 dtype=dtype,
                 lora_rank=request.lora_rank,
+                lora_targets=targets,
                 row_tokens=request.seq_len,
                 micro_batch_rows=request.micro_batch_rows,
             )

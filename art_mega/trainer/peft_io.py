@@ -325,10 +325,9 @@ def write_for_peft(
     """
     from safetensors.torch import save
 
-    from art_mega.trainer.families import family_for
+    from art_mega.trainer.families import lora_names_of
 
-    spec = family_for(hf_config)
-    names = spec.lora_names(spec.model_args(hf_config))
+    names = lora_names_of(hf_config)
     config, tensors = read_adapter(adapter_dir)
     tensors, config = names.for_peft(tensors, config)
     out = Path(out_dir)

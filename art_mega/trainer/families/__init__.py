@@ -124,6 +124,14 @@ def family_for(config: dict[str, Any]) -> FamilySpec[Any]:
     return FAMILIES[model_type]
 
 
+def lora_names_of(config: dict[str, Any]) -> LoraNames:
+    """The LoRA <-> PEFT names of the model whose config.json dict is `config` (its family's
+    `FamilySpec.lora_names`; `default_targets` is what a LoRA without targets trains on it).
+    Raises `UserError` as `family_for` and the family's `model_args`."""
+    spec = family_for(config)
+    return spec.lora_names(spec.model_args(config))
+
+
 def decoder_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text decoder's config.json dict: its family's `FamilySpec.text_config` where it has one
     (a multimodal wrapper's sparse text_config with the family's defaults filled, Gemma 3), else

@@ -220,3 +220,22 @@ def test_shared_gpus_list_only_layouts_that_leave_the_replica_its_share(configs,
         "trainer layouts of these 8 GPU(s) that fit: --tp 2 --pp 2 (dp=2) (70.2 GiB), --tp 2 --pp 4 (dp=1) "
         "(62.8 GiB), --tp 4 (dp=2) (53.5 GiB), --tp 4 --pp 2 (dp=1) (41.8 GiB), --tp 8 (dp=1) (33.5 GiB)"
     )
+
+
+def test_the_plan_counts_the_models_default_lora(configs, capsys):
+    """Qwen3.6-27B's default LoRA (ART's) also adapts its 48 delta-net layers' in_proj_qkv,
+    in_proj_z and out_proj: at r=8, 14,548,992 more parameters than q/k/v/o and the MLP alone at
+    TP=1 (the plan counted neither before)."""
+    from art_mega.trainer.families import lora_names_of
+    from art_mega.trainer.prepare.memory_plan import ModelShape
+
+    code, out, err = run_plan(
+        capsys, str(configs / "Qwen3.6-27B"), "--gpu", "H100-80GB", "--gpus", "8", "--tp", "4", "--inference-tp", "4"
+    )
+    assert code == 0, err
+    shape, _ = ModelShape.from_model_dir(configs / "Qwen3.6-27B")
+    default = lora_names_of(QWEN3_6_27B).default_targets
+    assert "in_proj_qkv" in default
+    delta = shape.lora_parameters(8, default, tp=4) - shape.lora_parameters(8, default[:4], tp=4)
+    assert delta == 8 * 48 * (5120 + 10240 // 4 + 5120 + 6144 // 4 + 6144 // 4 + 5120)
+    assert f"({shape.lora_parameters(8, default, tp=4):,} LoRA parameters" in out
