@@ -274,6 +274,11 @@ class ServingMixin:
         )
         for replica_tp in sorted({r.tp for r in replicas}):  # vLLM splits heads and FFN the same way
             check_model_fits(resolved.model_dir, replica_tp, spec="InferenceSpec")
+        if committed is not None and not self.lora["targets"]:
+            self._resume_targets(
+                checkpoint.adapter_dir(checkpoint.step_dir(checkpoint.checkpoints_dir(run_dir), committed)),
+                resolved.model_dir,
+            )
         lora = self._lora_settings(resolved.model_dir)
         if committed is not None:
             adapter = checkpoint.adapter_dir(
@@ -288,6 +293,31 @@ class ServingMixin:
             )
         elif resolved.warm_start is not None:
             check_adapter_config(read_adapter_config(resolved.warm_start), resolved.warm_start, **lora)
+
+    def _resume_targets(self, adapter: Path, model_dir: Any) -> None:
+        """A backend without `lora_targets` resumes a run on the modules its committed `adapter`
+        covers where they are not the model's default (the default changed in art-mega 2026-12:
+        before, Qwen3.5's delta-net and DeepSeek-V3's MLA projections were left out), with one
+        logged line; an adapter_config.json it cannot read is left to `check_adapter_config`."""
+        from art_mega.trainer.families import lora_names_of
+        from art_mega.trainer.hf_checkpoint import read_hf_config
+        from art_mega.trainer.peft_config import read_adapter_config
+
+        try:
+            config = read_adapter_config(adapter)
+            names = lora_names_of(read_hf_config(model_dir))
+            modules = names.config_modules(config["target_modules"], config.get("target_parameters") or [])
+            targets = names.normalise(modules)
+        except (UserError, KeyError, TypeError):
+            return
+        if targets != names.default_targets:
+            log.info(
+                "resuming on the committed adapter's LoRA modules %s (this model's default: %s); pass "
+                "lora_targets to choose",
+                sorted(names.hf_target_modules(targets)),
+                sorted(names.hf_target_modules(names.default_targets)),
+            )
+            self.lora["targets"] = list(targets)
 
     def _lora_targets(self, model_dir: Any) -> tuple[tuple[str, ...], Any]:
         """(the Megatron LoRA targets the ranks train on the model at `model_dir`, its family's

@@ -122,3 +122,27 @@ def test_experts_alone_is_the_mlp_only_where_every_mlp_is_experts(tmp_path: Path
         "LoRA target 'experts' needs gate_proj, up_proj and down_proj beside it: art-mega adapts an MoE "
         "model's experts with its MLP modules, as ART does when they are named."
     )
+
+
+def test_a_run_resumes_on_its_committed_adapters_modules(tmp_path: Path) -> None:
+    """A Qwen3.6-27B run begun when the default left the delta-net out resumes on q/k/v/o and the
+    MLP (what its committed adapter holds), not refused for the new default; a backend that names
+    its targets is still held to them."""
+    from art_mega.backend import MegatronBackend
+    from art_mega.basemodels.resolve import ResolvedModel
+    from art_mega.errors import AdapterMismatchError
+    from tests.unit.backend.test_register_checks import _topology
+
+    model = ResolvedModel(_model(tmp_path / "model", QWEN3_6_27B))
+    adapter = tmp_path / "run" / "checkpoints" / "0004"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"r": 8, "lora_alpha": 16, "target_modules": sorted(_DENSE)})
+    )
+    topology = _topology()
+    backend = MegatronBackend()
+    backend._check_model_and_adapter(topology.trainer, topology.replicas, model, tmp_path / "run", 4)
+    assert backend._lora_targets(model.model_dir)[0] == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    explicit = MegatronBackend(lora_targets=list(_QWEN3_5))
+    with pytest.raises(AdapterMismatchError, match="committed step 4"):
+        explicit._check_model_and_adapter(topology.trainer, topology.replicas, model, tmp_path / "run", 4)
