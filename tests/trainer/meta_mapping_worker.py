@@ -73,7 +73,7 @@ def _expert_module_exists(hf_params: dict[str, Any], parent: str, hf_module: str
 
 def _lora_layers(model: Any, family: Any, args: Any, hf_model: Any, hf_params: dict) -> tuple[int, list[str]]:
     """(layers `apply_lora` wraps in `model` for every target of the family, the HF module paths
-    of those layers that `hf_model` lacks)."""
+    of those layers that `hf_model` lacks; a multimodal wrapper's under its `model.language_model`)."""
     from art_mega.trainer.protocol import LoraConfig
     from art_mega.trainer.rank.lora import apply_lora
 
@@ -81,10 +81,12 @@ def _lora_layers(model: Any, family: Any, args: Any, hf_model: Any, hf_params: d
     hf_modules = dict(hf_model.named_modules())
     unmatched = []
     names = family.lora_names(args)
+    # HF's decoder layers: "model.layers" (*ForCausalLM), "model.language_model.layers" (a wrapper)
+    layers = "model.language_model.layers" if "model.language_model.layers" in hf_modules else "model.layers"
     for name in wrapped:
         parent, _ = names.parse(name)
         for hf_module in names.hf_modules(name):
-            path = f"model.layers.{parent}.{hf_module}"
+            path = f"{layers}.{parent}.{hf_module}"
             ok = path in hf_modules or (
                 ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
             )
