@@ -335,6 +335,15 @@ GEMMA4_31B_TEXT = {
 """google/gemma-4-31B's config.json `text_config` (60 layers, every 6th global: head 512, 4 KV
 heads whose values are their keys; local layers head 256, 16 KV heads, window 1024). Not in
 `CONFIGS`: the memory plan's `ModelShape` has one head shape for every layer."""
+GEMMA4_31B_IT = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "tie_word_embeddings": True,
+    "text_config": GEMMA4_31B_TEXT,
+}
+"""google/gemma-4-31B's config.json as published: the multimodal wrapper (model_type "gemma4") with
+the decoder in `text_config`; its vision_config is left out (transformers then builds no vision
+tower; the published one the trainer would not read)."""
 GEMMA4_26B_A4B_TEXT = {
     "model_type": "gemma4_text",
     "attention_bias": False,
@@ -611,7 +620,7 @@ _GEMMA4_E2B = {
     },
 }
 _SUPPORTED = (
-    "deepseek_v3, gemma3, gemma3_text, gemma4_text, gpt_oss, kimi_k2, llama, mistral, qwen2, qwen3, "
+    "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, kimi_k2, llama, mistral, qwen2, qwen3, "
     "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe"
 )
 REFUSED = {
@@ -640,18 +649,28 @@ REFUSED = {
     ),
     "gemma-4-E2B": (
         _GEMMA4_E2B,
-        f"model_type='gemma4' is not supported by the Megatron trainer; supported: {_SUPPORTED}.",
+        "hidden_size_per_layer_input=256 (per-layer input embeddings, Gemma 4 E2B/E4B) is not implemented "
+        "by the Megatron trainer; use a Gemma 4 model without them (31B, 0).",
     ),
     "gemma-4-E2B-text": (
         _GEMMA4_E2B["text_config"],
         "hidden_size_per_layer_input=256 (per-layer input embeddings, Gemma 4 E2B/E4B) is not implemented "
         "by the Megatron trainer; use a Gemma 4 model without them (31B, 0).",
     ),
+    "Mistral-Small-3.1-24B-Instruct-2503": (
+        {
+            "architectures": ["Mistral3ForConditionalGeneration"],
+            "model_type": "mistral3",
+            "text_config": {**CONFIGS["Mistral-7B-v0.3"], "hidden_size": 5120, "intermediate_size": 32768},
+        },
+        f"model_type='mistral3' is not supported by the Megatron trainer; supported: {_SUPPORTED}.",
+    ),
 }
 """Published configs the trainer refuses at `register` (`check_model_fits`), each with its one
-sentence: moonshotai/Moonlight-16B-A3B (DeepSeek-V3's architecture with a full-rank query), Kimi-K2-Thinking (int4
-experts), deepseek-ai/DeepSeek-V2-Lite (deepseek_v2: Moonlight's MLA and expert sizes with a softmax
-router), google/gemma-4-E2B as published (the multimodal "gemma4" wrapper, which
-the gemma4 family does not read: gemma-4-31B's and 26B-A4B's published config.json are that wrapper
-too) and its text_config alone (per-layer inputs). Abridged to the fields that decide; values as
-public repositories' tests quote the Hub's files (the Hub was not reachable from here)."""
+sentence: moonshotai/Moonlight-16B-A3B (DeepSeek-V3's architecture with a full-rank query),
+Kimi-K2-Thinking (int4 experts), deepseek-ai/DeepSeek-V2-Lite (deepseek_v2: Moonlight's MLA and
+expert sizes with a softmax router), google/gemma-4-E2B as published (the multimodal "gemma4"
+wrapper) and its text_config alone (per-layer inputs, both), and
+mistralai/Mistral-Small-3.1-24B-Instruct-2503 (the multimodal "mistral3" wrapper, not read; its
+text_config abridged). Abridged to the fields that decide; values as public repositories' tests
+quote the Hub's files (the Hub was not reachable from here)."""

@@ -61,13 +61,13 @@ def _megatron_model(family: Any, args: Any, layout: Any) -> Any:
         )
 
 
-def _expert_module_exists(hf_params: dict[str, Any], parent: str, hf_module: str) -> bool:
+def _expert_module_exists(hf_params: dict[str, Any], layers: str, parent: str, hf_module: str) -> bool:
     """Whether HF has expert `e` of layer `l` (`parent` = "l.mlp.experts.e", or Gemma 4's
     "l.experts.e" beside its mlp) for `hf_module`: transformers 5's fused expert parameters
     [E, ...] (gate/up in gate_up_proj, down in down_proj)."""
     experts, expert = parent.rsplit(".", 1)
     fused = "gate_up_proj" if hf_module in ("gate_proj", "up_proj") else "down_proj"
-    tensor = hf_params.get(f"model.layers.{experts}.{fused}")
+    tensor = hf_params.get(f"{layers}.{experts}.{fused}")
     return tensor is not None and int(expert) < tensor.shape[0]
 
 
@@ -88,7 +88,7 @@ def _lora_layers(model: Any, family: Any, args: Any, hf_model: Any, hf_params: d
         for hf_module in names.hf_modules(name):
             path = f"{layers}.{parent}.{hf_module}"
             ok = path in hf_modules or (
-                ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
+                ".experts." in parent and _expert_module_exists(hf_params, layers, parent, hf_module)
             )
             if not ok:
                 unmatched.append(path)

@@ -22,6 +22,7 @@ from tests.real_size_configs import (
     PUBLISHED,
 )
 from tests.trainer.common import MetaMapper, require_trainer_deps
+from tests.trainer.qwen3_5_configs import QWEN3_5_0_8B
 
 require_trainer_deps()
 
@@ -129,3 +130,22 @@ def test_gemma3_4b_wrapper_maps_its_decoder_at_tp8(meta_mapper: MetaMapper) -> N
     # 8 query heads and 4 KV heads of 256 (the defaults), one query head and half a KV group a rank
     qkv = got["rank0_shapes"]["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert qkv == [(8 + 2 * 4) * 256 // 8, 2560]
+
+
+@pytest.mark.timeout(900)
+def test_qwen3_5_tied_wrapper_maps_at_tp8(meta_mapper: MetaMapper) -> None:
+    """Qwen3.5-0.8B as published (the multimodal wrapper, tied embeddings): no lm_head is read or
+    built (Megatron shares the embedding), every other text tensor maps at TP=8 (2 KV heads: each
+    rank a copy of its group's), parameter counts equal."""
+    got = meta_mapper.map(QWEN3_5_0_8B, 8, 1)
+    assert (got["family"], got["hf_class"]) == ("qwen3_5", "Qwen3_5ForCausalLM")
+    assert (
+        got["unread"] == []
+        and got["unknown_reads"] == []
+        and got["missing"] == []
+        and got["unexpected"] == []
+    )
+    assert got["mismatched"] == [] and "output_layer.weight" not in got["rank0_shapes"]
+    # transformers' Qwen3_5ForCausalLM of this config on the meta device (the text decoder)
+    assert got["hf_params"] == got["megatron_params"] == 752_393_024
+    assert got["lora_layers"] > 0 and got["lora_unmatched"] == []
