@@ -169,6 +169,51 @@ CONFIGS["Qwen2.5-7B-Instruct-YaRN"] = {
 """config.json of each model on the Hugging Face Hub (Qwen/*, meta-llama/*, mistralai/*); the -YaRN
 variants add the rope_scaling block their model cards give for 131072-token contexts."""
 
+CONFIGS["Llama-3.2-1B"] = {
+    **_LLAMA31,
+    "head_dim": 64,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "rope_scaling": {**_LLAMA31["rope_scaling"], "factor": 32.0},
+    "tie_word_embeddings": True,
+}
+CONFIGS["Mistral-7B-v0.1"] = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+    "torch_dtype": "bfloat16",
+}
+CONFIGS["Qwen2.5-1.5B"] = {
+    **_QWEN25_7B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}
+"""Configs not in the families' own tests, each with a feature the others lack: Llama-3.2-1B's tied
+embeddings on a llama model, its explicit head_dim and llama3 RoPE factor 32; Mistral-7B-v0.1's
+4096-token sliding window on every layer; Qwen2.5-1.5B's tied embeddings on qwen2 and 2 KV heads
+(TP=4 at most). The Hub was not reachable from here: the values are those public repositories
+quote from the Hub's config.json (meta-llama/Llama-3.2-1B-Instruct's in a model-blocks repo's
+`hf_llama/llama_config.py`, with its commit hash; Mistral-7B-v0.1's and Qwen2.5-1.5B's as the
+Hub's files, cross-checked against their published parameter counts in `PUBLISHED`)."""
+
 PUBLISHED = {
     "Qwen3-4B": 4_022_468_096,
     "Qwen3-8B": 8_190_735_360,
@@ -181,6 +226,9 @@ PUBLISHED = {
     "Mistral-7B-v0.3": 7_248_023_552,
     "Qwen2.5-7B": 7_615_616_512,
     "Qwen2.5-7B-Instruct-YaRN": 7_615_616_512,
+    "Llama-3.2-1B": 1_235_814_400,
+    "Mistral-7B-v0.1": 7_241_732_096,
+    "Qwen2.5-1.5B": 1_543_714_304,
 }
 """Parameter counts of the published safetensors checkpoints (the Hub's model pages)."""
 
@@ -287,6 +335,15 @@ GEMMA4_31B_TEXT = {
 """google/gemma-4-31B's config.json `text_config` (60 layers, every 6th global: head 512, 4 KV
 heads whose values are their keys; local layers head 256, 16 KV heads, window 1024). Not in
 `CONFIGS`: the memory plan's `ModelShape` has one head shape for every layer."""
+GEMMA4_31B_IT = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "tie_word_embeddings": True,
+    "text_config": GEMMA4_31B_TEXT,
+}
+"""google/gemma-4-31B's config.json as published: the multimodal wrapper (model_type "gemma4") with
+the decoder in `text_config`; its vision_config is left out (transformers then builds no vision
+tower; the published one the trainer would not read)."""
 GEMMA4_26B_A4B_TEXT = {
     "model_type": "gemma4_text",
     "attention_bias": False,
@@ -477,3 +534,143 @@ KIMI_K2_PARAMETERS = 1_026_408_209_408
 meta device from `KIMI_K2`): embeddings 2 x 163840 x 7168, 61 layers of MLA (101,124,096 each
 with 64 heads) + 2 norms, 1 dense MLP 3 x 7168 x 18432, 60 MoE layers of 384 + 1 shared experts
 of 3 x 7168 x 2048 and a 384 x 7168 router, final norm."""
+
+GEMMA3_4B_IT = {
+    **GEMMA3_27B_IT,
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+}
+"""google/gemma-3-4b-it's config.json: gemma-3-27b-it's wrapper and vision tower with a sparser
+`text_config` that leaves heads (8), KV heads (4), head_dim and query_pre_attn_scalar (256) to
+Gemma3TextConfig's defaults (`gemma3.TEXT_DEFAULTS`), as quoted by public repositories' tests."""
+
+GEMMA3_4B_IT_TEXT_PARAMETERS = 3_880_263_168
+"""gemma-3-4b-it's text decoder (keras-hub's gemma3_4b_text preset, 3,880,099,328, counts a
+vocabulary of 262144; transformers' 262208 adds 64 x 2560)."""
+
+KIMI_K2_THINKING_QUANTIZATION = {
+    "config_groups": {
+        "group_0": {
+            "input_activations": None,
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "dynamic": False,
+                "group_size": 32,
+                "num_bits": 4,
+                "strategy": "group",
+                "symmetric": True,
+                "type": "int",
+            },
+        }
+    },
+    "format": "pack-quantized",
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+"""moonshotai/Kimi-K2-Thinking's `quantization_config` (abridged: its `ignore` list left out): the
+routed experts as int4 in groups of 32 (compressed-tensors), the rest of the config Kimi-K2's."""
+
+_MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "first_k_dense_replace": 1,
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 8192,
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446,
+    "scoring_func": "sigmoid",
+    "topk_group": 1,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+_GEMMA4_E2B = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "text_config": {
+        "model_type": "gemma4_text",
+        "hidden_size": 1536,
+        "hidden_size_per_layer_input": 256,
+        "intermediate_size": 6144,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 35,
+        "num_key_value_heads": 1,
+        "num_kv_shared_layers": 20,
+        "vocab_size": 262144,
+    },
+}
+_SUPPORTED = (
+    "deepseek_v3, gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, kimi_k2, llama, mistral, qwen2, qwen3, "
+    "qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe"
+)
+REFUSED = {
+    "Moonlight-16B-A3B": (
+        _MOONLIGHT,
+        "q_lora_rank=null (a query without its low-rank projection) is not supported; "
+        "use a DeepSeek-V3 checkpoint with q_lora_rank set.",
+    ),
+    "Kimi-K2-Thinking": (
+        {**KIMI_K2, "quantization_config": KIMI_K2_THINKING_QUANTIZATION},
+        "quantization_config (quant_method='compressed-tensors') is not supported for DeepSeek-V3; "
+        "use DeepSeek's block-scaled e4m3 fp8 checkpoint or a bf16 one.",
+    ),
+    "DeepSeek-V2-Lite": (
+        {
+            **_MOONLIGHT,
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "intermediate_size": 10944,
+            "norm_topk_prob": False,
+            "rope_theta": 10000.0,
+            "routed_scaling_factor": 1.0,
+            "vocab_size": 102400,
+        },
+        f"model_type='deepseek_v2' is not supported by the Megatron trainer; supported: {_SUPPORTED}.",
+    ),
+    "gemma-4-E2B": (
+        _GEMMA4_E2B,
+        "hidden_size_per_layer_input=256 (per-layer input embeddings, Gemma 4 E2B/E4B) is not implemented "
+        "by the Megatron trainer; use a Gemma 4 model without them (31B, 0).",
+    ),
+    "gemma-4-E2B-text": (
+        _GEMMA4_E2B["text_config"],
+        "hidden_size_per_layer_input=256 (per-layer input embeddings, Gemma 4 E2B/E4B) is not implemented "
+        "by the Megatron trainer; use a Gemma 4 model without them (31B, 0).",
+    ),
+    "Mistral-Small-3.1-24B-Instruct-2503": (
+        {
+            "architectures": ["Mistral3ForConditionalGeneration"],
+            "model_type": "mistral3",
+            "text_config": {**CONFIGS["Mistral-7B-v0.3"], "hidden_size": 5120, "intermediate_size": 32768},
+        },
+        f"model_type='mistral3' is not supported by the Megatron trainer; supported: {_SUPPORTED}.",
+    ),
+}
+"""Published configs the trainer refuses at `register` (`check_model_fits`), each with its one
+sentence: moonshotai/Moonlight-16B-A3B (DeepSeek-V3's architecture with a full-rank query),
+Kimi-K2-Thinking (int4 experts), deepseek-ai/DeepSeek-V2-Lite (deepseek_v2: Moonlight's MLA and
+expert sizes with a softmax router), google/gemma-4-E2B as published (the multimodal "gemma4"
+wrapper) and its text_config alone (per-layer inputs, both), and
+mistralai/Mistral-Small-3.1-24B-Instruct-2503 (the multimodal "mistral3" wrapper, not read; its
+text_config abridged). Abridged to the fields that decide; values as public repositories' tests
+quote the Hub's files (the Hub was not reachable from here)."""

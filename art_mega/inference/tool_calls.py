@@ -31,6 +31,7 @@ TOOL_CALL_PARSERS: dict[str, tuple[str, str | None]] = {
     "gemma3_text": ("hermes", None),  # Gemma 3's template has no tool format; ART serves it with hermes
     "gemma3": ("hermes", None),  # the multimodal Gemma 3 wrapper (gemma-3-4b/12b/27b-it): the same template
     "gemma4_text": ("gemma4", "<|tool_call>"),  # Gemma 4's native <|tool_call>call:name{args}<tool_call|>
+    "gemma4": ("gemma4", "<|tool_call>"),  # the multimodal Gemma 4 wrapper (every google/gemma-4-*): the same
     "gpt_oss": ("openai", None),  # the harmony format's parser, as ART's GPT-OSS handler names it
     "qwen3_5": ("qwen3_xml", None),  # as ART's Qwen3.5 handler (vllm_server_args)
     "qwen3_5_text": ("qwen3_xml", None),

@@ -61,19 +61,19 @@ def _megatron_model(family: Any, args: Any, layout: Any) -> Any:
         )
 
 
-def _expert_module_exists(hf_params: dict[str, Any], parent: str, hf_module: str) -> bool:
+def _expert_module_exists(hf_params: dict[str, Any], layers: str, parent: str, hf_module: str) -> bool:
     """Whether HF has expert `e` of layer `l` (`parent` = "l.mlp.experts.e", or Gemma 4's
     "l.experts.e" beside its mlp) for `hf_module`: transformers 5's fused expert parameters
     [E, ...] (gate/up in gate_up_proj, down in down_proj)."""
     experts, expert = parent.rsplit(".", 1)
     fused = "gate_up_proj" if hf_module in ("gate_proj", "up_proj") else "down_proj"
-    tensor = hf_params.get(f"model.layers.{experts}.{fused}")
+    tensor = hf_params.get(f"{layers}.{experts}.{fused}")
     return tensor is not None and int(expert) < tensor.shape[0]
 
 
 def _lora_layers(model: Any, family: Any, args: Any, hf_model: Any, hf_params: dict) -> tuple[int, list[str]]:
     """(layers `apply_lora` wraps in `model` for every target of the family, the HF module paths
-    of those layers that `hf_model` lacks)."""
+    of those layers that `hf_model` lacks; a multimodal wrapper's under its `model.language_model`)."""
     from art_mega.trainer.protocol import LoraConfig
     from art_mega.trainer.rank.lora import apply_lora
 
@@ -81,12 +81,14 @@ def _lora_layers(model: Any, family: Any, args: Any, hf_model: Any, hf_params: d
     hf_modules = dict(hf_model.named_modules())
     unmatched = []
     names = family.lora_names(args)
+    # HF's decoder layers: "model.layers" (*ForCausalLM), "model.language_model.layers" (a wrapper)
+    layers = "model.language_model.layers" if "model.language_model.layers" in hf_modules else "model.layers"
     for name in wrapped:
         parent, _ = names.parse(name)
         for hf_module in names.hf_modules(name):
-            path = f"model.layers.{parent}.{hf_module}"
+            path = f"{layers}.{parent}.{hf_module}"
             ok = path in hf_modules or (
-                ".experts." in parent and _expert_module_exists(hf_params, parent, hf_module)
+                ".experts." in parent and _expert_module_exists(hf_params, layers, parent, hf_module)
             )
             if not ok:
                 unmatched.append(path)

@@ -133,3 +133,24 @@ QWEN3_6_35B_A3B = {
 }
 """Qwen3.6-35B-A3B (Hub Qwen/Qwen3.6-35B-A3B): the same text architecture as Qwen3.5-35B-A3B;
 its config.json differs in the text config's bos_token_id only."""
+
+QWEN3_5_0_8B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "tie_word_embeddings": True,
+    "text_config": {
+        **QWEN3_6_27B["text_config"],
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+        "linear_num_value_heads": 16,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+}
+"""Qwen3.5-0.8B (Hub Qwen/Qwen3.5-0.8B, as a public repository's test quotes its config.json at
+revision 2fc06364; the vision config left out): Qwen3.6-27B's text architecture at hidden 1024, 24
+layers (8 heads, 2 KV heads; 16 key and 16 value delta-net heads), FFN 3584, and tied embeddings
+(no lm_head: the LM head is the embedding)."""

@@ -26,7 +26,13 @@ from pathlib import Path
 import pytest
 
 from art_mega.basemodels.tiny_deepseek_v3 import DEEPSEEK_V3_TINY, build_tiny_deepseek_v3
-from tests.real_size_configs import DEEPSEEK_V3, DEEPSEEK_V3_PARAMETERS, KIMI_K2, KIMI_K2_PARAMETERS
+from tests.real_size_configs import (
+    DEEPSEEK_V3,
+    DEEPSEEK_V3_PARAMETERS,
+    KIMI_K2,
+    KIMI_K2_PARAMETERS,
+    KIMI_K2_THINKING_QUANTIZATION,
+)
 from tests.trainer.common import MetaMapper, RankProcesses, input_ids, megatron_logits, require_trainer_deps
 
 require_trainer_deps()
@@ -472,7 +478,13 @@ def _tiny(**changes) -> dict:
         ),
         (
             {"quantization_config": {"quant_method": "bitsandbytes"}},
-            "quantization_config (quant_method='bitsandbytes', fmt='e4m3', weight_block_size=None) is not "
+            "quantization_config (quant_method='bitsandbytes') is not "
+            "supported for DeepSeek-V3; use DeepSeek's block-scaled e4m3 fp8 checkpoint or a bf16 one.",
+        ),
+        (
+            # moonshotai/Kimi-K2-Thinking's int4 weights (its config.json's quantization_config, abridged)
+            {"quantization_config": KIMI_K2_THINKING_QUANTIZATION},
+            "quantization_config (quant_method='compressed-tensors') is not "
             "supported for DeepSeek-V3; use DeepSeek's block-scaled e4m3 fp8 checkpoint or a bf16 one.",
         ),
     ],

@@ -5,7 +5,7 @@ the session's one `meta_mapper` process, a fake 8-rank world).
 For each: the family's own HF -> Megatron mapping (`FamilySpec.megatron_state_dict`), run for every
 TP (and EP) rank, reads every HF tensor name and nothing else, and gives each rank exactly the
 Megatron model's parameter names with its shapes at TP=8 (EP=8 for the MoE models; Qwen2.5-7B's 28
-heads refuse TP=8, so TP=4); Megatron's parameter count (its TP=1 model) equals transformers' and the
+heads refuse TP=8, so TP=4, as Qwen2.5-1.5B's 12); Megatron's parameter count (its TP=1 model) equals transformers' and the
 published one; and every layer `apply_lora` wraps names HF modules that exist (transformers 5 keeps an
 MoE layer's experts fused: expert e is row e of `mlp.experts.gate_up_proj` / `down_proj`).
 """
@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.real_size_configs import CONFIGS, GEMMA4_31B_TEXT, PUBLISHED
+from tests.real_size_configs import (
+    CONFIGS,
+    GEMMA3_4B_IT,
+    GEMMA3_4B_IT_TEXT_PARAMETERS,
+    GEMMA4_31B_TEXT,
+    PUBLISHED,
+)
 from tests.trainer.common import MetaMapper, require_trainer_deps
+from tests.trainer.qwen3_5_configs import QWEN3_5_0_8B
 
 require_trainer_deps()
 
-PARALLEL = {"Qwen3-30B-A3B": (8, 8), "Qwen3-235B-A22B": (8, 8), "Qwen2.5-7B": (4, 1)}
+PARALLEL = {"Qwen3-30B-A3B": (8, 8), "Qwen3-235B-A22B": (8, 8), "Qwen2.5-7B": (4, 1), "Qwen2.5-1.5B": (4, 1)}
 PARALLEL["Qwen2.5-7B-Instruct-YaRN"] = PARALLEL["Qwen2.5-7B"]
 """(tp, ep) where not (8, 1)."""
 
@@ -102,3 +109,43 @@ def test_gemma4_31b_maps_every_tensor_at_tp8(meta_mapper: MetaMapper) -> None:
     assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == [(32 + 2 * 16) * 256 // 8, 5376]
     assert shapes["decoder.layers.5.self_attention.linear_qkv.weight"] == [(32 + 4) * 512 // 8, 5376]
     assert shapes["decoder.layers.5.self_attention.linear_proj.weight"] == [5376, 32 * 512 // 8]
+
+
+@pytest.mark.timeout(900)
+def test_gemma3_4b_wrapper_maps_its_decoder_at_tp8(meta_mapper: MetaMapper) -> None:
+    """google/gemma-3-4b-it as published (the multimodal wrapper, its text_config leaving heads,
+    KV heads and head_dim to Gemma3TextConfig's defaults) at TP=8: every text-decoder tensor of
+    transformers' Gemma3ForConditionalGeneration maps, only the vision tower and projector are
+    not read, the decoder's parameters equal Megatron's, and every LoRA layer names a module
+    under the wrapper's `model.language_model.layers`."""
+    got = meta_mapper.map(GEMMA3_4B_IT, 8, 1)
+    assert got["family"] == "gemma3" and got["hf_class"] == "Gemma3ForConditionalGeneration"
+    assert got["unread"] and all(
+        name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for name in got["unread"]
+    )
+    assert got["unknown_reads"] == [] and got["missing"] == [] and got["unexpected"] == []
+    assert got["mismatched"] == []
+    assert got["megatron_params"] == GEMMA3_4B_IT_TEXT_PARAMETERS
+    assert got["lora_layers"] == 34 * 4 and got["lora_unmatched"] == []
+    # 8 query heads and 4 KV heads of 256 (the defaults), one query head and half a KV group a rank
+    qkv = got["rank0_shapes"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv == [(8 + 2 * 4) * 256 // 8, 2560]
+
+
+@pytest.mark.timeout(900)
+def test_qwen3_5_tied_wrapper_maps_at_tp8(meta_mapper: MetaMapper) -> None:
+    """Qwen3.5-0.8B as published (the multimodal wrapper, tied embeddings): no lm_head is read or
+    built (Megatron shares the embedding), every other text tensor maps at TP=8 (2 KV heads: each
+    rank a copy of its group's), parameter counts equal."""
+    got = meta_mapper.map(QWEN3_5_0_8B, 8, 1)
+    assert (got["family"], got["hf_class"]) == ("qwen3_5", "Qwen3_5ForCausalLM")
+    assert (
+        got["unread"] == []
+        and got["unknown_reads"] == []
+        and got["missing"] == []
+        and got["unexpected"] == []
+    )
+    assert got["mismatched"] == [] and "output_layer.weight" not in got["rank0_shapes"]
+    # transformers' Qwen3_5ForCausalLM of this config on the meta device (the text decoder)
+    assert got["hf_params"] == got["megatron_params"] == 752_393_024
+    assert got["lora_layers"] > 0 and got["lora_unmatched"] == []

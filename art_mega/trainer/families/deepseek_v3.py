@@ -177,9 +177,15 @@ def _fp8_block(quantization: dict[str, Any]) -> tuple[int, int] | None:
     block = quantization.get("weight_block_size")
     fmt = quantization.get("fmt", "e4m3")
     if method != "fp8" or fmt != "e4m3" or not isinstance(block, list) or len(block) != 2:
+        # the fields the config sets (Kimi-K2-Thinking's compressed-tensors int4 has no fmt or block)
+        shown = ", ".join(
+            f"{key}={quantization[key]!r}"
+            for key in ("quant_method", "fmt", "weight_block_size")
+            if key in quantization
+        )
         raise UserError(
-            f"quantization_config (quant_method={method!r}, fmt={fmt!r}, weight_block_size={block!r}) is not "
-            "supported for DeepSeek-V3; use DeepSeek's block-scaled e4m3 fp8 checkpoint or a bf16 one."
+            f"quantization_config ({shown}) is not supported for DeepSeek-V3; use DeepSeek's block-scaled "
+            "e4m3 fp8 checkpoint or a bf16 one."
         )
     return int(block[0]), int(block[1])
 

@@ -27,6 +27,12 @@ embeddings) and differs in:
   the published models), a forward hook on the output layer (elementwise, so TP's vocabulary
   shards cap independently).
 
+Every published google/gemma-4-* config.json is the multimodal wrapper (`WRAPPER`, model_type
+"gemma4", `Gemma4ForConditionalGeneration`): its decoder's config is `text_config`, its weights the
+decoder's under `model.language_model.`; the trainer reads and trains that decoder only, exactly
+as a gemma4_text model, and writes the adapter under the wrapper's PEFT names
+(`WRAPPER_LAYER_PREFIX`), as Gemma 3's wrapper (`gemma3.py`).
+
 The MoE block (`enable_moe_block`, gemma-4-26B-A4B: a dense MLP and routed experts side by side
 with three more norms and a scaled router) is `gemma4_moe.py`'s; its experts split over EP / ETP.
 
@@ -65,9 +71,25 @@ from art_mega.trainer.families.spec import FamilySpec, LoraNames, ParallelLayout
 if TYPE_CHECKING:
     from torch import Tensor
 
-MODEL_TYPES = ("gemma4_text",)
-"""HF `model_type` values this family reads (the text decoder; the multimodal "gemma4" wrapper is
-not read)."""
+MODEL_TYPES = ("gemma4_text", "gemma4")
+"""HF `model_type` values this family reads: the text decoder (`Gemma4ForCausalLM`) and the
+multimodal wrapper (`Gemma4ForConditionalGeneration`, every published google/gemma-4-* config.json),
+whose text decoder only is trained (`text_config`, `_reader`)."""
+
+WRAPPER = "gemma4"
+"""The multimodal wrapper's model_type: its config.json holds the decoder's in `text_config`, its
+weights the decoder under `model.language_model.` beside `model.vision_tower.` /
+`model.embed_vision.` (and the E2B/E4B audio tower), which the trainer neither reads nor trains
+(transformers `Gemma4ForConditionalGeneration`, `_tied_weights_keys`)."""
+
+WRAPPER_LAYER_PREFIX = "base_model.model.model.language_model.layers"
+"""PEFT's key prefix of the decoder layers on `Gemma4ForConditionalGeneration`; vLLM's gemma4_mm maps
+"model.language_model." to its "language_model.model." (`hf_to_vllm_mapper`), as Gemma 3's."""
+
+WRAPPER_NOT_ADAPTED = r".*\.(vision_tower|embed_vision|audio_tower|embed_audio)\..*"
+"""PEFT's `exclude_modules` of a wrapper's adapter (`Gemma4LoraNames.for_peft`): the towers' own
+q/k/v/o_proj and MLP linears share the decoder's module names, and PEFT 0.21 cannot wrap their
+`Gemma4ClippableLinear` (a Linear inside a module), so it refuses the whole adapter without this."""
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -153,10 +175,30 @@ def _global_attention(config: dict[str, Any], local: tuple[bool, ...], kv_heads:
     return found.pop() if found else default
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config of an HF gemma4 / gemma4_text config dict: a wrapper's
+    `text_config` (`tie_word_embeddings` falling back to the wrapper's, then True) with the
+    wrapper's model_type; a gemma4_text config itself.
+
+    Raises:
+        UserError: a wrapper whose text_config is not an object.
+    """
+    if config.get("model_type") != WRAPPER:
+        return config
+    inner = config.get("text_config")
+    if not isinstance(inner, dict):
+        raise UserError(
+            "text_config of a gemma4 config.json must be an object; use the model's own config.json."
+        )
+    return {"tie_word_embeddings": config.get("tie_word_embeddings", True), **inner, "model_type": WRAPPER}
+
+
 def model_args(config: dict[str, Any]) -> Gemma4Args:
-    """Parse an HF gemma4_text config dict (transformers' Gemma4TextConfig defaults for absent
-    fields: head_dim 256, global head 512, window 512, every 6th and the last layer global, tied
-    embeddings, per-layer inputs of 256, which this trainer refuses).
+    """Parse an HF gemma4_text config dict, or a gemma4 wrapper's decoder (`text_config`), with
+    transformers' Gemma4TextConfig defaults for absent fields: head_dim 256, global head 512,
+    window 512, every 6th and the last layer global, tied embeddings, per-layer inputs of 256,
+    which this trainer refuses. A wrapper's arguments keep model_type "gemma4" (its weight and
+    PEFT names differ).
 
     Raises:
         UserError: one sentence naming the field, its value and the fix (module docstring).
@@ -164,6 +206,7 @@ def model_args(config: dict[str, Any]) -> Gemma4Args:
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(f"model_type={model_type!r} is not a Gemma 4 text model ({', '.join(MODEL_TYPES)}).")
+    config = text_config(config)
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise UserError(f"hidden_activation={act!r} is not supported; Gemma 4 uses 'gelu_pytorch_tanh'.")
@@ -417,6 +460,8 @@ def megatron_state_dict(
     """
     tp, rank = layout.tp, layout.tp_rank
     vocab = llama.padded_vocab_size(args, tp)
+    if args.model_type == WRAPPER:  # the decoder's "model.X" is the wrapper's "model.language_model.X"
+        read = functools.partial(_wrapper_read, read)
     state: dict[str, Tensor] = {
         "embedding.word_embeddings.weight": shard(
             pad_rows(read("model.embed_tokens.weight"), vocab), 0, tp, rank
@@ -459,6 +504,12 @@ def megatron_state_dict(
                 del state[mc + key]
             state.update(gemma4_moe.block_state(args, read, layout, i))
     return state
+
+
+def _wrapper_read(read: Callable[[str], Tensor], name: str) -> Tensor:
+    """`read` of a wrapper checkpoint by HF's text names: "model.X" as "model.language_model.X",
+    "lm_head.weight" (an untied wrapper's) as it is."""
+    return read(name if name == "lm_head.weight" else "model.language_model." + name.removeprefix("model."))
 
 
 def fuse_qk(q: Tensor, k: Tensor, num_heads: int, num_query_groups: int) -> Tensor:
@@ -514,6 +565,16 @@ class Gemma4LoraNames(LoraNames):
     def hf_modules(self, name: str) -> tuple[str, ...]:
         modules = super().hf_modules(name)
         return modules[:2] if self.k_eq_v and self._global(name) else modules
+
+    def for_peft(
+        self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """As `LoraNames.for_peft`; a wrapper's adapter also excludes the vision and audio towers
+        (`WRAPPER_NOT_ADAPTED`), whose module names its target_modules match too."""
+        tensors, config = super().for_peft(tensors, config)
+        if self.layer_prefix == WRAPPER_LAYER_PREFIX:
+            config = {**config, "exclude_modules": WRAPPER_NOT_ADAPTED}
+        return tensors, config
 
     def to_peft(
         self, name: str, a: Tensor, b_shards: list[Tensor], num_heads: int, num_query_groups: int
@@ -594,7 +655,8 @@ class Gemma4LoraNames(LoraNames):
 
 
 def lora_names(args: Gemma4Args) -> Gemma4LoraNames:
-    """The LoRA names of this model (`FamilySpec.lora_for`): Llama's with its global layers."""
+    """The LoRA names of this model (`FamilySpec.lora_for`): Llama's with its global layers, under
+    `WRAPPER_LAYER_PREFIX` for a wrapper (PEFT on Gemma4ForConditionalGeneration, vLLM's gemma4_mm)."""
     base = llama.LORA_NAMES
     return Gemma4LoraNames(
         modules=base.modules,
@@ -605,6 +667,7 @@ def lora_names(args: Gemma4Args) -> Gemma4LoraNames:
         expert_targets=("linear_fc1", "linear_fc2") if args.num_experts else (),
         num_experts=args.num_experts,
         fused_experts="experts" if args.num_experts else "",
+        layer_prefix=WRAPPER_LAYER_PREFIX if args.model_type == WRAPPER else base.layer_prefix,
     )
 
 
@@ -652,6 +715,7 @@ SPEC: FamilySpec[Gemma4Args] = dataclasses.replace(
     expert_parallel=True,
     finish_model=finish_model,
     lora_for=lora_names,
+    text_config=text_config,
 )
 """The Gemma 4 text family: Llama's LoRA names (per model: `lora_names`), its own config, parallel
 limits, layer spec, weights and hooks."""

@@ -1,5 +1,6 @@
 """Gemma 4 text in the config mapping (no model built): gemma-4-31B's published text config's
-arguments and valid TP sizes, the one-sentence refusals, the LoRA names of a global k_eq_v layer
+arguments and valid TP sizes, the published multimodal wrapper (model_type "gemma4") read as
+that text config, the one-sentence refusals, the LoRA names of a global k_eq_v layer
 (q_proj and k_proj only) and their adapter layout, and the proportional RoPE frequencies against
 transformers'."""
 
@@ -10,7 +11,33 @@ import pytest
 from art_mega.errors import UserError
 from art_mega.trainer.families import family_for, gemma4
 from art_mega.trainer.families.spec import ParallelLayout
-from tests.real_size_configs import GEMMA4_31B_TEXT
+from tests.real_size_configs import GEMMA4_31B_IT, GEMMA4_31B_TEXT
+
+
+def test_the_published_wrapper_reads_as_its_text_config(tmp_path) -> None:
+    """google/gemma-4-31B's config.json is the wrapper: `register` reads its decoder (its sizes
+    in `text_config`), with the wrapper's model_type (weights under model.language_model.) and
+    PEFT names under the wrapper's decoder."""
+    import dataclasses
+    import json
+
+    from art_mega.trainer.families import decoder_config
+    from art_mega.trainer.model_builder import check_model_fits
+
+    assert family_for(GEMMA4_31B_IT) is gemma4.SPEC
+    args = gemma4.model_args(GEMMA4_31B_IT)
+    assert args.model_type == "gemma4"
+    assert dataclasses.replace(args, model_type="gemma4_text") == gemma4.model_args(GEMMA4_31B_TEXT)
+    assert decoder_config(GEMMA4_31B_IT) == {**GEMMA4_31B_TEXT, "model_type": "gemma4"}
+    assert gemma4.SPEC.lora_names(args).layer_prefix == "base_model.model.model.language_model.layers"
+    assert (
+        gemma4.SPEC.lora_names(gemma4.model_args(GEMMA4_31B_TEXT)).layer_prefix
+        == "base_model.model.model.layers"
+    )
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA4_31B_IT))
+    check_model_fits(tmp_path, 8)
+    with pytest.raises(UserError, match="text_config of a gemma4 config.json must be an object"):
+        gemma4.model_args({**GEMMA4_31B_IT, "text_config": None})
 
 
 def test_gemma_4_31b_arguments() -> None:

@@ -129,6 +129,7 @@ def test_registry_maps_every_model_type_to_its_spec() -> None:
         "deepseek_v3": deepseek_v3.SPEC,
         "kimi_k2": deepseek_v3.SPEC,
         "gemma4_text": gemma4.SPEC,
+        "gemma4": gemma4.SPEC,
     }
     assert qwen3_moe.SPEC.expert_parallel and not llama.SPEC.expert_parallel
     twice = dataclasses.replace(mistral.SPEC, name="copy")
